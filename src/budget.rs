@@ -1,0 +1,262 @@
+//! Retry budgets: one token bucket per upstream, filled as a fraction of
+//! real traffic plus a small floor per second, spent one token per RETRY.
+//!
+//! This module owns the [`BudgetStore`] trait and the bucket arithmetic that
+//! every store shares. It knows nothing of gRPC or of the decision rules.
+//!
+//! The invariant every store keeps, across all its replicas: retries allowed
+//! ≤ initial + ratio × reported requests + floor × elapsed time, and the
+//! tokens held are never above capacity nor below zero.
+
+pub mod memory;
+
+use std::future::Future;
+
+use crate::engine::BudgetView;
+
+pub use memory::MemoryBudgetStore;
+
+/// Tokens are kept as integers of this many units per token, so that stores
+/// can update them with integer atomics (or Redis integers) and never drift.
+pub const UNITS_PER_TOKEN: u64 = 1_000_000;
+
+/// The parameters of one upstream's bucket.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BucketConfig {
+    /// The most tokens the bucket holds (the burst).
+    pub capacity: f64,
+    /// Tokens in a bucket when it is first created.
+    pub initial: f64,
+    /// Tokens deposited per reported real request.
+    pub ratio: f64,
+    /// Tokens added per second whatever the traffic, so that a quiet
+    /// upstream can still retry.
+    pub min_per_second: f64,
+}
+
+impl Default for BucketConfig {
+    /// The defaults of the configuration contract.
+    fn default() -> Self {
+        BucketConfig {
+            capacity: 100.0,
+            initial: 100.0,
+            ratio: 0.1,
+            min_per_second: 1.0,
+        }
+    }
+}
+
+impl BucketConfig {
+    /// Capacity in units.
+    pub fn capacity_units(&self) -> u64 {
+        tokens_to_units(self.capacity)
+    }
+
+    /// Initial tokens in units, never above capacity.
+    pub fn initial_units(&self) -> u64 {
+        tokens_to_units(self.initial).min(self.capacity_units())
+    }
+
+    /// Units deposited for `requests` reported real requests.
+    pub fn deposit_units(&self, requests: u64) -> u64 {
+        tokens_to_units(self.ratio * requests as f64)
+    }
+
+    /// The floor's refill over `elapsed_nanos`: the units to credit and the
+    /// nanoseconds that credit accounts for.
+    ///
+    /// Only the time actually turned into whole units is consumed, so that
+    /// frequent refills cannot round a slow floor down to nothing; the
+    /// consumed time is rounded up, so rounding never credits more than the
+    /// floor allows.
+    pub fn refill(&self, elapsed_nanos: u64) -> Refill {
+        let units_per_nano = self.min_per_second * UNITS_PER_TOKEN as f64 / 1e9;
+        if !(units_per_nano > 0.0) {
+            // No floor: the whole interval passes with nothing to credit.
+            return Refill {
+                units: 0,
+                nanos: elapsed_nanos,
+            };
+        }
+        let units = (elapsed_nanos as f64 * units_per_nano).floor();
+        let units = if units >= u64::MAX as f64 {
+            u64::MAX
+        } else {
+            units as u64
+        };
+        let nanos = ((units as f64 / units_per_nano).ceil() as u64).min(elapsed_nanos);
+        Refill { units, nanos }
+    }
+}
+
+/// The result of [`BucketConfig::refill`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Refill {
+    /// Units to add (before the capacity cap).
+    pub units: u64,
+    /// Nanoseconds of the interval those units account for.
+    pub nanos: u64,
+}
+
+/// Converts tokens to units, saturating; negative and NaN become zero.
+pub fn tokens_to_units(tokens: f64) -> u64 {
+    let units = (tokens * UNITS_PER_TOKEN as f64).round();
+    if units.is_nan() || units <= 0.0 {
+        0
+    } else if units >= u64::MAX as f64 {
+        u64::MAX
+    } else {
+        units as u64
+    }
+}
+
+/// Converts units back to tokens.
+pub fn units_to_tokens(units: u64) -> f64 {
+    units as f64 / UNITS_PER_TOKEN as f64
+}
+
+/// One upstream's budget as a store reports it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BudgetSnapshot {
+    /// The upstream.
+    pub upstream: String,
+    /// Tokens available now.
+    pub tokens: f64,
+    /// False while an operator has switched retries off.
+    pub retries_enabled: bool,
+    /// False if the store holds no state for the upstream yet.
+    pub tracked: bool,
+}
+
+impl From<&BudgetSnapshot> for BudgetView {
+    fn from(snapshot: &BudgetSnapshot) -> Self {
+        BudgetView {
+            tokens: snapshot.tokens,
+            retries_enabled: snapshot.retries_enabled,
+            unavailable: false,
+        }
+    }
+}
+
+/// What can go wrong in a store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store refuses to track another upstream: a flood of distinct
+    /// names must not grow memory without bound.
+    #[error("too many distinct upstreams are tracked (limit {limit})")]
+    TooManyUpstreams {
+        /// The configured limit.
+        limit: usize,
+    },
+    /// The backing store could not be reached or answered an error.
+    #[error("budget store unavailable")]
+    Unavailable(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// A place that keeps retry budgets. The trait is async and fallible so a
+/// networked store fits; the memory store answers with ready futures, so it
+/// pays no allocation or scheduling for that.
+///
+/// Every method takes the upstream's [`BucketConfig`] because policies can
+/// change at run time and the store must apply the current one.
+pub trait BudgetStore: Send + Sync + 'static {
+    /// The budget now, without spending. An upstream the store does not
+    /// track yet reads as a fresh bucket (and is not created by looking).
+    fn view(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+    ) -> impl Future<Output = Result<BudgetSnapshot, StoreError>> + Send;
+
+    /// Withdraws one token if at least one is there. Returns the tokens left
+    /// after the withdrawal, or `None` if there was not a whole token.
+    fn try_withdraw(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+    ) -> impl Future<Output = Result<Option<f64>, StoreError>> + Send;
+
+    /// Deposits `ratio × requests` tokens, capped at capacity.
+    fn deposit(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        requests: u64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Switches retries on or off for the upstream. Returns the previous
+    /// state.
+    fn set_retries_enabled(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        enabled: bool,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Every tracked upstream's budget, ordered by name. `config_of` gives
+    /// each upstream's current bucket parameters.
+    fn list<F>(
+        &self,
+        config_of: F,
+    ) -> impl Future<Output = Result<Vec<BudgetSnapshot>, StoreError>> + Send
+    where
+        F: Fn(&str) -> BucketConfig + Send;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn refill_credits_the_floor() {
+        let config = BucketConfig {
+            min_per_second: 2.0,
+            ..BucketConfig::default()
+        };
+        assert_eq!(
+            config.refill(1_000_000_000),
+            Refill {
+                units: 2 * UNITS_PER_TOKEN,
+                nanos: 1_000_000_000
+            }
+        );
+        let none = BucketConfig {
+            min_per_second: 0.0,
+            ..config
+        };
+        assert_eq!(none.refill(5), Refill { units: 0, nanos: 5 });
+    }
+
+    #[test]
+    fn a_slow_floor_survives_frequent_refills() {
+        // 0.001 tokens per second is one unit per millisecond: refilling
+        // every 100 µs must not round every interval down to nothing.
+        let config = BucketConfig {
+            min_per_second: 0.001,
+            ..BucketConfig::default()
+        };
+        let (mut clock, mut accounted, mut credited) = (0u64, 0u64, 0u64);
+        for _ in 0..10_000 {
+            clock += 100_000;
+            let refill = config.refill(clock - accounted);
+            accounted += refill.nanos;
+            credited += refill.units;
+        }
+        assert_eq!(credited, 1000, "one second at 0.001/s is 1000 units");
+    }
+
+    proptest! {
+        #[test]
+        fn refill_never_credits_more_than_elapsed_allows(
+            per_second in 0.0f64..10_000.0,
+            elapsed in 0u64..10_000_000_000,
+        ) {
+            let config = BucketConfig { min_per_second: per_second, ..BucketConfig::default() };
+            let refill = config.refill(elapsed);
+            prop_assert!(refill.nanos <= elapsed);
+            let allowed = per_second * UNITS_PER_TOKEN as f64 * refill.nanos as f64 / 1e9;
+            prop_assert!(refill.units as f64 <= allowed + 1e-6);
+        }
+    }
+}

@@ -1,0 +1,490 @@
+//! The decision engine: given what happened to one attempt, the upstream's
+//! policy and a look at its budget, decide RETRY, DENY or AMBIGUOUS.
+//!
+//! Everything here is a pure function of plain values. There is no async, no
+//! clock (callers pass `now`), no randomness (callers pass a uniform `jitter`
+//! draw) and no I/O, so every rule is unit-testable without a server. The
+//! engine does not log either: it returns its reasons as data.
+//!
+//! The order of the rules is the specification (`retry-and-ambiguity.md`):
+//! [`decide`] evaluates them first to last and the first that applies wins,
+//! so a later rule can never re-enable what an earlier one forbade.
+
+mod backoff;
+mod body;
+mod evidence;
+mod retry_after;
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+pub use backoff::{Backoff, Jitter};
+pub use body::{Body, Replayability};
+pub use evidence::{Evidence, FailureKind, effective_evidence};
+pub use retry_after::parse_retry_after;
+
+/// How safe it is to execute the operation again, as the caller declares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Idempotency {
+    /// No side effects.
+    Safe,
+    /// Repeating has the same effect as doing it once.
+    Idempotent,
+    /// Idempotent thanks to an idempotency key the upstream honours.
+    IdempotentWithKey,
+    /// Repeating may repeat the side effect.
+    NonIdempotent,
+}
+
+impl Idempotency {
+    /// SAFE, IDEMPOTENT and IDEMPOTENT_WITH_KEY may be repeated without
+    /// duplicating a side effect.
+    pub fn is_safely_idempotent(self) -> bool {
+        !matches!(self, Idempotency::NonIdempotent)
+    }
+}
+
+/// The per-upstream policy the engine applies. Built from configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Policy {
+    /// Attempts allowed in all, the first included (at least 1).
+    pub max_attempts: u32,
+    /// The least time an attempt needs; a deadline leaving less denies.
+    pub min_attempt_budget: Duration,
+    /// The longest Retry-After that will be waited for.
+    pub max_retry_after: Duration,
+    /// Whether the upstream registers HTTP 500 as transient.
+    pub transient_500: bool,
+    /// Failure kinds this upstream treats as permanent, on top of the
+    /// built-in ones.
+    pub permanent_failures: Vec<FailureKind>,
+    /// How long to wait before a retry.
+    pub backoff: Backoff,
+}
+
+impl Default for Policy {
+    /// The defaults of the configuration contract.
+    fn default() -> Self {
+        Policy {
+            max_attempts: 3,
+            min_attempt_budget: Duration::from_millis(50),
+            max_retry_after: Duration::from_secs(60),
+            transient_500: false,
+            permanent_failures: Vec::new(),
+            backoff: Backoff::default(),
+        }
+    }
+}
+
+/// What the engine may know about the upstream's budget, read before deciding.
+/// Looking is free: a token is withdrawn only after a RETRY verdict.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BudgetView {
+    /// Tokens available; a retry needs one.
+    pub tokens: f64,
+    /// False while an operator has switched retries off for the upstream.
+    pub retries_enabled: bool,
+    /// True when the budget store could not be reached and the upstream's
+    /// policy is to deny rather than fall back to a local bucket.
+    pub unavailable: bool,
+}
+
+/// Everything reported about one failed attempt, already validated.
+#[derive(Clone, Debug)]
+pub struct Facts<'a> {
+    /// Declared idempotency.
+    pub idempotency: Idempotency,
+    /// The request body.
+    pub body: &'a Body,
+    /// Attempts made so far, the failed one included (at least 1).
+    pub attempt: u32,
+    /// The caller's claim; `None` lets the failure and status speak.
+    pub claimed_evidence: Option<Evidence>,
+    /// The stage failure, if one was reported.
+    pub failure: Option<FailureKind>,
+    /// The HTTP status, if a response arrived (100..=599).
+    pub http_status: Option<u16>,
+    /// The raw Retry-After header, if any.
+    pub retry_after: Option<&'a str>,
+    /// Time left before the caller's deadline, if it has one.
+    pub deadline_remaining: Option<Duration>,
+    /// The response's first byte already reached the application.
+    pub first_byte_delivered: bool,
+    /// The caller's runtime is shutting down.
+    pub runtime_draining: bool,
+    /// Credentials were already refreshed once for this call.
+    pub auth_refresh_attempted: bool,
+    /// The backoff before the failed attempt, for decorrelated jitter.
+    pub previous_backoff: Option<Duration>,
+    /// The caller's own attempt limit, if lower than the policy's.
+    pub max_attempts: Option<u32>,
+    /// The budget as it was looked at.
+    pub budget: BudgetView,
+    /// Wall-clock time, to read an HTTP-date Retry-After.
+    pub now: SystemTime,
+    /// A uniform draw in `[0, 1)` for the backoff jitter.
+    pub jitter: f64,
+}
+
+/// Why a retry was denied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DenyReason {
+    /// Rule 1.
+    MaxAttempts,
+    /// Rule 2.
+    BudgetExhausted,
+    /// Rule 2: the shared budget could not be read and the policy says deny.
+    BudgetUnavailable,
+    /// Rule 3.
+    BodyNotReplayable,
+    /// Rule 4.
+    ResponseAlreadyDelivered,
+    /// Rule 5: the caller is draining.
+    RuntimeDraining,
+    /// Rule 5: an operator switched retries off.
+    RetriesDisabled,
+    /// Rule 6, or a Retry-After that cannot be honoured.
+    Deadline,
+    /// Rule 7.
+    PermanentFailure,
+    /// Rule 9.
+    StatusNotRetryable,
+}
+
+impl DenyReason {
+    /// A stable snake_case name for logs, spans and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DenyReason::MaxAttempts => "max_attempts",
+            DenyReason::BudgetExhausted => "budget_exhausted",
+            DenyReason::BudgetUnavailable => "budget_unavailable",
+            DenyReason::BodyNotReplayable => "body_not_replayable",
+            DenyReason::ResponseAlreadyDelivered => "response_already_delivered",
+            DenyReason::RuntimeDraining => "runtime_draining",
+            DenyReason::RetriesDisabled => "retries_disabled",
+            DenyReason::Deadline => "deadline",
+            DenyReason::PermanentFailure => "permanent_failure",
+            DenyReason::StatusNotRetryable => "status_not_retryable",
+        }
+    }
+}
+
+/// The answer for one attempt.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Verdict {
+    /// Try again after `backoff`; refresh credentials first if asked.
+    Retry {
+        /// How long to wait before the next attempt.
+        backoff: Duration,
+        /// The 401 case: refresh credentials, then replay.
+        refresh_credentials: bool,
+    },
+    /// Do not try again.
+    Deny(DenyReason),
+    /// It may have happened upstream: reconcile instead of retrying.
+    Ambiguous,
+}
+
+impl Verdict {
+    /// A stable lower-case name for logs, spans and metric labels.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Verdict::Retry { .. } => "retry",
+            Verdict::Deny(_) => "deny",
+            Verdict::Ambiguous => "ambiguous",
+        }
+    }
+}
+
+/// The step of the decision order that decided (1 to 9).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Rule(u8);
+
+impl Rule {
+    /// Rule 1: attempts exhausted.
+    pub const MAX_ATTEMPTS: Rule = Rule(1);
+    /// Rule 2: budget empty.
+    pub const BUDGET: Rule = Rule(2);
+    /// Rule 3: body not replayable.
+    pub const BODY: Rule = Rule(3);
+    /// Rule 4: first byte delivered.
+    pub const FIRST_BYTE: Rule = Rule(4);
+    /// Rule 5: draining, or retries switched off.
+    pub const DRAINING: Rule = Rule(5);
+    /// Rule 6: deadline.
+    pub const DEADLINE: Rule = Rule(6);
+    /// Rule 7: permanent failure.
+    pub const PERMANENT: Rule = Rule(7);
+    /// Rule 8: sent, no response, not safely idempotent.
+    pub const AMBIGUOUS_SEND: Rule = Rule(8);
+    /// Rule 9: evidence and status rules.
+    pub const STATUS: Rule = Rule(9);
+
+    /// The rule's number in the decision order.
+    pub fn number(self) -> u8 {
+        self.0
+    }
+}
+
+/// The engine's answer, with the reasons as data.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Decision {
+    /// RETRY, DENY or AMBIGUOUS.
+    pub verdict: Verdict,
+    /// The rule that decided.
+    pub rule: Rule,
+    /// The evidence used after validation.
+    pub effective_evidence: Evidence,
+    /// Whether the caller's claim was weakened.
+    pub evidence_adjusted: bool,
+    /// The status, for the explanation.
+    http_status: Option<u16>,
+}
+
+impl Decision {
+    /// The same decision with its verdict replaced by a rule-2 denial: the
+    /// service calls this when the withdrawal after a RETRY failed (the last
+    /// token went to someone else, or the store became unreachable), which
+    /// step 2 would have denied had it seen the budget a moment later.
+    pub fn into_budget_denial(self, reason: DenyReason) -> Decision {
+        debug_assert!(matches!(
+            reason,
+            DenyReason::BudgetExhausted | DenyReason::BudgetUnavailable
+        ));
+        Decision {
+            verdict: Verdict::Deny(reason),
+            rule: Rule::BUDGET,
+            ..self
+        }
+    }
+}
+
+impl fmt::Display for Decision {
+    /// One line for humans, built only when asked for so that the hot path
+    /// does not format strings nobody reads.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let evidence = self.effective_evidence.as_str();
+        match self.verdict {
+            Verdict::Retry {
+                backoff,
+                refresh_credentials: true,
+            } => write!(
+                f,
+                "retry after {backoff:?}: refresh credentials and replay once (rule 9, 401)"
+            ),
+            Verdict::Retry { backoff, .. } => match self.http_status {
+                Some(status) => write!(f, "retry after {backoff:?}: status {status} is retryable (rule 9)"),
+                None => write!(f, "retry after {backoff:?}: evidence {evidence} allows another attempt (rule 9)"),
+            },
+            Verdict::Ambiguous if self.rule == Rule::AMBIGUOUS_SEND => f.write_str(
+                "ambiguous: the request was sent and may have taken effect; the operation is not idempotent, so reconcile (rule 8)",
+            ),
+            Verdict::Ambiguous => write!(
+                f,
+                "ambiguous: evidence {evidence} means the request may have taken effect; the operation is not idempotent, so reconcile (rule 9)"
+            ),
+            Verdict::Deny(reason) => {
+                let rule = self.rule.number();
+                let why = match reason {
+                    DenyReason::MaxAttempts => "no attempts left",
+                    DenyReason::BudgetExhausted => "the upstream's retry budget is empty",
+                    DenyReason::BudgetUnavailable => {
+                        "the shared retry budget is unreachable and the policy is to deny"
+                    }
+                    DenyReason::BodyNotReplayable => "the body cannot be sent again",
+                    DenyReason::ResponseAlreadyDelivered => {
+                        "part of the response already reached the application"
+                    }
+                    DenyReason::RuntimeDraining => "the caller's runtime is draining",
+                    DenyReason::RetriesDisabled => "an operator switched retries off for this upstream",
+                    DenyReason::Deadline => "the remaining deadline leaves no room for another attempt",
+                    DenyReason::PermanentFailure => "the failure is permanent",
+                    DenyReason::StatusNotRetryable => match self.http_status {
+                        Some(_) => "the status is not retryable for this operation",
+                        None => "the outcome is not retryable for this operation",
+                    },
+                };
+                match (reason, self.http_status) {
+                    (DenyReason::StatusNotRetryable, Some(status)) => {
+                        write!(f, "deny: {why} (rule {rule}, status {status})")
+                    }
+                    _ => write!(f, "deny: {why} (rule {rule})"),
+                }
+            }
+        }?;
+        if self.evidence_adjusted {
+            write!(f, "; the claimed evidence was weakened to {evidence}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Decides one failed attempt. Rules are checked in the specification's
+/// order and the first that applies decides; see the module docs.
+pub fn decide(facts: &Facts<'_>, policy: &Policy) -> Decision {
+    let (effective, evidence_adjusted) =
+        effective_evidence(facts.claimed_evidence, facts.failure, facts.http_status);
+    let answer = |verdict, rule| Decision {
+        verdict,
+        rule,
+        effective_evidence: effective,
+        evidence_adjusted,
+        http_status: facts.http_status,
+    };
+    let deny = |reason, rule| answer(Verdict::Deny(reason), rule);
+
+    // 1. Attempts exhausted. The caller may only lower the policy's limit.
+    let max_attempts = match facts.max_attempts {
+        Some(own) => own.min(policy.max_attempts),
+        None => policy.max_attempts,
+    };
+    if facts.attempt >= max_attempts {
+        return deny(DenyReason::MaxAttempts, Rule::MAX_ATTEMPTS);
+    }
+    // 2. Budget empty. Checked on a view; the token is spent by the caller
+    // only once the whole decision is RETRY. A budget that cannot be read
+    // is no budget: retries must not flood an upstream while we are blind.
+    if facts.budget.unavailable {
+        return deny(DenyReason::BudgetUnavailable, Rule::BUDGET);
+    }
+    if facts.budget.tokens < 1.0 {
+        return deny(DenyReason::BudgetExhausted, Rule::BUDGET);
+    }
+    // 3. Body not replayable.
+    if facts.body.replayability() == Replayability::OneShot {
+        return deny(DenyReason::BodyNotReplayable, Rule::BODY);
+    }
+    // 4. First byte already delivered.
+    if facts.first_byte_delivered {
+        return deny(DenyReason::ResponseAlreadyDelivered, Rule::FIRST_BYTE);
+    }
+    // 5. Runtime draining, or the operator's kill switch.
+    if facts.runtime_draining {
+        return deny(DenyReason::RuntimeDraining, Rule::DRAINING);
+    }
+    if !facts.budget.retries_enabled {
+        return deny(DenyReason::RetriesDisabled, Rule::DRAINING);
+    }
+    // 6. Not enough deadline left for even one more attempt.
+    if let Some(remaining) = facts.deadline_remaining {
+        if remaining < policy.min_attempt_budget {
+            return deny(DenyReason::Deadline, Rule::DEADLINE);
+        }
+    }
+    // 7. Permanent failure.
+    if let Some(failure) = facts.failure {
+        if failure.is_permanent() || policy.permanent_failures.contains(&failure) {
+            return deny(DenyReason::PermanentFailure, Rule::PERMANENT);
+        }
+    }
+    // 8. It may have happened, and repeating it may duplicate it.
+    if effective == Evidence::SentNoResponse && !facts.idempotency.is_safely_idempotent() {
+        return answer(Verdict::Ambiguous, Rule::AMBIGUOUS_SEND);
+    }
+    // 9. Evidence and status.
+    match status_rule(facts, policy, effective) {
+        StatusOutcome::Retry {
+            refresh_credentials,
+        } => match backoff_within_deadline(facts, policy, refresh_credentials) {
+            Some(backoff) => answer(
+                Verdict::Retry {
+                    backoff,
+                    refresh_credentials,
+                },
+                Rule::STATUS,
+            ),
+            None => deny(DenyReason::Deadline, Rule::DEADLINE),
+        },
+        StatusOutcome::Ambiguous => answer(Verdict::Ambiguous, Rule::STATUS),
+        StatusOutcome::Deny => deny(DenyReason::StatusNotRetryable, Rule::STATUS),
+    }
+}
+
+enum StatusOutcome {
+    Retry { refresh_credentials: bool },
+    Ambiguous,
+    Deny,
+}
+
+/// Rule 9: by evidence, then by status.
+fn status_rule(facts: &Facts<'_>, policy: &Policy, effective: Evidence) -> StatusOutcome {
+    let retry = StatusOutcome::Retry {
+        refresh_credentials: false,
+    };
+    let safely_idempotent = facts.idempotency.is_safely_idempotent();
+    let retry_if_idempotent_else_ambiguous = || {
+        if safely_idempotent {
+            StatusOutcome::Retry {
+                refresh_credentials: false,
+            }
+        } else {
+            StatusOutcome::Ambiguous
+        }
+    };
+    match effective {
+        // Proven never received: repeating cannot duplicate anything.
+        Evidence::NotSent => return retry,
+        // Rule 8 already answered the operations that are not idempotent.
+        Evidence::SentNoResponse => return retry,
+        Evidence::PartialResponse => match facts.http_status {
+            // The effect happened and its result was lost on the way.
+            None | Some(200..=399) => return retry_if_idempotent_else_ambiguous(),
+            Some(_) => {}
+        },
+        Evidence::ResponseReceived => {}
+    }
+    match facts.http_status {
+        Some(408) => retry,
+        Some(425) if facts.attempt == 1 => retry,
+        Some(429) => retry,
+        Some(401) if facts.idempotency == Idempotency::Safe && !facts.auth_refresh_attempted => {
+            StatusOutcome::Retry {
+                refresh_credentials: true,
+            }
+        }
+        Some(500) if policy.transient_500 && safely_idempotent => retry,
+        Some(502..=504) => retry_if_idempotent_else_ambiguous(),
+        _ => StatusOutcome::Deny,
+    }
+}
+
+/// The backoff of a RETRY, or `None` when a Retry-After cannot be honoured
+/// (too long for the policy, or not fitting the deadline).
+fn backoff_within_deadline(
+    facts: &Facts<'_>,
+    policy: &Policy,
+    refresh_credentials: bool,
+) -> Option<Duration> {
+    let floor = facts
+        .retry_after
+        .and_then(|raw| parse_retry_after(raw, facts.now));
+    if let Some(floor) = floor {
+        if floor > policy.max_retry_after {
+            return None;
+        }
+    }
+    // A credential refresh is not upstream overload: replay at once.
+    let computed = if refresh_credentials {
+        Duration::ZERO
+    } else {
+        policy
+            .backoff
+            .compute(facts.attempt, facts.previous_backoff, facts.jitter)
+    };
+    let floor = floor.unwrap_or(Duration::ZERO);
+    let backoff = computed.max(floor);
+    match facts.deadline_remaining {
+        None => Some(backoff),
+        Some(remaining) => {
+            // Rule 6 guarantees remaining >= min_attempt_budget.
+            let room = remaining.saturating_sub(policy.min_attempt_budget);
+            if floor > room {
+                None
+            } else {
+                Some(backoff.min(room))
+            }
+        }
+    }
+}

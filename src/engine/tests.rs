@@ -1,0 +1,846 @@
+//! Table-driven tests of the decision order, one case per rule and per
+//! status row, and property tests of the ordering invariant and the backoff
+//! bounds.
+
+use super::*;
+use proptest::prelude::*;
+
+const NOW_SECS: u64 = 1_800_000_000;
+
+fn now() -> SystemTime {
+    SystemTime::UNIX_EPOCH + Duration::from_secs(NOW_SECS)
+}
+
+/// One case: a description of the attempt, built on top of a baseline that
+/// would be a RETRY (idempotent, first attempt, connect failure, full
+/// budget).
+#[derive(Clone, Debug)]
+struct Case {
+    idempotency: Idempotency,
+    body: Body,
+    attempt: u32,
+    claimed: Option<Evidence>,
+    failure: Option<FailureKind>,
+    status: Option<u16>,
+    retry_after: Option<&'static str>,
+    deadline: Option<Duration>,
+    first_byte_delivered: bool,
+    draining: bool,
+    auth_refreshed: bool,
+    previous_backoff: Option<Duration>,
+    max_attempts: Option<u32>,
+    tokens: f64,
+    enabled: bool,
+    unavailable: bool,
+    jitter: f64,
+}
+
+fn case() -> Case {
+    Case {
+        idempotency: Idempotency::Idempotent,
+        body: Body::Bytes,
+        attempt: 1,
+        claimed: None,
+        failure: Some(FailureKind::Connect),
+        status: None,
+        retry_after: None,
+        deadline: None,
+        first_byte_delivered: false,
+        draining: false,
+        auth_refreshed: false,
+        previous_backoff: None,
+        max_attempts: None,
+        tokens: 10.0,
+        enabled: true,
+        unavailable: false,
+        jitter: 0.5,
+    }
+}
+
+impl Case {
+    fn status(mut self, status: u16) -> Self {
+        self.failure = None;
+        self.status = Some(status);
+        self
+    }
+    fn idempotency(mut self, idempotency: Idempotency) -> Self {
+        self.idempotency = idempotency;
+        self
+    }
+    fn run(&self, policy: &Policy) -> Decision {
+        let facts = Facts {
+            idempotency: self.idempotency,
+            body: &self.body,
+            attempt: self.attempt,
+            claimed_evidence: self.claimed,
+            failure: self.failure,
+            http_status: self.status,
+            retry_after: self.retry_after,
+            deadline_remaining: self.deadline,
+            first_byte_delivered: self.first_byte_delivered,
+            runtime_draining: self.draining,
+            auth_refresh_attempted: self.auth_refreshed,
+            previous_backoff: self.previous_backoff,
+            max_attempts: self.max_attempts,
+            budget: BudgetView {
+                tokens: self.tokens,
+                retries_enabled: self.enabled,
+                unavailable: self.unavailable,
+            },
+            now: now(),
+            jitter: self.jitter,
+        };
+        decide(&facts, policy)
+    }
+}
+
+/// What a case must produce. A RETRY's backoff is checked separately.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Expect {
+    Retry,
+    RetryRefresh,
+    Deny(DenyReason),
+    Ambiguous,
+}
+
+fn check(name: &str, case: Case, expect: Expect, rule: u8) {
+    check_with(name, &Policy::default(), case, expect, rule)
+}
+
+fn check_with(name: &str, policy: &Policy, case: Case, expect: Expect, rule: u8) {
+    let decision = case.run(policy);
+    let got = match decision.verdict {
+        Verdict::Retry {
+            refresh_credentials: true,
+            ..
+        } => Expect::RetryRefresh,
+        Verdict::Retry { .. } => Expect::Retry,
+        Verdict::Deny(reason) => Expect::Deny(reason),
+        Verdict::Ambiguous => Expect::Ambiguous,
+    };
+    assert_eq!(got, expect, "{name}: {decision}");
+    assert_eq!(decision.rule.number(), rule, "{name}: {decision}");
+}
+
+use DenyReason::*;
+use Idempotency::*;
+
+#[test]
+fn each_rule_in_order() {
+    let mut c = case();
+    c.attempt = 3;
+    check(
+        "1: attempts exhausted by policy",
+        c,
+        Expect::Deny(MaxAttempts),
+        1,
+    );
+    let mut c = case();
+    c.max_attempts = Some(1);
+    check(
+        "1: the caller's own lower limit",
+        c,
+        Expect::Deny(MaxAttempts),
+        1,
+    );
+    let mut c = case();
+    c.attempt = 2;
+    c.max_attempts = Some(10);
+    check(
+        "1: the caller cannot raise the limit",
+        c.clone(),
+        Expect::Retry,
+        9,
+    );
+    c.attempt = 3;
+    check(
+        "1: the caller cannot raise the limit",
+        c,
+        Expect::Deny(MaxAttempts),
+        1,
+    );
+
+    let mut c = case();
+    c.tokens = 0.999;
+    check(
+        "2: less than one token",
+        c,
+        Expect::Deny(BudgetExhausted),
+        2,
+    );
+    let mut c = case();
+    c.unavailable = true;
+    check(
+        "2: store unreachable, policy deny",
+        c.clone(),
+        Expect::Deny(BudgetUnavailable),
+        2,
+    );
+    c.attempt = 3;
+    check(
+        "1 before 2 even when blind",
+        c,
+        Expect::Deny(MaxAttempts),
+        1,
+    );
+
+    for body in [
+        Body::InputStream,
+        Body::Publisher,
+        Body::PublisherFactory(Replayability::OneShot),
+    ] {
+        let mut c = case();
+        c.body = body.clone();
+        check(
+            &format!("3: {body:?}"),
+            c,
+            Expect::Deny(BodyNotReplayable),
+            3,
+        );
+    }
+
+    let mut c = case();
+    c.first_byte_delivered = true;
+    check(
+        "4: first byte delivered",
+        c,
+        Expect::Deny(ResponseAlreadyDelivered),
+        4,
+    );
+
+    let mut c = case();
+    c.draining = true;
+    check("5: draining", c, Expect::Deny(RuntimeDraining), 5);
+    let mut c = case();
+    c.enabled = false;
+    check("5: kill switch", c, Expect::Deny(RetriesDisabled), 5);
+
+    let mut c = case();
+    c.deadline = Some(Duration::from_millis(49));
+    check(
+        "6: below min attempt budget",
+        c.clone(),
+        Expect::Deny(Deadline),
+        6,
+    );
+    c.deadline = Some(Duration::from_millis(50));
+    check("6: exactly the min attempt budget", c, Expect::Retry, 9);
+
+    for failure in [
+        FailureKind::ProfileRejection,
+        FailureKind::TlsCertificateInvalid,
+        FailureKind::RequestEncoding,
+    ] {
+        let mut c = case();
+        c.failure = Some(failure);
+        check(
+            &format!("7: {failure:?}"),
+            c,
+            Expect::Deny(PermanentFailure),
+            7,
+        );
+    }
+    let policy = Policy {
+        permanent_failures: vec![FailureKind::Dns],
+        ..Policy::default()
+    };
+    let mut c = case();
+    c.failure = Some(FailureKind::Dns);
+    check_with(
+        "7: added by policy",
+        &policy,
+        c,
+        Expect::Deny(PermanentFailure),
+        7,
+    );
+
+    let mut c = case().idempotency(NonIdempotent);
+    c.failure = Some(FailureKind::ResponseHeaderTimeout);
+    check(
+        "8: sent, no response, not idempotent",
+        c,
+        Expect::Ambiguous,
+        8,
+    );
+}
+
+#[test]
+fn evidence_rows() {
+    for failure in FailureKind::ALL {
+        if failure.is_permanent() {
+            continue;
+        }
+        for idempotency in [Safe, Idempotent, IdempotentWithKey, NonIdempotent] {
+            let mut c = case().idempotency(idempotency);
+            c.failure = Some(failure);
+            let (expect, rule) = match failure.evidence_floor() {
+                Evidence::NotSent => (Expect::Retry, 9),
+                Evidence::SentNoResponse if idempotency == NonIdempotent => (Expect::Ambiguous, 8),
+                Evidence::SentNoResponse => (Expect::Retry, 9),
+                Evidence::PartialResponse if idempotency == NonIdempotent => (Expect::Ambiguous, 9),
+                Evidence::PartialResponse => (Expect::Retry, 9),
+                Evidence::ResponseReceived => unreachable!("no failure implies a response"),
+            };
+            check(&format!("9: {failure:?} {idempotency:?}"), c, expect, rule);
+        }
+    }
+    // A partial response with an error status follows the status rules.
+    let mut c = case().idempotency(NonIdempotent).status(503);
+    c.failure = Some(FailureKind::DecodeReset);
+    check(
+        "9: partial 503 not idempotent",
+        c.clone(),
+        Expect::Ambiguous,
+        9,
+    );
+    c.status = Some(404);
+    check(
+        "9: partial 404",
+        c.clone(),
+        Expect::Deny(StatusNotRetryable),
+        9,
+    );
+    c.status = Some(200);
+    check(
+        "9: partial 200 not idempotent",
+        c.clone(),
+        Expect::Ambiguous,
+        9,
+    );
+    c.idempotency = Safe;
+    check("9: partial 200 safe", c, Expect::Retry, 9);
+}
+
+#[test]
+fn status_rows() {
+    let rows: &[(u16, Idempotency, u32, Expect)] = &[
+        (408, NonIdempotent, 1, Expect::Retry),
+        (425, NonIdempotent, 1, Expect::Retry),
+        (425, Safe, 2, Expect::Deny(StatusNotRetryable)),
+        (429, NonIdempotent, 1, Expect::Retry),
+        (401, Safe, 1, Expect::RetryRefresh),
+        (401, Idempotent, 1, Expect::Deny(StatusNotRetryable)),
+        (500, Safe, 1, Expect::Deny(StatusNotRetryable)),
+        (502, Idempotent, 1, Expect::Retry),
+        (503, IdempotentWithKey, 1, Expect::Retry),
+        (504, Safe, 1, Expect::Retry),
+        (502, NonIdempotent, 1, Expect::Ambiguous),
+        (503, NonIdempotent, 1, Expect::Ambiguous),
+        (504, NonIdempotent, 1, Expect::Ambiguous),
+        (200, Safe, 1, Expect::Deny(StatusNotRetryable)),
+        (301, Safe, 1, Expect::Deny(StatusNotRetryable)),
+        (400, Safe, 1, Expect::Deny(StatusNotRetryable)),
+        (403, Safe, 1, Expect::Deny(StatusNotRetryable)),
+        (404, Safe, 1, Expect::Deny(StatusNotRetryable)),
+        (409, Safe, 1, Expect::Deny(StatusNotRetryable)),
+        (501, Safe, 1, Expect::Deny(StatusNotRetryable)),
+        (505, Safe, 1, Expect::Deny(StatusNotRetryable)),
+    ];
+    for &(status, idempotency, attempt, expect) in rows {
+        let mut c = case().idempotency(idempotency).status(status);
+        c.attempt = attempt;
+        check(
+            &format!("{status} {idempotency:?} attempt {attempt}"),
+            c,
+            expect,
+            9,
+        );
+    }
+
+    let mut c = case().idempotency(Safe).status(401);
+    c.auth_refreshed = true;
+    check(
+        "401 already refreshed",
+        c,
+        Expect::Deny(StatusNotRetryable),
+        9,
+    );
+
+    let transient = Policy {
+        transient_500: true,
+        ..Policy::default()
+    };
+    let c = case().idempotency(Idempotent).status(500);
+    check_with("500 transient idempotent", &transient, c, Expect::Retry, 9);
+    let c = case().idempotency(NonIdempotent).status(500);
+    check_with(
+        "500 transient not idempotent",
+        &transient,
+        c,
+        Expect::Deny(StatusNotRetryable),
+        9,
+    );
+}
+
+#[test]
+fn evidence_is_never_upgraded() {
+    use Evidence::*;
+    // (claim, failure, status) -> (effective, adjusted)
+    let rows: &[(
+        Option<Evidence>,
+        Option<FailureKind>,
+        Option<u16>,
+        Evidence,
+        bool,
+    )] = &[
+        (
+            Some(NotSent),
+            Some(FailureKind::GenericIo),
+            None,
+            SentNoResponse,
+            true,
+        ),
+        (Some(NotSent), None, None, SentNoResponse, true),
+        (
+            Some(NotSent),
+            Some(FailureKind::Connect),
+            None,
+            NotSent,
+            false,
+        ),
+        (
+            Some(NotSent),
+            Some(FailureKind::PartialWrite),
+            None,
+            SentNoResponse,
+            true,
+        ),
+        (
+            Some(NotSent),
+            Some(FailureKind::RequestEncoding),
+            None,
+            SentNoResponse,
+            true,
+        ),
+        (Some(NotSent), None, Some(503), ResponseReceived, true),
+        (
+            Some(SentNoResponse),
+            Some(FailureKind::Dns),
+            None,
+            SentNoResponse,
+            false,
+        ),
+        (
+            Some(ResponseReceived),
+            Some(FailureKind::DecodeReset),
+            Some(200),
+            PartialResponse,
+            true,
+        ),
+        (
+            Some(PartialResponse),
+            None,
+            Some(200),
+            PartialResponse,
+            false,
+        ),
+        (
+            None,
+            Some(FailureKind::Http2RefusedStream),
+            None,
+            NotSent,
+            false,
+        ),
+        (
+            None,
+            Some(FailureKind::GenericIo),
+            None,
+            SentNoResponse,
+            false,
+        ),
+        (None, None, Some(429), ResponseReceived, false),
+        (
+            None,
+            Some(FailureKind::InterruptedStream),
+            None,
+            PartialResponse,
+            false,
+        ),
+    ];
+    for &(claim, failure, status, effective, adjusted) in rows {
+        assert_eq!(
+            effective_evidence(claim, failure, status),
+            (effective, adjusted),
+            "{claim:?} {failure:?} {status:?}"
+        );
+    }
+    // The payment case: a timeout claimed as NOT_SENT is ambiguous, and the
+    // explanation says the claim was weakened.
+    let mut c = case().idempotency(NonIdempotent);
+    c.claimed = Some(NotSent);
+    c.failure = Some(FailureKind::GenericIo);
+    let decision = c.run(&Policy::default());
+    assert_eq!(decision.verdict, Verdict::Ambiguous);
+    assert_eq!(decision.effective_evidence, SentNoResponse);
+    assert!(decision.to_string().contains("weakened"), "{decision}");
+}
+
+#[test]
+fn multipart_takes_the_weakest_part() {
+    use Replayability::*;
+    let body = |parts| Body::Multipart(parts);
+    assert_eq!(
+        body(vec![Body::Bytes, Body::ReopenableSupplier]).replayability(),
+        Reopenable
+    );
+    assert_eq!(
+        body(vec![Body::Bytes, Body::InputStream]).replayability(),
+        OneShot
+    );
+    assert_eq!(
+        body(vec![
+            Body::EncodedValue,
+            body(vec![Body::PublisherFactory(OneShot)])
+        ])
+        .replayability(),
+        OneShot
+    );
+    assert_eq!(
+        body(vec![Body::None, Body::PublisherFactory(Replayable)]).replayability(),
+        Replayable
+    );
+    let mut c = case();
+    c.body = body(vec![Body::Bytes, Body::Publisher]);
+    check(
+        "3: multipart with a publisher",
+        c,
+        Expect::Deny(BodyNotReplayable),
+        3,
+    );
+    let mut c = case();
+    c.body = Body::ReopenableSupplier;
+    check("3: reopenable may retry", c, Expect::Retry, 9);
+}
+
+fn backoff_of(case: &Case, policy: &Policy) -> Duration {
+    match case.run(policy).verdict {
+        Verdict::Retry { backoff, .. } => backoff,
+        other => panic!("expected a retry, got {other:?}"),
+    }
+}
+
+#[test]
+fn backoff_full_jitter_doubles_up_to_max() {
+    let policy = Policy {
+        max_attempts: 20,
+        ..Policy::default()
+    };
+    let mut c = case();
+    c.jitter = 0.999_999;
+    for (attempt, ceiling_ms) in [
+        (1, 50),
+        (2, 100),
+        (3, 200),
+        (7, 3200),
+        (8, 5000),
+        (19, 5000),
+    ] {
+        c.attempt = attempt;
+        let backoff = backoff_of(&c, &policy);
+        assert!(
+            backoff <= Duration::from_millis(ceiling_ms),
+            "attempt {attempt}: {backoff:?}"
+        );
+        assert!(
+            backoff >= Duration::from_millis(ceiling_ms) * 99 / 100,
+            "attempt {attempt}: {backoff:?}"
+        );
+    }
+    c.jitter = 0.0;
+    assert_eq!(backoff_of(&c, &policy), Duration::ZERO);
+}
+
+#[test]
+fn backoff_decorrelated() {
+    let policy = Policy {
+        backoff: Backoff {
+            jitter: Jitter::Decorrelated,
+            ..Backoff::default()
+        },
+        ..Policy::default()
+    };
+    let mut c = case();
+    c.jitter = 0.0;
+    assert_eq!(
+        backoff_of(&c, &policy),
+        Duration::from_millis(50),
+        "no previous: base"
+    );
+    c.previous_backoff = Some(Duration::from_millis(400));
+    c.jitter = 0.5;
+    // Uniform in 50..1200 at the midpoint.
+    assert_eq!(backoff_of(&c, &policy), Duration::from_millis(625));
+    c.previous_backoff = Some(Duration::from_secs(10));
+    c.jitter = 0.999_999;
+    let backoff = backoff_of(&c, &policy);
+    assert!(
+        backoff <= Duration::from_secs(5),
+        "capped at max: {backoff:?}"
+    );
+    assert!(backoff >= Duration::from_millis(4990), "{backoff:?}");
+}
+
+#[test]
+fn retry_after_is_a_floor_within_the_deadline() {
+    let mut c = case().idempotency(NonIdempotent).status(429);
+    c.retry_after = Some("2");
+    assert_eq!(backoff_of(&c, &Policy::default()), Duration::from_secs(2));
+    // The HTTP-date form, 3 s ahead of now.
+    let body = Body::None;
+    let facts = Facts {
+        idempotency: NonIdempotent,
+        body: &body,
+        attempt: 1,
+        claimed_evidence: None,
+        failure: None,
+        http_status: Some(429),
+        retry_after: Some("Fri, 15 Jan 2027 08:00:03 GMT"),
+        deadline_remaining: None,
+        first_byte_delivered: false,
+        runtime_draining: false,
+        auth_refresh_attempted: false,
+        previous_backoff: None,
+        max_attempts: None,
+        budget: BudgetView {
+            tokens: 1.0,
+            retries_enabled: true,
+            unavailable: false,
+        },
+        now: httpdate::parse_http_date("Fri, 15 Jan 2027 08:00:00 GMT").expect("valid date"),
+        jitter: 0.0,
+    };
+    match decide(&facts, &Policy::default()).verdict {
+        Verdict::Retry { backoff, .. } => assert_eq!(backoff, Duration::from_secs(3)),
+        other => panic!("{other:?}"),
+    }
+    // Unparseable: ignored.
+    c.retry_after = Some("later, please");
+    c.jitter = 0.0;
+    assert_eq!(backoff_of(&c, &Policy::default()), Duration::ZERO);
+    // Longer than max_retry_after: deny.
+    c.retry_after = Some("61");
+    check(
+        "retry-after above max",
+        c.clone(),
+        Expect::Deny(Deadline),
+        6,
+    );
+    // Does not fit the deadline: deny.
+    c.retry_after = Some("2");
+    c.deadline = Some(Duration::from_millis(2049));
+    check(
+        "retry-after beyond deadline",
+        c.clone(),
+        Expect::Deny(Deadline),
+        6,
+    );
+    c.deadline = Some(Duration::from_millis(2050));
+    assert_eq!(backoff_of(&c, &Policy::default()), Duration::from_secs(2));
+    // A computed backoff is shortened to fit instead.
+    let mut c = case();
+    c.attempt = 2;
+    c.jitter = 0.999;
+    c.deadline = Some(Duration::from_millis(80));
+    assert_eq!(
+        backoff_of(&c, &Policy::default()),
+        Duration::from_millis(30)
+    );
+}
+
+#[test]
+fn explanations_name_the_rule() {
+    let mut c = case();
+    c.tokens = 0.0;
+    let text = c.run(&Policy::default()).to_string();
+    assert_eq!(text, "deny: the upstream's retry budget is empty (rule 2)");
+    let text = case().status(404).run(&Policy::default()).to_string();
+    assert_eq!(
+        text,
+        "deny: the status is not retryable for this operation (rule 9, status 404)"
+    );
+}
+
+#[test]
+fn losing_the_token_race_is_a_budget_denial() {
+    let decision = case()
+        .run(&Policy::default())
+        .into_budget_denial(BudgetExhausted);
+    assert_eq!(decision.verdict, Verdict::Deny(BudgetExhausted));
+    assert_eq!(decision.rule, Rule::BUDGET);
+}
+
+// ---- properties -----------------------------------------------------------
+
+fn any_idempotency() -> impl Strategy<Value = Idempotency> {
+    prop_oneof![
+        Just(Safe),
+        Just(Idempotent),
+        Just(IdempotentWithKey),
+        Just(NonIdempotent)
+    ]
+}
+
+fn any_body() -> impl Strategy<Value = Body> {
+    let leaf = prop_oneof![
+        Just(Body::None),
+        Just(Body::Bytes),
+        Just(Body::EncodedValue),
+        Just(Body::ReopenableSupplier),
+        Just(Body::InputStream),
+        Just(Body::Publisher),
+        prop_oneof![
+            Just(Replayability::OneShot),
+            Just(Replayability::Reopenable),
+            Just(Replayability::Replayable)
+        ]
+        .prop_map(Body::PublisherFactory),
+    ];
+    leaf.prop_recursive(2, 8, 4, |inner| {
+        prop::collection::vec(inner, 1..4).prop_map(Body::Multipart)
+    })
+}
+
+fn any_case() -> impl Strategy<Value = Case> {
+    (
+        (
+            any_idempotency(),
+            any_body(),
+            1u32..6,
+            prop::option::of(prop_oneof![
+                Just(Evidence::NotSent),
+                Just(Evidence::SentNoResponse),
+                Just(Evidence::ResponseReceived),
+                Just(Evidence::PartialResponse)
+            ]),
+            prop::option::of(prop::sample::select(FailureKind::ALL.to_vec())),
+            prop::option::of(prop_oneof![100u16..600, Just(401), Just(429), Just(503)]),
+            prop::option::of(prop_oneof![Just("1"), Just("100"), Just("junk")]),
+        ),
+        (
+            prop::option::of((0u64..3000).prop_map(Duration::from_millis)),
+            any::<bool>(),
+            any::<bool>(),
+            any::<bool>(),
+            prop::option::of((0u64..10_000).prop_map(Duration::from_millis)),
+            prop::option::of(1u32..5),
+            0.0f64..3.0,
+            any::<bool>(),
+            0.0f64..1.0,
+            prop::bool::weighted(0.05),
+        ),
+    )
+        .prop_map(|(a, b)| Case {
+            idempotency: a.0,
+            body: a.1,
+            attempt: a.2,
+            claimed: a.3,
+            failure: a.4,
+            status: a.5,
+            retry_after: a.6,
+            deadline: b.0,
+            first_byte_delivered: b.1,
+            draining: b.2,
+            auth_refreshed: b.3,
+            previous_backoff: b.4,
+            max_attempts: b.5,
+            tokens: b.6,
+            enabled: b.7,
+            unavailable: b.9,
+            jitter: b.8,
+        })
+}
+
+/// The first of rules 1 to 7 that applies to `case`, independently of the
+/// engine's own code.
+fn first_forbidding_rule(case: &Case, policy: &Policy) -> Option<(DenyReason, u8)> {
+    let limit = case
+        .max_attempts
+        .map_or(policy.max_attempts, |m| m.min(policy.max_attempts));
+    let checks = [
+        (case.attempt >= limit, MaxAttempts, 1),
+        (case.unavailable, BudgetUnavailable, 2),
+        (case.tokens < 1.0, BudgetExhausted, 2),
+        (
+            case.body.replayability() == Replayability::OneShot,
+            BodyNotReplayable,
+            3,
+        ),
+        (case.first_byte_delivered, ResponseAlreadyDelivered, 4),
+        (case.draining, RuntimeDraining, 5),
+        (!case.enabled, RetriesDisabled, 5),
+        (
+            case.deadline.is_some_and(|d| d < policy.min_attempt_budget),
+            Deadline,
+            6,
+        ),
+        (
+            case.failure
+                .is_some_and(|f| f.is_permanent() || policy.permanent_failures.contains(&f)),
+            PermanentFailure,
+            7,
+        ),
+    ];
+    checks
+        .into_iter()
+        .find(|(applies, _, _)| *applies)
+        .map(|(_, reason, rule)| (reason, rule))
+}
+
+proptest! {
+    /// Whenever one of rules 1 to 7 applies, the verdict is that rule's
+    /// DENY, whatever the other inputs: no later rule re-enables a retry.
+    #[test]
+    fn earlier_rules_always_win(case in any_case()) {
+        let policy = Policy::default();
+        let decision = case.run(&policy);
+        if let Some((reason, rule)) = first_forbidding_rule(&case, &policy) {
+            prop_assert_eq!(decision.verdict, Verdict::Deny(reason));
+            prop_assert_eq!(decision.rule.number(), rule);
+        } else {
+            prop_assert!(decision.rule.number() >= 6, "{}", decision);
+        }
+    }
+
+    /// A claim is never made stronger; evidence NOT_SENT needs a proving
+    /// failure.
+    #[test]
+    fn evidence_never_upgraded(case in any_case()) {
+        let decision = case.run(&Policy::default());
+        if let Some(claim) = case.claimed {
+            prop_assert!(decision.effective_evidence >= claim);
+        }
+        if decision.effective_evidence == Evidence::NotSent {
+            prop_assert!(case.failure.is_some_and(|f| f.evidence_floor() == Evidence::NotSent));
+            prop_assert!(case.status.is_none());
+        }
+        // Not idempotent and possibly executed: never a retry.
+        if case.idempotency == NonIdempotent
+            && matches!(decision.effective_evidence, Evidence::SentNoResponse)
+        {
+            let retried = matches!(decision.verdict, Verdict::Retry { .. });
+            prop_assert!(!retried);
+        }
+    }
+
+    /// A backoff never exceeds max backoff (unless a Retry-After floor asks
+    /// for more), never undercuts a Retry-After, and always leaves the
+    /// minimum attempt budget inside the deadline.
+    #[test]
+    fn backoff_bounds(case in any_case(), decorrelated in any::<bool>()) {
+        let mut policy = Policy::default();
+        if decorrelated {
+            policy.backoff.jitter = Jitter::Decorrelated;
+        }
+        if let Verdict::Retry { backoff, .. } = case.run(&policy).verdict {
+            let floor = case.retry_after.and_then(|raw| parse_retry_after(raw, now()));
+            prop_assert!(backoff <= policy.backoff.max.max(floor.unwrap_or_default()));
+            if let Some(floor) = floor {
+                prop_assert!(backoff >= floor);
+                prop_assert!(floor <= policy.max_retry_after);
+            }
+            if let Some(deadline) = case.deadline {
+                prop_assert!(backoff + policy.min_attempt_budget <= deadline);
+            }
+        }
+    }
+}

@@ -1,0 +1,9 @@
+//! retryd: decides whether a failed outbound call may be tried again.
+pub mod budget;
+pub mod engine;
+
+pub mod pb {
+    //! Generated protobuf and gRPC types.
+    #![allow(missing_docs, unreachable_pub, clippy::all)]
+    tonic::include_proto!("retryd.v1");
+}
