@@ -32,6 +32,19 @@ pub struct BucketConfig {
     /// Tokens added per second whatever the traffic, so that a quiet
     /// upstream can still retry.
     pub min_per_second: f64,
+    /// What a shared store does when it cannot reach its backend.
+    pub on_unavailable: OnUnavailable,
+}
+
+/// What a shared store does for an upstream while its backend (Redis) is
+/// unreachable. The memory store is never unavailable and ignores it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnUnavailable {
+    /// Keep deciding from a conservative bucket local to this replica.
+    #[default]
+    Local,
+    /// Deny every retry with a reason of its own until the store is back.
+    Deny,
 }
 
 impl Default for BucketConfig {
@@ -42,6 +55,7 @@ impl Default for BucketConfig {
             initial: 100.0,
             ratio: 0.1,
             min_per_second: 1.0,
+            on_unavailable: OnUnavailable::Local,
         }
     }
 }

@@ -1,6 +1,8 @@
 //! retryd: decides whether a failed outbound call may be tried again.
 pub mod budget;
+pub mod config;
 pub mod engine;
+pub mod policy;
 
 pub mod pb {
     //! Generated protobuf and gRPC types.

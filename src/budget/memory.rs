@@ -313,6 +313,7 @@ mod tests {
                 initial: capacity * initial_fraction,
                 ratio,
                 min_per_second: per_second,
+                ..BucketConfig::default()
             };
             let clock = ManualClock::default();
             let store = MemoryBudgetStore::with_clock(10, clock.clone());
@@ -349,6 +350,7 @@ mod tests {
             initial: 1000.0,
             ratio: 0.0,
             min_per_second: 0.0,
+            ..BucketConfig::default()
         };
         let store = Arc::new(MemoryBudgetStore::with_clock(10, ManualClock::default()));
         let threads: Vec<_> = (0..4)

@@ -1,0 +1,864 @@
+//! Configuration: built-in defaults, then an optional TOML file, then
+//! `RETRYD__SECTION__KEY` environment variables, deserialized into
+//! [`Settings`] and converted with `TryFrom` into the typed, validated
+//! [`Config`] the service runs on.
+//!
+//! This is the only module that reads the environment, and every bad value
+//! is refused here, naming its key, before any port is bound. Tests build
+//! settings from strings and explicit variable maps, never by mutating the
+//! process environment.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::budget::{BucketConfig, OnUnavailable};
+use crate::engine::{FailureKind, Jitter, Policy};
+use crate::policy::{Policies, UpstreamPolicy};
+
+/// The prefix of environment overrides: `RETRYD__STORE__KIND=redis`.
+pub const ENV_PREFIX: &str = "RETRYD";
+
+/// A configuration that cannot be used, naming the key at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum InvalidConfig {
+    /// The file or the environment could not be read or parsed.
+    #[error("cannot load configuration: {0}")]
+    Load(#[source] config::ConfigError),
+    /// A key holds a value that is not allowed.
+    #[error("{key}: {reason}")]
+    Value {
+        /// The dotted key, e.g. `defaults.backoff.base`.
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+fn invalid(key: impl Into<String>, reason: impl Into<String>) -> InvalidConfig {
+    InvalidConfig::Value {
+        key: key.into(),
+        reason: reason.into(),
+    }
+}
+
+/// The configuration file as written: every section optional.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// `[server]`
+    #[serde(default)]
+    pub server: ServerSettings,
+    /// `[store]`
+    #[serde(default)]
+    pub store: StoreSettings,
+    /// `[telemetry]`
+    #[serde(default)]
+    pub telemetry: TelemetrySettings,
+    /// `[limits]`
+    #[serde(default)]
+    pub limits: LimitSettings,
+    /// `[defaults]`: the policy of every upstream not named below.
+    #[serde(default)]
+    pub defaults: PolicySettings,
+    /// `[upstreams."name"]`: only what differs from the defaults.
+    #[serde(default)]
+    pub upstreams: BTreeMap<String, PolicySettings>,
+}
+
+/// `[server]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerSettings {
+    /// The gRPC address.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// The Prometheus `/metrics` address.
+    #[serde(default = "default_metrics_listen")]
+    pub metrics_listen: String,
+    /// How long in-flight calls get to finish on SIGTERM.
+    #[serde(default = "default_shutdown_grace")]
+    pub shutdown_grace: String,
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:50051".into()
+}
+fn default_metrics_listen() -> String {
+    "127.0.0.1:9464".into()
+}
+fn default_shutdown_grace() -> String {
+    "10s".into()
+}
+
+impl Default for ServerSettings {
+    fn default() -> Self {
+        ServerSettings {
+            listen: default_listen(),
+            metrics_listen: default_metrics_listen(),
+            shutdown_grace: default_shutdown_grace(),
+        }
+    }
+}
+
+/// One URL or several (Redis Cluster nodes).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum Urls {
+    /// `url = "redis://127.0.0.1:6379"`
+    One(String),
+    /// `url = ["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]`
+    Many(Vec<String>),
+}
+
+/// `[store]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreSettings {
+    /// `memory` or `redis`.
+    #[serde(default = "default_store_kind")]
+    pub kind: String,
+    /// Redis URL(s); several means Redis Cluster.
+    pub url: Option<Urls>,
+    /// `exact` or `leased`.
+    #[serde(default = "default_store_mode")]
+    pub mode: String,
+    /// `local` or `deny`: the default for upstreams that do not say.
+    #[serde(default = "default_on_unavailable")]
+    pub on_unavailable: String,
+    /// How long a store operation may take before it counts as failed.
+    #[serde(default = "default_store_timeout")]
+    pub timeout: String,
+    /// Leased mode: tokens taken from Redis per lease.
+    #[serde(default = "default_lease_tokens")]
+    pub lease_tokens: f64,
+    /// Leased mode: how long a lease lives before unspent tokens expire.
+    #[serde(default = "default_lease_ttl")]
+    pub lease_ttl: String,
+    /// Prefix of every Redis key, so several deployments can share a Redis.
+    #[serde(default = "default_key_prefix")]
+    pub key_prefix: String,
+}
+
+fn default_store_kind() -> String {
+    "memory".into()
+}
+fn default_store_mode() -> String {
+    "exact".into()
+}
+fn default_on_unavailable() -> String {
+    "local".into()
+}
+fn default_store_timeout() -> String {
+    "20ms".into()
+}
+fn default_lease_tokens() -> f64 {
+    5.0
+}
+fn default_lease_ttl() -> String {
+    "2s".into()
+}
+fn default_key_prefix() -> String {
+    "retryd".into()
+}
+
+impl Default for StoreSettings {
+    fn default() -> Self {
+        StoreSettings {
+            kind: default_store_kind(),
+            url: None,
+            mode: default_store_mode(),
+            on_unavailable: default_on_unavailable(),
+            timeout: default_store_timeout(),
+            lease_tokens: default_lease_tokens(),
+            lease_ttl: default_lease_ttl(),
+            key_prefix: default_key_prefix(),
+        }
+    }
+}
+
+/// `[telemetry]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetrySettings {
+    /// OTLP/gRPC collector; none means no exporter runs.
+    pub otlp_endpoint: Option<String>,
+    /// The fraction of decisions whose spans are sampled (0 to 1).
+    #[serde(default = "default_sampling_ratio")]
+    pub sampling_ratio: f64,
+    /// `text` or `json`.
+    #[serde(default = "default_log_format")]
+    pub log_format: String,
+    /// A `tracing` filter, e.g. `info` or `retryd=debug`.
+    #[serde(default = "default_log_level")]
+    pub log_level: String,
+}
+
+fn default_sampling_ratio() -> f64 {
+    1.0
+}
+fn default_log_format() -> String {
+    "text".into()
+}
+fn default_log_level() -> String {
+    "info".into()
+}
+
+impl Default for TelemetrySettings {
+    fn default() -> Self {
+        TelemetrySettings {
+            otlp_endpoint: None,
+            sampling_ratio: default_sampling_ratio(),
+            log_format: default_log_format(),
+            log_level: default_log_level(),
+        }
+    }
+}
+
+/// `[limits]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitSettings {
+    /// Distinct upstreams whose budgets are tracked; beyond it, decisions
+    /// for new upstreams are refused with RESOURCE_EXHAUSTED.
+    #[serde(default = "default_max_upstreams")]
+    pub max_upstreams: usize,
+}
+
+fn default_max_upstreams() -> usize {
+    10_000
+}
+
+impl Default for LimitSettings {
+    fn default() -> Self {
+        LimitSettings {
+            max_upstreams: default_max_upstreams(),
+        }
+    }
+}
+
+/// A policy as written: every key optional, so an upstream names only what
+/// differs from `[defaults]`.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicySettings {
+    /// Attempts in all, the first included.
+    pub max_attempts: Option<u32>,
+    /// Least time an attempt needs, e.g. `"50ms"`.
+    pub min_attempt_budget: Option<String>,
+    /// Longest Retry-After waited for.
+    pub max_retry_after: Option<String>,
+    /// Whether 500 is transient for this upstream.
+    pub transient_500: Option<bool>,
+    /// Extra permanent failure kinds, e.g. `["connect"]`.
+    pub permanent_failures: Option<Vec<String>>,
+    /// `local` or `deny` while the shared store is unreachable.
+    pub on_unavailable: Option<String>,
+    /// The retry budget.
+    #[serde(default)]
+    pub budget: BudgetSettings,
+    /// The backoff.
+    #[serde(default)]
+    pub backoff: BackoffSettings,
+}
+
+/// `budget = { ... }`
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetSettings {
+    /// Most tokens held.
+    pub capacity: Option<f64>,
+    /// Tokens at creation.
+    pub initial: Option<f64>,
+    /// Tokens per reported real request.
+    pub ratio: Option<f64>,
+    /// Tokens per second regardless of traffic.
+    pub min_per_second: Option<f64>,
+}
+
+/// `backoff = { ... }`
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackoffSettings {
+    /// First step, e.g. `"50ms"`.
+    pub base: Option<String>,
+    /// Cap, e.g. `"5s"`.
+    pub max: Option<String>,
+    /// `full` or `decorrelated`.
+    pub jitter: Option<String>,
+}
+
+impl Settings {
+    /// Loads settings from an optional TOML file and the process
+    /// environment. Only `main` should call this.
+    pub fn load(path: Option<&Path>) -> Result<Settings, InvalidConfig> {
+        let toml = match path {
+            Some(path) => std::fs::read_to_string(path).map_err(|err| {
+                invalid(path.display().to_string(), format!("cannot read: {err}"))
+            })?,
+            None => String::new(),
+        };
+        Settings::from_sources(&toml, None)
+    }
+
+    /// Settings from TOML text and, if given, an explicit map of environment
+    /// variables (`None` reads the process environment).
+    pub fn from_sources(
+        toml: &str,
+        environment: Option<HashMap<String, String>>,
+    ) -> Result<Settings, InvalidConfig> {
+        let builder = config::Config::builder()
+            .add_source(config::File::from_str(toml, config::FileFormat::Toml))
+            .add_source(
+                config::Environment::with_prefix(ENV_PREFIX)
+                    .prefix_separator("__")
+                    .separator("__")
+                    .try_parsing(true)
+                    .source(environment),
+            );
+        builder
+            .build()
+            .and_then(|merged| merged.try_deserialize())
+            .map_err(InvalidConfig::Load)
+    }
+
+    /// Settings from TOML text alone, for tests and `check-config`.
+    pub fn from_toml(toml: &str) -> Result<Settings, InvalidConfig> {
+        Settings::from_sources(toml, Some(HashMap::new()))
+    }
+}
+
+/// Which budget store to run.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StoreConfig {
+    /// The embedded in-memory store.
+    Memory,
+    /// The shared Redis store.
+    Redis(RedisConfig),
+}
+
+/// How the Redis store behaves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RedisMode {
+    /// Every withdrawal is one atomic script call.
+    Exact,
+    /// Replicas lease small batches of tokens and spend them locally.
+    Leased,
+}
+
+/// The validated `[store]` for Redis.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RedisConfig {
+    /// One URL for a single node, several for a cluster.
+    pub urls: Vec<String>,
+    /// Exact or leased.
+    pub mode: RedisMode,
+    /// Per-operation timeout.
+    pub timeout: Duration,
+    /// Tokens per lease.
+    pub lease_tokens: f64,
+    /// Lease lifetime.
+    pub lease_ttl: Duration,
+    /// Key prefix.
+    pub key_prefix: String,
+}
+
+/// Log line format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The validated `[telemetry]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TelemetryConfig {
+    /// OTLP/gRPC endpoint, if any.
+    pub otlp_endpoint: Option<String>,
+    /// Sampling ratio in 0..=1.
+    pub sampling_ratio: f64,
+    /// Log format.
+    pub log_format: LogFormat,
+    /// Log filter.
+    pub log_level: String,
+}
+
+/// The validated configuration the service runs on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// gRPC address.
+    pub listen: SocketAddr,
+    /// Prometheus address.
+    pub metrics_listen: SocketAddr,
+    /// Time allowed for in-flight calls on shutdown.
+    pub shutdown_grace: Duration,
+    /// The budget store.
+    pub store: StoreConfig,
+    /// Telemetry.
+    pub telemetry: TelemetryConfig,
+    /// Most distinct upstreams tracked.
+    pub max_upstreams: usize,
+    /// Per-upstream policies.
+    pub policies: Policies,
+}
+
+impl TryFrom<Settings> for Config {
+    type Error = InvalidConfig;
+
+    fn try_from(settings: Settings) -> Result<Config, InvalidConfig> {
+        let listen = parse_addr("server.listen", &settings.server.listen)?;
+        let metrics_listen = parse_addr("server.metrics_listen", &settings.server.metrics_listen)?;
+        let shutdown_grace =
+            parse_duration("server.shutdown_grace", &settings.server.shutdown_grace)?;
+
+        let store = match settings.store.kind.as_str() {
+            "memory" => StoreConfig::Memory,
+            "redis" => StoreConfig::Redis(redis_config(&settings.store)?),
+            other => {
+                return Err(invalid(
+                    "store.kind",
+                    format!("must be \"memory\" or \"redis\", not {other:?}"),
+                ));
+            }
+        };
+        let store_default =
+            parse_on_unavailable("store.on_unavailable", &settings.store.on_unavailable)?;
+
+        let telemetry = &settings.telemetry;
+        if !(0.0..=1.0).contains(&telemetry.sampling_ratio) {
+            return Err(invalid(
+                "telemetry.sampling_ratio",
+                "must be between 0 and 1",
+            ));
+        }
+        let log_format = match telemetry.log_format.as_str() {
+            "text" => LogFormat::Text,
+            "json" => LogFormat::Json,
+            other => {
+                return Err(invalid(
+                    "telemetry.log_format",
+                    format!("must be \"text\" or \"json\", not {other:?}"),
+                ));
+            }
+        };
+        if let Some(endpoint) = &telemetry.otlp_endpoint {
+            if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
+                return Err(invalid(
+                    "telemetry.otlp_endpoint",
+                    "must be an http:// or https:// URL",
+                ));
+            }
+        }
+        let telemetry = TelemetryConfig {
+            otlp_endpoint: telemetry.otlp_endpoint.clone(),
+            sampling_ratio: telemetry.sampling_ratio,
+            log_format,
+            log_level: telemetry.log_level.clone(),
+        };
+
+        if settings.limits.max_upstreams == 0 {
+            return Err(invalid("limits.max_upstreams", "must be at least 1"));
+        }
+        if settings.upstreams.len() > settings.limits.max_upstreams {
+            return Err(invalid(
+                "upstreams",
+                "names more upstreams than limits.max_upstreams",
+            ));
+        }
+
+        let base = UpstreamPolicy {
+            engine: Policy::default(),
+            bucket: BucketConfig {
+                on_unavailable: store_default,
+                ..BucketConfig::default()
+            },
+        };
+        let defaults = resolve_policy("defaults", &base, &settings.defaults)?;
+        let mut named = HashMap::with_capacity(settings.upstreams.len());
+        for (upstream, overrides) in &settings.upstreams {
+            let key = format!("upstreams.{upstream:?}");
+            if upstream.is_empty() || upstream.len() > 256 {
+                return Err(invalid(key, "an upstream name must be 1 to 256 bytes"));
+            }
+            named.insert(
+                upstream.clone(),
+                resolve_policy(&key, &defaults, overrides)?,
+            );
+        }
+
+        Ok(Config {
+            listen,
+            metrics_listen,
+            shutdown_grace,
+            store,
+            telemetry,
+            max_upstreams: settings.limits.max_upstreams,
+            policies: Policies::new(defaults, named),
+        })
+    }
+}
+
+impl Config {
+    /// Loads and validates: what `serve` and `check-config` run.
+    pub fn load(path: Option<&Path>) -> Result<Config, InvalidConfig> {
+        Config::try_from(Settings::load(path)?)
+    }
+}
+
+fn redis_config(store: &StoreSettings) -> Result<RedisConfig, InvalidConfig> {
+    let urls = match &store.url {
+        None => {
+            return Err(invalid(
+                "store.url",
+                "required when store.kind is \"redis\"",
+            ));
+        }
+        Some(Urls::One(url)) => vec![url.clone()],
+        Some(Urls::Many(urls)) => urls.clone(),
+    };
+    if urls.is_empty() {
+        return Err(invalid("store.url", "names no Redis node"));
+    }
+    for url in &urls {
+        if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+            return Err(invalid(
+                "store.url",
+                format!("{url:?} is not a redis:// or rediss:// URL"),
+            ));
+        }
+    }
+    let mode = match store.mode.as_str() {
+        "exact" => RedisMode::Exact,
+        "leased" => RedisMode::Leased,
+        other => {
+            return Err(invalid(
+                "store.mode",
+                format!("must be \"exact\" or \"leased\", not {other:?}"),
+            ));
+        }
+    };
+    let timeout = parse_duration("store.timeout", &store.timeout)?;
+    if timeout.is_zero() {
+        return Err(invalid("store.timeout", "must be above zero"));
+    }
+    if !(store.lease_tokens >= 1.0 && store.lease_tokens.is_finite()) {
+        return Err(invalid("store.lease_tokens", "must be at least 1"));
+    }
+    let lease_ttl = parse_duration("store.lease_ttl", &store.lease_ttl)?;
+    if lease_ttl < Duration::from_millis(10) {
+        return Err(invalid("store.lease_ttl", "must be at least 10ms"));
+    }
+    if store.key_prefix.is_empty() || store.key_prefix.contains(['{', '}']) {
+        return Err(invalid(
+            "store.key_prefix",
+            "must be non-empty and contain no braces",
+        ));
+    }
+    Ok(RedisConfig {
+        urls,
+        mode,
+        timeout,
+        lease_tokens: store.lease_tokens,
+        lease_ttl,
+        key_prefix: store.key_prefix.clone(),
+    })
+}
+
+/// Applies `overrides` on top of `base`, validating every value.
+fn resolve_policy(
+    section: &str,
+    base: &UpstreamPolicy,
+    overrides: &PolicySettings,
+) -> Result<UpstreamPolicy, InvalidConfig> {
+    let key = |name: &str| format!("{section}.{name}");
+    let mut engine = base.engine.clone();
+    let mut bucket = base.bucket;
+
+    if let Some(max_attempts) = overrides.max_attempts {
+        if !(1..=100).contains(&max_attempts) {
+            return Err(invalid(key("max_attempts"), "must be between 1 and 100"));
+        }
+        engine.max_attempts = max_attempts;
+    }
+    if let Some(raw) = &overrides.min_attempt_budget {
+        engine.min_attempt_budget = parse_duration(&key("min_attempt_budget"), raw)?;
+    }
+    if let Some(raw) = &overrides.max_retry_after {
+        engine.max_retry_after = parse_duration(&key("max_retry_after"), raw)?;
+    }
+    if let Some(transient) = overrides.transient_500 {
+        engine.transient_500 = transient;
+    }
+    if let Some(names) = &overrides.permanent_failures {
+        engine.permanent_failures = names
+            .iter()
+            .map(|name| {
+                FailureKind::from_name(name).ok_or_else(|| {
+                    invalid(
+                        key("permanent_failures"),
+                        format!("unknown failure kind {name:?}"),
+                    )
+                })
+            })
+            .collect::<Result<_, _>>()?;
+    }
+    if let Some(raw) = &overrides.on_unavailable {
+        bucket.on_unavailable = parse_on_unavailable(&key("on_unavailable"), raw)?;
+    }
+
+    let budget = &overrides.budget;
+    let non_negative = |name: &str, value: Option<f64>, target: &mut f64| {
+        if let Some(value) = value {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(invalid(
+                    key(&format!("budget.{name}")),
+                    "must be a finite number ≥ 0",
+                ));
+            }
+            *target = value;
+        }
+        Ok(())
+    };
+    // A bucket whose capacity shrinks keeps its initial tokens within it,
+    // unless the section sets `initial` itself.
+    non_negative("capacity", budget.capacity, &mut bucket.capacity)?;
+    if budget.capacity.is_some() && budget.initial.is_none() {
+        bucket.initial = bucket.initial.min(bucket.capacity);
+    }
+    non_negative("initial", budget.initial, &mut bucket.initial)?;
+    non_negative("ratio", budget.ratio, &mut bucket.ratio)?;
+    non_negative(
+        "min_per_second",
+        budget.min_per_second,
+        &mut bucket.min_per_second,
+    )?;
+    if bucket.capacity < 1.0 {
+        return Err(invalid(
+            key("budget.capacity"),
+            "must be at least 1 (a retry costs one token)",
+        ));
+    }
+    if bucket.capacity > 1e9 {
+        return Err(invalid(key("budget.capacity"), "must be at most 1e9"));
+    }
+    if bucket.initial > bucket.capacity {
+        return Err(invalid(
+            key("budget.initial"),
+            "must not exceed budget.capacity",
+        ));
+    }
+
+    let backoff = &overrides.backoff;
+    if let Some(raw) = &backoff.base {
+        engine.backoff.base = parse_duration(&key("backoff.base"), raw)?;
+    }
+    if let Some(raw) = &backoff.max {
+        engine.backoff.max = parse_duration(&key("backoff.max"), raw)?;
+    }
+    if let Some(raw) = &backoff.jitter {
+        engine.backoff.jitter = match raw.as_str() {
+            "full" => Jitter::Full,
+            "decorrelated" => Jitter::Decorrelated,
+            other => {
+                return Err(invalid(
+                    key("backoff.jitter"),
+                    format!("must be \"full\" or \"decorrelated\", not {other:?}"),
+                ));
+            }
+        };
+    }
+    if engine.backoff.base > engine.backoff.max {
+        return Err(invalid(key("backoff.base"), "must not exceed backoff.max"));
+    }
+    Ok(UpstreamPolicy { engine, bucket })
+}
+
+fn parse_on_unavailable(key: &str, raw: &str) -> Result<OnUnavailable, InvalidConfig> {
+    match raw {
+        "local" => Ok(OnUnavailable::Local),
+        "deny" => Ok(OnUnavailable::Deny),
+        other => Err(invalid(
+            key,
+            format!("must be \"local\" or \"deny\", not {other:?}"),
+        )),
+    }
+}
+
+fn parse_addr(key: &str, raw: &str) -> Result<SocketAddr, InvalidConfig> {
+    raw.parse()
+        .map_err(|_| invalid(key, format!("{raw:?} is not an IP:port address")))
+}
+
+/// Durations are strings such as `"50ms"` or `"5s"`, at most a day.
+fn parse_duration(key: &str, raw: &str) -> Result<Duration, InvalidConfig> {
+    let duration = humantime::parse_duration(raw.trim()).map_err(|err| {
+        invalid(
+            key,
+            format!("{raw:?} is not a duration like \"50ms\" or \"5s\" ({err})"),
+        )
+    })?;
+    if duration > Duration::from_secs(86_400) {
+        return Err(invalid(key, "must be at most 24h"));
+    }
+    Ok(duration)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(toml: &str) -> Result<Config, InvalidConfig> {
+        Config::try_from(Settings::from_toml(toml)?)
+    }
+
+    fn error_of(toml: &str) -> String {
+        config(toml).expect_err("must be refused").to_string()
+    }
+
+    #[test]
+    fn no_file_gives_the_documented_defaults() {
+        let config = config("").unwrap();
+        assert_eq!(config.listen, "127.0.0.1:50051".parse().unwrap());
+        assert_eq!(config.metrics_listen, "127.0.0.1:9464".parse().unwrap());
+        assert_eq!(config.store, StoreConfig::Memory);
+        assert_eq!(config.policies.defaults().engine, Policy::default());
+        assert_eq!(config.policies.defaults().bucket, BucketConfig::default());
+    }
+
+    #[test]
+    fn the_design_example_parses() {
+        let config = config(
+            r#"
+            [server]
+            listen = "127.0.0.1:50051"
+            metrics_listen = "127.0.0.1:9464"
+            [store]
+            kind = "memory"
+            [defaults]
+            max_attempts = 3
+            min_attempt_budget = "50ms"
+            max_retry_after = "60s"
+            transient_500 = false
+            budget = { capacity = 100.0, initial = 100.0, ratio = 0.1, min_per_second = 1.0 }
+            backoff = { base = "50ms", max = "5s", jitter = "full" }
+            [upstreams."payments-api"]
+            max_attempts = 2
+            budget = { capacity = 20.0 }
+            "#,
+        )
+        .unwrap();
+        let payments = config.policies.get("payments-api");
+        assert_eq!(payments.engine.max_attempts, 2);
+        assert_eq!(payments.bucket.capacity, 20.0);
+        assert_eq!(
+            payments.bucket.initial, 20.0,
+            "initial shrinks with capacity"
+        );
+        assert_eq!(payments.bucket.ratio, 0.1, "inherited from defaults");
+        assert_eq!(config.policies.get("other").engine.max_attempts, 3);
+    }
+
+    #[test]
+    fn upstream_names_keep_their_case_and_dots() {
+        let config = config("[upstreams.\"Payments.API\"]\nmax_attempts = 2\n").unwrap();
+        assert_eq!(config.policies.get("Payments.API").engine.max_attempts, 2);
+        assert_eq!(config.policies.get("payments.api").engine.max_attempts, 3);
+    }
+
+    #[test]
+    fn environment_overrides_the_file() {
+        let environment = HashMap::from([
+            ("RETRYD__STORE__KIND".to_string(), "redis".to_string()),
+            (
+                "RETRYD__STORE__URL".to_string(),
+                "redis://127.0.0.1:6390".to_string(),
+            ),
+            (
+                "RETRYD__DEFAULTS__MAX_ATTEMPTS".to_string(),
+                "5".to_string(),
+            ),
+            (
+                "RETRYD__SERVER__LISTEN".to_string(),
+                "127.0.0.1:7000".to_string(),
+            ),
+        ]);
+        let settings =
+            Settings::from_sources("[defaults]\nmax_attempts = 2\n", Some(environment)).unwrap();
+        let config = Config::try_from(settings).unwrap();
+        assert_eq!(config.policies.defaults().engine.max_attempts, 5);
+        assert_eq!(config.listen.port(), 7000);
+        match config.store {
+            StoreConfig::Redis(redis) => assert_eq!(redis.urls, ["redis://127.0.0.1:6390"]),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let cases = [
+            ("[server]\nlisten = \"nowhere\"", "server.listen"),
+            ("[store]\nkind = \"etcd\"", "store.kind"),
+            ("[store]\nkind = \"redis\"", "store.url"),
+            ("[store]\nkind = \"redis\"\nurl = \"http://x\"", "store.url"),
+            (
+                "[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1\"\nmode = \"fast\"",
+                "store.mode",
+            ),
+            ("[telemetry]\nlog_format = \"xml\"", "telemetry.log_format"),
+            (
+                "[telemetry]\nsampling_ratio = 2.0",
+                "telemetry.sampling_ratio",
+            ),
+            ("[defaults]\nmax_attempts = 0", "defaults.max_attempts"),
+            (
+                "[defaults]\nmin_attempt_budget = \"5 parsecs\"",
+                "defaults.min_attempt_budget",
+            ),
+            (
+                "[defaults]\nbudget = { capacity = -1.0 }",
+                "defaults.budget.capacity",
+            ),
+            (
+                "[defaults]\nbudget = { initial = 500.0 }",
+                "defaults.budget.initial",
+            ),
+            (
+                "[defaults]\nbackoff = { jitter = \"equal\" }",
+                "defaults.backoff.jitter",
+            ),
+            (
+                "[defaults]\nbackoff = { base = \"10s\", max = \"1s\" }",
+                "defaults.backoff.base",
+            ),
+            (
+                "[upstreams.pay]\npermanent_failures = [\"gremlins\"]",
+                "upstreams.\"pay\".permanent_failures",
+            ),
+            (
+                "[upstreams.pay]\non_unavailable = \"panic\"",
+                "upstreams.\"pay\".on_unavailable",
+            ),
+            ("[limits]\nmax_upstreams = 0", "limits.max_upstreams"),
+        ];
+        for (toml, key) in cases {
+            let message = error_of(toml);
+            assert!(
+                message.starts_with(key),
+                "{toml:?} gave {message:?}, expected key {key}"
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_by_name() {
+        let message = error_of("[defaults]\nmax_atempts = 3");
+        assert!(message.contains("max_atempts"), "{message}");
+        let message = error_of("[serverr]\nlisten = \"127.0.0.1:1\"");
+        assert!(message.contains("serverr"), "{message}");
+    }
+}

@@ -1,0 +1,61 @@
+//! Per-upstream policy: the engine's rules and the budget's parameters for
+//! each upstream, resolved once from configuration so that a decision looks
+//! its policy up with one hash probe and no allocation.
+
+use std::collections::HashMap;
+
+use crate::budget::BucketConfig;
+use crate::engine::Policy;
+
+/// Everything configured for one upstream.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UpstreamPolicy {
+    /// The decision rules' parameters.
+    pub engine: Policy,
+    /// The retry budget's parameters.
+    pub bucket: BucketConfig,
+}
+
+/// The policy of every upstream: the named ones, and the defaults for all
+/// others.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Policies {
+    defaults: UpstreamPolicy,
+    named: HashMap<String, UpstreamPolicy>,
+}
+
+impl Policies {
+    /// Policies from the defaults and the upstreams that differ.
+    pub fn new(defaults: UpstreamPolicy, named: HashMap<String, UpstreamPolicy>) -> Self {
+        Policies { defaults, named }
+    }
+
+    /// The policy that applies to `upstream`.
+    pub fn get(&self, upstream: &str) -> &UpstreamPolicy {
+        self.named.get(upstream).unwrap_or(&self.defaults)
+    }
+
+    /// The policy for upstreams the configuration does not name.
+    pub fn defaults(&self) -> &UpstreamPolicy {
+        &self.defaults
+    }
+
+    /// The upstreams the configuration names, in no particular order.
+    pub fn named(&self) -> impl Iterator<Item = (&str, &UpstreamPolicy)> {
+        self.named
+            .iter()
+            .map(|(name, policy)| (name.as_str(), policy))
+    }
+}
+
+impl Default for Policies {
+    fn default() -> Self {
+        Policies::new(
+            UpstreamPolicy {
+                engine: Policy::default(),
+                bucket: BucketConfig::default(),
+            },
+            HashMap::new(),
+        )
+    }
+}
