@@ -85,7 +85,8 @@ impl BucketConfig {
     /// floor allows.
     pub fn refill(&self, elapsed_nanos: u64) -> Refill {
         let units_per_nano = self.min_per_second * UNITS_PER_TOKEN as f64 / 1e9;
-        if !(units_per_nano > 0.0) {
+        // NaN cannot occur (config validates) but must not credit either.
+        if units_per_nano.is_nan() || units_per_nano <= 0.0 {
             // No floor: the whole interval passes with nothing to credit.
             return Refill {
                 units: 0,

@@ -2,7 +2,9 @@
 pub mod budget;
 pub mod config;
 pub mod engine;
+pub mod grpc;
 pub mod policy;
+pub mod telemetry;
 
 pub mod pb {
     //! Generated protobuf and gRPC types.

@@ -1,1 +1,216 @@
-fn main() {}
+//! The `retryd` command: `serve` (the default), `check-config` and `health`.
+//! Startup wiring only: load and validate configuration, start telemetry,
+//! choose the budget store once, serve until SIGTERM or SIGINT.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use retryd::budget::{BudgetStore, MemoryBudgetStore};
+use retryd::config::{Config, StoreConfig};
+use retryd::grpc::{self, Service};
+use retryd::telemetry::{self, Metrics};
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "Decides whether a failed outbound call may be retried."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the gRPC API (the default when no command is given).
+    Serve {
+        /// A TOML configuration file; without one, built-in defaults.
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
+    /// Validate a configuration file (and RETRYD__ overrides) and exit.
+    CheckConfig {
+        /// The TOML file to check.
+        file: PathBuf,
+    },
+    /// Ask a running retryd's gRPC health service; exit 0 if it is serving.
+    Health {
+        /// The gRPC address to ask.
+        #[arg(long, default_value = "127.0.0.1:50051")]
+        addr: SocketAddr,
+        /// How long to wait for an answer.
+        #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command.unwrap_or(Command::Serve { config: None }) {
+        Command::Serve { config } => serve(config),
+        Command::CheckConfig { file } => check_config(&file),
+        Command::Health { addr, timeout } => health(addr, timeout),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("retryd: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn check_config(file: &std::path::Path) -> anyhow::Result<()> {
+    let config = Config::load(Some(file))?;
+    println!(
+        "{}: ok ({} named upstreams, store {})",
+        file.display(),
+        config.policies.named().count(),
+        match config.store {
+            StoreConfig::Memory => "memory",
+            StoreConfig::Redis(_) => "redis",
+        }
+    );
+    Ok(())
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+fn health(addr: SocketAddr, timeout: Duration) -> anyhow::Result<()> {
+    runtime()?.block_on(async {
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+            .connect_timeout(timeout)
+            .timeout(timeout);
+        let channel = endpoint
+            .connect()
+            .await
+            .with_context(|| format!("cannot reach {addr}"))?;
+        let mut client = tonic_health::pb::health_client::HealthClient::new(channel);
+        let response = client
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: "retryd.v1.RetryDecider".into(),
+            })
+            .await
+            .context("health check failed")?;
+        let status = response.into_inner().status();
+        println!("{status:?}");
+        anyhow::ensure!(
+            status == tonic_health::pb::health_check_response::ServingStatus::Serving,
+            "not serving"
+        );
+        Ok(())
+    })
+}
+
+fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
+    // Every bad value is refused before any port is bound.
+    let config = Config::load(config_path.as_deref())?;
+    telemetry::init_logs(&config.telemetry).map_err(anyhow::Error::msg)?;
+    runtime()?.block_on(async move {
+        match config.store.clone() {
+            StoreConfig::Memory => {
+                let store = MemoryBudgetStore::new(config.max_upstreams);
+                run(config, store).await
+            }
+            StoreConfig::Redis(_) => {
+                anyhow::bail!("store.kind: the Redis store is not built into this version yet")
+            }
+        }
+    })
+}
+
+async fn run<S: BudgetStore>(config: Config, store: S) -> anyhow::Result<()> {
+    let grpc_listener = grpc::bind(config.listen)
+        .await
+        .with_context(|| format!("server.listen: cannot bind {}", config.listen))?;
+    let metrics_listener = grpc::bind(config.metrics_listen).await.with_context(|| {
+        format!(
+            "server.metrics_listen: cannot bind {}",
+            config.metrics_listen
+        )
+    })?;
+    let grpc_addr = grpc_listener.local_addr()?;
+    let metrics_addr = metrics_listener.local_addr()?;
+
+    let metrics = Arc::new(Metrics::new(config.policies.named().map(|(name, _)| name)));
+    let service = Service::new(store, config.policies.clone(), Arc::clone(&metrics));
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let scrape = {
+        let service = service.clone();
+        let metrics = Arc::clone(&metrics);
+        let policies = config.policies.clone();
+        move || {
+            let service = service.clone();
+            let metrics = Arc::clone(&metrics);
+            let policies = policies.clone();
+            async move {
+                let budgets = service
+                    .store()
+                    .list(|upstream| policies.get(upstream).bucket)
+                    .await
+                    .unwrap_or_default();
+                metrics.render(&budgets)
+            }
+        }
+    };
+    let metrics_task = tokio::spawn(telemetry::serve_metrics(metrics_listener, scrape, {
+        let mut stop = stop_rx.clone();
+        async move {
+            let _ = stop.wait_for(|stopped| *stopped).await;
+        }
+    }));
+
+    tracing::info!(grpc = %grpc_addr, metrics = %metrics_addr, "retryd listening");
+    // The one line on stdout: where to connect, for scripts and tests that
+    // start retryd on port 0.
+    println!("{{\"grpc\":\"{grpc_addr}\",\"metrics\":\"{metrics_addr}\"}}");
+
+    grpc::serve(
+        grpc_listener,
+        service,
+        async move {
+            shutdown_signal().await;
+            let _ = stop_tx.send(true);
+        },
+        config.shutdown_grace,
+    )
+    .await
+    .context("the gRPC server failed")?;
+    let _ = metrics_task.await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// SIGTERM (what orchestrators and background shells send) or SIGINT.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = interrupt => {}
+                    _ = terminate.recv() => {}
+                }
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot watch SIGTERM; stopping on SIGINT only");
+                let _ = interrupt.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+    tracing::info!("shutdown signal received");
+}

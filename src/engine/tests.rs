@@ -376,13 +376,8 @@ fn status_rows() {
 fn evidence_is_never_upgraded() {
     use Evidence::*;
     // (claim, failure, status) -> (effective, adjusted)
-    let rows: &[(
-        Option<Evidence>,
-        Option<FailureKind>,
-        Option<u16>,
-        Evidence,
-        bool,
-    )] = &[
+    type Row = (Option<Evidence>, Option<FailureKind>, Option<u16>, Evidence, bool);
+    let rows: &[Row] = &[
         (
             Some(NotSent),
             Some(FailureKind::GenericIo),

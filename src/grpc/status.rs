@@ -1,0 +1,29 @@
+//! The one place where errors become `tonic::Status`, so that handlers can
+//! use `?` and every error kind maps the same way everywhere.
+
+use tonic::Status;
+
+use super::validate::InvalidRequest;
+use crate::budget::StoreError;
+
+impl From<InvalidRequest> for Status {
+    fn from(error: InvalidRequest) -> Status {
+        // The message starts with the field, so callers and tests can tell
+        // which field to fix without parsing prose.
+        Status::invalid_argument(error.to_string())
+    }
+}
+
+impl From<StoreError> for Status {
+    fn from(error: StoreError) -> Status {
+        match error {
+            StoreError::TooManyUpstreams { .. } => {
+                Status::resource_exhausted(format!("upstream: {error}"))
+            }
+            StoreError::Unavailable(ref source) => {
+                tracing::warn!(error = %source, "budget store unavailable");
+                Status::unavailable(error.to_string())
+            }
+        }
+    }
+}

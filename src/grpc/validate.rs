@@ -1,0 +1,357 @@
+//! Request validation: protobuf messages in, domain values out, or an
+//! [`InvalidRequest`] naming the field. Nothing is spent before this passes.
+
+use std::time::Duration;
+
+use crate::engine::{Body, Evidence, FailureKind, Idempotency, Replayability};
+use crate::pb;
+
+/// Longest upstream or operation name, in bytes.
+pub const MAX_NAME_BYTES: usize = 256;
+/// Longest Retry-After value, in bytes.
+pub const MAX_RETRY_AFTER_BYTES: usize = 256;
+/// Longest admin reason, in bytes.
+pub const MAX_REASON_BYTES: usize = 1024;
+/// Longest duration accepted in a request.
+pub const MAX_DURATION: Duration = Duration::from_secs(86_400);
+/// Most parts of one multipart body.
+pub const MAX_PARTS: usize = 64;
+/// Deepest nesting of multipart bodies.
+pub const MAX_BODY_DEPTH: usize = 4;
+/// Most body nodes in one request, all levels together.
+pub const MAX_BODY_NODES: usize = 256;
+/// Most entries in one traffic report.
+pub const MAX_TRAFFIC_ENTRIES: usize = 1024;
+
+/// A request field that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct InvalidRequest {
+    /// The field's path, e.g. `body.parts[1].kind`.
+    pub field: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> InvalidRequest {
+    InvalidRequest {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// A [`pb::DecideRequest`] that passed validation, borrowing its strings.
+#[derive(Debug)]
+pub struct ValidDecideRequest<'a> {
+    /// The upstream.
+    pub upstream: &'a str,
+    /// The operation, possibly empty.
+    pub operation: &'a str,
+    /// Declared idempotency.
+    pub idempotency: Idempotency,
+    /// The body.
+    pub body: Body,
+    /// Attempts so far.
+    pub attempt: u32,
+    /// The caller's claim.
+    pub claimed_evidence: Option<Evidence>,
+    /// The stage failure.
+    pub failure: Option<FailureKind>,
+    /// The status.
+    pub http_status: Option<u16>,
+    /// The raw Retry-After.
+    pub retry_after: Option<&'a str>,
+    /// Remaining deadline.
+    pub deadline_remaining: Option<Duration>,
+    /// First byte delivered.
+    pub first_byte_delivered: bool,
+    /// Runtime draining.
+    pub runtime_draining: bool,
+    /// Credentials already refreshed.
+    pub auth_refresh_attempted: bool,
+    /// Backoff before the failed attempt.
+    pub previous_backoff: Option<Duration>,
+    /// The caller's own limit.
+    pub max_attempts: Option<u32>,
+}
+
+/// Validates a decide request.
+pub fn decide_request(
+    request: &pb::DecideRequest,
+) -> Result<ValidDecideRequest<'_>, InvalidRequest> {
+    let upstream = upstream("upstream", &request.upstream)?;
+    let operation = name("operation", &request.operation)?;
+    let idempotency = match pb::Idempotency::try_from(request.idempotency) {
+        Ok(pb::Idempotency::Unspecified) => {
+            return Err(invalid(
+                "idempotency",
+                "required: the caller must declare it",
+            ));
+        }
+        Ok(pb::Idempotency::Safe) => Idempotency::Safe,
+        Ok(pb::Idempotency::Idempotent) => Idempotency::Idempotent,
+        Ok(pb::Idempotency::IdempotentWithKey) => Idempotency::IdempotentWithKey,
+        Ok(pb::Idempotency::NonIdempotent) => Idempotency::NonIdempotent,
+        Err(_) => return Err(unknown_enum("idempotency", request.idempotency)),
+    };
+    let body = match &request.body {
+        None => Body::None,
+        Some(body) => {
+            let mut nodes = 0;
+            self::body("body", body, 1, &mut nodes)?
+        }
+    };
+    if request.attempt == 0 {
+        return Err(invalid(
+            "attempt",
+            "must be at least 1 (1 means the first attempt just failed)",
+        ));
+    }
+    let failure = failure_kind(request.failure)?;
+    let http_status = match request.http_status {
+        0 => None,
+        status @ 100..=599 => Some(status as u16),
+        other => {
+            return Err(invalid(
+                "http_status",
+                format!("must be 0 (none) or 100 to 599, not {other}"),
+            ));
+        }
+    };
+    let claimed_evidence = match pb::Evidence::try_from(request.evidence) {
+        Ok(pb::Evidence::Unspecified) => {
+            if failure.is_none() && http_status.is_none() {
+                return Err(invalid(
+                    "evidence",
+                    "required when neither failure nor http_status says what happened",
+                ));
+            }
+            None
+        }
+        Ok(pb::Evidence::NotSent) => Some(Evidence::NotSent),
+        Ok(pb::Evidence::SentNoResponse) => Some(Evidence::SentNoResponse),
+        Ok(pb::Evidence::ResponseReceived) => {
+            if http_status.is_none() {
+                return Err(invalid(
+                    "http_status",
+                    "required with EVIDENCE_RESPONSE_RECEIVED",
+                ));
+            }
+            Some(Evidence::ResponseReceived)
+        }
+        Ok(pb::Evidence::PartialResponse) => Some(Evidence::PartialResponse),
+        Err(_) => return Err(unknown_enum("evidence", request.evidence)),
+    };
+    if request.retry_after.len() > MAX_RETRY_AFTER_BYTES {
+        return Err(invalid(
+            "retry_after",
+            format!("longer than {MAX_RETRY_AFTER_BYTES} bytes"),
+        ));
+    }
+    let retry_after = Some(request.retry_after.as_str()).filter(|raw| !raw.is_empty());
+    let deadline_remaining = duration("deadline_remaining", request.deadline_remaining.as_ref())?;
+    let previous_backoff = duration("previous_backoff", request.previous_backoff.as_ref())?;
+    Ok(ValidDecideRequest {
+        upstream,
+        operation,
+        idempotency,
+        body,
+        attempt: request.attempt,
+        claimed_evidence,
+        failure,
+        http_status,
+        retry_after,
+        deadline_remaining,
+        first_byte_delivered: request.first_byte_delivered,
+        runtime_draining: request.runtime_draining,
+        auth_refresh_attempted: request.auth_refresh_attempted,
+        previous_backoff,
+        max_attempts: (request.max_attempts > 0).then_some(request.max_attempts),
+    })
+}
+
+/// Validates a traffic report into (upstream, requests) pairs.
+pub fn traffic_report(
+    request: &pb::ReportTrafficRequest,
+) -> Result<Vec<(&str, u64)>, InvalidRequest> {
+    if request.traffic.len() > MAX_TRAFFIC_ENTRIES {
+        return Err(invalid(
+            "traffic",
+            format!("more than {MAX_TRAFFIC_ENTRIES} entries"),
+        ));
+    }
+    request
+        .traffic
+        .iter()
+        .enumerate()
+        .map(|(index, entry)| {
+            let upstream = upstream(&format!("traffic[{index}].upstream"), &entry.upstream)?;
+            // More than a billion requests between two reports is a bug in
+            // the caller, and would fill any bucket anyway.
+            if entry.requests > 1_000_000_000 {
+                return Err(invalid(
+                    format!("traffic[{index}].requests"),
+                    "more than 1e9 in one report",
+                ));
+            }
+            Ok((upstream, entry.requests))
+        })
+        .collect()
+}
+
+/// Validates a required upstream name.
+pub fn upstream<'a>(field: &str, raw: &'a str) -> Result<&'a str, InvalidRequest> {
+    if raw.is_empty() {
+        return Err(invalid(field, "required"));
+    }
+    name(field, raw)
+}
+
+/// Validates a free-text reason for the audit log.
+pub fn reason<'a>(field: &str, raw: &'a str) -> Result<&'a str, InvalidRequest> {
+    if raw.len() > MAX_REASON_BYTES {
+        return Err(invalid(
+            field,
+            format!("longer than {MAX_REASON_BYTES} bytes"),
+        ));
+    }
+    Ok(raw)
+}
+
+/// Names end up in logs, span attributes and metric labels: bounded, and
+/// free of control characters that would forge log lines.
+fn name<'a>(field: &str, raw: &'a str) -> Result<&'a str, InvalidRequest> {
+    if raw.len() > MAX_NAME_BYTES {
+        return Err(invalid(
+            field,
+            format!("longer than {MAX_NAME_BYTES} bytes"),
+        ));
+    }
+    if raw.chars().any(char::is_control) {
+        return Err(invalid(field, "contains control characters"));
+    }
+    Ok(raw)
+}
+
+fn unknown_enum(field: &str, value: i32) -> InvalidRequest {
+    invalid(
+        field,
+        format!("{value} is not a value the contract defines"),
+    )
+}
+
+fn failure_kind(raw: i32) -> Result<Option<FailureKind>, InvalidRequest> {
+    use pb::FailureKind as Pb;
+    let kind = match Pb::try_from(raw) {
+        Ok(Pb::Unspecified) => return Ok(None),
+        Ok(Pb::Dns) => FailureKind::Dns,
+        Ok(Pb::Connect) => FailureKind::Connect,
+        Ok(Pb::PoolTimeout) => FailureKind::PoolTimeout,
+        Ok(Pb::PreRequestTls) => FailureKind::PreRequestTls,
+        Ok(Pb::ProfileRejection) => FailureKind::ProfileRejection,
+        Ok(Pb::Http2RefusedStream) => FailureKind::Http2RefusedStream,
+        Ok(Pb::GoawayUnprocessed) => FailureKind::GoawayUnprocessed,
+        Ok(Pb::PartialWrite) => FailureKind::PartialWrite,
+        Ok(Pb::ResponseHeaderTimeout) => FailureKind::ResponseHeaderTimeout,
+        Ok(Pb::ConnectionReset) => FailureKind::ConnectionReset,
+        Ok(Pb::DecodeReset) => FailureKind::DecodeReset,
+        Ok(Pb::InterruptedStream) => FailureKind::InterruptedStream,
+        Ok(Pb::GenericIo) => FailureKind::GenericIo,
+        Ok(Pb::TlsCertificateInvalid) => FailureKind::TlsCertificateInvalid,
+        Ok(Pb::RequestEncoding) => FailureKind::RequestEncoding,
+        Err(_) => return Err(unknown_enum("failure", raw)),
+    };
+    Ok(Some(kind))
+}
+
+fn body(
+    field: &str,
+    body: &pb::Body,
+    depth: usize,
+    nodes: &mut usize,
+) -> Result<Body, InvalidRequest> {
+    use pb::BodyKind as Pb;
+    *nodes += 1;
+    if *nodes > MAX_BODY_NODES {
+        return Err(invalid(
+            field,
+            format!("the body has more than {MAX_BODY_NODES} parts in all"),
+        ));
+    }
+    let kind =
+        Pb::try_from(body.kind).map_err(|_| unknown_enum(&format!("{field}.kind"), body.kind))?;
+    let declared = pb::Replayability::try_from(body.declared)
+        .map_err(|_| unknown_enum(&format!("{field}.declared"), body.declared))?;
+    if kind != Pb::PublisherFactory && declared != pb::Replayability::Unspecified {
+        return Err(invalid(
+            format!("{field}.declared"),
+            "only a publisher factory declares its replayability",
+        ));
+    }
+    if kind != Pb::Multipart && !body.parts.is_empty() {
+        return Err(invalid(
+            format!("{field}.parts"),
+            "only a multipart body has parts",
+        ));
+    }
+    Ok(match kind {
+        Pb::None => Body::None,
+        Pb::Bytes => Body::Bytes,
+        Pb::EncodedValue => Body::EncodedValue,
+        Pb::ReopenableSupplier => Body::ReopenableSupplier,
+        Pb::InputStream => Body::InputStream,
+        Pb::Publisher => Body::Publisher,
+        Pb::PublisherFactory => Body::PublisherFactory(match declared {
+            pb::Replayability::Unspecified => {
+                return Err(invalid(
+                    format!("{field}.declared"),
+                    "required for a publisher factory",
+                ));
+            }
+            pb::Replayability::Replayable => Replayability::Replayable,
+            pb::Replayability::Reopenable => Replayability::Reopenable,
+            pb::Replayability::OneShot => Replayability::OneShot,
+        }),
+        Pb::Multipart => {
+            if body.parts.is_empty() || body.parts.len() > MAX_PARTS {
+                return Err(invalid(
+                    format!("{field}.parts"),
+                    format!("a multipart body needs 1 to {MAX_PARTS} parts"),
+                ));
+            }
+            if depth >= MAX_BODY_DEPTH {
+                return Err(invalid(
+                    format!("{field}.parts"),
+                    format!("multipart nested deeper than {MAX_BODY_DEPTH}"),
+                ));
+            }
+            let parts = body
+                .parts
+                .iter()
+                .enumerate()
+                .map(|(index, part)| {
+                    self::body(&format!("{field}.parts[{index}]"), part, depth + 1, nodes)
+                })
+                .collect::<Result<_, _>>()?;
+            Body::Multipart(parts)
+        }
+    })
+}
+
+fn duration(
+    field: &str,
+    raw: Option<&prost_types::Duration>,
+) -> Result<Option<Duration>, InvalidRequest> {
+    let Some(raw) = raw else { return Ok(None) };
+    if raw.seconds < 0 || raw.nanos < 0 {
+        return Err(invalid(field, "must not be negative"));
+    }
+    if raw.nanos >= 1_000_000_000 {
+        return Err(invalid(field, "nanos must be below 1e9"));
+    }
+    let duration = Duration::new(raw.seconds as u64, raw.nanos as u32);
+    if duration > MAX_DURATION {
+        return Err(invalid(field, "must be at most 24h"));
+    }
+    Ok(Some(duration))
+}

@@ -1,0 +1,181 @@
+//! Shared helpers for black-box tests: start the real `retryd` binary on a
+//! loopback port with a given configuration, and talk gRPC to it.
+#![allow(dead_code, unreachable_pub)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::SocketAddr;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use retryd::pb;
+use retryd::pb::retry_admin_client::RetryAdminClient;
+use retryd::pb::retry_decider_client::RetryDeciderClient;
+use tonic::transport::Channel;
+
+/// A running `retryd serve`, killed when dropped.
+pub struct Server {
+    child: Option<Child>,
+    /// The gRPC address it bound.
+    pub grpc: SocketAddr,
+    /// The metrics address it bound.
+    pub metrics: SocketAddr,
+    stderr_path: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+/// The path of the binary under test.
+pub fn binary() -> &'static str {
+    env!("CARGO_BIN_EXE_retryd")
+}
+
+impl Server {
+    /// Starts retryd with `extra` appended to a configuration that listens
+    /// on ephemeral loopback ports.
+    pub fn start(extra: &str) -> Server {
+        Server::start_with_env(extra, &[])
+    }
+
+    /// Like [`Server::start`], with extra environment variables.
+    pub fn start_with_env(extra: &str, env: &[(&str, &str)]) -> Server {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config_path = dir.path().join("retryd.toml");
+        let has_server = extra.contains("[server]");
+        let config = if has_server {
+            extra.to_owned()
+        } else {
+            format!(
+                "[server]\nlisten = \"127.0.0.1:0\"\nmetrics_listen = \"127.0.0.1:0\"\nshutdown_grace = \"2s\"\n{extra}"
+            )
+        };
+        std::fs::write(&config_path, config).expect("write config");
+        let stderr_path = dir.path().join("stderr.log");
+        let stderr = std::fs::File::create(&stderr_path).expect("stderr file");
+        let mut command = Command::new(binary());
+        command
+            .args(["serve", "--config"])
+            .arg(&config_path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(stderr);
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let mut child = command.spawn().expect("spawn retryd");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(Duration::from_secs(30)).unwrap_or_default();
+        if line.is_empty() {
+            let _ = child.kill();
+            let mut log = String::new();
+            let _ = std::fs::File::open(&stderr_path).and_then(|mut f| f.read_to_string(&mut log));
+            panic!("retryd did not start: {log}");
+        }
+        let ready: serde_json::Value = serde_json::from_str(&line).expect("ready line is JSON");
+        let addr = |key: &str| {
+            ready[key]
+                .as_str()
+                .expect("address")
+                .parse()
+                .expect("socket address")
+        };
+        Server {
+            grpc: addr("grpc"),
+            metrics: addr("metrics"),
+            child: Some(child),
+            stderr_path,
+            _dir: dir,
+        }
+    }
+
+    /// A channel to the gRPC port.
+    pub async fn channel(&self) -> Channel {
+        tonic::transport::Endpoint::from_shared(format!("http://{}", self.grpc))
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connect to retryd")
+    }
+
+    /// A RetryDecider client.
+    pub async fn decider(&self) -> RetryDeciderClient<Channel> {
+        RetryDeciderClient::new(self.channel().await)
+    }
+
+    /// A RetryAdmin client.
+    pub async fn admin(&self) -> RetryAdminClient<Channel> {
+        RetryAdminClient::new(self.channel().await)
+    }
+
+    /// What the server logged so far.
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM and waits up to `limit` for the process to exit.
+    pub fn terminate(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// Fetches `/metrics`.
+    pub fn scrape(&self) -> String {
+        use std::io::Write;
+        let mut stream = std::net::TcpStream::connect(self.metrics).expect("connect metrics");
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            .expect("send scrape");
+        let mut response = String::new();
+        stream.read_to_string(&mut response).expect("read scrape");
+        response
+            .split_once("\r\n\r\n")
+            .map(|(_, body)| body.to_owned())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("--- retryd stderr ---\n{}", self.logs());
+        }
+    }
+}
+
+/// A request that the default policy answers RETRY: an idempotent call whose
+/// connection could not be established.
+pub fn retryable(upstream: &str) -> pb::DecideRequest {
+    pb::DecideRequest {
+        upstream: upstream.into(),
+        operation: "PUT /things/1".into(),
+        idempotency: pb::Idempotency::Idempotent as i32,
+        attempt: 1,
+        failure: pb::FailureKind::Connect as i32,
+        ..Default::default()
+    }
+}
+
+/// Milliseconds of a protobuf duration.
+pub fn millis(duration: Option<prost_types::Duration>) -> i64 {
+    let duration = duration.unwrap_or_default();
+    duration.seconds * 1000 + i64::from(duration.nanos) / 1_000_000
+}
