@@ -21,7 +21,7 @@ use tonic::transport::Server;
 use crate::budget::BudgetStore;
 use crate::pb;
 use crate::policy::Policies;
-use crate::telemetry::Metrics;
+use crate::telemetry::{Attribute, Metrics, SpanStart, TraceContext, Tracer, attr};
 
 /// The encoded descriptor set of `proto/`, for server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("retryd_descriptor");
@@ -37,8 +37,11 @@ pub struct Service<S> {
 #[derive(Debug)]
 struct Inner<S> {
     store: S,
+    /// How the store is labelled on spans: memory, redis-exact, …
+    store_label: &'static str,
     policies: Policies,
     metrics: Arc<Metrics>,
+    tracer: Tracer,
 }
 
 impl<S> Clone for Service<S> {
@@ -50,13 +53,22 @@ impl<S> Clone for Service<S> {
 }
 
 impl<S: BudgetStore> Service<S> {
-    /// A service deciding with `policies` over `store`.
-    pub fn new(store: S, policies: Policies, metrics: Arc<Metrics>) -> Self {
+    /// A service deciding with `policies` over `store`, labelled
+    /// `store_label` on spans, recording to `metrics` and `tracer`.
+    pub fn new(
+        store: S,
+        store_label: &'static str,
+        policies: Policies,
+        metrics: Arc<Metrics>,
+        tracer: Tracer,
+    ) -> Self {
         Service {
             inner: Arc::new(Inner {
                 store,
+                store_label,
                 policies,
                 metrics,
+                tracer,
             }),
         }
     }
@@ -139,6 +151,29 @@ fn flatten(
         Err(join_error) => {
             tracing::error!(error = %join_error, "the gRPC server task failed");
             Ok(())
+        }
+    }
+}
+
+/// The caller's W3C trace context from gRPC metadata, if it sent a valid one.
+fn trace_context(metadata: &tonic::metadata::MetadataMap) -> Option<TraceContext> {
+    let traceparent = metadata.get("traceparent")?.to_str().ok()?;
+    let tracestate = metadata
+        .get("tracestate")
+        .and_then(|value| value.to_str().ok());
+    TraceContext::parse(traceparent, tracestate)
+}
+
+impl<S> Service<S> {
+    /// Finishes the span of a call that failed with `status`.
+    fn finish_failed(&self, span: Option<SpanStart>, name: &'static str, status: &tonic::Status) {
+        if let Some(span) = span {
+            self.inner.tracer.finish(
+                span,
+                name,
+                vec![(attr::GRPC_STATUS, Attribute::Int(status.code() as i64))],
+                Some(status.message().to_owned()),
+            );
         }
     }
 }

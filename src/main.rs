@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand};
 use retryd::budget::{BudgetStore, MemoryBudgetStore};
 use retryd::config::{Config, StoreConfig};
 use retryd::grpc::{self, Service};
-use retryd::telemetry::{self, Metrics};
+use retryd::telemetry::{self, Metrics, Tracer};
 
 #[derive(Parser)]
 #[command(
@@ -120,7 +120,7 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
         match config.store.clone() {
             StoreConfig::Memory => {
                 let store = MemoryBudgetStore::new(config.max_upstreams);
-                run(config, store).await
+                run(config, store, "memory").await
             }
             StoreConfig::Redis(_) => {
                 anyhow::bail!("store.kind: the Redis store is not built into this version yet")
@@ -129,7 +129,11 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
     })
 }
 
-async fn run<S: BudgetStore>(config: Config, store: S) -> anyhow::Result<()> {
+async fn run<S: BudgetStore>(
+    config: Config,
+    store: S,
+    store_label: &'static str,
+) -> anyhow::Result<()> {
     let grpc_listener = grpc::bind(config.listen)
         .await
         .with_context(|| format!("server.listen: cannot bind {}", config.listen))?;
@@ -143,7 +147,31 @@ async fn run<S: BudgetStore>(config: Config, store: S) -> anyhow::Result<()> {
     let metrics_addr = metrics_listener.local_addr()?;
 
     let metrics = Arc::new(Metrics::new(config.policies.named().map(|(name, _)| name)));
-    let service = Service::new(store, config.policies.clone(), Arc::clone(&metrics));
+    let (tracer, tracer_guard) = match &config.telemetry.otlp_endpoint {
+        Some(endpoint) => {
+            let (tracer, guard) = Tracer::start_exporter(
+                endpoint,
+                config.telemetry.sampling_ratio,
+                Arc::clone(&metrics),
+            )
+            .map_err(anyhow::Error::msg)?;
+            tracing::info!(
+                endpoint,
+                ratio = config.telemetry.sampling_ratio,
+                "exporting decision spans over OTLP"
+            );
+            (tracer, Some(guard))
+        }
+        // No endpoint, no exporter: spans cost nothing.
+        None => (Tracer::disabled(Arc::clone(&metrics)), None),
+    };
+    let service = Service::new(
+        store,
+        store_label,
+        config.policies.clone(),
+        Arc::clone(&metrics),
+        tracer,
+    );
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let scrape = {
@@ -188,6 +216,9 @@ async fn run<S: BudgetStore>(config: Config, store: S) -> anyhow::Result<()> {
     .await
     .context("the gRPC server failed")?;
     let _ = metrics_task.await;
+    if let Some(guard) = tracer_guard {
+        guard.shutdown(Duration::from_secs(5)).await;
+    }
     tracing::info!("stopped");
     Ok(())
 }

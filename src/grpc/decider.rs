@@ -1,35 +1,97 @@
 //! `RetryDecider`: Decide, DecideStream and ReportTraffic.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 use futures::{Stream, StreamExt};
 use rand::Rng;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::{Service, validate};
+use super::validate::ValidDecideRequest;
+use super::{Service, trace_context, validate};
 use crate::budget::{BudgetStore, StoreError};
-use crate::engine::{self, BudgetView, Decision, DenyReason, Evidence, Facts, Verdict};
+use crate::engine::{
+    self, BudgetView, Decision, DenyReason, Evidence, Facts, Idempotency, Verdict,
+};
 use crate::pb;
+use crate::telemetry::metrics::StoreOp;
+use crate::telemetry::trace::hex;
+use crate::telemetry::{Attribute, SPAN_DECIDE, SPAN_REPORT_TRAFFIC, TraceContext, attr};
 
 /// How many stream items may be in flight at once. Responses still leave
 /// in request order; the window only lets store round trips overlap.
 const STREAM_WINDOW: usize = 32;
 
 impl<S: BudgetStore> Service<S> {
-    /// Decides one request: validate, look at the budget, decide, and spend
-    /// a token only if the verdict is RETRY.
+    /// Decides one request under the caller's trace context: validate, look
+    /// at the budget, decide, spend a token only if the verdict is RETRY,
+    /// and record the decision as a span, a log line and counters.
     pub(super) async fn decide_one(
         &self,
         request: &pb::DecideRequest,
+        parent: Option<&TraceContext>,
     ) -> Result<pb::DecideResponse, Status> {
         let started = Instant::now();
-        let valid = validate::decide_request(request)?;
+        let span = self.inner.tracer.start(parent);
+        let valid = match validate::decide_request(request) {
+            Ok(valid) => valid,
+            Err(invalid) => {
+                let status = Status::from(invalid);
+                self.finish_failed(span, SPAN_DECIDE, &status);
+                return Err(status);
+            }
+        };
+        let (decision, tokens_remaining) = match self.decide_valid(&valid).await {
+            Ok(outcome) => outcome,
+            Err(status) => {
+                self.finish_failed(span, SPAN_DECIDE, &status);
+                return Err(status);
+            }
+        };
+
+        let decision_id = format!("{:032x}", rand::rng().random::<u128>());
+        self.inner
+            .metrics
+            .record_decision(valid.upstream, &decision, started.elapsed());
+        tracing::debug!(
+            target: "retryd::decision",
+            decision_id,
+            trace_id = span.as_ref().map(|s| &s.trace_id).or(parent.map(|p| &p.trace_id)).map(|id| hex(id)),
+            upstream = valid.upstream,
+            operation = valid.operation,
+            attempt = valid.attempt,
+            evidence = decision.effective_evidence.as_str(),
+            verdict = decision.verdict.as_str(),
+            rule = decision.rule.number(),
+            "decided"
+        );
+        if let Some(span) = span {
+            let attributes =
+                self.decision_attributes(&valid, &decision, tokens_remaining, &decision_id);
+            self.inner
+                .tracer
+                .finish(span, SPAN_DECIDE, attributes, None);
+        }
+        Ok(response(&decision, decision_id, tokens_remaining))
+    }
+
+    /// The decision proper, on a validated request.
+    async fn decide_valid(
+        &self,
+        valid: &ValidDecideRequest<'_>,
+    ) -> Result<(Decision, f64), Status> {
         let policy = self.inner.policies.get(valid.upstream);
         let store = &self.inner.store;
+        let metrics = &self.inner.metrics;
 
-        let view = match store.view(valid.upstream, &policy.bucket).await {
+        let looked = Instant::now();
+        let viewed = store.view(valid.upstream, &policy.bucket).await;
+        metrics.record_store(StoreOp::View, looked.elapsed(), viewed.is_err());
+        let view = match viewed {
             Ok(snapshot) => BudgetView::from(&snapshot),
+            // The store already fell back to a local bucket if the policy
+            // allows; this error means the policy is to deny.
             Err(StoreError::Unavailable(_)) => BudgetView {
                 tokens: 0.0,
                 retries_enabled: true,
@@ -58,7 +120,10 @@ impl<S: BudgetStore> Service<S> {
         let mut decision = engine::decide(&facts, &policy.engine);
         let mut tokens_remaining = view.tokens;
         if let Verdict::Retry { .. } = decision.verdict {
-            match store.try_withdraw(valid.upstream, &policy.bucket).await {
+            let withdrawing = Instant::now();
+            let withdrawn = store.try_withdraw(valid.upstream, &policy.bucket).await;
+            metrics.record_store(StoreOp::Withdraw, withdrawing.elapsed(), withdrawn.is_err());
+            match withdrawn {
                 Ok(Some(left)) => tokens_remaining = left,
                 // Someone else took the last token after we looked.
                 Ok(None) => {
@@ -72,23 +137,59 @@ impl<S: BudgetStore> Service<S> {
                 Err(other) => return Err(other.into()),
             }
         }
+        Ok((decision, tokens_remaining))
+    }
 
-        let decision_id = format!("{:032x}", rand::rng().random::<u128>());
-        self.inner
-            .metrics
-            .record_decision(valid.upstream, &decision, started.elapsed());
-        tracing::debug!(
-            target: "retryd::decision",
-            decision_id,
-            upstream = valid.upstream,
-            operation = valid.operation,
-            attempt = valid.attempt,
-            evidence = decision.effective_evidence.as_str(),
-            verdict = decision.verdict.as_str(),
-            rule = decision.rule.number(),
-            "decided"
-        );
-        Ok(response(&decision, decision_id, tokens_remaining))
+    fn decision_attributes(
+        &self,
+        valid: &ValidDecideRequest<'_>,
+        decision: &Decision,
+        tokens_remaining: f64,
+        decision_id: &str,
+    ) -> Vec<(&'static str, Attribute)> {
+        let mut attributes = vec![
+            (attr::DECISION_ID, Attribute::Text(decision_id.to_owned())),
+            (attr::UPSTREAM, Attribute::Text(valid.upstream.to_owned())),
+            (attr::OPERATION, Attribute::Text(valid.operation.to_owned())),
+            (attr::ATTEMPT, Attribute::Int(i64::from(valid.attempt))),
+            (
+                attr::IDEMPOTENCY,
+                Attribute::Static(idempotency_name(valid.idempotency)),
+            ),
+            (
+                attr::EVIDENCE_EFFECTIVE,
+                Attribute::Static(decision.effective_evidence.as_str()),
+            ),
+            (attr::VERDICT, Attribute::Static(decision.verdict.as_str())),
+            (
+                attr::RULE,
+                Attribute::Int(i64::from(decision.rule.number())),
+            ),
+            (attr::TOKENS_REMAINING, Attribute::Float(tokens_remaining)),
+            (attr::STORE, Attribute::Static(self.inner.store_label)),
+        ];
+        if let Some(claimed) = valid.claimed_evidence {
+            attributes.push((attr::EVIDENCE_CLAIMED, Attribute::Static(claimed.as_str())));
+        }
+        if let Some(failure) = valid.failure {
+            attributes.push((attr::FAILURE, Attribute::Static(failure.as_str())));
+        }
+        if let Some(status) = valid.http_status {
+            attributes.push((attr::HTTP_STATUS, Attribute::Int(i64::from(status))));
+        }
+        match decision.verdict {
+            Verdict::Retry { backoff, .. } => {
+                attributes.push((
+                    attr::BACKOFF_MS,
+                    Attribute::Float(backoff.as_secs_f64() * 1000.0),
+                ));
+            }
+            Verdict::Deny(reason) => {
+                attributes.push((attr::DENY_REASON, Attribute::Static(reason.as_str())))
+            }
+            Verdict::Ambiguous => {}
+        }
+        attributes
     }
 
     async fn report_traffic(&self, request: &pb::ReportTrafficRequest) -> Result<u32, Status> {
@@ -96,14 +197,31 @@ impl<S: BudgetStore> Service<S> {
         let mut accepted = 0;
         for (upstream, requests) in entries {
             let policy = self.inner.policies.get(upstream);
-            self.inner
+            let depositing = Instant::now();
+            let deposited = self
+                .inner
                 .store
                 .deposit(upstream, &policy.bucket, requests)
-                .await?;
+                .await;
+            self.inner.metrics.record_store(
+                StoreOp::Deposit,
+                depositing.elapsed(),
+                deposited.is_err(),
+            );
+            deposited?;
             self.inner.metrics.record_deposit(requests);
             accepted += 1;
         }
         Ok(accepted)
+    }
+}
+
+fn idempotency_name(idempotency: Idempotency) -> &'static str {
+    match idempotency {
+        Idempotency::Safe => "safe",
+        Idempotency::Idempotent => "idempotent",
+        Idempotency::IdempotentWithKey => "idempotent_with_key",
+        Idempotency::NonIdempotent => "non_idempotent",
     }
 }
 
@@ -177,7 +295,10 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         &self,
         request: Request<pb::DecideRequest>,
     ) -> Result<Response<pb::DecideResponse>, Status> {
-        self.decide_one(request.get_ref()).await.map(Response::new)
+        let parent = trace_context(request.metadata());
+        self.decide_one(request.get_ref(), parent.as_ref())
+            .await
+            .map(Response::new)
     }
 
     type DecideStreamStream = DecideResponseStream;
@@ -187,25 +308,27 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         request: Request<Streaming<pb::DecideRequest>>,
     ) -> Result<Response<Self::DecideStreamStream>, Status> {
         let service = self.clone();
+        // Every item's span is a child of the stream's trace context.
+        let parent = trace_context(request.metadata()).map(Arc::new);
         let responses = request
             .into_inner()
             .map(move |item| {
                 let service = service.clone();
+                let parent = parent.clone();
                 async move {
                     match item {
                         // A bad item is answered in place, so one caller's
                         // mistake does not tear down a shared sidecar stream.
-                        Ok(request) => {
-                            Ok(service.decide_one(&request).await.unwrap_or_else(|status| {
-                                pb::DecideResponse {
-                                    error: Some(pb::StreamError {
-                                        code: status.code() as i32,
-                                        message: status.message().to_owned(),
-                                    }),
-                                    ..pb::DecideResponse::default()
-                                }
-                            }))
-                        }
+                        Ok(request) => Ok(service
+                            .decide_one(&request, parent.as_deref())
+                            .await
+                            .unwrap_or_else(|status| pb::DecideResponse {
+                                error: Some(pb::StreamError {
+                                    code: status.code() as i32,
+                                    message: status.message().to_owned(),
+                                }),
+                                ..pb::DecideResponse::default()
+                            })),
                         // The transport failed: end the stream with it.
                         Err(status) => Err(status),
                     }
@@ -219,7 +342,33 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         &self,
         request: Request<pb::ReportTrafficRequest>,
     ) -> Result<Response<pb::ReportTrafficResponse>, Status> {
-        let accepted = Service::report_traffic(self, request.get_ref()).await?;
-        Ok(Response::new(pb::ReportTrafficResponse { accepted }))
+        let span = self
+            .inner
+            .tracer
+            .start(trace_context(request.metadata()).as_ref());
+        match Service::report_traffic(self, request.get_ref()).await {
+            Ok(accepted) => {
+                if let Some(span) = span {
+                    let requests: u64 = request
+                        .get_ref()
+                        .traffic
+                        .iter()
+                        .map(|entry| entry.requests)
+                        .sum();
+                    let attributes = vec![
+                        (attr::TRAFFIC_ENTRIES, Attribute::Int(i64::from(accepted))),
+                        (attr::TRAFFIC_REQUESTS, Attribute::Int(requests as i64)),
+                    ];
+                    self.inner
+                        .tracer
+                        .finish(span, SPAN_REPORT_TRAFFIC, attributes, None);
+                }
+                Ok(Response::new(pb::ReportTrafficResponse { accepted }))
+            }
+            Err(status) => {
+                self.finish_failed(span, SPAN_REPORT_TRAFFIC, &status);
+                Err(status)
+            }
+        }
     }
 }

@@ -1,0 +1,437 @@
+//! Prometheus metrics: counters and histograms as atomics, indexed so that
+//! recording takes no lock and no allocation, rendered as text on scrape.
+//!
+//! Upstream labels are bounded: the upstreams the configuration names keep
+//! their own label, every other upstream counts as `_other`.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use crate::budget::BudgetSnapshot;
+use crate::engine::{Decision, DenyReason, Verdict};
+
+/// Counter of decisions, by upstream, verdict and reason.
+pub const METRIC_DECISIONS: &str = "retryd_decisions_total";
+/// Histogram of the time to decide, store round trips included.
+pub const METRIC_DECISION_SECONDS: &str = "retryd_decision_duration_seconds";
+/// Counter of real requests reported through ReportTraffic.
+pub const METRIC_REPORTED_REQUESTS: &str = "retryd_reported_requests_total";
+/// Counter of tokens withdrawn (one per RETRY).
+pub const METRIC_WITHDRAWALS: &str = "retryd_budget_withdrawals_total";
+/// Gauge of tokens per tracked upstream.
+pub const METRIC_BUDGET_TOKENS: &str = "retryd_budget_tokens";
+/// Gauge: 0 while retries are switched off for the upstream.
+pub const METRIC_RETRIES_ENABLED: &str = "retryd_retries_enabled";
+/// Gauge of upstreams with state in the store.
+pub const METRIC_TRACKED_UPSTREAMS: &str = "retryd_tracked_upstreams";
+/// Histogram of budget store operations, by operation.
+pub const METRIC_STORE_SECONDS: &str = "retryd_store_operation_duration_seconds";
+/// Counter of failed budget store operations, by operation.
+pub const METRIC_STORE_ERRORS: &str = "retryd_store_errors_total";
+/// Counter of spans handed to the OTLP exporter and accepted.
+pub const METRIC_SPANS_EXPORTED: &str = "retryd_spans_exported_total";
+/// Counter of spans dropped because the export queue was full.
+pub const METRIC_SPANS_DROPPED: &str = "retryd_spans_dropped_total";
+/// Counter of spans lost in failed exports.
+pub const METRIC_SPANS_FAILED: &str = "retryd_spans_export_failed_total";
+
+/// The label of upstreams the configuration does not name.
+pub const OTHER_UPSTREAM: &str = "_other";
+/// Most upstreams listed with their own token gauge in one scrape.
+const MAX_BUDGET_SERIES: usize = 1000;
+
+// Outcomes: retry, ambiguous, then one per deny reason.
+const DENY_REASONS: [DenyReason; 10] = [
+    DenyReason::MaxAttempts,
+    DenyReason::BudgetExhausted,
+    DenyReason::BudgetUnavailable,
+    DenyReason::BodyNotReplayable,
+    DenyReason::ResponseAlreadyDelivered,
+    DenyReason::RuntimeDraining,
+    DenyReason::RetriesDisabled,
+    DenyReason::Deadline,
+    DenyReason::PermanentFailure,
+    DenyReason::StatusNotRetryable,
+];
+const OUTCOMES: usize = 2 + DENY_REASONS.len();
+
+fn outcome_index(verdict: &Verdict) -> usize {
+    match verdict {
+        Verdict::Retry { .. } => 0,
+        Verdict::Ambiguous => 1,
+        Verdict::Deny(reason) => {
+            2 + DENY_REASONS
+                .iter()
+                .position(|known| known == reason)
+                .expect("DENY_REASONS lists every reason")
+        }
+    }
+}
+
+fn outcome_labels(index: usize) -> (&'static str, &'static str) {
+    match index {
+        0 => ("retry", ""),
+        1 => ("ambiguous", ""),
+        n => ("deny", DENY_REASONS[n - 2].as_str()),
+    }
+}
+
+/// Upper bounds of the latency histograms, in seconds.
+const LATENCY_BOUNDS: [f64; 12] = [
+    0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
+    0.1,
+];
+
+/// A latency histogram with fixed buckets.
+#[derive(Debug, Default)]
+struct Histogram {
+    buckets: [AtomicU64; LATENCY_BOUNDS.len()],
+    count: AtomicU64,
+    sum_nanos: AtomicU64,
+}
+
+impl Histogram {
+    fn record(&self, elapsed: Duration) {
+        let seconds = elapsed.as_secs_f64();
+        if let Some(bucket) = LATENCY_BOUNDS.iter().position(|bound| seconds <= *bound) {
+            self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_nanos
+            .fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let separator = if labels.is_empty() { "" } else { "," };
+        let mut cumulative = 0;
+        for (bound, counter) in LATENCY_BOUNDS.iter().zip(&self.buckets) {
+            cumulative += counter.load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels}{separator}le=\"{bound}\"}} {cumulative}"
+            );
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels}{separator}le=\"+Inf\"}} {count}"
+        );
+        let sum = self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
+        let braces = |labels: &str| {
+            if labels.is_empty() {
+                String::new()
+            } else {
+                format!("{{{labels}}}")
+            }
+        };
+        let _ = writeln!(out, "{name}_sum{} {sum}", braces(labels));
+        let _ = writeln!(out, "{name}_count{} {count}", braces(labels));
+    }
+}
+
+/// A budget store operation, for the store metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreOp {
+    /// Reading a budget.
+    View,
+    /// Withdrawing a token.
+    Withdraw,
+    /// Depositing reported traffic.
+    Deposit,
+    /// Switching retries on or off, or listing.
+    Admin,
+}
+
+const STORE_OPS: [(StoreOp, &str); 4] = [
+    (StoreOp::View, "view"),
+    (StoreOp::Withdraw, "withdraw"),
+    (StoreOp::Deposit, "deposit"),
+    (StoreOp::Admin, "admin"),
+];
+
+/// Process-wide counters, recorded by the gRPC edge and the exporter and
+/// rendered on scrape.
+#[derive(Debug)]
+pub struct Metrics {
+    labels: Vec<String>,
+    index: HashMap<String, usize>,
+    decisions: Vec<[AtomicU64; OUTCOMES]>,
+    decision_latency: Histogram,
+    reported_requests: AtomicU64,
+    withdrawals: AtomicU64,
+    store_latency: [Histogram; STORE_OPS.len()],
+    store_errors: [AtomicU64; STORE_OPS.len()],
+    /// Spans accepted by the collector.
+    pub spans_exported: AtomicU64,
+    /// Spans dropped because the export queue was full.
+    pub spans_dropped: AtomicU64,
+    /// Spans lost in failed exports.
+    pub spans_failed: AtomicU64,
+}
+
+impl Metrics {
+    /// Metrics with a label of their own for each of `named_upstreams`.
+    pub fn new<'a>(named_upstreams: impl IntoIterator<Item = &'a str>) -> Metrics {
+        let mut labels: Vec<String> = named_upstreams.into_iter().map(str::to_owned).collect();
+        labels.sort();
+        labels.dedup();
+        labels.push(OTHER_UPSTREAM.to_owned());
+        let index = labels
+            .iter()
+            .enumerate()
+            .take(labels.len() - 1)
+            .map(|(i, label)| (label.clone(), i))
+            .collect();
+        let decisions = labels.iter().map(|_| Default::default()).collect();
+        Metrics {
+            labels,
+            index,
+            decisions,
+            decision_latency: Histogram::default(),
+            reported_requests: AtomicU64::new(0),
+            withdrawals: AtomicU64::new(0),
+            store_latency: Default::default(),
+            store_errors: Default::default(),
+            spans_exported: AtomicU64::new(0),
+            spans_dropped: AtomicU64::new(0),
+            spans_failed: AtomicU64::new(0),
+        }
+    }
+
+    /// Counts one decision and how long it took.
+    pub fn record_decision(&self, upstream: &str, decision: &Decision, elapsed: Duration) {
+        let row = self
+            .index
+            .get(upstream)
+            .copied()
+            .unwrap_or(self.labels.len() - 1);
+        self.decisions[row][outcome_index(&decision.verdict)].fetch_add(1, Ordering::Relaxed);
+        if let Verdict::Retry { .. } = decision.verdict {
+            self.withdrawals.fetch_add(1, Ordering::Relaxed);
+        }
+        self.decision_latency.record(elapsed);
+    }
+
+    /// Counts reported real requests.
+    pub fn record_deposit(&self, requests: u64) {
+        self.reported_requests
+            .fetch_add(requests, Ordering::Relaxed);
+    }
+
+    /// Records one store operation's latency and outcome.
+    pub fn record_store(&self, op: StoreOp, elapsed: Duration, failed: bool) {
+        let index = STORE_OPS
+            .iter()
+            .position(|(known, _)| *known == op)
+            .unwrap_or(0);
+        self.store_latency[index].record(elapsed);
+        if failed {
+            self.store_errors[index].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The Prometheus text exposition of every metric, with the budgets
+    /// the store reported at scrape time.
+    pub fn render(&self, budgets: &[BudgetSnapshot]) -> String {
+        let mut out = String::with_capacity(8192);
+        let help = |out: &mut String, name: &str, kind: &str, text: &str| {
+            let _ = writeln!(out, "# HELP {name} {text}");
+            let _ = writeln!(out, "# TYPE {name} {kind}");
+        };
+        help(
+            &mut out,
+            METRIC_DECISIONS,
+            "counter",
+            "Retry decisions by upstream, verdict and deny reason.",
+        );
+        for (row, label) in self.labels.iter().enumerate() {
+            for (outcome, counter) in self.decisions[row].iter().enumerate() {
+                let value = counter.load(Ordering::Relaxed);
+                if value == 0 {
+                    continue;
+                }
+                let (verdict, reason) = outcome_labels(outcome);
+                let _ = writeln!(
+                    out,
+                    "{METRIC_DECISIONS}{{upstream=\"{}\",verdict=\"{verdict}\",reason=\"{reason}\"}} {value}",
+                    escape(label)
+                );
+            }
+        }
+        help(
+            &mut out,
+            METRIC_DECISION_SECONDS,
+            "histogram",
+            "Time to decide, store round trips included.",
+        );
+        self.decision_latency
+            .render(&mut out, METRIC_DECISION_SECONDS, "");
+
+        let counters = [
+            (
+                METRIC_REPORTED_REQUESTS,
+                "Real requests reported through ReportTraffic.",
+                &self.reported_requests,
+            ),
+            (
+                METRIC_WITHDRAWALS,
+                "Tokens withdrawn, one per RETRY.",
+                &self.withdrawals,
+            ),
+            (
+                METRIC_SPANS_EXPORTED,
+                "Decision spans accepted by the OTLP collector.",
+                &self.spans_exported,
+            ),
+            (
+                METRIC_SPANS_DROPPED,
+                "Spans dropped because the export queue was full.",
+                &self.spans_dropped,
+            ),
+            (
+                METRIC_SPANS_FAILED,
+                "Spans lost in failed OTLP exports.",
+                &self.spans_failed,
+            ),
+        ];
+        for (name, text, counter) in counters {
+            help(&mut out, name, "counter", text);
+            let _ = writeln!(out, "{name} {}", counter.load(Ordering::Relaxed));
+        }
+
+        help(
+            &mut out,
+            METRIC_STORE_SECONDS,
+            "histogram",
+            "Budget store operation latency.",
+        );
+        for ((_, op), histogram) in STORE_OPS.iter().zip(&self.store_latency) {
+            histogram.render(&mut out, METRIC_STORE_SECONDS, &format!("op=\"{op}\""));
+        }
+        help(
+            &mut out,
+            METRIC_STORE_ERRORS,
+            "counter",
+            "Failed budget store operations.",
+        );
+        for ((_, op), counter) in STORE_OPS.iter().zip(&self.store_errors) {
+            let _ = writeln!(
+                out,
+                "{METRIC_STORE_ERRORS}{{op=\"{op}\"}} {}",
+                counter.load(Ordering::Relaxed)
+            );
+        }
+
+        help(
+            &mut out,
+            METRIC_TRACKED_UPSTREAMS,
+            "gauge",
+            "Upstreams with budget state.",
+        );
+        let _ = writeln!(out, "{METRIC_TRACKED_UPSTREAMS} {}", budgets.len());
+        help(
+            &mut out,
+            METRIC_BUDGET_TOKENS,
+            "gauge",
+            "Tokens in the upstream's retry budget.",
+        );
+        for budget in budgets.iter().take(MAX_BUDGET_SERIES) {
+            let _ = writeln!(
+                out,
+                "{METRIC_BUDGET_TOKENS}{{upstream=\"{}\"}} {}",
+                escape(&budget.upstream),
+                budget.tokens
+            );
+        }
+        help(
+            &mut out,
+            METRIC_RETRIES_ENABLED,
+            "gauge",
+            "0 while an operator has switched retries off.",
+        );
+        for budget in budgets.iter().take(MAX_BUDGET_SERIES) {
+            let _ = writeln!(
+                out,
+                "{METRIC_RETRIES_ENABLED}{{upstream=\"{}\"}} {}",
+                escape(&budget.upstream),
+                u8::from(budget.retries_enabled)
+            );
+        }
+        out
+    }
+}
+
+/// Label values escape backslash, quote and newline.
+fn escape(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// Serves `GET /metrics` on `listener` until `shutdown` completes. `scrape`
+/// renders the page. This is deliberately a minimal HTTP/1.1 responder (one
+/// request per connection): Prometheus needs nothing more, and it keeps an
+/// HTTP framework off the dependency list.
+pub async fn serve_metrics<F, Fut>(
+    listener: TcpListener,
+    scrape: F,
+    shutdown: impl Future<Output = ()>,
+) where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = String> + Send,
+{
+    tokio::pin!(shutdown);
+    loop {
+        let (mut stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(pair) => pair,
+                Err(err) => {
+                    tracing::warn!(error = %err, "metrics listener accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => return,
+        };
+        let scrape = scrape.clone();
+        tokio::spawn(async move {
+            let mut request = Vec::with_capacity(1024);
+            let mut buffer = [0u8; 1024];
+            // Read the request head, bounded in size and time.
+            let head = tokio::time::timeout(Duration::from_secs(5), async {
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
+                    match stream.read(&mut buffer).await {
+                        Ok(0) | Err(_) => return false,
+                        Ok(n) => request.extend_from_slice(&buffer[..n]),
+                    }
+                }
+                true
+            })
+            .await;
+            if head != Ok(true) {
+                return;
+            }
+            let line = request.split(|b| *b == b'\r').next().unwrap_or_default();
+            let (status, body) =
+                if line.starts_with(b"GET /metrics ") || line.starts_with(b"GET /metrics?") {
+                    ("200 OK", scrape().await)
+                } else {
+                    ("404 Not Found", "not found: try /metrics\n".to_owned())
+                };
+            let head = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = stream.write_all(head.as_bytes()).await;
+            let _ = stream.write_all(body.as_bytes()).await;
+            let _ = stream.shutdown().await;
+        });
+    }
+}
