@@ -376,7 +376,13 @@ fn status_rows() {
 fn evidence_is_never_upgraded() {
     use Evidence::*;
     // (claim, failure, status) -> (effective, adjusted)
-    type Row = (Option<Evidence>, Option<FailureKind>, Option<u16>, Evidence, bool);
+    type Row = (
+        Option<Evidence>,
+        Option<FailureKind>,
+        Option<u16>,
+        Evidence,
+        bool,
+    );
     let rows: &[Row] = &[
         (
             Some(NotSent),
