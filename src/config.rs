@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::auth::{Auth, Pattern, Principal};
 use crate::budget::{BucketConfig, OnUnavailable};
 use crate::engine::{FailureKind, Jitter, Policy};
 use crate::policy::{Policies, UpstreamPolicy};
@@ -61,6 +62,9 @@ pub struct Settings {
     /// `[limits]`
     #[serde(default)]
     pub limits: LimitSettings,
+    /// `[auth]`
+    #[serde(default)]
+    pub auth: AuthSettings,
     /// `[defaults]`: the policy of every upstream not named below.
     #[serde(default)]
     pub defaults: PolicySettings,
@@ -82,6 +86,86 @@ pub struct ServerSettings {
     /// How long in-flight calls get to finish on SIGTERM.
     #[serde(default = "default_shutdown_grace")]
     pub shutdown_grace: String,
+    /// Listen beyond loopback without `[auth]`: refused unless this is set.
+    #[serde(default)]
+    pub allow_unauthenticated: bool,
+    /// Largest request message accepted, in bytes.
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: usize,
+    /// Concurrent HTTP/2 streams per connection.
+    #[serde(default = "default_max_concurrent_streams")]
+    pub max_concurrent_streams: u32,
+    /// Requests in progress per connection; more are refused with
+    /// RESOURCE_EXHAUSTED rather than queued.
+    #[serde(default = "default_max_concurrent_requests")]
+    pub max_concurrent_requests: usize,
+    /// Longest a unary call may take before it is cancelled.
+    #[serde(default = "default_request_timeout")]
+    pub request_timeout: String,
+    /// `[server.tls]`: TLS, and mTLS with a client CA.
+    pub tls: Option<TlsSettings>,
+}
+
+/// `[server.tls]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSettings {
+    /// PEM certificate chain of the server.
+    pub cert_file: String,
+    /// PEM private key of the server.
+    pub key_file: String,
+    /// PEM CA bundle that client certificates must chain to (mTLS).
+    pub client_ca_file: Option<String>,
+    /// With a client CA: `required` (default) or `optional` (callers may
+    /// authenticate with an API key instead).
+    #[serde(default = "default_client_auth")]
+    pub client_auth: String,
+}
+
+fn default_client_auth() -> String {
+    "required".into()
+}
+fn default_max_message_bytes() -> usize {
+    64 * 1024
+}
+fn default_max_concurrent_streams() -> u32 {
+    128
+}
+fn default_max_concurrent_requests() -> usize {
+    1024
+}
+fn default_request_timeout() -> String {
+    "5s".into()
+}
+
+/// `[auth]`
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthSettings {
+    /// `[[auth.principals]]`: with at least one, every call must
+    /// authenticate.
+    #[serde(default)]
+    pub principals: Vec<PrincipalSettings>,
+}
+
+/// `[[auth.principals]]`
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrincipalSettings {
+    /// Name, for logs and audit.
+    pub name: String,
+    /// SHA-256 (hex) of each API key it may present (`retryd hash-key`).
+    #[serde(default)]
+    pub api_keys_sha256: Vec<String>,
+    /// mTLS certificate identities (DNS/URI SAN or CN) it may present.
+    #[serde(default)]
+    pub identities: Vec<String>,
+    /// Upstream patterns it may decide and report for (`*` wildcards).
+    #[serde(default)]
+    pub upstreams: Vec<String>,
+    /// Whether it may call RetryAdmin.
+    #[serde(default)]
+    pub admin: bool,
 }
 
 fn default_listen() -> String {
@@ -100,6 +184,12 @@ impl Default for ServerSettings {
             listen: default_listen(),
             metrics_listen: default_metrics_listen(),
             shutdown_grace: default_shutdown_grace(),
+            allow_unauthenticated: false,
+            max_message_bytes: default_max_message_bytes(),
+            max_concurrent_streams: default_max_concurrent_streams(),
+            max_concurrent_requests: default_max_concurrent_requests(),
+            request_timeout: default_request_timeout(),
+            tls: None,
         }
     }
 }
@@ -195,6 +285,14 @@ pub struct TelemetrySettings {
     /// A `tracing` filter, e.g. `info` or `retryd=debug`.
     #[serde(default = "default_log_level")]
     pub log_level: String,
+    /// Finished spans waiting for export, at most; beyond it spans are
+    /// dropped (and counted) rather than slowing decisions.
+    #[serde(default = "default_export_queue")]
+    pub export_queue: usize,
+}
+
+fn default_export_queue() -> usize {
+    8192
 }
 
 fn default_sampling_ratio() -> f64 {
@@ -214,6 +312,7 @@ impl Default for TelemetrySettings {
             sampling_ratio: default_sampling_ratio(),
             log_format: default_log_format(),
             log_level: default_log_level(),
+            export_queue: default_export_queue(),
         }
     }
 }
@@ -386,10 +485,38 @@ pub struct TelemetryConfig {
     pub log_format: LogFormat,
     /// Log filter.
     pub log_level: String,
+    /// Span export queue capacity.
+    pub export_queue: usize,
+}
+
+/// The validated `[server.tls]`, files read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsConfig {
+    /// PEM certificate chain.
+    pub cert_pem: Vec<u8>,
+    /// PEM private key.
+    pub key_pem: Vec<u8>,
+    /// PEM client CA bundle, for mTLS.
+    pub client_ca_pem: Option<Vec<u8>>,
+    /// Whether a client certificate may be absent (mTLS optional).
+    pub client_auth_optional: bool,
+}
+
+/// Transport limits of the gRPC server.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// Largest request message, bytes.
+    pub max_message_bytes: usize,
+    /// HTTP/2 streams per connection.
+    pub max_concurrent_streams: u32,
+    /// Requests in progress per connection.
+    pub max_concurrent_requests: usize,
+    /// Per-call time limit.
+    pub request_timeout: Duration,
 }
 
 /// The validated configuration the service runs on.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct Config {
     /// gRPC address.
     pub listen: SocketAddr,
@@ -397,6 +524,12 @@ pub struct Config {
     pub metrics_listen: SocketAddr,
     /// Time allowed for in-flight calls on shutdown.
     pub shutdown_grace: Duration,
+    /// TLS of the gRPC port, if any.
+    pub tls: Option<TlsConfig>,
+    /// Transport limits.
+    pub server_limits: ServerLimits,
+    /// Who may call, and what for.
+    pub auth: Auth,
     /// The budget store.
     pub store: StoreConfig,
     /// Telemetry.
@@ -415,6 +548,22 @@ impl TryFrom<Settings> for Config {
         let metrics_listen = parse_addr("server.metrics_listen", &settings.server.metrics_listen)?;
         let shutdown_grace =
             parse_duration("server.shutdown_grace", &settings.server.shutdown_grace)?;
+        let tls = settings.server.tls.as_ref().map(tls_config).transpose()?;
+        let server_limits = server_limits(&settings.server)?;
+        let auth = auth(&settings.auth)?;
+        // Without authentication, anyone who can reach the port can drain
+        // budgets and switch retries off: only loopback, unless insisted.
+        if !listen.ip().is_loopback()
+            && !auth.is_enabled()
+            && !settings.server.allow_unauthenticated
+        {
+            return Err(invalid(
+                "server.listen",
+                format!(
+                    "{listen} is not a loopback address and [auth] names no principal; configure [auth] or set server.allow_unauthenticated = true"
+                ),
+            ));
+        }
 
         let store = match settings.store.kind.as_str() {
             "memory" => StoreConfig::Memory,
@@ -459,7 +608,14 @@ impl TryFrom<Settings> for Config {
             sampling_ratio: telemetry.sampling_ratio,
             log_format,
             log_level: telemetry.log_level.clone(),
+            export_queue: telemetry.export_queue,
         };
+        if !(1..=1_000_000).contains(&telemetry.export_queue) {
+            return Err(invalid(
+                "telemetry.export_queue",
+                "must be between 1 and 1000000",
+            ));
+        }
 
         if settings.limits.max_upstreams == 0 {
             return Err(invalid("limits.max_upstreams", "must be at least 1"));
@@ -495,6 +651,9 @@ impl TryFrom<Settings> for Config {
             listen,
             metrics_listen,
             shutdown_grace,
+            tls,
+            server_limits,
+            auth,
             store,
             telemetry,
             max_upstreams: settings.limits.max_upstreams,
@@ -508,6 +667,142 @@ impl Config {
     pub fn load(path: Option<&Path>) -> Result<Config, InvalidConfig> {
         Config::try_from(Settings::load(path)?)
     }
+}
+
+fn tls_config(tls: &TlsSettings) -> Result<TlsConfig, InvalidConfig> {
+    let read = |key: &str, path: &str| {
+        std::fs::read(path).map_err(|err| invalid(key, format!("cannot read {path:?}: {err}")))
+    };
+    let cert_pem = read("server.tls.cert_file", &tls.cert_file)?;
+    let key_pem = read("server.tls.key_file", &tls.key_file)?;
+    let client_ca_pem = tls
+        .client_ca_file
+        .as_deref()
+        .map(|path| read("server.tls.client_ca_file", path))
+        .transpose()?;
+    for (key, pem) in [
+        ("server.tls.cert_file", Some(&cert_pem)),
+        ("server.tls.key_file", Some(&key_pem)),
+        ("server.tls.client_ca_file", client_ca_pem.as_ref()),
+    ] {
+        if pem.is_some_and(|pem| !pem.windows(11).any(|w| w == b"-----BEGIN ")) {
+            return Err(invalid(key, "is not a PEM file"));
+        }
+    }
+    let client_auth_optional = match tls.client_auth.as_str() {
+        "required" => false,
+        "optional" => true,
+        other => {
+            return Err(invalid(
+                "server.tls.client_auth",
+                format!("must be \"required\" or \"optional\", not {other:?}"),
+            ));
+        }
+    };
+    Ok(TlsConfig {
+        cert_pem,
+        key_pem,
+        client_ca_pem,
+        client_auth_optional,
+    })
+}
+
+fn server_limits(server: &ServerSettings) -> Result<ServerLimits, InvalidConfig> {
+    if !(1024..=16 * 1024 * 1024).contains(&server.max_message_bytes) {
+        return Err(invalid(
+            "server.max_message_bytes",
+            "must be between 1024 and 16777216",
+        ));
+    }
+    if server.max_concurrent_streams == 0 {
+        return Err(invalid(
+            "server.max_concurrent_streams",
+            "must be at least 1",
+        ));
+    }
+    if server.max_concurrent_requests == 0 {
+        return Err(invalid(
+            "server.max_concurrent_requests",
+            "must be at least 1",
+        ));
+    }
+    let request_timeout = parse_duration("server.request_timeout", &server.request_timeout)?;
+    if request_timeout.is_zero() {
+        return Err(invalid("server.request_timeout", "must be above zero"));
+    }
+    Ok(ServerLimits {
+        max_message_bytes: server.max_message_bytes,
+        max_concurrent_streams: server.max_concurrent_streams,
+        max_concurrent_requests: server.max_concurrent_requests,
+        request_timeout,
+    })
+}
+
+fn auth(settings: &AuthSettings) -> Result<Auth, InvalidConfig> {
+    if settings.principals.is_empty() {
+        return Ok(Auth::disabled());
+    }
+    let mut principals = Vec::with_capacity(settings.principals.len());
+    let mut names = std::collections::HashSet::new();
+    let mut credentials = std::collections::HashSet::new();
+    for (index, principal) in settings.principals.iter().enumerate() {
+        let key = |name: &str| format!("auth.principals[{index}].{name}");
+        if principal.name.is_empty() || !names.insert(principal.name.as_str()) {
+            return Err(invalid(key("name"), "must be non-empty and unique"));
+        }
+        if principal.api_keys_sha256.is_empty() && principal.identities.is_empty() {
+            return Err(invalid(
+                key("api_keys_sha256"),
+                "a principal needs an API key hash or an identity",
+            ));
+        }
+        let mut hashes = Vec::new();
+        for hex in &principal.api_keys_sha256 {
+            let hash = decode_sha256(hex).ok_or_else(|| {
+                invalid(
+                    key("api_keys_sha256"),
+                    "each entry must be 64 hex digits (retryd hash-key)",
+                )
+            })?;
+            if !credentials.insert(format!("key:{hex}")) {
+                return Err(invalid(
+                    key("api_keys_sha256"),
+                    "a key belongs to one principal only",
+                ));
+            }
+            hashes.push(hash);
+        }
+        for identity in &principal.identities {
+            if identity.is_empty() || !credentials.insert(format!("id:{identity}")) {
+                return Err(invalid(
+                    key("identities"),
+                    "identities must be non-empty and belong to one principal only",
+                ));
+            }
+        }
+        principals.push((
+            Principal {
+                name: principal.name.clone(),
+                upstreams: principal.upstreams.iter().map(Pattern::new).collect(),
+                admin: principal.admin,
+            },
+            hashes,
+            principal.identities.clone(),
+        ));
+    }
+    Ok(Auth::new(principals))
+}
+
+fn decode_sha256(hex: &str) -> Option<[u8; 32]> {
+    let hex = hex.trim().to_ascii_lowercase();
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
 }
 
 fn redis_config(store: &StoreSettings) -> Result<RedisConfig, InvalidConfig> {
@@ -844,6 +1139,31 @@ mod tests {
                 "upstreams.\"pay\".on_unavailable",
             ),
             ("[limits]\nmax_upstreams = 0", "limits.max_upstreams"),
+            ("[server]\nlisten = \"0.0.0.0:50051\"", "server.listen"),
+            (
+                "[server]\nrequest_timeout = \"0s\"",
+                "server.request_timeout",
+            ),
+            (
+                "[server]\nmax_message_bytes = 10",
+                "server.max_message_bytes",
+            ),
+            (
+                "[server.tls]\ncert_file = \"/nonexistent.pem\"\nkey_file = \"/nonexistent.pem\"",
+                "server.tls.cert_file",
+            ),
+            (
+                "[[auth.principals]]\nname = \"a\"",
+                "auth.principals[0].api_keys_sha256",
+            ),
+            (
+                "[[auth.principals]]\nname = \"a\"\napi_keys_sha256 = [\"abc\"]",
+                "auth.principals[0].api_keys_sha256",
+            ),
+            (
+                "[[auth.principals]]\nname = \"a\"\nidentities = [\"x\"]\n[[auth.principals]]\nname = \"a\"\nidentities = [\"y\"]",
+                "auth.principals[1].name",
+            ),
         ];
         for (toml, key) in cases {
             let message = error_of(toml);
@@ -852,6 +1172,19 @@ mod tests {
                 "{toml:?} gave {message:?}, expected key {key}"
             );
         }
+    }
+
+    #[test]
+    fn public_listen_needs_auth_or_insistence() {
+        let insisted =
+            config("[server]\nlisten = \"0.0.0.0:50051\"\nallow_unauthenticated = true\n").unwrap();
+        assert!(!insisted.auth.is_enabled());
+        let key = "0".repeat(64);
+        let with_auth = config(&format!(
+            "[server]\nlisten = \"0.0.0.0:50051\"\n[[auth.principals]]\nname = \"a\"\napi_keys_sha256 = [\"{key}\"]\nupstreams = [\"*\"]\n"
+        ))
+        .unwrap();
+        assert!(with_auth.auth.is_enabled());
     }
 
     #[test]

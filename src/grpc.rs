@@ -11,6 +11,7 @@ pub mod validate;
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,7 +19,11 @@ use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Server;
 
+use arc_swap::ArcSwap;
+
+use crate::auth::{Auth, Principal, certificate_identities};
 use crate::budget::BudgetStore;
+use crate::config::{Config, InvalidConfig, ServerLimits, TlsConfig};
 use crate::pb;
 use crate::policy::Policies;
 use crate::telemetry::{Attribute, Metrics, SpanStart, TraceContext, Tracer, attr};
@@ -39,9 +44,32 @@ struct Inner<S> {
     store: S,
     /// How the store is labelled on spans: memory, redis-exact, …
     store_label: &'static str,
-    policies: Policies,
+    /// What a reload may replace, swapped as one value so that every call
+    /// sees wholly the old or wholly the new configuration.
+    live: ArcSwap<Live>,
     metrics: Arc<Metrics>,
     tracer: Tracer,
+    /// Where the configuration came from, for reloads.
+    reload: Reload,
+}
+
+/// The reloadable part of the configuration.
+#[derive(Debug)]
+pub struct Live {
+    /// Per-upstream policies.
+    pub policies: Policies,
+    /// Who may call.
+    pub auth: Auth,
+}
+
+/// How to reload: the file the server started with and what it said at
+/// startup, to tell the operator which changes need a restart.
+#[derive(Debug)]
+pub struct Reload {
+    /// The configuration file, if any.
+    pub path: Option<PathBuf>,
+    /// The configuration at startup.
+    pub startup: Config,
 }
 
 impl<S> Clone for Service<S> {
@@ -53,24 +81,116 @@ impl<S> Clone for Service<S> {
 }
 
 impl<S: BudgetStore> Service<S> {
-    /// A service deciding with `policies` over `store`, labelled
-    /// `store_label` on spans, recording to `metrics` and `tracer`.
+    /// A service deciding with the policies and principals of
+    /// `reload.startup` over `store`, labelled `store_label` on spans,
+    /// recording to `metrics` and `tracer`.
     pub fn new(
         store: S,
         store_label: &'static str,
-        policies: Policies,
+        reload: Reload,
         metrics: Arc<Metrics>,
         tracer: Tracer,
     ) -> Self {
+        let live = Live {
+            policies: reload.startup.policies.clone(),
+            auth: reload.startup.auth.clone(),
+        };
         Service {
             inner: Arc::new(Inner {
                 store,
                 store_label,
-                policies,
+                live: ArcSwap::from_pointee(live),
                 metrics,
                 tracer,
+                reload,
             }),
         }
+    }
+
+    /// The policies in force now.
+    pub fn policies(&self) -> Arc<Live> {
+        self.inner.live.load_full()
+    }
+
+    /// Re-reads the configuration file and swaps in its policies and
+    /// principals. An invalid file changes nothing. Returns the number of
+    /// named upstreams and the changed keys that need a restart.
+    pub fn reload(&self) -> Result<(usize, Vec<&'static str>), InvalidConfig> {
+        let result = Config::load(self.inner.reload.path.as_deref());
+        self.inner.metrics.record_reload(result.is_ok());
+        let config = match result {
+            Ok(config) => config,
+            Err(error) => {
+                tracing::error!(%error, "configuration reload refused; keeping the running configuration");
+                return Err(error);
+            }
+        };
+        let startup = &self.inner.reload.startup;
+        let restart_required: Vec<&'static str> = [
+            ("server.listen", config.listen != startup.listen),
+            (
+                "server.metrics_listen",
+                config.metrics_listen != startup.metrics_listen,
+            ),
+            ("server.tls", config.tls != startup.tls),
+            (
+                "server limits",
+                config.server_limits != startup.server_limits,
+            ),
+            ("store", config.store != startup.store),
+            ("telemetry", config.telemetry != startup.telemetry),
+            (
+                "limits.max_upstreams",
+                config.max_upstreams != startup.max_upstreams,
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(key, changed)| changed.then_some(key))
+        .collect();
+        if !restart_required.is_empty() {
+            tracing::warn!(
+                ?restart_required,
+                "these settings changed but take effect only after a restart"
+            );
+        }
+        let named = config.policies.named().count();
+        self.inner.live.store(Arc::new(Live {
+            policies: config.policies,
+            auth: config.auth,
+        }));
+        tracing::info!(named_upstreams = named, "configuration reloaded");
+        Ok((named, restart_required))
+    }
+
+    /// Who is calling: the principal behind the request's API key or client
+    /// certificate (anonymous when authentication is off).
+    fn authenticate<T>(
+        &self,
+        live: &Live,
+        request: &tonic::Request<T>,
+    ) -> Result<Arc<Principal>, tonic::Status> {
+        if !live.auth.is_enabled() {
+            return Ok(live.auth.authenticate(None, [])?);
+        }
+        let authorization =
+            match request.metadata().get("authorization") {
+                Some(value) => Some(value.to_str().map_err(|_| {
+                    tonic::Status::unauthenticated("authorization: not valid ASCII")
+                })?),
+                None => None,
+            };
+        let identities: Vec<String> = request
+            .peer_certs()
+            .map(|certificates| {
+                certificates
+                    .iter()
+                    .flat_map(|certificate| certificate_identities(certificate.as_ref()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Ok(live
+            .auth
+            .authenticate(authorization, identities.iter().map(String::as_str))?)
     }
 
     /// The budget store, for health checks and metrics.
@@ -88,6 +208,8 @@ pub async fn serve<S: BudgetStore>(
     shutdown: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
 ) -> Result<(), tonic::transport::Error> {
+    let tls = service.inner.reload.startup.tls.clone();
+    let limits = service.inner.reload.startup.server_limits.clone();
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
         .set_serving::<pb::retry_decider_server::RetryDeciderServer<Service<S>>>()
@@ -108,14 +230,17 @@ pub async fn serve<S: BudgetStore>(
         .expect("the descriptor sets are compiled in and valid");
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let router = Server::builder()
+    let mut builder = server_builder(&limits, tls.as_ref())?;
+    let decider = pb::retry_decider_server::RetryDeciderServer::new(service.clone())
+        .max_decoding_message_size(limits.max_message_bytes);
+    let admin = pb::retry_admin_server::RetryAdminServer::new(service)
+        .max_decoding_message_size(limits.max_message_bytes);
+    let router = builder
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(pb::retry_decider_server::RetryDeciderServer::new(
-            service.clone(),
-        ))
-        .add_service(pb::retry_admin_server::RetryAdminServer::new(service));
+        .add_service(decider)
+        .add_service(admin);
     let mut server = tokio::spawn(router.serve_with_incoming_shutdown(
         TcpListenerStream::new(listener),
         async {
@@ -141,6 +266,33 @@ pub async fn serve<S: BudgetStore>(
             Ok(())
         }
     }
+}
+
+/// A server with the configured limits and TLS. Overload is refused with
+/// RESOURCE_EXHAUSTED (load shedding) rather than queued without bound.
+fn server_builder(
+    limits: &ServerLimits,
+    tls: Option<&TlsConfig>,
+) -> Result<Server, tonic::transport::Error> {
+    let mut builder = Server::builder()
+        .max_concurrent_streams(limits.max_concurrent_streams)
+        .concurrency_limit_per_connection(limits.max_concurrent_requests)
+        .load_shed(true)
+        .timeout(limits.request_timeout)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)));
+    if let Some(tls) = tls {
+        let mut config = tonic::transport::ServerTlsConfig::new().identity(
+            tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem),
+        );
+        if let Some(ca) = &tls.client_ca_pem {
+            config = config
+                .client_ca_root(tonic::transport::Certificate::from_pem(ca))
+                .client_auth_optional(tls.client_auth_optional);
+        }
+        builder = builder.tls_config(config)?;
+    }
+    Ok(builder)
 }
 
 fn flatten(

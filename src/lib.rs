@@ -1,4 +1,5 @@
 //! retryd: decides whether a failed outbound call may be tried again.
+pub mod auth;
 pub mod budget;
 pub mod config;
 pub mod engine;

@@ -12,7 +12,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use retryd::budget::{BudgetStore, MemoryBudgetStore};
 use retryd::config::{Config, StoreConfig};
-use retryd::grpc::{self, Service};
+use retryd::grpc::{self, Reload, Service};
 use retryd::telemetry::{self, Metrics, Tracer};
 
 #[derive(Parser)]
@@ -38,6 +38,9 @@ enum Command {
         /// The TOML file to check.
         file: PathBuf,
     },
+    /// Print the SHA-256 of an API key read from stdin, for
+    /// `auth.principals[].api_keys_sha256`.
+    HashKey,
     /// Ask a running retryd's gRPC health service; exit 0 if it is serving.
     Health {
         /// The gRPC address to ask.
@@ -55,6 +58,7 @@ fn main() -> ExitCode {
         Command::Serve { config } => serve(config),
         Command::CheckConfig { file } => check_config(&file),
         Command::Health { addr, timeout } => health(addr, timeout),
+        Command::HashKey => hash_key(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -75,6 +79,24 @@ fn check_config(file: &std::path::Path) -> anyhow::Result<()> {
             StoreConfig::Memory => "memory",
             StoreConfig::Redis(_) => "redis",
         }
+    );
+    Ok(())
+}
+
+fn hash_key() -> anyhow::Result<()> {
+    let mut key = String::new();
+    std::io::stdin()
+        .read_line(&mut key)
+        .context("cannot read the key from stdin")?;
+    let key = key.trim_end_matches(['\r', '\n']);
+    anyhow::ensure!(
+        key.len() >= 16,
+        "an API key should be at least 16 characters"
+    );
+    let hash = retryd::auth::hash_key(key);
+    println!(
+        "{}",
+        hash.iter().map(|b| format!("{b:02x}")).collect::<String>()
     );
     Ok(())
 }
@@ -115,12 +137,18 @@ fn health(addr: SocketAddr, timeout: Duration) -> anyhow::Result<()> {
 fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
     // Every bad value is refused before any port is bound.
     let config = Config::load(config_path.as_deref())?;
+    if !config.listen.ip().is_loopback() && !config.auth.is_enabled() {
+        eprintln!(
+            "retryd: WARNING: serving {} without authentication (server.allow_unauthenticated)",
+            config.listen
+        );
+    }
     telemetry::init_logs(&config.telemetry).map_err(anyhow::Error::msg)?;
     runtime()?.block_on(async move {
         match config.store.clone() {
             StoreConfig::Memory => {
                 let store = MemoryBudgetStore::new(config.max_upstreams);
-                run(config, store, "memory").await
+                run(config, config_path, store, "memory").await
             }
             StoreConfig::Redis(_) => {
                 anyhow::bail!("store.kind: the Redis store is not built into this version yet")
@@ -131,6 +159,7 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
 
 async fn run<S: BudgetStore>(
     config: Config,
+    config_path: Option<PathBuf>,
     store: S,
     store_label: &'static str,
 ) -> anyhow::Result<()> {
@@ -152,6 +181,7 @@ async fn run<S: BudgetStore>(
             let (tracer, guard) = Tracer::start_exporter(
                 endpoint,
                 config.telemetry.sampling_ratio,
+                config.telemetry.export_queue,
                 Arc::clone(&metrics),
             )
             .map_err(anyhow::Error::msg)?;
@@ -165,27 +195,31 @@ async fn run<S: BudgetStore>(
         // No endpoint, no exporter: spans cost nothing.
         None => (Tracer::disabled(Arc::clone(&metrics)), None),
     };
+    let shutdown_grace = config.shutdown_grace;
     let service = Service::new(
         store,
         store_label,
-        config.policies.clone(),
+        Reload {
+            path: config_path,
+            startup: config.clone(),
+        },
         Arc::clone(&metrics),
         tracer,
     );
+    tokio::spawn(reload_on_sighup(service.clone()));
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let scrape = {
         let service = service.clone();
         let metrics = Arc::clone(&metrics);
-        let policies = config.policies.clone();
         move || {
             let service = service.clone();
             let metrics = Arc::clone(&metrics);
-            let policies = policies.clone();
             async move {
+                let live = service.policies();
                 let budgets = service
                     .store()
-                    .list(|upstream| policies.get(upstream).bucket)
+                    .list(|upstream| live.policies.get(upstream).bucket)
                     .await
                     .unwrap_or_default();
                 metrics.render(&budgets)
@@ -211,7 +245,7 @@ async fn run<S: BudgetStore>(
             shutdown_signal().await;
             let _ = stop_tx.send(true);
         },
-        config.shutdown_grace,
+        shutdown_grace,
     )
     .await
     .context("the gRPC server failed")?;
@@ -221,6 +255,29 @@ async fn run<S: BudgetStore>(
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Reloads policies and principals on every SIGHUP. A bad file is logged,
+/// counted and ignored (see `Service::reload`).
+async fn reload_on_sighup<S: BudgetStore>(service: Service<S>) {
+    #[cfg(unix)]
+    {
+        let mut hangups = match tokio::signal::unix::signal(
+            tokio::signal::unix::SignalKind::hangup(),
+        ) {
+            Ok(signal) => signal,
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot watch SIGHUP; reload with RetryAdmin/ReloadConfig");
+                return;
+            }
+        };
+        while hangups.recv().await.is_some() {
+            tracing::info!("SIGHUP: reloading the configuration");
+            let _ = service.reload();
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = service;
 }
 
 /// SIGTERM (what orchestrators and background shells send) or SIGINT.

@@ -30,6 +30,8 @@ pub const SPAN_GET_BUDGET: &str = "retry.admin.get_budget";
 pub const SPAN_LIST_BUDGETS: &str = "retry.admin.list_budgets";
 /// See [`SPAN_GET_BUDGET`].
 pub const SPAN_SET_RETRIES_ENABLED: &str = "retry.admin.set_retries_enabled";
+/// See [`SPAN_GET_BUDGET`].
+pub const SPAN_RELOAD_CONFIG: &str = "retry.admin.reload_config";
 
 /// Span attribute names.
 pub mod attr {
@@ -75,8 +77,10 @@ pub mod attr {
     pub const RETRIES_ENABLED_PREVIOUS: &str = "retry.retries_enabled.previous";
     /// Why an operator acted.
     pub const REASON: &str = "retry.admin.reason";
-    /// Who acted (the peer address, or the principal once auth exists).
+    /// From where an operator acted (the peer address).
     pub const PEER: &str = "retry.admin.peer";
+    /// Who acted (the authenticated principal, `anonymous` without auth).
+    pub const PRINCIPAL: &str = "retry.admin.principal";
 }
 
 /// Starts logging to stderr in the configured format and level.

@@ -1,38 +1,67 @@
 //! `RetryAdmin`: budget inspection and the fleet-wide kill switch.
 
 use std::future::Future;
+use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use super::{Service, trace_context, validate};
+use super::{Live, Service, trace_context, validate};
+use crate::auth::{Denied, Principal};
 use crate::budget::{BudgetSnapshot, BudgetStore};
 use crate::pb;
 use crate::policy::UpstreamPolicy;
 use crate::telemetry::{
-    Attribute, SPAN_GET_BUDGET, SPAN_LIST_BUDGETS, SPAN_SET_RETRIES_ENABLED, attr,
+    Attribute, SPAN_GET_BUDGET, SPAN_LIST_BUDGETS, SPAN_RELOAD_CONFIG, SPAN_SET_RETRIES_ENABLED,
+    attr,
 };
 
 impl<S: BudgetStore> Service<S> {
-    /// Runs an admin call inside a span named `name`, with the attributes
-    /// `describe` derives from its answer.
-    async fn admin_span<T>(
+    /// Runs an admin call for an admin principal, inside a span named
+    /// `name` with the attributes `describe` derives from its answer.
+    async fn admin_call<M, T, F, Fut>(
         &self,
         name: &'static str,
-        metadata: &tonic::metadata::MetadataMap,
-        call: impl Future<Output = Result<T, Status>>,
-        describe: impl FnOnce(&T) -> Vec<(&'static str, Attribute)>,
-    ) -> Result<T, Status> {
-        let span = self.inner.tracer.start(trace_context(metadata).as_ref());
-        let result = call.await;
+        request: &Request<M>,
+        call: F,
+        describe: impl FnOnce(&T, &Principal) -> Vec<(&'static str, Attribute)>,
+    ) -> Result<(T, Arc<Principal>), Status>
+    where
+        F: FnOnce(Arc<Live>) -> Fut,
+        Fut: Future<Output = Result<T, Status>>,
+    {
+        let span = self
+            .inner
+            .tracer
+            .start(trace_context(request.metadata()).as_ref());
+        let live = self.policies();
+        let principal = match self.authenticate(&live, request).and_then(|principal| {
+            if principal.admin {
+                Ok(principal)
+            } else {
+                Err(Denied::PermissionDenied(format!(
+                    "principal {:?} lacks the admin role",
+                    principal.name
+                ))
+                .into())
+            }
+        }) {
+            Ok(principal) => principal,
+            Err(status) => {
+                self.finish_failed(span, name, &status);
+                return Err(status);
+            }
+        };
+        let result = call(live).await;
         match &result {
             Ok(answer) => {
                 if let Some(span) = span {
-                    self.inner.tracer.finish(span, name, describe(answer), None);
+                    let attributes = describe(answer, &principal);
+                    self.inner.tracer.finish(span, name, attributes, None);
                 }
             }
             Err(status) => self.finish_failed(span, name, status),
         }
-        result
+        result.map(|answer| (answer, principal))
     }
 }
 
@@ -54,16 +83,18 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
         &self,
         request: Request<pb::GetBudgetRequest>,
     ) -> Result<Response<pb::GetBudgetResponse>, Status> {
-        let call = async {
-            let upstream = validate::upstream("upstream", &request.get_ref().upstream)?;
-            let policy = self.inner.policies.get(upstream);
+        let wanted = &request.get_ref().upstream;
+        let call = |live: Arc<Live>| async move {
+            let upstream = validate::upstream("upstream", wanted)?;
+            let policy = live.policies.get(upstream);
             let snapshot = self.inner.store.view(upstream, &policy.bucket).await?;
             Ok(budget(snapshot, policy))
         };
-        let describe =
-            |budget: &pb::Budget| vec![(attr::UPSTREAM, Attribute::Text(budget.upstream.clone()))];
-        let budget = self
-            .admin_span(SPAN_GET_BUDGET, request.metadata(), call, describe)
+        let describe = |budget: &pb::Budget, _: &Principal| {
+            vec![(attr::UPSTREAM, Attribute::Text(budget.upstream.clone()))]
+        };
+        let (budget, _) = self
+            .admin_call(SPAN_GET_BUDGET, &request, call, describe)
             .await?;
         Ok(Response::new(pb::GetBudgetResponse {
             budget: Some(budget),
@@ -74,8 +105,8 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
         &self,
         request: Request<pb::ListBudgetsRequest>,
     ) -> Result<Response<pb::ListBudgetsResponse>, Status> {
-        let policies = &self.inner.policies;
-        let call = async {
+        let call = |live: Arc<Live>| async move {
+            let policies = &live.policies;
             let snapshots = self
                 .inner
                 .store
@@ -89,8 +120,8 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
                 })
                 .collect::<Vec<_>>())
         };
-        let budgets = self
-            .admin_span(SPAN_LIST_BUDGETS, request.metadata(), call, |_| Vec::new())
+        let (budgets, _) = self
+            .admin_call(SPAN_LIST_BUDGETS, &request, call, |_, _| Vec::new())
             .await?;
         Ok(Response::new(pb::ListBudgetsResponse { budgets }))
     }
@@ -101,18 +132,19 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
     ) -> Result<Response<pb::SetRetriesEnabledResponse>, Status> {
         let peer = request.remote_addr();
         let message = request.get_ref();
-        let call = async {
+        let call = |live: Arc<Live>| async move {
             let upstream = validate::upstream("upstream", &message.upstream)?;
             validate::reason("reason", &message.reason)?;
-            let policy = self.inner.policies.get(upstream);
+            let policy = live.policies.get(upstream);
             Ok(self
                 .inner
                 .store
                 .set_retries_enabled(upstream, &policy.bucket, message.enabled)
                 .await?)
         };
-        let describe = |previous: &bool| {
+        let describe = |previous: &bool, principal: &Principal| {
             vec![
+                (attr::PRINCIPAL, Attribute::Text(principal.name.clone())),
                 (attr::UPSTREAM, Attribute::Text(message.upstream.clone())),
                 (attr::RETRIES_ENABLED, Attribute::Bool(message.enabled)),
                 (attr::RETRIES_ENABLED_PREVIOUS, Attribute::Bool(*previous)),
@@ -123,8 +155,8 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
                 ),
             ]
         };
-        let previous = self
-            .admin_span(SPAN_SET_RETRIES_ENABLED, request.metadata(), call, describe)
+        let (previous, principal) = self
+            .admin_call(SPAN_SET_RETRIES_ENABLED, &request, call, describe)
             .await?;
         let upstream = message.upstream.as_str();
         let reason = message.reason.as_str();
@@ -135,6 +167,7 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             enabled = message.enabled,
             previous,
             reason,
+            principal = principal.name,
             peer = ?peer,
             "retries {} for upstream",
             if message.enabled { "switched on" } else { "switched off" }
@@ -143,6 +176,24 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             upstream: upstream.to_owned(),
             enabled: message.enabled,
             previous,
+        }))
+    }
+
+    async fn reload_config(
+        &self,
+        request: Request<pb::ReloadConfigRequest>,
+    ) -> Result<Response<pb::ReloadConfigResponse>, Status> {
+        let call = |_: Arc<Live>| async { Ok(self.reload()?) };
+        let describe = |_: &(usize, Vec<&'static str>), principal: &Principal| {
+            vec![(attr::PRINCIPAL, Attribute::Text(principal.name.clone()))]
+        };
+        let ((named, restart_required), principal) = self
+            .admin_call(SPAN_RELOAD_CONFIG, &request, call, describe)
+            .await?;
+        tracing::warn!(target: "retryd::audit", principal = principal.name, "configuration reloaded by RetryAdmin");
+        Ok(Response::new(pb::ReloadConfigResponse {
+            named_upstreams: named as u32,
+            restart_required: restart_required.into_iter().map(str::to_owned).collect(),
         }))
     }
 }

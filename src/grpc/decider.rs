@@ -9,7 +9,8 @@ use rand::Rng;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::validate::ValidDecideRequest;
-use super::{Service, trace_context, validate};
+use super::{Live, Service, trace_context, validate};
+use crate::auth::{Denied, Principal};
 use crate::budget::{BudgetStore, StoreError};
 use crate::engine::{
     self, BudgetView, Decision, DenyReason, Evidence, Facts, Idempotency, Verdict,
@@ -29,20 +30,27 @@ impl<S: BudgetStore> Service<S> {
     /// and record the decision as a span, a log line and counters.
     pub(super) async fn decide_one(
         &self,
+        principal: &Principal,
         request: &pb::DecideRequest,
         parent: Option<&TraceContext>,
     ) -> Result<pb::DecideResponse, Status> {
         let started = Instant::now();
         let span = self.inner.tracer.start(parent);
-        let valid = match validate::decide_request(request) {
+        // One configuration for the whole decision, even across a reload.
+        let live = self.policies();
+        let valid = match validate::decide_request(request)
+            .map_err(Status::from)
+            .and_then(|valid| {
+                permit(principal, valid.upstream, "upstream")?;
+                Ok(valid)
+            }) {
             Ok(valid) => valid,
-            Err(invalid) => {
-                let status = Status::from(invalid);
+            Err(status) => {
                 self.finish_failed(span, SPAN_DECIDE, &status);
                 return Err(status);
             }
         };
-        let (decision, tokens_remaining) = match self.decide_valid(&valid).await {
+        let (decision, tokens_remaining) = match self.decide_valid(&live, &valid).await {
             Ok(outcome) => outcome,
             Err(status) => {
                 self.finish_failed(span, SPAN_DECIDE, &status);
@@ -79,9 +87,10 @@ impl<S: BudgetStore> Service<S> {
     /// The decision proper, on a validated request.
     async fn decide_valid(
         &self,
+        live: &Live,
         valid: &ValidDecideRequest<'_>,
     ) -> Result<(Decision, f64), Status> {
-        let policy = self.inner.policies.get(valid.upstream);
+        let policy = live.policies.get(valid.upstream);
         let store = &self.inner.store;
         let metrics = &self.inner.metrics;
 
@@ -192,11 +201,21 @@ impl<S: BudgetStore> Service<S> {
         attributes
     }
 
-    async fn report_traffic(&self, request: &pb::ReportTrafficRequest) -> Result<u32, Status> {
+    async fn report_traffic(
+        &self,
+        live: &Live,
+        principal: &Principal,
+        request: &pb::ReportTrafficRequest,
+    ) -> Result<u32, Status> {
         let entries = validate::traffic_report(request)?;
+        // All or nothing: a report naming a forbidden upstream deposits
+        // nowhere.
+        for (index, (upstream, _)) in entries.iter().enumerate() {
+            permit(principal, upstream, &format!("traffic[{index}].upstream"))?;
+        }
         let mut accepted = 0;
         for (upstream, requests) in entries {
-            let policy = self.inner.policies.get(upstream);
+            let policy = live.policies.get(upstream);
             let depositing = Instant::now();
             let deposited = self
                 .inner
@@ -213,6 +232,19 @@ impl<S: BudgetStore> Service<S> {
             accepted += 1;
         }
         Ok(accepted)
+    }
+}
+
+/// Refuses an upstream the principal may not use.
+fn permit(principal: &Principal, upstream: &str, field: &str) -> Result<(), Status> {
+    if principal.may_use(upstream) {
+        Ok(())
+    } else {
+        Err(Denied::PermissionDenied(format!(
+            "{field}: principal {:?} may not use upstream {upstream:?}",
+            principal.name
+        ))
+        .into())
     }
 }
 
@@ -295,8 +327,9 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         &self,
         request: Request<pb::DecideRequest>,
     ) -> Result<Response<pb::DecideResponse>, Status> {
+        let principal = self.authenticate(&self.policies(), &request)?;
         let parent = trace_context(request.metadata());
-        self.decide_one(request.get_ref(), parent.as_ref())
+        self.decide_one(&principal, request.get_ref(), parent.as_ref())
             .await
             .map(Response::new)
     }
@@ -307,6 +340,9 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         &self,
         request: Request<Streaming<pb::DecideRequest>>,
     ) -> Result<Response<Self::DecideStreamStream>, Status> {
+        // The caller authenticates once for the stream; each item is still
+        // checked against the upstreams it may use.
+        let principal = self.authenticate(&self.policies(), &request)?;
         let service = self.clone();
         // Every item's span is a child of the stream's trace context.
         let parent = trace_context(request.metadata()).map(Arc::new);
@@ -315,12 +351,13 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
             .map(move |item| {
                 let service = service.clone();
                 let parent = parent.clone();
+                let principal = Arc::clone(&principal);
                 async move {
                     match item {
                         // A bad item is answered in place, so one caller's
                         // mistake does not tear down a shared sidecar stream.
                         Ok(request) => Ok(service
-                            .decide_one(&request, parent.as_deref())
+                            .decide_one(&principal, &request, parent.as_deref())
                             .await
                             .unwrap_or_else(|status| pb::DecideResponse {
                                 error: Some(pb::StreamError {
@@ -342,11 +379,13 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         &self,
         request: Request<pb::ReportTrafficRequest>,
     ) -> Result<Response<pb::ReportTrafficResponse>, Status> {
+        let live = self.policies();
+        let principal = self.authenticate(&live, &request)?;
         let span = self
             .inner
             .tracer
             .start(trace_context(request.metadata()).as_ref());
-        match Service::report_traffic(self, request.get_ref()).await {
+        match Service::report_traffic(self, &live, &principal, request.get_ref()).await {
             Ok(accepted) => {
                 if let Some(span) = span {
                     let requests: u64 = request

@@ -4,7 +4,26 @@
 use tonic::Status;
 
 use super::validate::InvalidRequest;
+use crate::auth::Denied;
 use crate::budget::StoreError;
+use crate::config::InvalidConfig;
+
+impl From<Denied> for Status {
+    fn from(denied: Denied) -> Status {
+        match denied {
+            Denied::Unauthenticated(why) => Status::unauthenticated(why),
+            Denied::PermissionDenied(why) => Status::permission_denied(why),
+        }
+    }
+}
+
+impl From<InvalidConfig> for Status {
+    fn from(error: InvalidConfig) -> Status {
+        // The running configuration is kept: the precondition (a valid file)
+        // is what failed.
+        Status::failed_precondition(error.to_string())
+    }
+}
 
 impl From<InvalidRequest> for Status {
     fn from(error: InvalidRequest) -> Status {

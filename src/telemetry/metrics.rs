@@ -41,6 +41,9 @@ pub const METRIC_SPANS_DROPPED: &str = "retryd_spans_dropped_total";
 /// Counter of spans lost in failed exports.
 pub const METRIC_SPANS_FAILED: &str = "retryd_spans_export_failed_total";
 
+/// Counter of configuration reloads, by outcome.
+pub const METRIC_RELOADS: &str = "retryd_config_reloads_total";
+
 /// The label of upstreams the configuration does not name.
 pub const OTHER_UPSTREAM: &str = "_other";
 /// Most upstreams listed with their own token gauge in one scrape.
@@ -173,6 +176,7 @@ pub struct Metrics {
     pub spans_dropped: AtomicU64,
     /// Spans lost in failed exports.
     pub spans_failed: AtomicU64,
+    reloads: [AtomicU64; 2],
 }
 
 impl Metrics {
@@ -201,7 +205,13 @@ impl Metrics {
             spans_exported: AtomicU64::new(0),
             spans_dropped: AtomicU64::new(0),
             spans_failed: AtomicU64::new(0),
+            reloads: Default::default(),
         }
+    }
+
+    /// Counts a configuration reload, applied or refused.
+    pub fn record_reload(&self, applied: bool) {
+        self.reloads[usize::from(!applied)].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts one decision and how long it took.
@@ -324,6 +334,20 @@ impl Metrics {
             let _ = writeln!(
                 out,
                 "{METRIC_STORE_ERRORS}{{op=\"{op}\"}} {}",
+                counter.load(Ordering::Relaxed)
+            );
+        }
+
+        help(
+            &mut out,
+            METRIC_RELOADS,
+            "counter",
+            "Configuration reloads, applied or refused.",
+        );
+        for (outcome, counter) in ["applied", "refused"].iter().zip(&self.reloads) {
+            let _ = writeln!(
+                out,
+                "{METRIC_RELOADS}{{outcome=\"{outcome}\"}} {}",
                 counter.load(Ordering::Relaxed)
             );
         }

@@ -17,9 +17,6 @@ use tokio::sync::mpsc;
 use super::Metrics;
 use super::otlp;
 
-/// Spans waiting for export, at most.
-const QUEUE_CAPACITY: usize = 8192;
-
 /// The caller's W3C trace context.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TraceContext {
@@ -181,14 +178,15 @@ impl Tracer {
     }
 
     /// A tracer exporting to `endpoint` over OTLP/gRPC from a task on the
-    /// current runtime. The connection is made lazily and retried, so an
+    /// current runtime, holding at most `queue_capacity` spans in waiting. The connection is made lazily and retried, so an
     /// unreachable collector never stops retryd from starting.
     pub fn start_exporter(
         endpoint: &str,
         sampling_ratio: f64,
+        queue_capacity: usize,
         metrics: Arc<Metrics>,
     ) -> Result<(Tracer, TracerGuard), String> {
-        let (queue, receiver) = mpsc::channel(QUEUE_CAPACITY);
+        let (queue, receiver) = mpsc::channel(queue_capacity.max(1));
         let (stop, stopped) = tokio::sync::oneshot::channel();
         let task = otlp::spawn(endpoint, receiver, stopped, Arc::clone(&metrics))?;
         Ok((

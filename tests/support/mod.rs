@@ -48,12 +48,26 @@ impl Server {
             )
         };
         std::fs::write(&config_path, config).expect("write config");
+        Server::spawn(&config_path, env, dir)
+    }
+
+    /// Starts retryd on an existing configuration file (which must listen
+    /// on loopback ports), e.g. one the test rewrites to reload.
+    pub fn start_file(config_path: &std::path::Path) -> Server {
+        Server::spawn(config_path, &[], tempfile::tempdir().expect("temp dir"))
+    }
+
+    fn spawn(
+        config_path: &std::path::Path,
+        env: &[(&str, &str)],
+        dir: tempfile::TempDir,
+    ) -> Server {
         let stderr_path = dir.path().join("stderr.log");
         let stderr = std::fs::File::create(&stderr_path).expect("stderr file");
         let mut command = Command::new(binary());
         command
             .args(["serve", "--config"])
-            .arg(&config_path)
+            .arg(config_path)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr);
@@ -109,6 +123,20 @@ impl Server {
     /// A RetryAdmin client.
     pub async fn admin(&self) -> RetryAdminClient<Channel> {
         RetryAdminClient::new(self.channel().await)
+    }
+
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// Sends a signal (`HUP`, `TERM`, …) to the server.
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{name}"), &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{name} failed");
     }
 
     /// What the server logged so far.

@@ -1,0 +1,292 @@
+//! Authentication and authorization: who is calling, and which upstreams
+//! and admin calls they may use.
+//!
+//! A principal is recognised by an API key (a bearer token in the
+//! `authorization` metadata, configured only as its SHA-256 hash, so the
+//! configuration holds no secret) or by an identity in its mTLS client
+//! certificate (a DNS or URI subject alternative name, or the common name).
+//! Each principal may decide and report for the upstreams matching its
+//! patterns, and call `RetryAdmin` only with the admin role.
+//!
+//! This module knows nothing of gRPC: the edge passes in what it read from
+//! the request and maps [`Denied`] to a status.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+/// An upstream name pattern: `*` matches any run of characters, everything
+/// else matches itself.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pattern(String);
+
+impl Pattern {
+    /// A pattern from its text.
+    pub fn new(text: impl Into<String>) -> Pattern {
+        Pattern(text.into())
+    }
+
+    /// Whether `name` matches.
+    pub fn matches(&self, name: &str) -> bool {
+        glob(self.0.as_bytes(), name.as_bytes())
+    }
+}
+
+/// Iterative wildcard match with backtracking to the last `*`: linear in
+/// practice, and without recursion an attacker could deepen.
+fn glob(pattern: &[u8], text: &[u8]) -> bool {
+    let (mut p, mut t) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        if p < pattern.len() && pattern[p] == b'*' {
+            star = Some((p, t));
+            p += 1;
+        } else if p < pattern.len() && pattern[p] == text[t] {
+            p += 1;
+            t += 1;
+        } else if let Some((star_p, star_t)) = star {
+            p = star_p + 1;
+            t = star_t + 1;
+            star = Some((star_p, star_t + 1));
+        } else {
+            return false;
+        }
+    }
+    pattern[p..].iter().all(|&b| b == b'*')
+}
+
+/// A caller retryd knows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Principal {
+    /// Its name, for logs and audit.
+    pub name: String,
+    /// Upstreams it may decide and report for.
+    pub upstreams: Vec<Pattern>,
+    /// Whether it may call `RetryAdmin`.
+    pub admin: bool,
+}
+
+impl Principal {
+    /// Whether it may decide and report for `upstream`.
+    pub fn may_use(&self, upstream: &str) -> bool {
+        self.upstreams
+            .iter()
+            .any(|pattern| pattern.matches(upstream))
+    }
+}
+
+/// Why a call is refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Denied {
+    /// No credential, or one nobody was given.
+    #[error("unauthenticated: {0}")]
+    Unauthenticated(&'static str),
+    /// A known caller asking for what it may not have.
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
+}
+
+/// The callers retryd accepts. With none configured, authentication is off
+/// and every caller is an all-powerful anonymous principal (config refuses
+/// that beyond loopback unless the operator insists).
+#[derive(Clone, Debug)]
+pub struct Auth {
+    anonymous: Option<Arc<Principal>>,
+    by_key_hash: HashMap<[u8; 32], Arc<Principal>>,
+    by_identity: HashMap<String, Arc<Principal>>,
+}
+
+impl Default for Auth {
+    fn default() -> Self {
+        Auth::disabled()
+    }
+}
+
+impl Auth {
+    /// Authentication off.
+    pub fn disabled() -> Auth {
+        Auth {
+            anonymous: Some(Arc::new(Principal {
+                name: "anonymous".into(),
+                upstreams: vec![Pattern::new("*")],
+                admin: true,
+            })),
+            by_key_hash: HashMap::new(),
+            by_identity: HashMap::new(),
+        }
+    }
+
+    /// Authentication on, with these principals and their credentials:
+    /// API key hashes and certificate identities.
+    pub fn new(principals: Vec<(Principal, Vec<[u8; 32]>, Vec<String>)>) -> Auth {
+        let mut by_key_hash = HashMap::new();
+        let mut by_identity = HashMap::new();
+        for (principal, key_hashes, identities) in principals {
+            let principal = Arc::new(principal);
+            for hash in key_hashes {
+                by_key_hash.insert(hash, Arc::clone(&principal));
+            }
+            for identity in identities {
+                by_identity.insert(identity, Arc::clone(&principal));
+            }
+        }
+        Auth {
+            anonymous: None,
+            by_key_hash,
+            by_identity,
+        }
+    }
+
+    /// Whether callers must authenticate.
+    pub fn is_enabled(&self) -> bool {
+        self.anonymous.is_none()
+    }
+
+    /// Who is calling, from the `authorization` metadata value (if any) and
+    /// the identities in the client certificate (if any). An API key, when
+    /// presented, must be valid: a wrong key is refused even if the
+    /// certificate alone would do, so a leaked certificate cannot be paired
+    /// with guessed keys unnoticed.
+    pub fn authenticate<'a>(
+        &self,
+        authorization: Option<&str>,
+        certificate_identities: impl IntoIterator<Item = &'a str>,
+    ) -> Result<Arc<Principal>, Denied> {
+        if let Some(anonymous) = &self.anonymous {
+            return Ok(Arc::clone(anonymous));
+        }
+        if let Some(value) = authorization {
+            let token = value
+                .strip_prefix("Bearer ")
+                .or_else(|| value.strip_prefix("bearer "))
+                .ok_or(Denied::Unauthenticated(
+                    "authorization must be \"Bearer <api key>\"",
+                ))?;
+            return self
+                .by_key_hash
+                .get(&hash_key(token.trim()))
+                .cloned()
+                .ok_or(Denied::Unauthenticated("unknown API key"));
+        }
+        certificate_identities
+            .into_iter()
+            .find_map(|identity| self.by_identity.get(identity).cloned())
+            .ok_or(Denied::Unauthenticated(
+                "no credential: send \"authorization: Bearer <api key>\" or a known client certificate",
+            ))
+    }
+}
+
+/// The SHA-256 of an API key, as configured in `api_key_sha256`.
+pub fn hash_key(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+/// The identities a DER-encoded client certificate vouches for: its DNS and
+/// URI subject alternative names and its common name.
+pub fn certificate_identities(der: &[u8]) -> Vec<String> {
+    use x509_parser::extensions::GeneralName;
+    use x509_parser::prelude::{FromDer, X509Certificate};
+    let Ok((_, certificate)) = X509Certificate::from_der(der) else {
+        return Vec::new();
+    };
+    let mut identities = Vec::new();
+    if let Ok(Some(names)) = certificate.subject_alternative_name() {
+        for name in &names.value.general_names {
+            match name {
+                GeneralName::DNSName(dns) => identities.push((*dns).to_owned()),
+                GeneralName::URI(uri) => identities.push((*uri).to_owned()),
+                _ => {}
+            }
+        }
+    }
+    for common_name in certificate.subject().iter_common_name() {
+        if let Ok(text) = common_name.as_str() {
+            identities.push(text.to_owned());
+        }
+    }
+    identities
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patterns() {
+        let cases = [
+            ("*", "anything", true),
+            ("payments-*", "payments-api", true),
+            ("payments-*", "payments-", true),
+            ("payments-*", "ledger", false),
+            ("*-api", "payments-api", true),
+            ("a*b*c", "aXXbYYc", true),
+            ("a*b*c", "aXXbYY", false),
+            ("ledger", "ledger", true),
+            ("ledger", "ledger2", false),
+            ("", "", true),
+            ("", "x", false),
+        ];
+        for (pattern, name, expected) in cases {
+            assert_eq!(
+                Pattern::new(pattern).matches(name),
+                expected,
+                "{pattern} ~ {name}"
+            );
+        }
+    }
+
+    fn principal(name: &str, upstreams: &[&str], admin: bool) -> Principal {
+        Principal {
+            name: name.into(),
+            upstreams: upstreams.iter().map(|p| Pattern::new(*p)).collect(),
+            admin,
+        }
+    }
+
+    #[test]
+    fn keys_and_certificates() {
+        let auth = Auth::new(vec![
+            (
+                principal("checkout", &["payments-*"], false),
+                vec![hash_key("s3cret")],
+                vec![],
+            ),
+            (
+                principal("ops", &["*"], true),
+                vec![],
+                vec!["ops.example".into()],
+            ),
+        ]);
+        assert!(auth.is_enabled());
+        let checkout = auth.authenticate(Some("Bearer s3cret"), []).unwrap();
+        assert_eq!(checkout.name, "checkout");
+        assert!(checkout.may_use("payments-api") && !checkout.may_use("ledger"));
+        assert_eq!(
+            auth.authenticate(Some("Bearer wrong"), ["ops.example"]),
+            Err(Denied::Unauthenticated("unknown API key"))
+        );
+        assert!(matches!(
+            auth.authenticate(Some("Basic x"), []),
+            Err(Denied::Unauthenticated(_))
+        ));
+        assert!(matches!(
+            auth.authenticate(None, []),
+            Err(Denied::Unauthenticated(_))
+        ));
+        assert_eq!(
+            auth.authenticate(None, ["nobody", "ops.example"])
+                .unwrap()
+                .name,
+            "ops"
+        );
+    }
+
+    #[test]
+    fn disabled_lets_everyone_do_everything() {
+        let auth = Auth::disabled();
+        let anonymous = auth.authenticate(None, []).unwrap();
+        assert!(anonymous.admin && anonymous.may_use("anything"));
+    }
+}
