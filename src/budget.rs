@@ -9,12 +9,14 @@
 //! tokens held are never above capacity nor below zero.
 
 pub mod memory;
+pub mod redis;
 
 use std::future::Future;
 
 use crate::engine::BudgetView;
 
 pub use memory::MemoryBudgetStore;
+pub use redis::RedisBudgetStore;
 
 /// Tokens are kept as integers of this many units per token, so that stores
 /// can update them with integer atomics (or Redis integers) and never drift.
@@ -76,6 +78,12 @@ impl BucketConfig {
         tokens_to_units(self.ratio * requests as f64)
     }
 
+    /// The floor in units per nanosecond: the one double every store's
+    /// refill arithmetic starts from (the Redis scripts receive it as text).
+    pub fn floor_units_per_nano(&self) -> f64 {
+        self.min_per_second * UNITS_PER_TOKEN as f64 / 1e9
+    }
+
     /// The floor's refill over `elapsed_nanos`: the units to credit and the
     /// nanoseconds that credit accounts for.
     ///
@@ -84,7 +92,7 @@ impl BucketConfig {
     /// consumed time is rounded up, so rounding never credits more than the
     /// floor allows.
     pub fn refill(&self, elapsed_nanos: u64) -> Refill {
-        let units_per_nano = self.min_per_second * UNITS_PER_TOKEN as f64 / 1e9;
+        let units_per_nano = self.floor_units_per_nano();
         // NaN cannot occur (config validates) but must not credit either.
         if units_per_nano.is_nan() || units_per_nano <= 0.0 {
             // No floor: the whole interval passes with nothing to credit.
@@ -216,6 +224,45 @@ pub trait BudgetStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<BudgetSnapshot>, StoreError>> + Send
     where
         F: Fn(&str) -> BucketConfig + Send;
+
+    /// False while the store's backend is believed unreachable (for the
+    /// health service and a metric). The memory store is always available.
+    fn is_available(&self) -> bool {
+        true
+    }
+
+    /// Counters since start, for metrics. All zero for the memory store.
+    fn stats(&self) -> StoreStats {
+        StoreStats::default()
+    }
+
+    /// Hands back what this replica holds (leased tokens, batched deposits)
+    /// before the process exits. Bounded by the store's own timeouts; the
+    /// store keeps answering afterwards, from its backend only.
+    fn shutdown(&self) -> impl Future<Output = ()> + Send {
+        std::future::ready(())
+    }
+}
+
+/// Counters a store keeps since it started, monotonic, for metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StoreStats {
+    /// Backend calls that failed or timed out.
+    pub backend_errors: u64,
+    /// Of those, the ones that timed out.
+    pub backend_timeouts: u64,
+    /// Times the backend was found unreachable (transitions to unavailable).
+    pub outages: u64,
+    /// Calls answered from the local fallback bucket while the backend was
+    /// unreachable (`on_unavailable = local`).
+    pub fallbacks: u64,
+    /// Calls answered `StoreError::Unavailable` (`on_unavailable = deny`).
+    pub unavailable_answers: u64,
+    /// Leased tokens neither spent nor returned (the lease expired, or its
+    /// return failed): budget lost, never over-granted.
+    pub forfeited_tokens: f64,
+    /// Reported requests whose deposit was lost (a fleet then retries less).
+    pub lost_deposits: u64,
 }
 
 #[cfg(test)]

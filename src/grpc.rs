@@ -28,6 +28,9 @@ use crate::pb;
 use crate::policy::Policies;
 use crate::telemetry::{Attribute, Metrics, SpanStart, TraceContext, Tracer, attr};
 
+/// The health-service name that reports the budget store's reachability.
+pub const STORE_HEALTH_SERVICE: &str = "retryd.v1.BudgetStore";
+
 /// The encoded descriptor set of `proto/`, for server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("retryd_descriptor");
 
@@ -217,6 +220,31 @@ pub async fn serve<S: BudgetStore>(
     health_reporter
         .set_serving::<pb::retry_admin_server::RetryAdminServer<Service<S>>>()
         .await;
+    // The store's reachability has its own health entry: retryd keeps
+    // answering while Redis is down (with the configured fallback), so the
+    // decider stays SERVING, but operators and probes can see the outage.
+    let store_health = tokio::spawn({
+        let reporter = health_reporter.clone();
+        let service = service.clone();
+        async move {
+            let mut last = None;
+            loop {
+                let available = service.store().is_available();
+                if last != Some(available) {
+                    let status = if available {
+                        tonic_health::ServingStatus::Serving
+                    } else {
+                        tonic_health::ServingStatus::NotServing
+                    };
+                    reporter
+                        .set_service_status(STORE_HEALTH_SERVICE, status)
+                        .await;
+                    last = Some(available);
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+    });
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -249,9 +277,13 @@ pub async fn serve<S: BudgetStore>(
     ));
 
     tokio::select! {
-        result = &mut server => return flatten(result),
+        result = &mut server => {
+            store_health.abort();
+            return flatten(result);
+        }
         () = shutdown => {}
     }
+    store_health.abort();
     tracing::info!(grace = ?grace, "shutting down: draining in-flight calls");
     health_reporter
         .set_not_serving::<pb::retry_decider_server::RetryDeciderServer<Service<S>>>()

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use retryd::budget::{BudgetStore, MemoryBudgetStore};
-use retryd::config::{Config, StoreConfig};
+use retryd::budget::{BudgetStore, MemoryBudgetStore, RedisBudgetStore};
+use retryd::config::{Config, RedisMode, StoreConfig};
 use retryd::grpc::{self, Reload, Service};
 use retryd::telemetry::{self, Metrics, Tracer};
 
@@ -150,8 +150,16 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
                 let store = MemoryBudgetStore::new(config.max_upstreams);
                 run(config, config_path, store, "memory").await
             }
-            StoreConfig::Redis(_) => {
-                anyhow::bail!("store.kind: the Redis store is not built into this version yet")
+            StoreConfig::Redis(redis) => {
+                let label = match redis.mode {
+                    RedisMode::Exact => "redis-exact",
+                    RedisMode::Leased => "redis-leased",
+                };
+                let store = RedisBudgetStore::connect(&redis, config.max_upstreams)
+                    .await
+                    .with_context(|| format!("store.url: cannot use Redis at {:?}", redis.urls))?;
+                tracing::info!(urls = ?redis.urls, mode = label, "budgets shared through Redis");
+                run(config, config_path, store, label).await
             }
         }
     })
@@ -207,6 +215,7 @@ async fn run<S: BudgetStore>(
         tracer,
     );
     tokio::spawn(reload_on_sighup(service.clone()));
+    let store_for_shutdown = service.clone();
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let scrape = {
@@ -217,12 +226,12 @@ async fn run<S: BudgetStore>(
             let metrics = Arc::clone(&metrics);
             async move {
                 let live = service.policies();
-                let budgets = service
-                    .store()
+                let store = service.store();
+                let budgets = store
                     .list(|upstream| live.policies.get(upstream).bucket)
                     .await
                     .unwrap_or_default();
-                metrics.render(&budgets)
+                metrics.render(&budgets, store.is_available(), &store.stats())
             }
         }
     };
@@ -250,6 +259,8 @@ async fn run<S: BudgetStore>(
     .await
     .context("the gRPC server failed")?;
     let _ = metrics_task.await;
+    // Hand back leased tokens and flush batched deposits before exiting.
+    store_for_shutdown.store().shutdown().await;
     if let Some(guard) = tracer_guard {
         guard.shutdown(Duration::from_secs(5)).await;
     }

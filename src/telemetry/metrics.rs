@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use crate::budget::BudgetSnapshot;
+use crate::budget::{BudgetSnapshot, StoreStats};
 use crate::engine::{Decision, DenyReason, Verdict};
 
 /// Counter of decisions, by upstream, verdict and reason.
@@ -41,6 +41,22 @@ pub const METRIC_SPANS_DROPPED: &str = "retryd_spans_dropped_total";
 /// Counter of spans lost in failed exports.
 pub const METRIC_SPANS_FAILED: &str = "retryd_spans_export_failed_total";
 
+/// Gauge: 1 while the budget store's backend is reachable.
+pub const METRIC_STORE_AVAILABLE: &str = "retryd_store_available";
+/// Counter of failed backend calls.
+pub const METRIC_STORE_BACKEND_ERRORS: &str = "retryd_store_backend_errors_total";
+/// Counter of timed-out backend calls.
+pub const METRIC_STORE_BACKEND_TIMEOUTS: &str = "retryd_store_backend_timeouts_total";
+/// Counter of outages (transitions to unreachable).
+pub const METRIC_STORE_OUTAGES: &str = "retryd_store_outages_total";
+/// Counter of calls answered from the local fallback bucket.
+pub const METRIC_STORE_FALLBACKS: &str = "retryd_store_fallbacks_total";
+/// Counter of calls answered unavailable.
+pub const METRIC_STORE_UNAVAILABLE: &str = "retryd_store_unavailable_answers_total";
+/// Counter of leased tokens forfeited.
+pub const METRIC_STORE_FORFEITED: &str = "retryd_store_forfeited_tokens_total";
+/// Counter of deposits lost.
+pub const METRIC_STORE_LOST_DEPOSITS: &str = "retryd_store_lost_deposits_total";
 /// Counter of configuration reloads, by outcome.
 pub const METRIC_RELOADS: &str = "retryd_config_reloads_total";
 
@@ -248,7 +264,12 @@ impl Metrics {
 
     /// The Prometheus text exposition of every metric, with the budgets
     /// the store reported at scrape time.
-    pub fn render(&self, budgets: &[BudgetSnapshot]) -> String {
+    pub fn render(
+        &self,
+        budgets: &[BudgetSnapshot],
+        store_available: bool,
+        store: &StoreStats,
+    ) -> String {
         let mut out = String::with_capacity(8192);
         let help = |out: &mut String, name: &str, kind: &str, text: &str| {
             let _ = writeln!(out, "# HELP {name} {text}");
@@ -336,6 +357,59 @@ impl Metrics {
                 "{METRIC_STORE_ERRORS}{{op=\"{op}\"}} {}",
                 counter.load(Ordering::Relaxed)
             );
+        }
+
+        help(
+            &mut out,
+            METRIC_STORE_AVAILABLE,
+            "gauge",
+            "1 while the budget store's backend is reachable.",
+        );
+        let _ = writeln!(
+            out,
+            "{METRIC_STORE_AVAILABLE} {}",
+            u8::from(store_available)
+        );
+        let store_counters: [(&str, &str, f64); 7] = [
+            (
+                METRIC_STORE_BACKEND_ERRORS,
+                "Backend calls that failed or timed out.",
+                store.backend_errors as f64,
+            ),
+            (
+                METRIC_STORE_BACKEND_TIMEOUTS,
+                "Backend calls that timed out.",
+                store.backend_timeouts as f64,
+            ),
+            (
+                METRIC_STORE_OUTAGES,
+                "Times the backend was found unreachable.",
+                store.outages as f64,
+            ),
+            (
+                METRIC_STORE_FALLBACKS,
+                "Calls answered from the local fallback bucket.",
+                store.fallbacks as f64,
+            ),
+            (
+                METRIC_STORE_UNAVAILABLE,
+                "Calls answered unavailable (on_unavailable = deny).",
+                store.unavailable_answers as f64,
+            ),
+            (
+                METRIC_STORE_FORFEITED,
+                "Leased tokens neither spent nor returned.",
+                store.forfeited_tokens,
+            ),
+            (
+                METRIC_STORE_LOST_DEPOSITS,
+                "Batched deposits that never reached the backend.",
+                store.lost_deposits as f64,
+            ),
+        ];
+        for (name, text, value) in store_counters {
+            help(&mut out, name, "counter", text);
+            let _ = writeln!(out, "{name} {value}");
         }
 
         help(

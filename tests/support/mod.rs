@@ -2,6 +2,8 @@
 //! loopback port with a given configuration, and talk gRPC to it.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod redis;
+
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
 use std::process::{Child, Command, ExitStatus, Stdio};

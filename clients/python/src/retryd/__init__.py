@@ -1,0 +1,57 @@
+"""Python client for retryd, the fleet-wide retry decision service.
+
+Quick start::
+
+    from retryd import Client, Idempotency, FailureKind
+
+    client = Client("127.0.0.1:50051", timeout=0.2)
+    decision = client.decide(upstream="payments-api", idempotency=Idempotency.SAFE,
+                             attempt=1, failure=FailureKind.CONNECT)
+    if decision.should_retry:
+        time.sleep(decision.backoff)
+
+With httpx, :func:`retryd.httpx.request_with_retries` does the whole loop.
+The generated protobuf stubs live in :mod:`retryd.v1` (built from
+proto/retryd/v1/retryd.proto when the package is built).
+"""
+
+from ._types import (
+    Body,
+    BodyKind,
+    Budget,
+    Decision,
+    DenyReason,
+    Evidence,
+    FailureKind,
+    Idempotency,
+    Replayability,
+    Verdict,
+)
+from .client import AsyncClient, Client
+from .errors import AmbiguousExecutionError, InvalidRequestError, RetrydError, RetrydUnavailableError
+from .fallback import DEFAULT_LOCAL_POLICY, LocalPolicy, effective_evidence, local_decide
+from .reporter import TrafficReporter
+
+__all__ = [
+    "AmbiguousExecutionError",
+    "AsyncClient",
+    "Body",
+    "BodyKind",
+    "Budget",
+    "Client",
+    "DEFAULT_LOCAL_POLICY",
+    "Decision",
+    "DenyReason",
+    "Evidence",
+    "FailureKind",
+    "Idempotency",
+    "InvalidRequestError",
+    "LocalPolicy",
+    "Replayability",
+    "RetrydError",
+    "RetrydUnavailableError",
+    "TrafficReporter",
+    "Verdict",
+    "effective_evidence",
+    "local_decide",
+]

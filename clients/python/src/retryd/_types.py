@@ -1,0 +1,218 @@
+"""The vocabulary of retryd.v1 as plain Python types.
+
+The enums mirror the proto enums number for number, without the proto's
+prefixes (``Idempotency.SAFE`` is ``IDEMPOTENCY_SAFE``). The test suite checks
+them against the generated descriptors, so a new proto value cannot be
+forgotten here. Wherever the API takes one of these enums it also accepts a
+plain ``int``, which is sent unchanged: a newer server may know values this
+client does not.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Union
+
+
+class Idempotency(enum.IntEnum):
+    """How safe it is to execute the operation more than once (declared by the caller)."""
+
+    UNSPECIFIED = 0
+    SAFE = 1
+    IDEMPOTENT = 2
+    IDEMPOTENT_WITH_KEY = 3
+    NON_IDEMPOTENT = 4
+
+    @property
+    def is_safely_idempotent(self) -> bool:
+        return self in (Idempotency.SAFE, Idempotency.IDEMPOTENT, Idempotency.IDEMPOTENT_WITH_KEY)
+
+
+class Evidence(enum.IntEnum):
+    """How far the failed attempt got, ordered from weakest to strongest."""
+
+    UNSPECIFIED = 0
+    NOT_SENT = 1
+    SENT_NO_RESPONSE = 2
+    RESPONSE_RECEIVED = 3
+    PARTIAL_RESPONSE = 4
+
+
+class FailureKind(enum.IntEnum):
+    """The stage failure that produced the evidence."""
+
+    UNSPECIFIED = 0
+    DNS = 1
+    CONNECT = 2
+    POOL_TIMEOUT = 3
+    PRE_REQUEST_TLS = 4
+    PROFILE_REJECTION = 5
+    HTTP2_REFUSED_STREAM = 6
+    GOAWAY_UNPROCESSED = 7
+    PARTIAL_WRITE = 8
+    RESPONSE_HEADER_TIMEOUT = 9
+    CONNECTION_RESET = 10
+    DECODE_RESET = 11
+    INTERRUPTED_STREAM = 12
+    GENERIC_IO = 13
+    TLS_CERTIFICATE_INVALID = 14
+    REQUEST_ENCODING = 15
+
+
+class Replayability(enum.IntEnum):
+    """Whether a request body can be sent again."""
+
+    UNSPECIFIED = 0
+    REPLAYABLE = 1
+    REOPENABLE = 2
+    ONE_SHOT = 3
+
+
+class BodyKind(enum.IntEnum):
+    """What the request body is, in the terms of the replayability table."""
+
+    NONE = 0
+    BYTES = 1
+    ENCODED_VALUE = 2
+    REOPENABLE_SUPPLIER = 3
+    INPUT_STREAM = 4
+    PUBLISHER_FACTORY = 5
+    PUBLISHER = 6
+    MULTIPART = 7
+
+
+class Verdict(enum.IntEnum):
+    """What the caller should do."""
+
+    UNSPECIFIED = 0
+    RETRY = 1
+    DENY = 2
+    AMBIGUOUS = 3
+
+
+class DenyReason(enum.IntEnum):
+    """Why a retry was denied."""
+
+    UNSPECIFIED = 0
+    MAX_ATTEMPTS = 1
+    BUDGET_EXHAUSTED = 2
+    BODY_NOT_REPLAYABLE = 3
+    RESPONSE_ALREADY_DELIVERED = 4
+    RUNTIME_DRAINING = 5
+    DEADLINE = 6
+    PERMANENT_FAILURE = 7
+    STATUS_NOT_RETRYABLE = 8
+    RETRIES_DISABLED = 9
+    BUDGET_UNAVAILABLE = 10
+
+
+#: An enum value, or a raw number passed through unchanged.
+IdempotencyLike = Union[Idempotency, int]
+EvidenceLike = Union[Evidence, int]
+FailureKindLike = Union[FailureKind, int]
+
+
+@dataclass(frozen=True)
+class Body:
+    """A request body, as far as replayability is concerned.
+
+    Use the constructors: ``Body.bytes()``, ``Body.encoded_value()``,
+    ``Body.reopenable()``, ``Body.input_stream()``, ``Body.publisher()``,
+    ``Body.publisher_factory(Replayability.REPLAYABLE)`` and
+    ``Body.multipart(part, ...)``. No body at all is ``None``.
+    """
+
+    kind: Union[BodyKind, int]
+    declared: Union[Replayability, int, None] = None
+    parts: tuple[Body, ...] = field(default=())
+
+    @classmethod
+    def bytes(cls) -> Body:
+        return cls(BodyKind.BYTES)
+
+    @classmethod
+    def encoded_value(cls) -> Body:
+        return cls(BodyKind.ENCODED_VALUE)
+
+    @classmethod
+    def reopenable(cls) -> Body:
+        return cls(BodyKind.REOPENABLE_SUPPLIER)
+
+    @classmethod
+    def input_stream(cls) -> Body:
+        return cls(BodyKind.INPUT_STREAM)
+
+    @classmethod
+    def publisher(cls) -> Body:
+        return cls(BodyKind.PUBLISHER)
+
+    @classmethod
+    def publisher_factory(cls, declared: Union[Replayability, int]) -> Body:
+        return cls(BodyKind.PUBLISHER_FACTORY, declared=declared)
+
+    @classmethod
+    def multipart(cls, *parts: Body) -> Body:
+        return cls(BodyKind.MULTIPART, parts=tuple(parts))
+
+    @property
+    def replayability(self) -> Replayability:
+        """The seed's replayability table; multipart takes its weakest part."""
+        if self.kind == BodyKind.PUBLISHER_FACTORY:
+            try:
+                return Replayability(self.declared or 0)
+            except ValueError:
+                return Replayability.ONE_SHOT
+        if self.kind == BodyKind.MULTIPART:
+            if not self.parts:
+                return Replayability.ONE_SHOT
+            # ONE_SHOT (3) is the weakest, REPLAYABLE (1) the strongest.
+            return max((part.replayability for part in self.parts), key=int)
+        if self.kind in (BodyKind.NONE, BodyKind.BYTES, BodyKind.ENCODED_VALUE):
+            return Replayability.REPLAYABLE
+        if self.kind == BodyKind.REOPENABLE_SUPPLIER:
+            return Replayability.REOPENABLE
+        return Replayability.ONE_SHOT
+
+
+@dataclass(frozen=True)
+class Decision:
+    """retryd's answer for one failed attempt.
+
+    ``backoff`` is in seconds. ``fallback`` is True when retryd could not be
+    reached and the client's conservative local rule decided instead; then
+    ``decision_id`` is empty and ``tokens_remaining`` is NaN.
+    """
+
+    verdict: Verdict
+    backoff: float
+    deny_reason: DenyReason
+    refresh_credentials: bool
+    rule: int
+    effective_evidence: Evidence
+    evidence_adjusted: bool
+    decision_id: str
+    tokens_remaining: float
+    explanation: str
+    fallback: bool = False
+
+    @property
+    def should_retry(self) -> bool:
+        return self.verdict == Verdict.RETRY
+
+    @property
+    def is_ambiguous(self) -> bool:
+        return self.verdict == Verdict.AMBIGUOUS
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The state of one upstream's retry budget."""
+
+    upstream: str
+    tokens: float
+    capacity: float
+    ratio: float
+    min_per_second: float
+    retries_enabled: bool
+    tracked: bool

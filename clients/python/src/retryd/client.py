@@ -1,0 +1,483 @@
+"""Blocking and asyncio clients of retryd.v1.
+
+Both clients put a short timeout on every decision (``timeout``, 200 ms by
+default, further bounded by the caller's own remaining deadline), attach the
+active OpenTelemetry trace context, and fall back to the conservative local
+rule of :mod:`retryd.fallback` when retryd cannot answer in time. An invalid
+request is never hidden by the fallback: it raises
+:class:`~retryd.errors.InvalidRequestError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import grpc
+import grpc.aio
+from google.protobuf import duration_pb2
+
+from ._types import (
+    Body,
+    Budget,
+    Decision,
+    DenyReason,
+    Evidence,
+    EvidenceLike,
+    FailureKind,
+    FailureKindLike,
+    IdempotencyLike,
+    Verdict,
+)
+from .errors import InvalidRequestError, RetrydError, RetrydUnavailableError
+from .fallback import DEFAULT_LOCAL_POLICY, LocalPolicy, local_decide
+from .tracing import trace_metadata
+from .v1 import retryd_pb2 as pb
+from .v1 import retryd_pb2_grpc as pb_grpc
+
+log = logging.getLogger("retryd")
+
+#: Seconds, or a timedelta.
+Seconds = Union[float, int, timedelta]
+
+#: The least time a decision call gets when the caller's deadline is nearly over.
+_MIN_CALL_TIMEOUT = 0.05
+
+#: Channel options the clients start from: reconnect quickly after retryd
+#: restarts (gRPC's own default backs off up to two minutes, all of which the
+#: fallback would have to cover). Options passed by the caller win.
+DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
+def _channel_options(options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    merged = dict(DEFAULT_CHANNEL_OPTIONS)
+    merged.update(dict(options))
+    return list(merged.items())
+
+
+#: The most entries one ReportTraffic call may carry.
+MAX_TRAFFIC_ENTRIES = 1024
+
+
+def _seconds(value: Optional[Seconds]) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    return float(value)
+
+
+def _duration(value: Optional[Seconds]) -> Optional[duration_pb2.Duration]:
+    """A protobuf Duration; negative values are sent as they are (retryd rejects them)."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        total_nanos = (value.days * 86_400 + value.seconds) * 10**9 + value.microseconds * 1000
+    else:
+        total_nanos = round(float(value) * 1e9)
+    seconds = int(total_nanos / 10**9)  # toward zero, so nanos share the sign
+    return duration_pb2.Duration(seconds=seconds, nanos=total_nanos - seconds * 10**9)
+
+
+def _from_duration(value: duration_pb2.Duration) -> float:
+    return float(value.seconds) + value.nanos / 1e9
+
+
+def _body_message(body: Body) -> pb.Body:
+    message = pb.Body(kind=int(body.kind), declared=int(body.declared or 0))  # type: ignore[arg-type]
+    message.parts.extend(_body_message(part) for part in body.parts)
+    return message
+
+
+def _enum(enum_type: Any, value: int) -> Any:
+    try:
+        return enum_type(value)
+    except ValueError:  # a value newer than this client
+        return enum_type(0)
+
+
+def _decision(response: pb.DecideResponse) -> Decision:
+    return Decision(
+        verdict=_enum(Verdict, response.verdict),
+        backoff=_from_duration(response.backoff),
+        deny_reason=_enum(DenyReason, response.deny_reason),
+        refresh_credentials=response.refresh_credentials,
+        rule=response.rule,
+        effective_evidence=_enum(Evidence, response.effective_evidence),
+        evidence_adjusted=response.evidence_adjusted,
+        decision_id=response.decision_id,
+        tokens_remaining=response.tokens_remaining,
+        explanation=response.explanation,
+    )
+
+
+def _budget(message: pb.Budget) -> Budget:
+    return Budget(
+        upstream=message.upstream,
+        tokens=message.tokens,
+        capacity=message.capacity,
+        ratio=message.ratio,
+        min_per_second=message.min_per_second,
+        retries_enabled=message.retries_enabled,
+        tracked=message.tracked,
+    )
+
+
+def _traffic_requests(
+    counts: Union[Mapping[str, int], Iterable[tuple[str, int]]],
+) -> list[pb.ReportTrafficRequest]:
+    items = list(counts.items() if isinstance(counts, Mapping) else counts)
+    entries = [pb.UpstreamTraffic(upstream=upstream, requests=n) for upstream, n in items if n > 0]
+    return [
+        pb.ReportTrafficRequest(traffic=entries[start : start + MAX_TRAFFIC_ENTRIES])
+        for start in range(0, len(entries), MAX_TRAFFIC_ENTRIES)
+    ]
+
+
+class _Base:
+    """What both clients share: argument mapping, metadata, fallback."""
+
+    def __init__(
+        self,
+        *,
+        timeout: float,
+        fallback: Optional[LocalPolicy],
+        metadata: Sequence[tuple[str, str]],
+    ) -> None:
+        self.timeout = timeout
+        self.fallback = fallback
+        self._metadata = list(metadata)
+
+    def _call_metadata(self) -> list[tuple[str, str]]:
+        return self._metadata + trace_metadata()
+
+    def _call_timeout(self, deadline_remaining: Optional[float], timeout: Optional[float]) -> float:
+        limit = self.timeout if timeout is None else timeout
+        if deadline_remaining is not None:
+            # Waiting for retryd longer than the caller has left is pointless,
+            # but leave it a few milliseconds to say DENY DEADLINE itself.
+            limit = min(limit, max(deadline_remaining, _MIN_CALL_TIMEOUT))
+        return limit
+
+    @staticmethod
+    def _request(args: dict[str, Any]) -> pb.DecideRequest:
+        request = pb.DecideRequest(
+            upstream=args["upstream"],
+            operation=args["operation"],
+            idempotency=int(args["idempotency"]),  # type: ignore[arg-type]
+            attempt=args["attempt"],
+            evidence=int(args["evidence"]),  # type: ignore[arg-type]
+            failure=int(args["failure"]),  # type: ignore[arg-type]
+            http_status=args["http_status"],
+            retry_after=args["retry_after"] or "",
+            first_byte_delivered=args["first_byte_delivered"],
+            runtime_draining=args["runtime_draining"],
+            auth_refresh_attempted=args["auth_refresh_attempted"],
+            max_attempts=args["max_attempts"],
+        )
+        if args["body"] is not None:
+            request.body.CopyFrom(_body_message(args["body"]))
+        deadline = _duration(args["deadline_remaining"])
+        if deadline is not None:
+            request.deadline_remaining.CopyFrom(deadline)
+        previous = _duration(args["previous_backoff"])
+        if previous is not None:
+            request.previous_backoff.CopyFrom(previous)
+        return request
+
+    def _on_error(self, error: grpc.RpcError, args: dict[str, Any]) -> Decision:
+        code = error.code()
+        details = error.details() or ""
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise InvalidRequestError(details) from None
+        if self.fallback is None:
+            raise RetrydUnavailableError(f"retryd: {code.name}: {details}", code) from error
+        log.warning("retryd unavailable (%s: %s); deciding with the local rule", code.name, details)
+        if not args["upstream"]:
+            raise InvalidRequestError("upstream: required")
+        if int(args["idempotency"]) == 0:
+            raise InvalidRequestError("idempotency: required")
+        if args["attempt"] < 1:
+            raise InvalidRequestError("attempt: must be at least 1")
+        return local_decide(
+            policy=self.fallback,
+            idempotency=args["idempotency"],
+            attempt=args["attempt"],
+            evidence=args["evidence"],
+            failure=args["failure"],
+            http_status=args["http_status"],
+            retry_after=args["retry_after"],
+            deadline_remaining=_seconds(args["deadline_remaining"]),
+            body=args["body"],
+            first_byte_delivered=args["first_byte_delivered"],
+            runtime_draining=args["runtime_draining"],
+            auth_refresh_attempted=args["auth_refresh_attempted"],
+            max_attempts=args["max_attempts"],
+            reason=f"retryd unreachable ({code.name})",
+        )
+
+    @staticmethod
+    def _unavailable(error: grpc.RpcError) -> RetrydError:
+        code = error.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return InvalidRequestError(error.details() or "")
+        return RetrydUnavailableError(f"retryd: {code.name}: {error.details()}", code)
+
+
+def _args(
+    upstream: str,
+    idempotency: IdempotencyLike,
+    attempt: int,
+    operation: str,
+    evidence: EvidenceLike,
+    failure: FailureKindLike,
+    http_status: int,
+    retry_after: Optional[str],
+    deadline_remaining: Optional[Seconds],
+    body: Optional[Body],
+    first_byte_delivered: bool,
+    runtime_draining: bool,
+    auth_refresh_attempted: bool,
+    previous_backoff: Optional[Seconds],
+    max_attempts: int,
+) -> dict[str, Any]:
+    return dict(
+        upstream=upstream,
+        idempotency=idempotency,
+        attempt=attempt,
+        operation=operation,
+        evidence=evidence,
+        failure=failure,
+        http_status=http_status,
+        retry_after=retry_after,
+        deadline_remaining=deadline_remaining,
+        body=body,
+        first_byte_delivered=first_byte_delivered,
+        runtime_draining=runtime_draining,
+        auth_refresh_attempted=auth_refresh_attempted,
+        previous_backoff=previous_backoff,
+        max_attempts=max_attempts,
+    )
+
+
+class Client(_Base):
+    """A blocking retryd client. Thread-safe; share one per process.
+
+    ``target`` is a gRPC target such as ``"127.0.0.1:50051"``. ``timeout``
+    (seconds) bounds every decision call. ``fallback`` is the local rule
+    used when retryd cannot answer (``None`` raises
+    :class:`RetrydUnavailableError` instead). ``credentials`` switches to
+    TLS; ``metadata`` is sent with every call (for example an authorization
+    header).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = 0.2,
+        fallback: Optional[LocalPolicy] = DEFAULT_LOCAL_POLICY,
+        credentials: Optional[grpc.ChannelCredentials] = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        super().__init__(timeout=timeout, fallback=fallback, metadata=metadata)
+        self.target = target
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=_channel_options(options))
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=_channel_options(options))
+        self._decider = pb_grpc.RetryDeciderStub(self._channel)  # type: ignore[no-untyped-call]
+        self._admin = pb_grpc.RetryAdminStub(self._channel)  # type: ignore[no-untyped-call]
+
+    def decide(
+        self,
+        *,
+        upstream: str,
+        idempotency: IdempotencyLike,
+        attempt: int,
+        operation: str = "",
+        evidence: EvidenceLike = Evidence.UNSPECIFIED,
+        failure: FailureKindLike = FailureKind.UNSPECIFIED,
+        http_status: int = 0,
+        retry_after: Optional[str] = None,
+        deadline_remaining: Optional[Seconds] = None,
+        body: Optional[Body] = None,
+        first_byte_delivered: bool = False,
+        runtime_draining: bool = False,
+        auth_refresh_attempted: bool = False,
+        previous_backoff: Optional[Seconds] = None,
+        max_attempts: int = 0,
+        timeout: Optional[float] = None,
+    ) -> Decision:
+        """Asks retryd whether the failed ``attempt`` (1 = the first) may be retried.
+
+        Every argument is the DecideRequest field of the same name; see
+        proto/retryd/v1/retryd.proto. Durations are seconds or timedeltas.
+        """
+        args = _args(upstream, idempotency, attempt, operation, evidence, failure, http_status,
+                     retry_after, deadline_remaining, body, first_byte_delivered, runtime_draining,
+                     auth_refresh_attempted, previous_backoff, max_attempts)
+        request = self._request(args)
+        try:
+            response = self._decider.Decide(
+                request,
+                timeout=self._call_timeout(_seconds(deadline_remaining), timeout),
+                metadata=self._call_metadata(),
+            )
+        except grpc.RpcError as error:
+            return self._on_error(error, args)
+        return _decision(response)
+
+    def report_traffic(self, counts: Union[Mapping[str, int], Iterable[tuple[str, int]]]) -> int:
+        """Reports real (first-attempt) requests per upstream; returns the entries accepted."""
+        accepted = 0
+        for request in _traffic_requests(counts):
+            try:
+                response = self._decider.ReportTraffic(
+                    request, timeout=max(self.timeout, 1.0), metadata=self._call_metadata()
+                )
+            except grpc.RpcError as error:
+                raise self._unavailable(error) from error
+            accepted += response.accepted
+        return accepted
+
+    def get_budget(self, upstream: str) -> Budget:
+        """The current state of one upstream's budget (admin)."""
+        try:
+            response = self._admin.GetBudget(
+                pb.GetBudgetRequest(upstream=upstream), timeout=max(self.timeout, 1.0),
+                metadata=self._call_metadata(),
+            )
+        except grpc.RpcError as error:
+            raise self._unavailable(error) from error
+        return _budget(response.budget)
+
+    def list_budgets(self) -> list[Budget]:
+        """Every tracked budget, ordered by upstream (admin)."""
+        try:
+            response = self._admin.ListBudgets(
+                pb.ListBudgetsRequest(), timeout=max(self.timeout, 1.0), metadata=self._call_metadata()
+            )
+        except grpc.RpcError as error:
+            raise self._unavailable(error) from error
+        return [_budget(budget) for budget in response.budgets]
+
+    def set_retries_enabled(self, upstream: str, enabled: bool, reason: str = "") -> bool:
+        """Switches retries on or off for an upstream, fleet-wide; returns the previous state (admin)."""
+        try:
+            response = self._admin.SetRetriesEnabled(
+                pb.SetRetriesEnabledRequest(upstream=upstream, enabled=enabled, reason=reason),
+                timeout=max(self.timeout, 1.0),
+                metadata=self._call_metadata(),
+            )
+        except grpc.RpcError as error:
+            raise self._unavailable(error) from error
+        return bool(response.previous)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """The asyncio twin of :class:`Client` (grpc.aio). Create it inside a running loop."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = 0.2,
+        fallback: Optional[LocalPolicy] = DEFAULT_LOCAL_POLICY,
+        credentials: Optional[grpc.ChannelCredentials] = None,
+        metadata: Sequence[tuple[str, str]] = (),
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        super().__init__(timeout=timeout, fallback=fallback, metadata=metadata)
+        self.target = target
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=_channel_options(options))
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=_channel_options(options))
+        self._decider = pb_grpc.RetryDeciderStub(self._channel)  # type: ignore[no-untyped-call]
+        self._admin = pb_grpc.RetryAdminStub(self._channel)  # type: ignore[no-untyped-call]
+
+    async def decide(
+        self,
+        *,
+        upstream: str,
+        idempotency: IdempotencyLike,
+        attempt: int,
+        operation: str = "",
+        evidence: EvidenceLike = Evidence.UNSPECIFIED,
+        failure: FailureKindLike = FailureKind.UNSPECIFIED,
+        http_status: int = 0,
+        retry_after: Optional[str] = None,
+        deadline_remaining: Optional[Seconds] = None,
+        body: Optional[Body] = None,
+        first_byte_delivered: bool = False,
+        runtime_draining: bool = False,
+        auth_refresh_attempted: bool = False,
+        previous_backoff: Optional[Seconds] = None,
+        max_attempts: int = 0,
+        timeout: Optional[float] = None,
+    ) -> Decision:
+        """See :meth:`Client.decide`."""
+        args = _args(upstream, idempotency, attempt, operation, evidence, failure, http_status,
+                     retry_after, deadline_remaining, body, first_byte_delivered, runtime_draining,
+                     auth_refresh_attempted, previous_backoff, max_attempts)
+        request = self._request(args)
+        try:
+            response = await self._decider.Decide(
+                request,
+                timeout=self._call_timeout(_seconds(deadline_remaining), timeout),
+                metadata=self._call_metadata(),
+            )
+        except grpc.RpcError as error:
+            return self._on_error(error, args)
+        return _decision(response)
+
+    async def report_traffic(self, counts: Union[Mapping[str, int], Iterable[tuple[str, int]]]) -> int:
+        """See :meth:`Client.report_traffic`."""
+        accepted = 0
+        for request in _traffic_requests(counts):
+            try:
+                response = await self._decider.ReportTraffic(
+                    request, timeout=max(self.timeout, 1.0), metadata=self._call_metadata()
+                )
+            except grpc.RpcError as error:
+                raise self._unavailable(error) from error
+            accepted += response.accepted
+        return int(accepted)
+
+    async def get_budget(self, upstream: str) -> Budget:
+        """See :meth:`Client.get_budget`."""
+        try:
+            response = await self._admin.GetBudget(
+                pb.GetBudgetRequest(upstream=upstream), timeout=max(self.timeout, 1.0),
+                metadata=self._call_metadata(),
+            )
+        except grpc.RpcError as error:
+            raise self._unavailable(error) from error
+        return _budget(response.budget)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+

@@ -1,0 +1,436 @@
+"""httpx adapter: honest evidence from httpx outcomes, and retryd-governed retries.
+
+Classification (what each httpx outcome proves):
+
+======================================  ==================  =========================
+httpx outcome                           evidence            failure
+======================================  ==================  =========================
+``PoolTimeout``                         NOT_SENT            POOL_TIMEOUT
+``ConnectTimeout``, ``ConnectError``    NOT_SENT            CONNECT
+``ConnectError`` from ``socket.gaierror``  NOT_SENT         DNS
+``ConnectError`` from a certificate     NOT_SENT            TLS_CERTIFICATE_INVALID
+  verification error
+``ConnectError`` from another TLS error NOT_SENT            PRE_REQUEST_TLS
+``UnsupportedProtocol``                 NOT_SENT            PROFILE_REJECTION
+HTTP/2 ``REFUSED_STREAM`` reset         NOT_SENT            HTTP2_REFUSED_STREAM
+``WriteTimeout``, ``WriteError``        SENT_NO_RESPONSE    PARTIAL_WRITE
+``ReadTimeout`` (before headers)        SENT_NO_RESPONSE    RESPONSE_HEADER_TIMEOUT
+``ReadError``, ``RemoteProtocolError``  SENT_NO_RESPONSE    CONNECTION_RESET
+  (before headers)
+``LocalProtocolError``                  SENT_NO_RESPONSE    REQUEST_ENCODING
+read error after the headers            PARTIAL_RESPONSE    DECODE_RESET
+read timeout after the headers          PARTIAL_RESPONSE    INTERRUPTED_STREAM
+any other transport error               SENT_NO_RESPONSE    GENERIC_IO
+a response                              RESPONSE_RECEIVED   (status, Retry-After)
+======================================  ==================  =========================
+
+A read timeout never proves NOT_SENT: the request was written, and the
+upstream may be executing it. httpcore itself re-sends a request that was
+above an HTTP/2 GOAWAY's last-stream-id, so GOAWAY_UNPROCESSED never
+surfaces from httpx; a GOAWAY that does surface covers our stream and is a
+CONNECTION_RESET.
+
+Retries: :func:`request_with_retries` (and :func:`arequest_with_retries` for
+``httpx.AsyncClient``) send a request, ask retryd after each failure, close
+the failed response (returning its connection to the pool) and only then
+sleep the backoff, so no connection is held while waiting. First attempts
+are counted on an optional :class:`~retryd.reporter.TrafficReporter`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterable, Awaitable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import httpx
+
+from ._types import Body, Decision, Evidence, FailureKind, IdempotencyLike, Verdict
+from .client import AsyncClient, Client, Seconds, _seconds
+from .errors import AmbiguousExecutionError
+from .reporter import TrafficReporter
+
+#: Statuses worth asking retryd about; any other response is returned as is.
+DEFAULT_RETRY_STATUSES = frozenset({401, 408, 425, 429, 500, 502, 503, 504})
+
+#: A hard stop, whatever retryd or the fallback says.
+_MAX_LOOP = 100
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to one attempt, in retryd's terms."""
+
+    evidence: Evidence
+    failure: FailureKind = FailureKind.UNSPECIFIED
+    http_status: int = 0
+    retry_after: Optional[str] = None
+
+    def decide_kwargs(self) -> dict[str, Any]:
+        """The matching keyword arguments of :meth:`retryd.Client.decide`."""
+        return {
+            "evidence": self.evidence,
+            "failure": self.failure,
+            "http_status": self.http_status,
+            "retry_after": self.retry_after,
+        }
+
+
+def _chain(exc: BaseException) -> Iterable[BaseException]:
+    seen: set[int] = set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _connect_failure(exc: BaseException) -> FailureKind:
+    for cause in _chain(exc):
+        if isinstance(cause, socket.gaierror):
+            return FailureKind.DNS
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return FailureKind.TLS_CERTIFICATE_INVALID
+        if isinstance(cause, ssl.SSLError):
+            return FailureKind.PRE_REQUEST_TLS
+    text = " ".join(str(cause) for cause in _chain(exc))
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return FailureKind.TLS_CERTIFICATE_INVALID
+    if "Name or service not known" in text or "nodename nor servname" in text or "getaddrinfo" in text:
+        return FailureKind.DNS
+    if "SSL" in text or "TLS" in text:
+        return FailureKind.PRE_REQUEST_TLS
+    return FailureKind.CONNECT
+
+
+def classify_response(response: httpx.Response) -> Outcome:
+    """A response that arrived: its status and Retry-After."""
+    return Outcome(
+        evidence=Evidence.RESPONSE_RECEIVED,
+        http_status=response.status_code,
+        retry_after=response.headers.get("retry-after"),
+    )
+
+
+def classify_exception(exc: BaseException, *, response: Optional[httpx.Response] = None) -> Outcome:
+    """What an exception from httpx proves; see the module table.
+
+    Pass ``response`` when the exception was raised while reading the body
+    of a response whose headers had already arrived.
+    """
+    if response is not None:
+        status = response.status_code
+        retry_after = response.headers.get("retry-after")
+        if isinstance(exc, httpx.DecodingError):
+            # Every byte arrived; they just could not be decoded.
+            return Outcome(Evidence.RESPONSE_RECEIVED, FailureKind.UNSPECIFIED, status, retry_after)
+        if isinstance(exc, httpx.TimeoutException):
+            failure = FailureKind.INTERRUPTED_STREAM
+        elif isinstance(exc, (httpx.ReadError, httpx.RemoteProtocolError)):
+            failure = FailureKind.DECODE_RESET
+        else:
+            failure = FailureKind.GENERIC_IO
+        return Outcome(Evidence.PARTIAL_RESPONSE, failure, status, retry_after)
+
+    if isinstance(exc, httpx.PoolTimeout):
+        return Outcome(Evidence.NOT_SENT, FailureKind.POOL_TIMEOUT)
+    if isinstance(exc, httpx.ConnectTimeout):
+        return Outcome(Evidence.NOT_SENT, FailureKind.CONNECT)
+    if isinstance(exc, httpx.ConnectError):
+        return Outcome(Evidence.NOT_SENT, _connect_failure(exc))
+    if isinstance(exc, httpx.UnsupportedProtocol):
+        return Outcome(Evidence.NOT_SENT, FailureKind.PROFILE_REJECTION)
+    if isinstance(exc, (httpx.WriteTimeout, httpx.WriteError)):
+        return Outcome(Evidence.SENT_NO_RESPONSE, FailureKind.PARTIAL_WRITE)
+    if isinstance(exc, httpx.ReadTimeout):
+        return Outcome(Evidence.SENT_NO_RESPONSE, FailureKind.RESPONSE_HEADER_TIMEOUT)
+    if isinstance(exc, httpx.RemoteProtocolError):
+        if "REFUSED_STREAM" in str(exc):
+            return Outcome(Evidence.NOT_SENT, FailureKind.HTTP2_REFUSED_STREAM)
+        return Outcome(Evidence.SENT_NO_RESPONSE, FailureKind.CONNECTION_RESET)
+    if isinstance(exc, httpx.ReadError):
+        return Outcome(Evidence.SENT_NO_RESPONSE, FailureKind.CONNECTION_RESET)
+    if isinstance(exc, httpx.LocalProtocolError):
+        return Outcome(Evidence.SENT_NO_RESPONSE, FailureKind.REQUEST_ENCODING)
+    return Outcome(Evidence.SENT_NO_RESPONSE, FailureKind.GENERIC_IO)
+
+
+def _file_part(value: Any) -> Body:
+    if isinstance(value, tuple):  # (filename, file[, content_type[, headers]])
+        value = value[1] if len(value) > 1 else None
+    if value is None or isinstance(value, (bytes, str)):
+        return Body.bytes()
+    if hasattr(value, "seek") and hasattr(value, "read"):
+        seekable = getattr(value, "seekable", None)
+        if seekable is None or seekable():
+            return Body.reopenable()  # httpx seeks a file back to 0 before sending it
+    return Body.input_stream()
+
+
+def body_of(
+    *,
+    content: Any = None,
+    data: Any = None,
+    files: Any = None,
+    json: Any = None,
+) -> Optional[Body]:
+    """The replayability of a body given as httpx request arguments.
+
+    bytes/str content are BYTES; ``json`` and form ``data`` are an
+    ENCODED_VALUE; ``files`` make a MULTIPART whose file parts are REOPENABLE
+    when seekable (httpx rewinds them), else one-shot; an iterator or file
+    as ``content`` is an INPUT_STREAM (httpx refuses to replay it).
+    """
+    if files:
+        items = files.items() if isinstance(files, Mapping) else files
+        parts = [_file_part(value) for _, value in items]
+        if data:
+            parts.append(Body.encoded_value())
+        return Body.multipart(*parts)
+    if content is not None:
+        if isinstance(content, (bytes, str)):
+            return Body.bytes()
+        return Body.input_stream()
+    if json is not None or data:
+        return Body.encoded_value()
+    return None
+
+
+_BUILD_KEYS = {"content", "data", "files", "json", "params", "headers", "cookies", "timeout", "extensions"}
+
+
+def _split(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    build = {key: value for key, value in kwargs.items() if key in _BUILD_KEYS}
+    send = {key: value for key, value in kwargs.items() if key not in _BUILD_KEYS}
+    return build, send
+
+
+class _Loop:
+    """The state of one call across attempts, shared by the sync and async loops."""
+
+    def __init__(
+        self,
+        *,
+        upstream: str,
+        idempotency: IdempotencyLike,
+        operation: str,
+        body: Optional[Body],
+        deadline: Optional[Seconds],
+        max_attempts: int,
+    ) -> None:
+        self.upstream = upstream
+        self.idempotency = idempotency
+        self.operation = operation
+        self.body = body
+        self.max_attempts = max_attempts
+        seconds = _seconds(deadline)
+        self.deadline_at = None if seconds is None else time.monotonic() + seconds
+        self.attempt = 0
+        self.previous_backoff: Optional[float] = None
+        self.auth_refresh_attempted = False
+
+    def decide_kwargs(self, outcome: Outcome) -> dict[str, Any]:
+        remaining = None if self.deadline_at is None else max(0.0, self.deadline_at - time.monotonic())
+        return dict(
+            upstream=self.upstream,
+            idempotency=self.idempotency,
+            attempt=self.attempt,
+            operation=self.operation,
+            body=self.body,
+            deadline_remaining=remaining,
+            auth_refresh_attempted=self.auth_refresh_attempted,
+            previous_backoff=self.previous_backoff,
+            max_attempts=self.max_attempts,
+            **outcome.decide_kwargs(),
+        )
+
+    def after_retry(self, decision: Decision) -> None:
+        self.previous_backoff = decision.backoff or None
+        if decision.refresh_credentials:
+            self.auth_refresh_attempted = True
+
+
+def _note(exc: BaseException, decision: Decision) -> None:
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(f"retryd: {decision.verdict.name} (rule {decision.rule}): {decision.explanation}")
+
+
+def request_with_retries(
+    http: httpx.Client,
+    retryd: Client,
+    method: str,
+    url: Union[httpx.URL, str],
+    *,
+    upstream: str,
+    idempotency: IdempotencyLike,
+    operation: Optional[str] = None,
+    body: Optional[Body] = None,
+    deadline: Optional[Seconds] = None,
+    max_attempts: int = 0,
+    retry_statuses: frozenset[int] = DEFAULT_RETRY_STATUSES,
+    reporter: Optional[TrafficReporter] = None,
+    on_refresh_credentials: Optional[Callable[[], None]] = None,
+    sleep: Callable[[float], None] = time.sleep,
+    **kwargs: Any,
+) -> httpx.Response:
+    """Sends a request with httpx, retrying as retryd decides.
+
+    ``kwargs`` are those of ``httpx.Client.request``. ``idempotency`` is
+    required: the method alone never decides. ``body`` overrides the
+    replayability derived from ``content``/``data``/``files``/``json``.
+    ``deadline`` (seconds) covers the whole call, retries included.
+
+    Returns the final response (read in full) when it succeeds, when retryd
+    denies a retry of an error response, or when the status is not in
+    ``retry_statuses``. Re-raises the last transport error when retryd denies
+    retrying it. Raises :class:`~retryd.errors.AmbiguousExecutionError` when
+    retryd answers AMBIGUOUS. After a 401 retryd may ask to refresh
+    credentials: ``on_refresh_credentials`` is called before the replay (if
+    it is not given, the 401 response is returned).
+    """
+    build, send = _split(kwargs)
+    loop = _Loop(
+        upstream=upstream,
+        idempotency=idempotency,
+        operation=operation or f"{method.upper()} {httpx.URL(url).path}",
+        body=body if body is not None else body_of(**{k: build.get(k) for k in ("content", "data", "files", "json")}),
+        deadline=deadline,
+        max_attempts=max_attempts,
+    )
+    while True:
+        loop.attempt += 1
+        if loop.attempt == 1 and reporter is not None:
+            reporter.record(upstream)
+        request = http.build_request(method, url, **build)
+        response: Optional[httpx.Response] = None
+        error: Optional[BaseException] = None
+        try:
+            response = http.send(request, stream=True, **send)
+        except httpx.TransportError as exc:
+            error, outcome = exc, classify_exception(exc)
+        else:
+            try:
+                response.read()
+            except (httpx.TransportError, httpx.DecodingError) as exc:
+                response.close()
+                error, outcome = exc, classify_exception(exc, response=response)
+            else:
+                if response.status_code not in retry_statuses:
+                    return response
+                outcome = classify_response(response)
+
+        decision = retryd.decide(**loop.decide_kwargs(outcome))
+        if decision.verdict == Verdict.AMBIGUOUS:
+            raise AmbiguousExecutionError(decision, response) from error
+        retry = decision.should_retry and loop.attempt < _MAX_LOOP
+        if retry and decision.refresh_credentials:
+            if on_refresh_credentials is None:
+                retry = False
+            else:
+                on_refresh_credentials()
+        if not retry:
+            if error is not None:
+                _note(error, decision)
+                raise error
+            assert response is not None
+            return response
+        if response is not None:
+            response.close()  # give the connection back before waiting
+        loop.after_retry(decision)
+        if decision.backoff > 0:
+            sleep(decision.backoff)
+
+
+async def arequest_with_retries(
+    http: httpx.AsyncClient,
+    retryd: AsyncClient,
+    method: str,
+    url: Union[httpx.URL, str],
+    *,
+    upstream: str,
+    idempotency: IdempotencyLike,
+    operation: Optional[str] = None,
+    body: Optional[Body] = None,
+    deadline: Optional[Seconds] = None,
+    max_attempts: int = 0,
+    retry_statuses: frozenset[int] = DEFAULT_RETRY_STATUSES,
+    reporter: Optional[TrafficReporter] = None,
+    on_refresh_credentials: Optional[Callable[[], Union[None, Awaitable[None]]]] = None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    **kwargs: Any,
+) -> httpx.Response:
+    """The asyncio twin of :func:`request_with_retries`."""
+    build, send = _split(kwargs)
+    content = build.get("content")
+    loop = _Loop(
+        upstream=upstream,
+        idempotency=idempotency,
+        operation=operation or f"{method.upper()} {httpx.URL(url).path}",
+        body=body if body is not None else (
+            Body.input_stream() if isinstance(content, AsyncIterable)
+            else body_of(**{k: build.get(k) for k in ("content", "data", "files", "json")})
+        ),
+        deadline=deadline,
+        max_attempts=max_attempts,
+    )
+    while True:
+        loop.attempt += 1
+        if loop.attempt == 1 and reporter is not None:
+            reporter.record(upstream)
+        request = http.build_request(method, url, **build)
+        response: Optional[httpx.Response] = None
+        error: Optional[BaseException] = None
+        try:
+            response = await http.send(request, stream=True, **send)
+        except httpx.TransportError as exc:
+            error, outcome = exc, classify_exception(exc)
+        else:
+            try:
+                await response.aread()
+            except (httpx.TransportError, httpx.DecodingError) as exc:
+                await response.aclose()
+                error, outcome = exc, classify_exception(exc, response=response)
+            else:
+                if response.status_code not in retry_statuses:
+                    return response
+                outcome = classify_response(response)
+
+        decision = await retryd.decide(**loop.decide_kwargs(outcome))
+        if decision.verdict == Verdict.AMBIGUOUS:
+            raise AmbiguousExecutionError(decision, response) from error
+        retry = decision.should_retry and loop.attempt < _MAX_LOOP
+        if retry and decision.refresh_credentials:
+            if on_refresh_credentials is None:
+                retry = False
+            else:
+                result = on_refresh_credentials()
+                if inspect.isawaitable(result):
+                    await result
+        if not retry:
+            if error is not None:
+                _note(error, decision)
+                raise error
+            assert response is not None
+            return response
+        if response is not None:
+            await response.aclose()
+        loop.after_retry(decision)
+        if decision.backoff > 0:
+            await sleep(decision.backoff)
+
+
+__all__ = [
+    "DEFAULT_RETRY_STATUSES",
+    "Outcome",
+    "arequest_with_retries",
+    "body_of",
+    "classify_exception",
+    "classify_response",
+    "request_with_retries",
+]

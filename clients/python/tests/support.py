@@ -1,0 +1,92 @@
+"""Helpers for the tests: start and stop a real retryd from $RETRYD_BIN."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+VECTORS = REPO / "conformance" / "decisions.json"
+
+# Fast backoffs so that end-to-end retry tests sleep milliseconds.
+CLIENT_TEST_CONFIG = """
+[server]
+listen = "127.0.0.1:0"
+metrics_listen = "127.0.0.1:0"
+
+[defaults]
+max_attempts = 3
+min_attempt_budget = "20ms"
+max_retry_after = "60s"
+transient_500 = false
+budget = { capacity = 1000.0, initial = 1000.0, ratio = 0.1, min_per_second = 1.0 }
+backoff = { base = "10ms", max = "50ms", jitter = "full" }
+
+# A large minimum attempt budget, so deadline tests need no tight timing.
+[upstreams."py-slow"]
+min_attempt_budget = "300ms"
+
+[upstreams."py-empty"]
+budget = { capacity = 10.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
+"""
+
+
+def retryd_bin() -> Path:
+    path = Path(os.environ.get("RETRYD_BIN") or REPO / "target" / "debug" / "retryd")
+    if not path.is_file():
+        pytest.fail(f"retryd binary not found at {path}: build it (cargo build --bin retryd) or set RETRYD_BIN")
+    return path
+
+
+@dataclass
+class Server:
+    grpc: str
+    metrics: str
+    process: subprocess.Popen[bytes]
+
+
+def start_server(config: str, directory: Path) -> Server:
+    config_path = directory / "retryd.toml"
+    config_path.write_text(config)
+    stderr = open(directory / "retryd.stderr", "wb")
+    process = subprocess.Popen(
+        [str(retryd_bin()), "serve", "--config", str(config_path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+    )
+    lines: queue.Queue[bytes] = queue.Queue()
+
+    def read() -> None:
+        assert process.stdout is not None
+        lines.put(process.stdout.readline())
+        for _ in process.stdout:  # keep draining
+            pass
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        line = lines.get(timeout=60)
+        addresses = json.loads(line)
+    except (queue.Empty, ValueError) as error:
+        process.kill()
+        process.wait()
+        log = (directory / "retryd.stderr").read_text(errors="replace")[-4000:]
+        pytest.fail(f"retryd did not start ({error!r}); stderr:\n{log}")
+    return Server(grpc=addresses["grpc"], metrics=addresses["metrics"], process=process)
+
+
+def stop_server(server: Server) -> None:
+    server.process.send_signal(signal.SIGTERM)
+    try:
+        server.process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()

@@ -1,0 +1,274 @@
+/**
+ * The retryd client on @grpc/grpc-js.
+ *
+ * Every decision call has a short timeout (`timeoutMs`, 200 ms by default,
+ * further bounded by the caller's own remaining deadline), carries the active
+ * OpenTelemetry trace context, and falls back to the conservative local rule
+ * of ./fallback when retryd cannot answer in time. An invalid request is never
+ * hidden by the fallback: it throws InvalidRequestError.
+ */
+import * as grpc from '@grpc/grpc-js';
+import type { Duration, Duration__Output } from './generated/google/protobuf/Duration';
+import type { Body as PbBody } from './generated/retryd/v1/Body';
+import type { Budget__Output } from './generated/retryd/v1/Budget';
+import type { DecideRequest } from './generated/retryd/v1/DecideRequest';
+import type { DecideResponse__Output } from './generated/retryd/v1/DecideResponse';
+import type { RetryAdminClient } from './generated/retryd/v1/RetryAdmin';
+import type { RetryDeciderClient } from './generated/retryd/v1/RetryDecider';
+import type { UpstreamTraffic } from './generated/retryd/v1/UpstreamTraffic';
+import { InvalidRequestError, RetrydUnavailableError } from './errors';
+import { DEFAULT_LOCAL_POLICY, localDecide, type LocalPolicy } from './fallback';
+import { proto } from './proto';
+import { traceMetadata } from './tracing';
+import type { Body, Budget, DecideInput, Decision, DenyReason, Evidence, Verdict } from './types';
+
+/** The most entries one ReportTraffic call may carry. */
+export const MAX_TRAFFIC_ENTRIES = 1024;
+
+/**
+ * Channel options the client starts from: reconnect quickly after retryd
+ * restarts (gRPC's own default backs off up to two minutes, all of which the
+ * fallback would have to cover). Options passed by the caller win.
+ */
+export const DEFAULT_CHANNEL_OPTIONS: grpc.ChannelOptions = Object.freeze({
+  'grpc.initial_reconnect_backoff_ms': 100,
+  'grpc.max_reconnect_backoff_ms': 2000,
+});
+
+/** The least time a decision call gets when the caller's deadline is nearly over. */
+const MIN_CALL_TIMEOUT_MS = 50;
+
+export interface ClientOptions {
+  /** Bound on every decision call, in ms (default 200). */
+  timeoutMs?: number;
+  /** The local rule used when retryd cannot answer; null throws RetrydUnavailableError instead. */
+  fallback?: LocalPolicy | null;
+  /** Channel credentials (default: insecure, for a loopback or sidecar retryd). */
+  credentials?: grpc.ChannelCredentials;
+  /** Metadata sent with every call, e.g. { authorization: 'Bearer …' }. */
+  metadata?: Record<string, string>;
+  /** Extra gRPC channel options. */
+  channelOptions?: grpc.ChannelOptions;
+}
+
+/** A decision call's own options. */
+export interface CallOptions {
+  /** Overrides the client's timeoutMs for this call. */
+  timeoutMs?: number;
+}
+
+// ------------------------------------------------------------------ mapping
+
+function pbEnum(prefix: string, value: string | number | undefined): never {
+  if (value === undefined) return 0 as never;
+  return (typeof value === 'number' ? value : `${prefix}${value}`) as never;
+}
+
+function fromPbEnum<T extends string>(prefix: string, value: string | number): T | 'UNSPECIFIED' {
+  // A number means a value newer than this client's copy of the contract.
+  return typeof value === 'string' && value.startsWith(prefix) ? (value.slice(prefix.length) as T) : 'UNSPECIFIED';
+}
+
+/** Milliseconds to a protobuf Duration; negative values are sent as they are (retryd rejects them). */
+export function toDuration(ms: number | undefined): Duration | null {
+  if (ms === undefined) return null;
+  const totalNanos = Math.round(ms * 1e6);
+  const seconds = Math.trunc(totalNanos / 1e9);
+  return { seconds, nanos: totalNanos - seconds * 1e9 };
+}
+
+export function fromDuration(duration: Duration__Output | null): number {
+  return duration === null ? 0 : Number(duration.seconds) * 1000 + duration.nanos / 1e6;
+}
+
+function toPbBody(body: Body): PbBody {
+  return {
+    kind: pbEnum('BODY_KIND_', body.kind),
+    declared: pbEnum('REPLAYABILITY_', body.declared),
+    parts: (body.parts ?? []).map(toPbBody),
+  };
+}
+
+/** The DecideRequest for an input. */
+export function toDecideRequest(input: DecideInput): DecideRequest {
+  return {
+    upstream: input.upstream,
+    operation: input.operation ?? '',
+    idempotency: pbEnum('IDEMPOTENCY_', input.idempotency),
+    body: input.body === undefined ? null : toPbBody(input.body),
+    attempt: input.attempt,
+    evidence: pbEnum('EVIDENCE_', input.evidence),
+    failure: pbEnum('FAILURE_KIND_', input.failure),
+    httpStatus: input.httpStatus ?? 0,
+    retryAfter: input.retryAfter ?? '',
+    deadlineRemaining: toDuration(input.deadlineRemainingMs),
+    firstByteDelivered: input.firstByteDelivered ?? false,
+    runtimeDraining: input.runtimeDraining ?? false,
+    authRefreshAttempted: input.authRefreshAttempted ?? false,
+    previousBackoff: toDuration(input.previousBackoffMs),
+    maxAttempts: input.maxAttempts ?? 0,
+  };
+}
+
+export function toDecision(response: DecideResponse__Output): Decision {
+  const denyReason = fromPbEnum<DenyReason>('DENY_REASON_', response.denyReason);
+  return {
+    verdict: fromPbEnum<Verdict>('VERDICT_', response.verdict),
+    backoffMs: fromDuration(response.backoff),
+    denyReason: denyReason === 'UNSPECIFIED' ? null : denyReason,
+    refreshCredentials: response.refreshCredentials,
+    rule: response.rule,
+    effectiveEvidence: fromPbEnum<Evidence>('EVIDENCE_', response.effectiveEvidence),
+    evidenceAdjusted: response.evidenceAdjusted,
+    decisionId: response.decisionId,
+    tokensRemaining: response.tokensRemaining,
+    explanation: response.explanation,
+    fallback: false,
+  };
+}
+
+function toBudget(budget: Budget__Output | null): Budget {
+  if (budget === null) throw new Error('retryd returned no budget');
+  return {
+    upstream: budget.upstream,
+    tokens: budget.tokens,
+    capacity: budget.capacity,
+    ratio: budget.ratio,
+    minPerSecond: budget.minPerSecond,
+    retriesEnabled: budget.retriesEnabled,
+    tracked: budget.tracked,
+  };
+}
+
+function isServiceError(error: unknown): error is grpc.ServiceError {
+  return error instanceof Error && typeof (error as grpc.ServiceError).code === 'number';
+}
+
+// ------------------------------------------------------------------ the client
+
+type Unary<Req, Res> = (
+  request: Req,
+  metadata: grpc.Metadata,
+  options: grpc.CallOptions,
+  callback: (error: grpc.ServiceError | null, response?: Res) => void,
+) => grpc.ClientUnaryCall;
+
+/** A retryd client. Share one per process; call close() when done. */
+export class RetrydClient {
+  readonly timeoutMs: number;
+  readonly fallback: LocalPolicy | null;
+  private readonly decider: RetryDeciderClient;
+  private readonly admin: RetryAdminClient;
+  private readonly metadata: Record<string, string>;
+
+  /** `target` is a gRPC target such as "127.0.0.1:50051". */
+  constructor(readonly target: string, options: ClientOptions = {}) {
+    this.timeoutMs = options.timeoutMs ?? 200;
+    this.fallback = options.fallback === undefined ? DEFAULT_LOCAL_POLICY : options.fallback;
+    this.metadata = options.metadata ?? {};
+    const credentials = options.credentials ?? grpc.credentials.createInsecure();
+    const v1 = proto().retryd.v1;
+    const channelOptions = { ...DEFAULT_CHANNEL_OPTIONS, ...options.channelOptions };
+    this.decider = new v1.RetryDecider(target, credentials, channelOptions);
+    // The admin client shares the decider's channel.
+    this.admin = new v1.RetryAdmin(target, credentials, { ...channelOptions, channelOverride: this.decider.getChannel() });
+  }
+
+  /** Asks retryd whether the failed attempt may be retried. */
+  async decide(input: DecideInput, options: CallOptions = {}): Promise<Decision> {
+    let timeoutMs = options.timeoutMs ?? this.timeoutMs;
+    if (input.deadlineRemainingMs !== undefined) {
+      // Waiting longer than the caller has left is pointless, but leave
+      // retryd a few milliseconds to say DENY DEADLINE itself.
+      timeoutMs = Math.min(timeoutMs, Math.max(input.deadlineRemainingMs, MIN_CALL_TIMEOUT_MS));
+    }
+    try {
+      const response = await this.call<DecideRequest, DecideResponse__Output>(
+        this.decider.Decide.bind(this.decider) as Unary<DecideRequest, DecideResponse__Output>,
+        toDecideRequest(input),
+        timeoutMs,
+      );
+      return toDecision(response);
+    } catch (error) {
+      if (!isServiceError(error)) throw error;
+      if (error.code === grpc.status.INVALID_ARGUMENT) throw new InvalidRequestError(error.details);
+      const codeName = grpc.status[error.code] ?? String(error.code);
+      if (this.fallback === null) {
+        throw new RetrydUnavailableError(`retryd: ${codeName}: ${error.details}`, error.code);
+      }
+      if (!input.upstream) throw new InvalidRequestError('upstream: required');
+      if (!input.idempotency) throw new InvalidRequestError('idempotency: required');
+      if (!(input.attempt >= 1)) throw new InvalidRequestError('attempt: must be at least 1');
+      return localDecide(input, this.fallback, `retryd unreachable (${codeName})`);
+    }
+  }
+
+  /** Reports real (first-attempt) requests per upstream; resolves to the entries accepted. */
+  async reportTraffic(counts: Record<string, number> | Iterable<[string, number]>): Promise<number> {
+    const pairs = Symbol.iterator in counts ? [...(counts as Iterable<[string, number]>)] : Object.entries(counts);
+    const entries: UpstreamTraffic[] = pairs.filter(([, n]) => n > 0).map(([upstream, requests]) => ({ upstream, requests }));
+    let accepted = 0;
+    for (let start = 0; start < entries.length; start += MAX_TRAFFIC_ENTRIES) {
+      const response = await this.adminCall(
+        this.decider.ReportTraffic.bind(this.decider) as Unary<unknown, { accepted: number }>,
+        { traffic: entries.slice(start, start + MAX_TRAFFIC_ENTRIES) },
+      );
+      accepted += response.accepted;
+    }
+    return accepted;
+  }
+
+  /** The current state of one upstream's budget (admin). */
+  async getBudget(upstream: string): Promise<Budget> {
+    const response = await this.adminCall(
+      this.admin.GetBudget.bind(this.admin) as Unary<unknown, { budget: Budget__Output | null }>,
+      { upstream },
+    );
+    return toBudget(response.budget);
+  }
+
+  /** Every tracked budget, ordered by upstream (admin). */
+  async listBudgets(): Promise<Budget[]> {
+    const response = await this.adminCall(
+      this.admin.ListBudgets.bind(this.admin) as Unary<unknown, { budgets: Budget__Output[] }>,
+      {},
+    );
+    return response.budgets.map(toBudget);
+  }
+
+  /** Switches retries on or off for an upstream, fleet-wide; resolves to the previous state (admin). */
+  async setRetriesEnabled(upstream: string, enabled: boolean, reason = ''): Promise<boolean> {
+    const response = await this.adminCall(
+      this.admin.SetRetriesEnabled.bind(this.admin) as Unary<unknown, { previous: boolean }>,
+      { upstream, enabled, reason },
+    );
+    return response.previous;
+  }
+
+  close(): void {
+    this.decider.close();
+  }
+
+  private async adminCall<Res>(method: Unary<unknown, Res>, request: unknown): Promise<Res> {
+    try {
+      return await this.call(method, request, Math.max(this.timeoutMs, 1000));
+    } catch (error) {
+      if (!isServiceError(error)) throw error;
+      if (error.code === grpc.status.INVALID_ARGUMENT) throw new InvalidRequestError(error.details);
+      throw new RetrydUnavailableError(`retryd: ${grpc.status[error.code]}: ${error.details}`, error.code);
+    }
+  }
+
+  private call<Req, Res>(method: Unary<Req, Res>, request: Req, timeoutMs: number): Promise<Res> {
+    const metadata = new grpc.Metadata();
+    for (const [key, value] of Object.entries(this.metadata)) metadata.set(key, value);
+    for (const [key, value] of traceMetadata()) metadata.set(key, value);
+    return new Promise<Res>((resolve, reject) => {
+      method(request, metadata, { deadline: Date.now() + timeoutMs }, (error, response) => {
+        if (error) reject(error);
+        else if (response === undefined) reject(new Error('retryd returned no response'));
+        else resolve(response);
+      });
+    });
+  }
+}

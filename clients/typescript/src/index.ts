@@ -1,0 +1,42 @@
+/**
+ * Node.js client for retryd, the fleet-wide retry decision service.
+ *
+ * ```ts
+ * import { RetrydClient } from 'retryd-client';
+ * const retryd = new RetrydClient('127.0.0.1:50051', { timeoutMs: 200 });
+ * const decision = await retryd.decide({ upstream: 'payments-api', idempotency: 'SAFE', attempt: 1, failure: 'CONNECT' });
+ * if (decision.verdict === 'RETRY') await sleep(decision.backoffMs);
+ * ```
+ *
+ * With fetch, `fetchWithRetries` does the whole loop.
+ */
+export { RetrydClient, DEFAULT_CHANNEL_OPTIONS, MAX_TRAFFIC_ENTRIES, toDecideRequest, type ClientOptions, type CallOptions } from './client';
+export { AmbiguousExecutionError, InvalidRequestError, RetrydError, RetrydUnavailableError } from './errors';
+export { DEFAULT_LOCAL_POLICY, effectiveEvidence, localDecide, parseRetryAfter, type LocalPolicy } from './fallback';
+export {
+  bodyOf,
+  classifyFetchError,
+  classifyResponse,
+  DEFAULT_RETRY_STATUSES,
+  fetchWithRetries,
+  type FetchRetryOptions,
+  type Outcome,
+} from './fetch';
+export { TrafficReporter, type TrafficReporterOptions, type TrafficSink } from './reporter';
+export { traceMetadata } from './tracing';
+export {
+  ENUM_VALUES,
+  isSafelyIdempotent,
+  replayabilityOf,
+  type Body,
+  type BodyKind,
+  type Budget,
+  type DecideInput,
+  type Decision,
+  type DenyReason,
+  type Evidence,
+  type FailureKind,
+  type Idempotency,
+  type Replayability,
+  type Verdict,
+} from './types';

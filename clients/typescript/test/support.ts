@@ -1,0 +1,190 @@
+/** Test helpers: a real retryd from $RETRYD_BIN, and a misbehaving HTTP server on 127.0.0.1. */
+import { spawn, type ChildProcess } from 'node:child_process';
+import * as fs from 'node:fs';
+import * as net from 'node:net';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import * as readline from 'node:readline';
+
+export const REPO = path.resolve(__dirname, '..', '..', '..', '..');
+export const VECTORS = path.join(REPO, 'conformance', 'decisions.json');
+
+/** Fast backoffs, so that end-to-end retry tests sleep milliseconds. */
+export const CLIENT_TEST_CONFIG = `
+[server]
+listen = "127.0.0.1:0"
+metrics_listen = "127.0.0.1:0"
+
+[defaults]
+max_attempts = 3
+min_attempt_budget = "20ms"
+max_retry_after = "60s"
+transient_500 = false
+budget = { capacity = 1000.0, initial = 1000.0, ratio = 0.1, min_per_second = 1.0 }
+backoff = { base = "10ms", max = "50ms", jitter = "full" }
+
+# A large minimum attempt budget, so deadline tests need no tight timing.
+[upstreams."ts-slow"]
+min_attempt_budget = "300ms"
+
+[upstreams."ts-empty"]
+budget = { capacity = 10.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
+`;
+
+export interface Retryd {
+  grpc: string;
+  metrics: string;
+  stop(): Promise<void>;
+}
+
+export function retrydBin(): string {
+  const bin = process.env.RETRYD_BIN || path.join(REPO, 'target', 'debug', 'retryd');
+  if (!fs.existsSync(bin)) {
+    throw new Error(`retryd binary not found at ${bin}: build it (cargo build --bin retryd) or set RETRYD_BIN`);
+  }
+  return bin;
+}
+
+/** Starts `retryd serve` with a config and waits for its address line. */
+export async function startRetryd(config: string): Promise<Retryd> {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'retryd-ts-'));
+  const configPath = path.join(dir, 'retryd.toml');
+  fs.writeFileSync(configPath, config);
+  const stderrPath = path.join(dir, 'stderr.log');
+  const stderr = fs.openSync(stderrPath, 'w');
+  const child: ChildProcess = spawn(retrydBin(), ['serve', '--config', configPath], {
+    stdio: ['ignore', 'pipe', stderr],
+  });
+  fs.closeSync(stderr);
+  const lines = readline.createInterface({ input: child.stdout! });
+  const line = await new Promise<string>((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error('retryd printed no address line in 60s')), 60_000);
+    lines.once('line', (text) => {
+      clearTimeout(timer);
+      resolve(text);
+    });
+    child.once('exit', (code) => {
+      clearTimeout(timer);
+      reject(new Error(`retryd exited with ${code}: ${fs.readFileSync(stderrPath, 'utf8').slice(-4000)}`));
+    });
+  });
+  lines.on('line', () => undefined); // keep draining
+  const addresses = JSON.parse(line) as { grpc: string; metrics: string };
+  return {
+    grpc: addresses.grpc,
+    metrics: addresses.metrics,
+    stop: () =>
+      new Promise<void>((resolve) => {
+        if (child.exitCode !== null) return resolve();
+        const kill = setTimeout(() => child.kill('SIGKILL'), 10_000);
+        child.once('exit', () => {
+          clearTimeout(kill);
+          fs.rmSync(dir, { recursive: true, force: true });
+          resolve();
+        });
+        child.kill('SIGTERM');
+      }),
+  };
+}
+
+// ------------------------------------------------------------------ a scripted HTTP server
+
+export type Action = (socket: net.Socket, request: Buffer) => void;
+
+export const respond =
+  (status: number, body = '', headers: Record<string, string> = {}): Action =>
+  (socket) => {
+    const head = [`HTTP/1.1 ${status} X`, `Content-Length: ${Buffer.byteLength(body)}`, 'Connection: close']
+      .concat(Object.entries(headers).map(([key, value]) => `${key}: ${value}`))
+      .join('\r\n');
+    socket.end(`${head}\r\n\r\n${body}`);
+  };
+
+export const respondIf =
+  (predicate: (request: Buffer) => boolean, yes: Action, no: Action): Action =>
+  (socket, request) =>
+    (predicate(request) ? yes : no)(socket, request);
+
+/** Reads the request, then closes without a response. */
+export const closeWithoutResponse = (): Action => (socket) => socket.end();
+
+/** Reads the request, then resets the connection (TCP RST). */
+export const resetWithoutResponse = (): Action => (socket) => socket.resetAndDestroy();
+
+/** Headers announcing 100 bytes, 10 bytes, then a reset. */
+export const truncatedBody =
+  (status = 200): Action =>
+  (socket) => {
+    socket.write(`HTTP/1.1 ${status} X\r\nContent-Length: 100\r\n\r\n0123456789`, () => {
+      setTimeout(() => socket.resetAndDestroy(), 20);
+    });
+  };
+
+/** Reads the request and never answers (until the server closes). */
+export const hang = (): Action => () => undefined;
+
+/** Plain-text bytes where a TLS client expects a ServerHello. */
+export const garbage = (): Action => (socket) => socket.end('HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n');
+
+export class ScriptedServer {
+  readonly requests: Buffer[] = [];
+  private readonly server: net.Server;
+  private readonly sockets = new Set<net.Socket>();
+  port = 0;
+
+  constructor(private readonly actions: Action[], private readonly readRequest = true) {
+    this.server = net.createServer((socket) => this.handle(socket));
+  }
+
+  static async start(actions: Action[], readRequest = true): Promise<ScriptedServer> {
+    const server = new ScriptedServer(actions, readRequest);
+    await new Promise<void>((resolve) => server.server.listen(0, '127.0.0.1', resolve));
+    server.port = (server.server.address() as net.AddressInfo).port;
+    return server;
+  }
+
+  get url(): string {
+    return `http://127.0.0.1:${this.port}`;
+  }
+
+  private handle(socket: net.Socket): void {
+    this.sockets.add(socket);
+    socket.on('close', () => this.sockets.delete(socket));
+    socket.on('error', () => undefined);
+    const act = (request: Buffer): void => {
+      const index = Math.min(this.requests.length, this.actions.length - 1);
+      this.requests.push(request);
+      this.actions[index]!(socket, request);
+    };
+    if (!this.readRequest) return act(Buffer.alloc(0));
+    let data = Buffer.alloc(0);
+    const onData = (chunk: Buffer): void => {
+      data = Buffer.concat([data, chunk]);
+      const end = data.indexOf('\r\n\r\n');
+      if (end < 0) return;
+      const head = data.subarray(0, end).toString('latin1');
+      const lengthMatch = /\r\ncontent-length:\s*(\d+)/i.exec(head);
+      const chunked = /\r\ntransfer-encoding:\s*chunked/i.test(head);
+      const body = data.subarray(end + 4);
+      if (lengthMatch && body.length < Number(lengthMatch[1])) return;
+      if (chunked && !body.toString('latin1').endsWith('0\r\n\r\n')) return;
+      socket.off('data', onData);
+      act(data);
+    };
+    socket.on('data', onData);
+  }
+
+  async close(): Promise<void> {
+    for (const socket of this.sockets) socket.destroy();
+    await new Promise<void>((resolve) => this.server.close(() => resolve()));
+  }
+}
+
+/** A loopback port with no listener (connections to it are refused). */
+export async function closedPort(): Promise<number> {
+  const probe = net.createServer();
+  await new Promise<void>((resolve) => probe.listen(0, '127.0.0.1', resolve));
+  const { port } = probe.address() as net.AddressInfo;
+  await new Promise<void>((resolve) => probe.close(() => resolve()));
+  return port;
+}

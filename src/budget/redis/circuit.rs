@@ -1,0 +1,117 @@
+//! Whether Redis is believed reachable. After a failure, requests stop
+//! waiting on Redis and answer from their fallback at once; one request
+//! (or the background task) re-probes every `PROBE_INTERVAL`, and the first
+//! success closes the circuit again. Lock-free: two atomics.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// How often Redis is re-tried while it is believed down.
+pub(super) const PROBE_INTERVAL: Duration = Duration::from_millis(150);
+
+#[derive(Debug)]
+pub(super) struct Circuit {
+    origin: Instant,
+    up: AtomicBool,
+    /// Milliseconds since `origin` before which no probe is sent.
+    next_probe: AtomicU64,
+    opened: AtomicU64,
+}
+
+/// What a success or failure changed, for logging once per transition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Transition {
+    None,
+    Opened,
+    Closed,
+}
+
+impl Circuit {
+    pub(super) fn new() -> Circuit {
+        Circuit {
+            origin: Instant::now(),
+            up: AtomicBool::new(true),
+            next_probe: AtomicU64::new(0),
+            opened: AtomicU64::new(0),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+
+    pub(super) fn is_up(&self) -> bool {
+        self.up.load(Ordering::Acquire)
+    }
+
+    /// True if a call may go to Redis now: always while up, else for the
+    /// one caller that claims the next probe slot.
+    pub(super) fn allow(&self) -> bool {
+        if self.is_up() {
+            return true;
+        }
+        self.claim_probe()
+    }
+
+    /// True if a probe is due and this caller claimed it.
+    pub(super) fn claim_probe(&self) -> bool {
+        let now = self.now_ms();
+        let next = self.next_probe.load(Ordering::Acquire);
+        now >= next
+            && self
+                .next_probe
+                .compare_exchange(
+                    next,
+                    now + PROBE_INTERVAL.as_millis() as u64,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok()
+    }
+
+    pub(super) fn success(&self) -> Transition {
+        if self.up.swap(true, Ordering::AcqRel) {
+            Transition::None
+        } else {
+            Transition::Closed
+        }
+    }
+
+    pub(super) fn failure(&self) -> Transition {
+        self.next_probe.store(
+            self.now_ms() + PROBE_INTERVAL.as_millis() as u64,
+            Ordering::Release,
+        );
+        if self.up.swap(false, Ordering::AcqRel) {
+            self.opened.fetch_add(1, Ordering::Relaxed);
+            Transition::Opened
+        } else {
+            Transition::None
+        }
+    }
+
+    /// How many times Redis was found down.
+    pub(super) fn times_opened(&self) -> u64 {
+        self.opened.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_probe_per_interval_while_down() {
+        let circuit = Circuit::new();
+        assert!(circuit.allow());
+        assert_eq!(circuit.failure(), Transition::Opened);
+        assert_eq!(circuit.failure(), Transition::None);
+        assert!(!circuit.allow(), "no probe before the interval");
+        std::thread::sleep(PROBE_INTERVAL + Duration::from_millis(5));
+        assert!(circuit.allow(), "one probe after it");
+        assert!(!circuit.allow(), "and only one");
+        assert_eq!(circuit.success(), Transition::Closed);
+        assert!(circuit.allow());
+        assert_eq!(circuit.times_opened(), 1);
+    }
+}

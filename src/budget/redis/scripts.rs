@@ -1,0 +1,54 @@
+//! The Lua scripts, one per operation, each run atomically by Redis.
+//! The bucket scripts share the prelude `bucket.lua`.
+
+use ::redis::Script;
+
+const PRELUDE: &str = include_str!("bucket.lua");
+
+/// Every script the store runs, hashed once.
+pub(super) struct Scripts {
+    pub(super) view: Script,
+    pub(super) withdraw: Script,
+    pub(super) deposit: Script,
+    pub(super) set_enabled: Script,
+    pub(super) acquire: Script,
+    pub(super) release: Script,
+    pub(super) admit: Script,
+    pub(super) list: Script,
+    pub(super) probe: Script,
+}
+
+fn bucket_script(body: &str) -> Script {
+    Script::new(&format!("{PRELUDE}\n{body}"))
+}
+
+impl Scripts {
+    pub(super) fn new() -> Scripts {
+        Scripts {
+            view: bucket_script(include_str!("view.lua")),
+            withdraw: bucket_script(include_str!("withdraw.lua")),
+            deposit: bucket_script(include_str!("deposit.lua")),
+            set_enabled: bucket_script(include_str!("set_enabled.lua")),
+            acquire: bucket_script(include_str!("acquire.lua")),
+            release: bucket_script(include_str!("release.lua")),
+            admit: Script::new(include_str!("admit.lua")),
+            list: Script::new(include_str!("list.lua")),
+            probe: Script::new(include_str!("probe.lua")),
+        }
+    }
+
+    /// All of them, to load at start-up.
+    pub(super) fn all(&self) -> [&Script; 9] {
+        [
+            &self.view,
+            &self.withdraw,
+            &self.deposit,
+            &self.set_enabled,
+            &self.acquire,
+            &self.release,
+            &self.admit,
+            &self.list,
+            &self.probe,
+        ]
+    }
+}

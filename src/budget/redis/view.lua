@@ -1,0 +1,3 @@
+-- View: the refilled budget, nothing saved.
+refill()
+return reply(0, nil)

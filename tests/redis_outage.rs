@@ -1,0 +1,271 @@
+//! Redis outages: killed, paused, or a Cluster node killed. Every call
+//! answers within 2 × the store timeout with the upstream's configured
+//! fallback (`local`: a local bucket with no initial tokens and no floor;
+//! `deny`: `StoreError::Unavailable`); when Redis returns, shared decisions
+//! resume within a second. No panic, no hang.
+
+#[path = "support/redis.rs"]
+mod redis_harness;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use redis_harness::{RedisCluster, RedisServer};
+use retryd::budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore, StoreError};
+use retryd::config::{RedisConfig, RedisMode};
+
+const TIMEOUT: Duration = Duration::from_millis(50);
+/// The promise is 2 × the timeout; the timer wheel's millisecond
+/// granularity and a busy 2-core machine get a few milliseconds more.
+const ANSWER_WITHIN: Duration = Duration::from_millis(2 * 50 + 15);
+
+fn bucket(on_unavailable: OnUnavailable) -> BucketConfig {
+    BucketConfig {
+        capacity: 50.0,
+        initial: 50.0,
+        ratio: 0.5,
+        min_per_second: 0.0,
+        on_unavailable,
+    }
+}
+
+async fn store(urls: Vec<String>, mode: RedisMode) -> RedisBudgetStore {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let config = RedisConfig {
+        urls,
+        mode,
+        timeout: TIMEOUT,
+        lease_tokens: 5.0,
+        lease_ttl: Duration::from_secs(2),
+        key_prefix: format!(
+            "outage-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ),
+    };
+    RedisBudgetStore::connect(&config, 1000)
+        .await
+        .expect("connect to the test Redis")
+}
+
+/// Runs `call` and checks it answered in time.
+async fn timed<T>(what: &str, call: impl Future<Output = T>) -> T {
+    let started = Instant::now();
+    let answer = call.await;
+    let took = started.elapsed();
+    assert!(took <= ANSWER_WITHIN, "{what} took {took:?}");
+    answer
+}
+
+/// While Redis is unreachable: `local` upstreams answer from the local
+/// bucket, `deny` upstreams answer Unavailable, all in time. Returns how
+/// many local withdrawals were granted and how many requests were reported.
+async fn answers_while_down(store: &RedisBudgetStore, lasting: Duration) -> (u32, u64) {
+    let local = bucket(OnUnavailable::Local);
+    let deny = bucket(OnUnavailable::Deny);
+    let (mut granted, mut reported) = (0, 0);
+    let started = Instant::now();
+    while started.elapsed() < lasting {
+        let view = timed("local view", store.view("local-up", &local)).await;
+        assert!(view.is_ok(), "{view:?}");
+        if let Ok(Some(_)) = timed("local withdraw", store.try_withdraw("local-up", &local)).await {
+            granted += 1;
+        }
+        timed("local deposit", store.deposit("local-up", &local, 2))
+            .await
+            .unwrap();
+        reported += 2;
+
+        let view = timed("deny view", store.view("deny-up", &deny)).await;
+        assert!(matches!(view, Err(StoreError::Unavailable(_))), "{view:?}");
+        let withdrawn = timed("deny withdraw", store.try_withdraw("deny-up", &deny)).await;
+        assert!(
+            matches!(withdrawn, Err(StoreError::Unavailable(_))),
+            "{withdrawn:?}"
+        );
+        let deposited = timed("deny deposit", store.deposit("deny-up", &deny, 1)).await;
+        assert!(
+            matches!(deposited, Err(StoreError::Unavailable(_))),
+            "{deposited:?}"
+        );
+
+        let switched = timed(
+            "kill switch",
+            store.set_retries_enabled("local-up", &local, false),
+        )
+        .await;
+        assert!(
+            matches!(switched, Err(StoreError::Unavailable(_))),
+            "{switched:?}"
+        );
+        let listed = timed("list", store.list(|_| local)).await;
+        assert!(
+            matches!(listed, Err(StoreError::Unavailable(_))),
+            "{listed:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    (granted, reported)
+}
+
+/// Waits until a view of a never-seen upstream comes from Redis (a fresh
+/// shared bucket holds `initial`; the local fallback would hold nothing).
+async fn shared_again_within(store: &RedisBudgetStore, limit: Duration) -> Duration {
+    let local = bucket(OnUnavailable::Local);
+    let started = Instant::now();
+    let mut probe = 0;
+    loop {
+        probe += 1;
+        let upstream = format!("fresh-{probe}");
+        let view = timed("view after restart", store.view(&upstream, &local))
+            .await
+            .unwrap();
+        if view.tokens == local.initial && store.is_available() {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < limit,
+            "shared decisions not back after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn killed_and_restarted(mode: RedisMode) {
+    let mut server = RedisServer::start();
+    let store = store(vec![server.url()], mode).await;
+    let (local, deny) = (bucket(OnUnavailable::Local), bucket(OnUnavailable::Deny));
+    assert!(
+        store
+            .try_withdraw("local-up", &local)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert!(
+        store
+            .try_withdraw("deny-up", &deny)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert!(store.is_available());
+
+    server.kill();
+    // Nothing tells a store that Redis died until it talks to it: exact
+    // mode does on every call; leased mode may first answer from its lease
+    // and its reading of the shared bucket (fresh for at most 100 ms).
+    let killed = Instant::now();
+    let mut reported_before = 0;
+    while store.is_available() {
+        reported_before += 1;
+        timed("view", store.view("local-up", &local)).await.unwrap();
+        timed("deposit", store.deposit("local-up", &local, 1))
+            .await
+            .unwrap();
+        assert!(
+            killed.elapsed()
+                <= Duration::from_millis(100) + 2 * TIMEOUT + Duration::from_millis(20),
+            "the outage went unnoticed for {:?}",
+            killed.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let (granted, reported) = answers_while_down(&store, Duration::from_millis(700)).await;
+    let reported = reported + reported_before;
+    assert!(!store.is_available());
+    let stats = store.stats();
+    assert!(
+        stats.outages >= 1 && stats.fallbacks > 0 && stats.unavailable_answers > 0,
+        "{stats:?}"
+    );
+    // The local bucket grants only what this replica's own reports funded
+    // (plus, in leased mode, what its lease still held: 4 tokens).
+    let lease_held = if mode == RedisMode::Leased { 4.0 } else { 0.0 };
+    assert!(
+        f64::from(granted) <= lease_held + local.ratio * reported as f64,
+        "{granted} granted from {reported} reported"
+    );
+
+    server.restart();
+    let took = shared_again_within(&store, Duration::from_secs(1)).await;
+    eprintln!("{mode:?}: shared decisions back {took:?} after the restart");
+    // Redis lost its data: the bucket starts afresh, from Redis.
+    let after = store.try_withdraw("after-restart", &local).await.unwrap();
+    assert_eq!(after, Some(49.0));
+    assert_eq!(store.background_restarts(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_mode_survives_redis_killed_and_restarted() {
+    killed_and_restarted(RedisMode::Exact).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_mode_survives_redis_killed_and_restarted() {
+    killed_and_restarted(RedisMode::Leased).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_redis_is_an_outage_until_it_answers() {
+    let server = RedisServer::start();
+    let store = store(vec![server.url()], RedisMode::Exact).await;
+    let local = bucket(OnUnavailable::Local);
+    assert_eq!(
+        store.try_withdraw("paused", &local).await.unwrap(),
+        Some(49.0)
+    );
+    server.pause(Duration::from_millis(600));
+    answers_while_down(&store, Duration::from_millis(400)).await;
+    let took = shared_again_within(&store, Duration::from_secs(1)).await;
+    eprintln!("paused: shared decisions back {took:?} after the probe window");
+    // Nothing was lost: the shared bucket kept its state.
+    assert_eq!(
+        store.try_withdraw("paused", &local).await.unwrap(),
+        Some(48.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_cluster_node_is_answered_in_time_and_recovers() {
+    let mut cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
+        .await
+        .unwrap();
+    let store = store(cluster.urls(), RedisMode::Exact).await;
+    let local = bucket(OnUnavailable::Local);
+    let upstreams: Vec<String> = (0..12).map(|index| format!("node-{index}")).collect();
+    for upstream in &upstreams {
+        assert!(
+            store
+                .try_withdraw(upstream, &local)
+                .await
+                .unwrap()
+                .is_some()
+        );
+    }
+    cluster.nodes[0].kill();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(700) {
+        for upstream in &upstreams {
+            let answer = timed("withdraw", store.try_withdraw(upstream, &local)).await;
+            assert!(answer.is_ok(), "{answer:?}");
+        }
+    }
+    assert!(store.stats().outages > 0);
+    let _cluster = tokio::task::spawn_blocking(move || {
+        cluster.nodes[0].restart();
+        cluster.wait_until_ok();
+        cluster
+    })
+    .await
+    .unwrap();
+    // Every upstream is served by Redis again: a fresh one reads initial.
+    let took = shared_again_within(&store, Duration::from_secs(10)).await;
+    eprintln!("cluster: shared decisions back {took:?} after the node rejoined");
+    for upstream in &upstreams {
+        timed("withdraw after", store.try_withdraw(upstream, &local))
+            .await
+            .unwrap();
+    }
+}

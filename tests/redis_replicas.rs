@@ -1,0 +1,457 @@
+//! Several replicas (store instances, each with its own connection) on one
+//! Redis, as several retryd processes would be: the budget is shared and
+//! never over-granted, also while Redis stalls; leased tokens stranded in
+//! an idle replica come back; the kill switch crosses replicas; scripts
+//! survive SCRIPT FLUSH and a restart, on one node and in a Cluster.
+
+#[path = "support/redis.rs"]
+mod redis_harness;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use redis_harness::{RedisCluster, RedisServer};
+use retryd::budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore};
+use retryd::config::{RedisConfig, RedisMode};
+
+fn bucket(capacity: f64, initial: f64, ratio: f64, min_per_second: f64) -> BucketConfig {
+    BucketConfig {
+        capacity,
+        initial,
+        ratio,
+        min_per_second,
+        on_unavailable: OnUnavailable::Local,
+    }
+}
+
+fn fresh_prefix() -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "replicas-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+struct Setup {
+    urls: Vec<String>,
+    mode: RedisMode,
+    prefix: String,
+    timeout: Duration,
+    lease_tokens: f64,
+    lease_ttl: Duration,
+}
+
+impl Setup {
+    fn new(urls: Vec<String>, mode: RedisMode) -> Setup {
+        Setup {
+            urls,
+            mode,
+            prefix: fresh_prefix(),
+            timeout: Duration::from_millis(500),
+            lease_tokens: 5.0,
+            lease_ttl: Duration::from_secs(2),
+        }
+    }
+
+    async fn replica(&self) -> RedisBudgetStore {
+        let config = RedisConfig {
+            urls: self.urls.clone(),
+            mode: self.mode,
+            timeout: self.timeout,
+            lease_tokens: self.lease_tokens,
+            lease_ttl: self.lease_ttl,
+            key_prefix: self.prefix.clone(),
+        };
+        RedisBudgetStore::connect(&config, 1000)
+            .await
+            .expect("connect to the test Redis")
+    }
+
+    async fn replicas(&self, count: usize) -> Vec<Arc<RedisBudgetStore>> {
+        let mut replicas = Vec::with_capacity(count);
+        for _ in 0..count {
+            replicas.push(Arc::new(self.replica().await));
+        }
+        replicas
+    }
+}
+
+/// Many tasks on every replica withdraw until `attempts` have been made.
+async fn withdraw_concurrently(
+    replicas: &[Arc<RedisBudgetStore>],
+    upstream: &'static str,
+    config: BucketConfig,
+    tasks_per_replica: usize,
+    attempts: usize,
+) -> usize {
+    let made = Arc::new(AtomicUsize::new(0));
+    let granted = Arc::new(AtomicUsize::new(0));
+    let mut handles = Vec::new();
+    for replica in replicas {
+        for _ in 0..tasks_per_replica {
+            let (replica, made, granted) =
+                (Arc::clone(replica), Arc::clone(&made), Arc::clone(&granted));
+            handles.push(tokio::spawn(async move {
+                while made.fetch_add(1, Ordering::Relaxed) < attempts {
+                    if replica
+                        .try_withdraw(upstream, &config)
+                        .await
+                        .unwrap()
+                        .is_some()
+                    {
+                        granted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }));
+        }
+    }
+    for handle in handles {
+        handle.await.unwrap();
+    }
+    granted.load(Ordering::Relaxed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_replicas_grant_exactly_the_budget() {
+    let server = RedisServer::start();
+    let setup = Setup::new(vec![server.url()], RedisMode::Exact);
+    let replicas = setup.replicas(3).await;
+    let config = bucket(300.0, 300.0, 0.0, 0.0);
+    let granted = withdraw_concurrently(&replicas, "shared", config, 8, 1200).await;
+    for replica in &replicas {
+        assert_eq!(replica.stats().fallbacks, 0, "{:?}", replica.stats());
+    }
+    assert_eq!(granted, 300, "demand 1200 > supply 300: exactly the budget");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_replicas_never_exceed_and_account_for_every_token() {
+    let server = RedisServer::start();
+    let mut setup = Setup::new(vec![server.url()], RedisMode::Leased);
+    setup.lease_tokens = 7.0;
+    let replicas = setup.replicas(3).await;
+    let config = bucket(300.0, 300.0, 0.0, 0.0);
+    let granted = withdraw_concurrently(&replicas, "shared", config, 8, 1200).await;
+    assert!(granted <= 300, "granted {granted} > 300");
+    assert!(
+        granted >= 300 - 3 * 7,
+        "under-use is bounded by the leases held: {granted}"
+    );
+    // Hand every lease back; then granted + shared + forfeited = budget.
+    for replica in &replicas {
+        replica.shutdown().await;
+    }
+    let forfeited: f64 = replicas
+        .iter()
+        .map(|replica| replica.stats().forfeited_tokens)
+        .sum();
+    let observer = Setup {
+        mode: RedisMode::Exact,
+        ..setup
+    }
+    .replica()
+    .await;
+    let shared = observer.view("shared", &config).await.unwrap().tokens;
+    assert_eq!(
+        granted as f64 + shared + forfeited,
+        300.0,
+        "granted {granted}, shared {shared}, forfeited {forfeited}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stranded_lease_tokens_are_usable_elsewhere_within_lease_ttl() {
+    let server = RedisServer::start();
+    let mut setup = Setup::new(vec![server.url()], RedisMode::Leased);
+    setup.lease_ttl = Duration::from_millis(400);
+    let (busy, idle) = (setup.replica().await, setup.replica().await);
+    let config = bucket(5.0, 5.0, 0.0, 0.0);
+    // `idle` leases all 5 tokens, spends one and goes quiet.
+    assert_eq!(
+        idle.try_withdraw("stranded", &config).await.unwrap(),
+        Some(4.0)
+    );
+    let started = Instant::now();
+    assert_eq!(busy.try_withdraw("stranded", &config).await.unwrap(), None);
+    let mut granted = 0;
+    while granted < 4 {
+        assert!(
+            started.elapsed() <= setup.lease_ttl,
+            "stranded tokens not usable after {:?}",
+            started.elapsed()
+        );
+        if busy
+            .try_withdraw("stranded", &config)
+            .await
+            .unwrap()
+            .is_some()
+        {
+            granted += 1;
+        } else {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    assert_eq!(busy.try_withdraw("stranded", &config).await.unwrap(), None);
+    assert_eq!(idle.stats().forfeited_tokens, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kill_switch_crosses_replicas() {
+    let server = RedisServer::start();
+    let config = bucket(10.0, 10.0, 0.0, 0.0);
+
+    let exact = Setup::new(vec![server.url()], RedisMode::Exact);
+    let (one, other) = (exact.replica().await, exact.replica().await);
+    assert!(
+        other
+            .view("switched", &config)
+            .await
+            .unwrap()
+            .retries_enabled
+    );
+    one.set_retries_enabled("switched", &config, false)
+        .await
+        .unwrap();
+    assert!(
+        !other
+            .view("switched", &config)
+            .await
+            .unwrap()
+            .retries_enabled,
+        "exact mode: obeyed on the next view"
+    );
+    other
+        .set_retries_enabled("switched", &config, true)
+        .await
+        .unwrap();
+    assert!(one.view("switched", &config).await.unwrap().retries_enabled);
+
+    // Leased mode caches the shared reading for at most 100 ms.
+    let leased = Setup::new(vec![server.url()], RedisMode::Leased);
+    let (one, other) = (leased.replica().await, leased.replica().await);
+    other.try_withdraw("switched", &config).await.unwrap();
+    assert!(
+        other
+            .view("switched", &config)
+            .await
+            .unwrap()
+            .retries_enabled
+    );
+    let started = Instant::now();
+    one.set_retries_enabled("switched", &config, false)
+        .await
+        .unwrap();
+    while other
+        .view("switched", &config)
+        .await
+        .unwrap()
+        .retries_enabled
+    {
+        assert!(
+            started.elapsed() < Duration::from_millis(250),
+            "not obeyed in time"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let bound = started.elapsed();
+    assert!(
+        bound <= Duration::from_millis(150),
+        "obeyed after {bound:?}"
+    );
+}
+
+/// Replicas withdraw and report traffic, optionally while Redis is paused
+/// and then put to sleep: whatever answers they fall back to, the fleet
+/// never grants more than initial + ratio × reported + floor × elapsed.
+/// Returns (granted, bound).
+async fn fleet_under_load(mode: RedisMode, stall: bool) -> (f64, f64) {
+    let server = RedisServer::start();
+    let mut setup = Setup::new(vec![server.url()], mode);
+    // Short enough that the stalls are outages; when healthy, long enough
+    // that a busy test machine does not make one.
+    setup.timeout = Duration::from_millis(if stall { 40 } else { 500 });
+    let replicas = setup.replicas(3).await;
+    let config = bucket(30.0, 10.0, 0.5, 5.0);
+    let run_for = Duration::from_millis(1500);
+    let granted = Arc::new(AtomicU64::new(0));
+    let reported = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let mut handles = Vec::new();
+    for (index, replica) in replicas.iter().enumerate() {
+        for _ in 0..4 {
+            let (replica, granted) = (Arc::clone(replica), Arc::clone(&granted));
+            handles.push(tokio::spawn(async move {
+                while started.elapsed() < run_for {
+                    if let Ok(Some(_)) = replica.try_withdraw("loaded", &config).await {
+                        granted.fetch_add(1, Ordering::Relaxed);
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }));
+        }
+        let (replica, reported) = (Arc::clone(replica), Arc::clone(&reported));
+        handles.push(tokio::spawn(async move {
+            let mut requests = 1 + index as u64;
+            while started.elapsed() < run_for {
+                // Counted whatever the store answers: the bound is on what
+                // callers reported.
+                reported.fetch_add(requests, Ordering::Relaxed);
+                let _ = replica.deposit("loaded", &config, requests).await;
+                requests = requests % 3 + 1;
+                tokio::time::sleep(Duration::from_millis(3)).await;
+            }
+        }));
+    }
+    let mut sleeper = None;
+    if stall {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        server.pause(Duration::from_millis(300));
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        sleeper = Some(server.sleep_in_background(Duration::from_millis(300)));
+    }
+    for handle in handles {
+        handle.await.unwrap();
+    }
+    if let Some(sleeper) = sleeper {
+        let _ = tokio::task::spawn_blocking(move || sleeper.join()).await;
+    }
+    for replica in &replicas {
+        replica.shutdown().await;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let granted = granted.load(Ordering::Relaxed) as f64;
+    let reported = reported.load(Ordering::Relaxed) as f64;
+    let bound = config.initial + config.ratio * reported + config.min_per_second * elapsed;
+    let stats: Vec<_> = replicas.iter().map(|replica| replica.stats()).collect();
+    eprintln!(
+        "{mode:?}, stall {stall}: granted {granted} ≤ {bound:.2} (reported {reported}, {elapsed:.2} s); {stats:?}"
+    );
+    assert!(
+        granted <= bound,
+        "{mode:?}: granted {granted} > bound {bound}; {stats:?}"
+    );
+    if stall {
+        assert!(
+            stats.iter().any(|stats| stats.outages > 0),
+            "the stalls were noticed: {stats:?}"
+        );
+    }
+    for replica in &replicas {
+        assert_eq!(replica.background_restarts(), 0);
+    }
+    (granted, bound)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_invariant_holds_while_redis_stalls() {
+    let (granted, _) = fleet_under_load(RedisMode::Exact, true).await;
+    assert!(granted > 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_invariant_holds_while_redis_stalls() {
+    let (granted, _) = fleet_under_load(RedisMode::Leased, true).await;
+    assert!(granted > 0.0);
+}
+
+/// With demand above supply and Redis healthy, both modes spend nearly the
+/// whole budget: exact loses only what arrived after the last attempt;
+/// leased also what the three replicas' last leases held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_modes_spend_the_budget_when_redis_is_healthy() {
+    for (mode, held) in [(RedisMode::Exact, 0.0), (RedisMode::Leased, 3.0 * 5.0)] {
+        let (granted, bound) = fleet_under_load(mode, false).await;
+        let slack = held + 5.0 + 0.02 * bound;
+        assert!(
+            granted >= bound - slack,
+            "{mode:?}: granted {granted}, bound {bound}: under-used"
+        );
+    }
+}
+
+async fn survives_lost_scripts(store: &RedisBudgetStore, upstreams: &[String], flush: impl Fn()) {
+    let config = bucket(10.0, 10.0, 0.0, 0.0);
+    for upstream in upstreams {
+        assert!(
+            store
+                .try_withdraw(upstream, &config)
+                .await
+                .unwrap()
+                .is_some()
+        );
+    }
+    flush();
+    for upstream in upstreams {
+        assert!(
+            store
+                .try_withdraw(upstream, &config)
+                .await
+                .unwrap()
+                .is_some()
+        );
+        store.deposit(upstream, &config, 1).await.unwrap();
+        store.view(upstream, &config).await.unwrap();
+    }
+    assert_eq!(store.stats().fallbacks, 0, "{:?}", store.stats());
+    assert_eq!(store.stats().backend_errors, 0, "{:?}", store.stats());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripts_survive_script_flush_and_restart() {
+    let mut server = RedisServer::start();
+    let upstreams: Vec<String> = (0..5).map(|index| format!("flushed-{index}")).collect();
+    for mode in [RedisMode::Exact, RedisMode::Leased] {
+        let store = Setup::new(vec![server.url()], mode).replica().await;
+        survives_lost_scripts(&store, &upstreams, || server.flush_scripts()).await;
+    }
+
+    let store = Setup::new(vec![server.url()], RedisMode::Exact)
+        .replica()
+        .await;
+    let config = bucket(10.0, 10.0, 0.0, 0.0);
+    assert_eq!(
+        store.try_withdraw("restarted", &config).await.unwrap(),
+        Some(9.0)
+    );
+    server.restart();
+    let started = Instant::now();
+    // Without persistence the bucket starts afresh: 9 left means Redis
+    // answered (the fallback bucket holds nothing).
+    loop {
+        if store.try_withdraw("restarted", &config).await.unwrap() == Some(9.0) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "not back within 1 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_scripts_survive_script_flush() {
+    let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
+        .await
+        .unwrap();
+    // Enough names that every node holds some.
+    let upstreams: Vec<String> = (0..12).map(|index| format!("slot-{index}")).collect();
+    for mode in [RedisMode::Exact, RedisMode::Leased] {
+        let store = Setup::new(cluster.urls(), mode).replica().await;
+        survives_lost_scripts(&store, &upstreams, || cluster.flush_scripts()).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_replicas_grant_exactly_the_budget() {
+    let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
+        .await
+        .unwrap();
+    let setup = Setup::new(cluster.urls(), RedisMode::Exact);
+    let replicas = setup.replicas(3).await;
+    let config = bucket(200.0, 200.0, 0.0, 0.0);
+    let granted = withdraw_concurrently(&replicas, "clustered", config, 8, 800).await;
+    assert_eq!(granted, 200);
+}

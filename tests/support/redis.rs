@@ -1,0 +1,317 @@
+//! Real `redis-server` processes for tests: one node or a Redis Cluster,
+//! each on free loopback ports, without persistence, killed when dropped,
+//! and able to be killed and restarted mid-test. Never the shared 6379.
+//!
+//! If `redis-server` cannot be started the test fails (panics): a missing
+//! Redis must never turn into a silently skipped test. Uses only `std`
+//! (plus `tempfile`) and the `redis-cli` that ships with `redis-server`.
+#![allow(dead_code, unreachable_pub)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// How long a server may take to accept connections.
+const STARTUP: Duration = Duration::from_secs(10);
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|address| address.port())
+        .expect("no free loopback port")
+}
+
+/// One `redis-server` child.
+pub struct RedisServer {
+    port: u16,
+    /// The Cluster bus port, for a cluster node.
+    cluster_port: Option<u16>,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    /// A standalone server on a free port.
+    pub fn start() -> RedisServer {
+        RedisServer::start_node(false)
+    }
+
+    fn start_node(cluster: bool) -> RedisServer {
+        let mut last_log = String::new();
+        // A free port may be taken between choosing and binding it: retry.
+        for _ in 0..5 {
+            let mut server = RedisServer {
+                port: free_port(),
+                cluster_port: cluster.then(free_port),
+                child: None,
+                dir: tempfile::tempdir().expect("temporary directory"),
+            };
+            if server.spawn() {
+                return server;
+            }
+            last_log = server.log();
+        }
+        panic!("redis-server would not start; its last log:\n{last_log}");
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("redis.log")
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// Starts the process; true once it answers PING.
+    fn spawn(&mut self) -> bool {
+        let port = self.port.to_string();
+        let dir = self.dir.path().to_string_lossy().into_owned();
+        let log = self.log_path().to_string_lossy().into_owned();
+        let mut arguments: Vec<String> = [
+            "--port",
+            &port,
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            &dir,
+            "--logfile",
+            &log,
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+            "--enable-debug-command",
+            "local",
+        ]
+        .iter()
+        .map(|argument| argument.to_string())
+        .collect();
+        if let Some(bus) = self.cluster_port {
+            arguments.extend(
+                [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-port",
+                    &bus.to_string(),
+                    "--cluster-node-timeout",
+                    "2000",
+                ]
+                .iter()
+                .map(|argument| argument.to_string()),
+            );
+        }
+        let child = Command::new("redis-server")
+            .args(&arguments)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|error| {
+                panic!(
+                    "cannot run redis-server ({error}): install it (apt-get install redis-server)"
+                )
+            });
+        self.child = Some(child);
+        let deadline = Instant::now() + STARTUP;
+        while Instant::now() < deadline {
+            if !self.is_running() {
+                self.child = None;
+                return false;
+            }
+            if ping(self.port) {
+                return true;
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+        self.kill();
+        false
+    }
+
+    /// The port it listens on (127.0.0.1).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The working directory (cluster config, log).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// True while the process lives.
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(child) => matches!(child.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// SIGKILL: no goodbye to clients, like a crash.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port (and, for a cluster node, with the
+    /// same node id and slots). Without persistence its data is gone.
+    pub fn restart(&mut self) {
+        self.kill();
+        let deadline = Instant::now() + STARTUP;
+        // The port is ours; a just-killed listener may linger briefly.
+        while Instant::now() < deadline {
+            if self.spawn() {
+                return;
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+        panic!("redis-server would not restart; its log:\n{}", self.log());
+    }
+
+    /// Runs `redis-cli` against this server and returns what it printed.
+    pub fn cli(&self, arguments: &[&str]) -> String {
+        let output = Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(arguments)
+            .output()
+            .unwrap_or_else(|error| panic!("cannot run redis-cli: {error}"));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// `CLIENT PAUSE <ms> ALL`: every client command waits, then runs.
+    pub fn pause(&self, duration: Duration) {
+        let answer = self.cli(&["CLIENT", "PAUSE", &duration.as_millis().to_string(), "ALL"]);
+        assert!(answer.contains("OK"), "CLIENT PAUSE answered {answer:?}");
+    }
+
+    /// `DEBUG SLEEP`: the server blocks entirely. Returns once it is asleep;
+    /// the sleep goes on in the background.
+    pub fn sleep_in_background(&self, duration: Duration) -> thread::JoinHandle<()> {
+        let port = self.port;
+        let seconds = format!("{:.3}", duration.as_secs_f64());
+        let handle = thread::spawn(move || {
+            let _ = Command::new("redis-cli")
+                .args([
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    &port.to_string(),
+                    "DEBUG",
+                    "SLEEP",
+                    &seconds,
+                ])
+                .output();
+        });
+        thread::sleep(Duration::from_millis(30));
+        handle
+    }
+
+    /// `SCRIPT FLUSH`: as after a restart or failover, for NOSCRIPT tests.
+    pub fn flush_scripts(&self) {
+        let answer = self.cli(&["SCRIPT", "FLUSH"]);
+        assert!(answer.contains("OK"), "SCRIPT FLUSH answered {answer:?}");
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// True if something on `port` answers PING with PONG.
+fn ping(port: u16) -> bool {
+    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+    if stream.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut answer = [0u8; 64];
+    match stream.read(&mut answer) {
+        Ok(read) => answer[..read].starts_with(b"+PONG"),
+        Err(_) => false,
+    }
+}
+
+/// A Redis Cluster of masters only, every slot assigned.
+pub struct RedisCluster {
+    /// The nodes, in creation order.
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts `masters` (at least 3) nodes and joins them into a cluster;
+    /// returns once every node reports `cluster_state:ok`.
+    pub fn start(masters: usize) -> RedisCluster {
+        assert!(masters >= 3, "Redis Cluster needs at least 3 masters");
+        let nodes: Vec<RedisServer> = (0..masters)
+            .map(|_| RedisServer::start_node(true))
+            .collect();
+        let addresses: Vec<String> = nodes
+            .iter()
+            .map(|node| format!("127.0.0.1:{}", node.port()))
+            .collect();
+        let output = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addresses)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .unwrap_or_else(|error| panic!("cannot run redis-cli --cluster create: {error}"));
+        assert!(
+            output.status.success(),
+            "redis-cli --cluster create failed:\n{}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let cluster = RedisCluster { nodes };
+        cluster.wait_until_ok();
+        cluster
+    }
+
+    /// Waits until every node sees every slot served.
+    pub fn wait_until_ok(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ready = self.nodes.iter().all(|node| {
+                let info = node.cli(&["CLUSTER", "INFO"]);
+                info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384")
+            });
+            if ready {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cluster never reached cluster_state:ok"
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Every node's URL.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// `SCRIPT FLUSH` on every node.
+    pub fn flush_scripts(&self) {
+        self.nodes.iter().for_each(RedisServer::flush_scripts);
+    }
+}
