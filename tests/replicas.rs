@@ -1,0 +1,244 @@
+//! Several real retryd processes sharing one Redis (and one Redis Cluster):
+//! the fleet behaves as one budget, the kill switch crosses replicas, and a
+//! Redis outage under load is answered in time and recovered from.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use retryd::pb;
+use retryd::pb::retry_decider_client::RetryDeciderClient;
+use support::redis::{RedisCluster, RedisServer};
+use support::{Server, retryable};
+use tonic::transport::Channel;
+
+fn replica_config(urls: &[String], mode: &str, extra: &str) -> String {
+    let urls: Vec<String> = urls.iter().map(|url| format!("\"{url}\"")).collect();
+    format!(
+        r#"
+        [store]
+        kind = "redis"
+        url = [{}]
+        mode = "{mode}"
+        timeout = "50ms"
+        lease_tokens = 5.0
+        lease_ttl = "500ms"
+        key_prefix = "replicas"
+
+        [upstreams.shared]
+        budget = {{ capacity = 300.0, initial = 300.0, ratio = 0.0, min_per_second = 0.0 }}
+        {extra}
+        "#,
+        urls.join(", ")
+    )
+}
+
+/// `per_replica` concurrent callers on each replica, each asking `calls`
+/// times; returns the RETRY count.
+async fn hammer(replicas: &[Server], per_replica: usize, calls: usize) -> usize {
+    let mut tasks = Vec::new();
+    for replica in replicas {
+        for _ in 0..per_replica {
+            let mut client = replica.decider().await;
+            tasks.push(tokio::spawn(async move {
+                let mut retries = 0;
+                for _ in 0..calls {
+                    let response = client
+                        .decide(retryable("shared"))
+                        .await
+                        .unwrap()
+                        .into_inner();
+                    match response.verdict() {
+                        pb::Verdict::Retry => retries += 1,
+                        pb::Verdict::Deny => {
+                            assert_eq!(response.deny_reason(), pb::DenyReason::BudgetExhausted)
+                        }
+                        other => panic!("{other:?}"),
+                    }
+                }
+                retries
+            }));
+        }
+    }
+    let mut total = 0;
+    for task in tasks {
+        total += task.await.unwrap();
+    }
+    total
+}
+
+#[tokio::test]
+async fn exact_mode_grants_exactly_the_budget_across_three_replicas() {
+    let redis = RedisServer::start();
+    let config = replica_config(&[redis.url()], "exact", "");
+    let replicas: Vec<Server> = (0..3).map(|_| Server::start(&config)).collect();
+    // 3 replicas × 4 callers × 50 calls = 600 attempts for 300 tokens.
+    let retries = hammer(&replicas, 4, 50).await;
+    assert_eq!(retries, 300, "demand above supply gets exactly the budget");
+}
+
+#[tokio::test]
+async fn exact_mode_on_a_redis_cluster() {
+    let cluster = RedisCluster::start(3);
+    let config = replica_config(&cluster.urls(), "exact", "");
+    let replicas: Vec<Server> = (0..2).map(|_| Server::start(&config)).collect();
+    let retries = hammer(&replicas, 4, 60).await;
+    assert_eq!(retries, 300);
+}
+
+#[tokio::test]
+async fn leased_mode_never_over_allows_and_frees_stranded_tokens() {
+    let redis = RedisServer::start();
+    let config = replica_config(&[redis.url()], "leased", "");
+    let replicas: Vec<Server> = (0..3).map(|_| Server::start(&config)).collect();
+    let retries = hammer(&replicas, 4, 50).await;
+    assert!(retries <= 300, "leased mode granted {retries} > 300");
+    assert!(
+        retries >= 250,
+        "leased mode should use most of the budget, got {retries}"
+    );
+
+    // Tokens stranded in the leases of two idle replicas become usable
+    // through the third once the leases expire (lease_ttl = 500 ms).
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let more = hammer(&replicas[2..], 1, 300 - retries + 20).await;
+    assert_eq!(
+        retries + more,
+        300,
+        "after the leases expired: {retries} + {more}"
+    );
+}
+
+#[tokio::test]
+async fn the_kill_switch_crosses_replicas() {
+    let redis = RedisServer::start();
+    for mode in ["exact", "leased"] {
+        let config = replica_config(&[redis.url()], mode, "");
+        let (a, b) = (Server::start(&config), Server::start(&config));
+        let mut on_b = b.decider().await;
+        assert_eq!(
+            on_b.decide(retryable("search"))
+                .await
+                .unwrap()
+                .into_inner()
+                .verdict(),
+            pb::Verdict::Retry
+        );
+        let switched_at = Instant::now();
+        a.admin()
+            .await
+            .set_retries_enabled(pb::SetRetriesEnabledRequest {
+                upstream: "search".into(),
+                enabled: false,
+                reason: "cross-replica test".into(),
+            })
+            .await
+            .unwrap();
+        // The stated bound: the next decision in exact mode; within the
+        // lease cache (100 ms) in leased mode.
+        loop {
+            let response = on_b.decide(retryable("search")).await.unwrap().into_inner();
+            if response.deny_reason() == pb::DenyReason::RetriesDisabled {
+                break;
+            }
+            assert!(mode == "leased", "exact mode must obey at once");
+            assert!(
+                switched_at.elapsed() < Duration::from_millis(250),
+                "{mode}: not obeyed within 250 ms"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        eprintln!(
+            "{mode}: obeyed by the other replica after {:?}",
+            switched_at.elapsed()
+        );
+        a.admin()
+            .await
+            .set_retries_enabled(pb::SetRetriesEnabledRequest {
+                upstream: "search".into(),
+                enabled: true,
+                reason: String::new(),
+            })
+            .await
+            .unwrap();
+    }
+}
+
+async fn timed_decide(
+    client: &mut RetryDeciderClient<Channel>,
+    upstream: &str,
+) -> (pb::DecideResponse, Duration) {
+    let started = Instant::now();
+    let response = client
+        .decide(retryable(upstream))
+        .await
+        .unwrap()
+        .into_inner();
+    (response, started.elapsed())
+}
+
+#[tokio::test]
+async fn redis_killed_under_load_then_restarted() {
+    let mut redis = RedisServer::start();
+    let config = replica_config(
+        &[redis.url()],
+        "exact",
+        r#"
+        [upstreams.strict]
+        on_unavailable = "deny"
+        "#,
+    );
+    let replicas: Vec<Server> = (0..2).map(|_| Server::start(&config)).collect();
+    let mut clients = Vec::new();
+    for replica in &replicas {
+        clients.push(replica.decider().await);
+    }
+    for client in &mut clients {
+        let (response, _) = timed_decide(client, "strict").await;
+        assert_eq!(response.verdict(), pb::Verdict::Retry);
+    }
+
+    redis.kill();
+    // Every call is answered, within 2 × the 50 ms store timeout (plus
+    // scheduling slack for a debug build on a shared machine).
+    let mut slowest = Duration::ZERO;
+    for round in 0..40 {
+        for client in &mut clients {
+            let (strict, took) = timed_decide(client, "strict").await;
+            slowest = slowest.max(took);
+            assert_eq!(
+                strict.deny_reason(),
+                pb::DenyReason::BudgetUnavailable,
+                "round {round}"
+            );
+            let (local, took) = timed_decide(client, "fallback").await;
+            slowest = slowest.max(took);
+            // The local fallback bucket starts empty: no deposits, no retries.
+            assert_eq!(local.verdict(), pb::Verdict::Deny, "round {round}");
+        }
+    }
+    eprintln!("slowest answer while Redis was down: {slowest:?}");
+    assert!(slowest < Duration::from_millis(150), "slowest {slowest:?}");
+    for replica in &replicas {
+        assert!(replica.scrape().contains("retryd_store_available 0"));
+    }
+
+    redis.restart();
+    let restarted = Instant::now();
+    let mut client = clients.remove(0);
+    loop {
+        let (response, _) = timed_decide(&mut client, "strict").await;
+        if response.verdict() == pb::Verdict::Retry {
+            break;
+        }
+        assert!(
+            restarted.elapsed() < Duration::from_secs(1),
+            "shared decisions did not resume within 1 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    eprintln!(
+        "shared decisions resumed {:?} after the restart",
+        restarted.elapsed()
+    );
+}
