@@ -11,6 +11,9 @@ use retryd::pb::retry_decider_client::RetryDeciderClient;
 use support::redis::{RedisCluster, RedisServer};
 use support::{Server, retryable};
 use tonic::transport::Channel;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
 
 fn replica_config(urls: &[String], mode: &str, extra: &str) -> String {
     let urls: Vec<String> = urls.iter().map(|url| format!("\"{url}\"")).collect();
@@ -221,6 +224,7 @@ async fn redis_killed_under_load_then_restarted() {
     assert!(slowest < Duration::from_millis(150), "slowest {slowest:?}");
     for replica in &replicas {
         assert!(replica.scrape().contains("retryd_store_available 0"));
+        assert_eq!(store_health(replica).await, ServingStatus::NotServing);
     }
 
     redis.restart();
@@ -241,4 +245,20 @@ async fn redis_killed_under_load_then_restarted() {
         "shared decisions resumed {:?} after the restart",
         restarted.elapsed()
     );
+    // The health entry follows within its 250 ms polling period.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(store_health(&replicas[0]).await, ServingStatus::Serving);
+}
+
+/// What the health service says of the budget store.
+async fn store_health(replica: &Server) -> ServingStatus {
+    let mut health = HealthClient::new(replica.channel().await);
+    health
+        .check(HealthCheckRequest {
+            service: "retryd.v1.BudgetStore".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status()
 }
