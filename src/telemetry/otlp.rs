@@ -76,7 +76,8 @@ pub(super) fn spawn(
                     }
                 }
             }
-            for chunk in batch.chunks(MAX_BATCH) {
+            while !batch.is_empty() {
+                let chunk: Vec<SpanRecord> = batch.drain(..batch.len().min(MAX_BATCH)).collect();
                 let count = chunk.len() as u64;
                 let request = export_request(chunk);
                 match tokio::time::timeout(EXPORT_TIMEOUT, client.export(request)).await {
@@ -103,7 +104,6 @@ pub(super) fn spawn(
                     }
                 }
             }
-            batch.clear();
             if stopping {
                 return;
             }
@@ -111,16 +111,18 @@ pub(super) fn spawn(
     }))
 }
 
-fn export_request(records: &[SpanRecord]) -> ExportTraceServiceRequest {
-    let spans = records.iter().map(span).collect();
+/// Consumes the records, so their strings move into the request instead of
+/// being copied.
+fn export_request(records: Vec<SpanRecord>) -> ExportTraceServiceRequest {
+    let spans = records.into_iter().map(span).collect();
     ExportTraceServiceRequest {
         resource_spans: vec![ResourceSpans {
             resource: Some(Resource {
                 attributes: vec![
-                    key_value("service.name", &Attribute::Static("retryd")),
+                    key_value("service.name", Attribute::Static("retryd")),
                     key_value(
                         "service.version",
-                        &Attribute::Static(env!("CARGO_PKG_VERSION")),
+                        Attribute::Static(env!("CARGO_PKG_VERSION")),
                     ),
                 ],
                 ..Default::default()
@@ -139,10 +141,12 @@ fn export_request(records: &[SpanRecord]) -> ExportTraceServiceRequest {
     }
 }
 
-fn span(record: &SpanRecord) -> Span {
-    let status = match &record.error {
+fn span(record: SpanRecord) -> Span {
+    let start_time_unix_nano = record.start_unix_nanos();
+    let trace_state = record.trace_state().to_owned();
+    let status = match record.error {
         Some(message) => Status {
-            message: message.clone(),
+            message,
             code: status::StatusCode::Error as i32,
         },
         None => Status {
@@ -153,7 +157,7 @@ fn span(record: &SpanRecord) -> Span {
     Span {
         trace_id: record.start.trace_id.to_vec(),
         span_id: record.start.span_id.to_vec(),
-        trace_state: record.trace_state().to_owned(),
+        trace_state,
         parent_span_id: record
             .start
             .parent_span_id
@@ -163,11 +167,11 @@ fn span(record: &SpanRecord) -> Span {
         flags: 1,
         name: record.name.to_owned(),
         kind: span::SpanKind::Server as i32,
-        start_time_unix_nano: record.start_unix_nanos(),
+        start_time_unix_nano,
         end_time_unix_nano: record.end_unix_nanos,
         attributes: record
             .attributes
-            .iter()
+            .into_iter()
             .map(|(key, value)| key_value(key, value))
             .collect(),
         status: Some(status),
@@ -175,13 +179,13 @@ fn span(record: &SpanRecord) -> Span {
     }
 }
 
-fn key_value(key: &str, value: &Attribute) -> KeyValue {
+fn key_value(key: &str, value: Attribute) -> KeyValue {
     let value = match value {
-        Attribute::Static(text) => any_value::Value::StringValue((*text).to_owned()),
-        Attribute::Text(text) => any_value::Value::StringValue(text.clone()),
-        Attribute::Int(int) => any_value::Value::IntValue(*int),
-        Attribute::Float(float) => any_value::Value::DoubleValue(*float),
-        Attribute::Bool(flag) => any_value::Value::BoolValue(*flag),
+        Attribute::Static(text) => any_value::Value::StringValue(text.to_owned()),
+        Attribute::Text(text) => any_value::Value::StringValue(text),
+        Attribute::Int(int) => any_value::Value::IntValue(int),
+        Attribute::Float(float) => any_value::Value::DoubleValue(float),
+        Attribute::Bool(flag) => any_value::Value::BoolValue(flag),
     };
     KeyValue {
         key: key.to_owned(),
