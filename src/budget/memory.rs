@@ -81,12 +81,20 @@ impl Bucket {
     }
 
     /// Credits the floor up to `now` and returns the units held (capped at
-    /// the current capacity, which a policy reload may have lowered).
-    fn refill(&self, config: &BucketConfig, now: u64) -> u64 {
-        let capacity = config.capacity_units();
+    /// `capacity`, the current one, which a policy reload may have lowered).
+    fn refill(&self, config: &BucketConfig, now: u64, capacity: u64) -> u64 {
+        let units_per_nano = config.floor_units_per_nano();
         loop {
             let since = self.credited_until.load(Ordering::Acquire);
             if now <= since {
+                break;
+            }
+            // Less than one whole unit accrued: `config.refill` would credit
+            // nothing and consume no time, so skip its float rounding (libm
+            // calls on baseline x86-64), which dominated a busy bucket's
+            // withdrawal. Only for a positive floor: without one, `refill`
+            // consumes the interval, and so must we.
+            if units_per_nano > 0.0 && ((now - since) as f64) * units_per_nano < 1.0 {
                 break;
             }
             let refill = config.refill(now - since);
@@ -191,7 +199,7 @@ impl<C: Clock> MemoryBudgetStore<C> {
         match self.buckets.get(upstream) {
             Some(bucket) => BudgetSnapshot {
                 upstream: upstream.to_owned(),
-                tokens: units_to_tokens(bucket.refill(config, now)),
+                tokens: units_to_tokens(bucket.refill(config, now, config.capacity_units())),
                 retries_enabled: bucket.retries_enabled.load(Ordering::Acquire),
                 tracked: true,
             },
@@ -220,10 +228,9 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
         config: &BucketConfig,
     ) -> impl Future<Output = Result<Option<f64>, StoreError>> + Send {
         ready(self.with_bucket(upstream, config, |bucket, now| {
-            bucket.refill(config, now);
-            bucket
-                .try_withdraw(config.capacity_units())
-                .map(units_to_tokens)
+            let capacity = config.capacity_units();
+            bucket.refill(config, now, capacity);
+            bucket.try_withdraw(capacity).map(units_to_tokens)
         }))
     }
 
@@ -234,8 +241,9 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
         requests: u64,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
         ready(self.with_bucket(upstream, config, |bucket, now| {
-            bucket.refill(config, now);
-            bucket.add(config.deposit_units(requests), config.capacity_units());
+            let capacity = config.capacity_units();
+            bucket.refill(config, now, capacity);
+            bucket.add(config.deposit_units(requests), capacity);
         }))
     }
 
@@ -265,7 +273,11 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
                 let config = config_of(entry.key());
                 BudgetSnapshot {
                     upstream: entry.key().to_string(),
-                    tokens: units_to_tokens(entry.value().refill(&config, now)),
+                    tokens: units_to_tokens(entry.value().refill(
+                        &config,
+                        now,
+                        config.capacity_units(),
+                    )),
                     retries_enabled: entry.value().retries_enabled.load(Ordering::Acquire),
                     tracked: true,
                 }
@@ -408,6 +420,29 @@ mod tests {
             block_on(store.try_withdraw("a", &narrow)).unwrap(),
             Some(4.0)
         );
+    }
+
+    #[test]
+    fn frequent_looks_lose_no_floor_credit() {
+        // 0.001 tokens per second is one unit per millisecond; looking every
+        // 100 µs accrues a tenth of a unit each time, which must neither be
+        // lost nor consume time: ten seconds credit exactly 10,000 units.
+        let config = BucketConfig {
+            capacity: 10.0,
+            initial: 0.0,
+            ratio: 0.0,
+            min_per_second: 0.001,
+            ..BucketConfig::default()
+        };
+        let clock = ManualClock::default();
+        let store = MemoryBudgetStore::with_clock(2, clock.clone());
+        block_on(store.deposit("a", &config, 0)).unwrap();
+        for _ in 0..100_000 {
+            clock.advance(100_000);
+            block_on(store.view("a", &config)).unwrap();
+        }
+        let tokens = block_on(store.view("a", &config)).unwrap().tokens;
+        assert_eq!(crate::budget::tokens_to_units(tokens), 10_000);
     }
 
     #[test]

@@ -1,0 +1,195 @@
+//! `retryd-baseline`: gRPC itself on this machine, for comparison.
+//!
+//! It serves the same `retryd.v1.RetryDecider` service as retryd, on the
+//! same tonic server with default settings, but answers every call with a
+//! canned response and no logic: no validation, no budget, no engine, no
+//! metrics. `retryd-load` therefore drives both identically, and every
+//! retryd figure can be read as a ratio to "a tonic server that does
+//! nothing" with the same messages on the wire.
+//!
+//! The canned response is picked by the request's declared idempotency (one
+//! array index), so each of `retryd-load`'s request kinds gets a response of
+//! the size retryd would send for it: same verdict, a 32-character decision
+//! id and the same explanation text.
+//!
+//! Like `retryd serve`, it prints `{"grpc":"HOST:PORT"}` on stdout once
+//! listening, and stops on SIGTERM or SIGINT.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+use futures::{Stream, StreamExt};
+use retryd::pb;
+use retryd::pb::retry_decider_server::{RetryDecider, RetryDeciderServer};
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Request, Response, Status, Streaming};
+
+#[derive(Parser, Debug)]
+#[command(about = "A RetryDecider that answers canned responses, as a baseline for retryd-load.")]
+struct Args {
+    /// Where to listen (port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// Apply retryd's default server limits (per-connection concurrency
+    /// limit with load shedding, a 5 s request timeout, 128 streams per
+    /// connection, keepalive), to tell their cost from the decision's.
+    #[arg(long)]
+    server_limits: bool,
+}
+
+/// Canned responses by `DecideRequest.idempotency` (0 to 4).
+#[derive(Clone, Debug)]
+struct Baseline {
+    canned: Arc<[pb::DecideResponse; 5]>,
+}
+
+fn canned(
+    verdict: pb::Verdict,
+    deny_reason: pb::DenyReason,
+    rule: u32,
+    evidence: pb::Evidence,
+    explanation: &str,
+) -> pb::DecideResponse {
+    pb::DecideResponse {
+        verdict: verdict as i32,
+        // A typical full-jitter backoff: a few tens of milliseconds.
+        backoff: Some(prost_types::Duration {
+            seconds: 0,
+            nanos: if verdict == pb::Verdict::Retry {
+                23_456_789
+            } else {
+                0
+            },
+        }),
+        deny_reason: deny_reason as i32,
+        refresh_credentials: false,
+        rule,
+        effective_evidence: evidence as i32,
+        evidence_adjusted: false,
+        decision_id: "5f0c1d3e9a7b44c2b1e0f6a8d2c4e913".into(),
+        tokens_remaining: 99_999_999.0,
+        explanation: explanation.into(),
+        error: None,
+    }
+}
+
+impl Baseline {
+    fn new() -> Self {
+        let retry = canned(
+            pb::Verdict::Retry,
+            pb::DenyReason::Unspecified,
+            9,
+            pb::Evidence::NotSent,
+            "retry after 23.456789ms: evidence not_sent allows another attempt (rule 9)",
+        );
+        let deny = canned(
+            pb::Verdict::Deny,
+            pb::DenyReason::StatusNotRetryable,
+            9,
+            pb::Evidence::ResponseReceived,
+            "deny: the status is not retryable for this operation (rule 9, status 404)",
+        );
+        let mut ambiguous = canned(
+            pb::Verdict::Ambiguous,
+            pb::DenyReason::Unspecified,
+            8,
+            pb::Evidence::SentNoResponse,
+            "ambiguous: the request was sent and may have taken effect; the operation is not idempotent, so reconcile (rule 8); the claimed evidence was weakened to sent_no_response",
+        );
+        ambiguous.evidence_adjusted = true;
+        // retryd-load sends SAFE for its DENY kind, IDEMPOTENT for RETRY and
+        // NON_IDEMPOTENT for AMBIGUOUS.
+        Baseline {
+            canned: Arc::new([retry.clone(), deny, retry.clone(), retry, ambiguous]),
+        }
+    }
+
+    fn answer(&self, request: &pb::DecideRequest) -> pb::DecideResponse {
+        let index = usize::try_from(request.idempotency).unwrap_or(0) % self.canned.len();
+        self.canned[index].clone()
+    }
+}
+
+type Answers = Pin<Box<dyn Stream<Item = Result<pb::DecideResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl RetryDecider for Baseline {
+    async fn decide(
+        &self,
+        request: Request<pb::DecideRequest>,
+    ) -> Result<Response<pb::DecideResponse>, Status> {
+        Ok(Response::new(self.answer(request.get_ref())))
+    }
+
+    type DecideStreamStream = Answers;
+
+    async fn decide_stream(
+        &self,
+        request: Request<Streaming<pb::DecideRequest>>,
+    ) -> Result<Response<Self::DecideStreamStream>, Status> {
+        let baseline = self.clone();
+        let answers = request
+            .into_inner()
+            .map(move |item| item.map(|request| baseline.answer(&request)));
+        Ok(Response::new(Box::pin(answers)))
+    }
+
+    async fn report_traffic(
+        &self,
+        request: Request<pb::ReportTrafficRequest>,
+    ) -> Result<Response<pb::ReportTrafficResponse>, Status> {
+        Ok(Response::new(pb::ReportTrafficResponse {
+            accepted: request.get_ref().traffic.len() as u32,
+        }))
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("cannot bind {}", args.listen))?;
+        let address = listener.local_addr()?;
+        println!("{{\"grpc\":\"{address}\"}}");
+        let mut server = tonic::transport::Server::builder();
+        if args.server_limits {
+            // The defaults of retryd's `[server]` section.
+            server = server
+                .max_concurrent_streams(128)
+                .concurrency_limit_per_connection(1024)
+                .load_shed(true)
+                .timeout(std::time::Duration::from_secs(5))
+                .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+                .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)));
+        }
+        server
+            .add_service(RetryDeciderServer::new(Baseline::new()))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown_signal())
+            .await
+            .context("the gRPC server failed")
+    })
+}
+
+/// SIGTERM (what background shells and scripts send) or SIGINT.
+async fn shutdown_signal() {
+    let mut terminate =
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(signal) => signal,
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = terminate.recv() => {}
+    }
+}

@@ -1,0 +1,644 @@
+//! `retryd-load`: a load generator for `retryd.v1.RetryDecider`.
+//!
+//! It drives `Decide` (unary) or `DecideStream` over N HTTP/2 connections
+//! with C requests in flight on each (unary: C calls per connection;
+//! stream: C messages in flight per stream), either flat out or at a fixed
+//! total rate (`--rate`), for a warm-up and then a measured duration. It
+//! reports throughput and latency percentiles from an HDR histogram, on
+//! stderr for people and as one JSON line on stdout for scripts.
+//!
+//! Requests cycle through a mix of templates that retryd answers RETRY,
+//! DENY and AMBIGUOUS (`--mix`), spread over `--upstreams` distinct names,
+//! so the server does its real work; the response verdicts are counted and
+//! reported so a run whose RETRYs silently became budget denials shows.
+//!
+//! At a fixed rate the generator is open-loop: a pacer thread releases
+//! tickets at the rate, evenly spaced, into one queue that every idle
+//! sender draws from, and latency runs from the ticket's release, so time a
+//! request waited for a free sender counts (no coordinated omission). The
+//! pacer sleeps on the OS timer (tens of µs of slack), not on tokio's 1 ms
+//! timer wheel, which would send in bursts and inflate the tail it measures.
+//!
+//! It only talks to the address it is given; bench scripts give it
+//! loopback ones.
+
+use std::fmt::Write as _;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::{Parser, ValueEnum};
+use hdrhistogram::Histogram;
+use retryd::pb;
+use retryd::pb::retry_decider_client::RetryDeciderClient;
+use tokio::sync::{Mutex, Semaphore, mpsc};
+use tonic::transport::{Channel, Endpoint};
+
+#[derive(Parser, Debug)]
+#[command(about = "Drives retryd's Decide or DecideStream and reports throughput and latency.")]
+struct Args {
+    /// The gRPC address to load (host:port).
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    target: String,
+    /// Which RPC to drive.
+    #[arg(long, value_enum, default_value_t = Mode::Unary)]
+    mode: Mode,
+    /// HTTP/2 connections.
+    #[arg(long, short = 'n', default_value_t = 4)]
+    connections: usize,
+    /// Requests in flight: unary calls per connection, or messages per
+    /// stream.
+    #[arg(long, short = 'c', default_value_t = 16)]
+    concurrency: usize,
+    /// DecideStream streams per connection.
+    #[arg(long, default_value_t = 1)]
+    streams: usize,
+    /// Measured time, after the warm-up.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// Time under load before measuring.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    warmup: Duration,
+    /// Total requests per second across all connections; 0 is flat out.
+    #[arg(long, default_value_t = 0.0)]
+    rate: f64,
+    /// Weights of the verdict kinds the requests are built to get.
+    #[arg(long, default_value = "retry=2,deny=1,ambiguous=1")]
+    mix: Mix,
+    /// Distinct upstream names the requests are spread over.
+    #[arg(long, default_value_t = 1)]
+    upstreams: usize,
+    /// A label copied into the JSON line.
+    #[arg(long, default_value = "")]
+    label: String,
+    /// Tokio worker threads of the generator (default: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Write one RETRY-kind request as a gRPC frame (the body h2load sends
+    /// with `-d`) to this file, and exit.
+    #[arg(long)]
+    write_frame: Option<std::path::PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    /// `RetryDecider/Decide`, one call per decision.
+    Unary,
+    /// `RetryDecider/DecideStream`, many decisions per stream.
+    Stream,
+}
+
+impl Mode {
+    fn as_str(self) -> &'static str {
+        match self {
+            Mode::Unary => "unary",
+            Mode::Stream => "stream",
+        }
+    }
+}
+
+/// Weights of `retry`, `deny` and `ambiguous` requests.
+#[derive(Clone, Debug)]
+struct Mix {
+    retry: usize,
+    deny: usize,
+    ambiguous: usize,
+}
+
+impl FromStr for Mix {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let mut mix = Mix {
+            retry: 0,
+            deny: 0,
+            ambiguous: 0,
+        };
+        for part in text.split(',').filter(|part| !part.is_empty()) {
+            let (kind, weight) = part
+                .split_once('=')
+                .ok_or_else(|| format!("{part:?}: expected KIND=WEIGHT"))?;
+            let weight: usize = weight
+                .parse()
+                .map_err(|_| format!("{part:?}: the weight is not a whole number"))?;
+            match kind {
+                "retry" => mix.retry = weight,
+                "deny" => mix.deny = weight,
+                "ambiguous" => mix.ambiguous = weight,
+                other => return Err(format!("{other:?}: kinds are retry, deny, ambiguous")),
+            }
+        }
+        if mix.retry + mix.deny + mix.ambiguous == 0 {
+            return Err("the weights add up to zero".into());
+        }
+        Ok(mix)
+    }
+}
+
+/// A request retryd answers RETRY: an idempotent call whose connect failed
+/// (proven not sent), with deadline to spare. It spends one token.
+fn retry_template() -> pb::DecideRequest {
+    pb::DecideRequest {
+        operation: "PUT /v1/accounts/{id}".into(),
+        idempotency: pb::Idempotency::Idempotent as i32,
+        body: Some(pb::Body {
+            kind: pb::BodyKind::Bytes as i32,
+            ..pb::Body::default()
+        }),
+        attempt: 1,
+        evidence: pb::Evidence::NotSent as i32,
+        failure: pb::FailureKind::Connect as i32,
+        deadline_remaining: Some(prost_types::Duration {
+            seconds: 2,
+            nanos: 0,
+        }),
+        ..pb::DecideRequest::default()
+    }
+}
+
+/// A request retryd answers DENY (status not retryable) after checking
+/// every rule: a safe call that got a 404.
+fn deny_template() -> pb::DecideRequest {
+    pb::DecideRequest {
+        operation: "GET /v1/accounts/{id}".into(),
+        idempotency: pb::Idempotency::Safe as i32,
+        attempt: 1,
+        evidence: pb::Evidence::ResponseReceived as i32,
+        http_status: 404,
+        deadline_remaining: Some(prost_types::Duration {
+            seconds: 2,
+            nanos: 0,
+        }),
+        ..pb::DecideRequest::default()
+    }
+}
+
+/// A request retryd answers AMBIGUOUS: a non-idempotent charge that failed
+/// with a generic I/O error, so it may have been sent.
+fn ambiguous_template() -> pb::DecideRequest {
+    pb::DecideRequest {
+        operation: "POST /v1/charges".into(),
+        idempotency: pb::Idempotency::NonIdempotent as i32,
+        body: Some(pb::Body {
+            kind: pb::BodyKind::Bytes as i32,
+            ..pb::Body::default()
+        }),
+        attempt: 1,
+        evidence: pb::Evidence::NotSent as i32,
+        failure: pb::FailureKind::GenericIo as i32,
+        deadline_remaining: Some(prost_types::Duration {
+            seconds: 2,
+            nanos: 0,
+        }),
+        ..pb::DecideRequest::default()
+    }
+}
+
+/// Builds each sender's requests: the mix's templates in turn, each for
+/// the next upstream name.
+#[derive(Clone)]
+struct Requests {
+    templates: Arc<Vec<pb::DecideRequest>>,
+    upstreams: Arc<Vec<String>>,
+    next_template: usize,
+    next_upstream: usize,
+}
+
+impl Requests {
+    fn new(mix: &Mix, n_upstreams: usize) -> Self {
+        let mut templates = Vec::new();
+        templates.extend(std::iter::repeat_n(retry_template(), mix.retry));
+        templates.extend(std::iter::repeat_n(deny_template(), mix.deny));
+        templates.extend(std::iter::repeat_n(ambiguous_template(), mix.ambiguous));
+        let upstreams = (0..n_upstreams.max(1))
+            .map(|i| format!("upstream-{i:06}"))
+            .collect();
+        Requests {
+            templates: Arc::new(templates),
+            upstreams: Arc::new(upstreams),
+            next_template: 0,
+            next_upstream: 0,
+        }
+    }
+
+    /// The same sequence, started at a different place for sender `index`.
+    fn for_sender(&self, index: usize) -> Self {
+        Requests {
+            next_template: index % self.templates.len(),
+            next_upstream: index.wrapping_mul(7919) % self.upstreams.len(),
+            ..self.clone()
+        }
+    }
+
+    fn next(&mut self) -> pb::DecideRequest {
+        let mut request = self.templates[self.next_template].clone();
+        request.upstream = self.upstreams[self.next_upstream].clone();
+        self.next_template = (self.next_template + 1) % self.templates.len();
+        self.next_upstream = (self.next_upstream + 1) % self.upstreams.len();
+        request
+    }
+}
+
+/// When each request may start. Flat out: as soon as a sender is free. At
+/// a rate: when the pacer releases a ticket, which is also where its
+/// latency is measured from.
+#[derive(Clone)]
+enum Tickets {
+    FlatOut { end: Instant },
+    Paced(Arc<Mutex<mpsc::UnboundedReceiver<Instant>>>),
+}
+
+impl Tickets {
+    /// The next ticket's release time, or `None` once the run is over.
+    async fn next(&self) -> Option<Instant> {
+        match self {
+            Tickets::FlatOut { end } => {
+                let now = Instant::now();
+                (now < *end).then_some(now)
+            }
+            Tickets::Paced(queue) => queue.lock().await.recv().await,
+        }
+    }
+
+    fn is_paced(&self) -> bool {
+        matches!(self, Tickets::Paced(_))
+    }
+}
+
+/// Releases `rate` tickets per second, evenly spaced, from `start` until
+/// `end`, on an OS thread.
+fn start_pacer(rate: f64, start: Instant, end: Instant) -> Tickets {
+    let (tx, rx) = mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        let interval = Duration::from_secs_f64(1.0 / rate);
+        let mut due = start;
+        while due < end {
+            let now = Instant::now();
+            // Everything due is released at once, each with its release
+            // time: a late wake-up delays arrivals, it is not latency.
+            while due <= now && due < end {
+                if tx.send(now).is_err() {
+                    return;
+                }
+                due += interval;
+            }
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+        }
+    });
+    Tickets::Paced(Arc::new(Mutex::new(rx)))
+}
+
+/// The measured window: requests sent from `measure_from` and answered by
+/// `end` count.
+#[derive(Clone, Copy)]
+struct Window {
+    measure_from: Instant,
+    end: Instant,
+}
+
+/// What one sender saw.
+struct Tally {
+    latency_ns: Histogram<u64>,
+    retry: u64,
+    deny: u64,
+    ambiguous: u64,
+    /// Stream items answered with `error`, and failed unary calls.
+    errors: u64,
+    first_error: Option<String>,
+}
+
+impl Tally {
+    fn new() -> Self {
+        Tally {
+            // 1 µs to 60 s at three significant digits.
+            latency_ns: Histogram::new_with_bounds(1_000, 60_000_000_000, 3)
+                .expect("the bounds are valid constants"),
+            retry: 0,
+            deny: 0,
+            ambiguous: 0,
+            errors: 0,
+            first_error: None,
+        }
+    }
+
+    fn record(
+        &mut self,
+        window: Window,
+        sent: Instant,
+        done: Instant,
+        verdict: Result<i32, String>,
+    ) {
+        if sent < window.measure_from || done > window.end {
+            return;
+        }
+        match verdict {
+            Ok(verdict) => {
+                self.latency_ns
+                    .saturating_record((done - sent).as_nanos().min(u64::MAX as u128) as u64);
+                match pb::Verdict::try_from(verdict) {
+                    Ok(pb::Verdict::Retry) => self.retry += 1,
+                    Ok(pb::Verdict::Deny) => self.deny += 1,
+                    Ok(pb::Verdict::Ambiguous) => self.ambiguous += 1,
+                    _ => self.error("a response without a verdict".into()),
+                }
+            }
+            Err(message) => self.error(message),
+        }
+    }
+
+    fn error(&mut self, message: String) {
+        self.errors += 1;
+        self.first_error.get_or_insert(message);
+    }
+
+    fn merge(&mut self, other: Tally) {
+        // Both histograms have the same bounds, so adding cannot fail.
+        let _ = self.latency_ns.add(&other.latency_ns);
+        self.retry += other.retry;
+        self.deny += other.deny;
+        self.ambiguous += other.ambiguous;
+        self.errors += other.errors;
+        if self.first_error.is_none() {
+            self.first_error = other.first_error;
+        }
+    }
+}
+
+fn verdict_of(response: &pb::DecideResponse) -> Result<i32, String> {
+    match &response.error {
+        Some(error) => Err(format!("item error {}: {}", error.code, error.message)),
+        None => Ok(response.verdict),
+    }
+}
+
+async fn unary_sender(
+    mut client: RetryDeciderClient<Channel>,
+    mut requests: Requests,
+    tickets: Tickets,
+    window: Window,
+) -> Tally {
+    let mut tally = Tally::new();
+    while let Some(sent) = tickets.next().await {
+        let answer = client.decide(requests.next()).await;
+        let done = Instant::now();
+        let verdict = answer
+            .map_err(|status| format!("{:?}: {}", status.code(), status.message()))
+            .and_then(|response| verdict_of(response.get_ref()));
+        tally.record(window, sent, done, verdict);
+    }
+    tally
+}
+
+async fn stream_sender(
+    mut client: RetryDeciderClient<Channel>,
+    requests: Requests,
+    tickets: Tickets,
+    window: Window,
+    in_flight: usize,
+) -> Tally {
+    let mut tally = Tally::new();
+    let credit = Arc::new(Semaphore::new(in_flight));
+    // Send times, in request order; responses come back in the same order.
+    let (sent_tx, mut sent_rx) = mpsc::unbounded_channel::<Instant>();
+    let paced = tickets.is_paced();
+    let outbound = futures::stream::unfold(
+        (tickets, requests, Arc::clone(&credit), sent_tx),
+        move |(tickets, mut requests, credit, sent_tx)| async move {
+            let released = tickets.next().await?;
+            credit.acquire().await.ok()?.forget();
+            // Flat out, the clock starts when the request can leave; at a
+            // rate, when its ticket was released.
+            let sent = if paced { released } else { Instant::now() };
+            sent_tx.send(sent).ok()?;
+            let request = requests.next();
+            Some((request, (tickets, requests, credit, sent_tx)))
+        },
+    );
+    let mut inbound = match client.decide_stream(outbound).await {
+        Ok(response) => response.into_inner(),
+        Err(status) => {
+            tally.error(format!("opening the stream: {status}"));
+            return tally;
+        }
+    };
+    loop {
+        match inbound.message().await {
+            Ok(Some(response)) => {
+                let done = Instant::now();
+                credit.add_permits(1);
+                match sent_rx.try_recv() {
+                    Ok(sent) => tally.record(window, sent, done, verdict_of(&response)),
+                    Err(_) => {
+                        tally.error("more responses than requests".into());
+                        break;
+                    }
+                }
+            }
+            Ok(None) => break,
+            Err(status) => {
+                tally.error(format!("the stream failed: {status}"));
+                break;
+            }
+        }
+    }
+    tally
+}
+
+async fn connect(target: &str) -> anyhow::Result<Channel> {
+    Endpoint::from_shared(format!("http://{target}"))?
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .with_context(|| format!("cannot connect to {target}"))
+}
+
+async fn run(args: &Args) -> anyhow::Result<(Tally, Duration)> {
+    let mut channels = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections {
+        channels.push(connect(&args.target).await?);
+    }
+    let requests = Requests::new(&args.mix, args.upstreams);
+    let start = Instant::now();
+    let window = Window {
+        measure_from: start + args.warmup,
+        end: start + args.warmup + args.duration,
+    };
+    let tickets = if args.rate > 0.0 {
+        start_pacer(args.rate, start, window.end)
+    } else {
+        Tickets::FlatOut { end: window.end }
+    };
+
+    let mut senders = Vec::new();
+    for channel in &channels {
+        match args.mode {
+            Mode::Unary => {
+                for _ in 0..args.concurrency {
+                    let client = RetryDeciderClient::new(channel.clone());
+                    let requests = requests.for_sender(senders.len());
+                    senders.push(tokio::spawn(unary_sender(
+                        client,
+                        requests,
+                        tickets.clone(),
+                        window,
+                    )));
+                }
+            }
+            Mode::Stream => {
+                for _ in 0..args.streams {
+                    let client = RetryDeciderClient::new(channel.clone());
+                    let requests = requests.for_sender(senders.len());
+                    senders.push(tokio::spawn(stream_sender(
+                        client,
+                        requests,
+                        tickets.clone(),
+                        window,
+                        args.concurrency,
+                    )));
+                }
+            }
+        }
+    }
+    drop(tickets);
+
+    let mut total = Tally::new();
+    for sender in senders {
+        total.merge(sender.await.context("a sender task panicked")?);
+    }
+    Ok((total, window.end - window.measure_from))
+}
+
+fn micros(nanos: u64) -> f64 {
+    (nanos as f64 / 100.0).round() / 10.0
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if let Some(path) = &args.write_frame {
+        let mut request = retry_template();
+        request.upstream = "upstream-000000".into();
+        let message = prost::Message::encode_to_vec(&request);
+        // A gRPC frame: not compressed, then the length, big-endian.
+        let mut frame = vec![0u8];
+        frame.extend_from_slice(&u32::try_from(message.len())?.to_be_bytes());
+        frame.extend_from_slice(&message);
+        std::fs::write(path, frame).with_context(|| format!("cannot write {}", path.display()))?;
+        return Ok(());
+    }
+    if args.connections == 0 || args.concurrency == 0 || args.streams == 0 {
+        bail!("--connections, --concurrency and --streams must be at least 1");
+    }
+    if !(args.rate >= 0.0 && args.rate.is_finite()) {
+        bail!("--rate must be a non-negative number");
+    }
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = args.threads {
+        runtime.worker_threads(threads);
+    }
+    let runtime = runtime.enable_all().build()?;
+    let (tally, measured) = runtime.block_on(run(&args))?;
+
+    let answered = tally.latency_ns.len();
+    let throughput = answered as f64 / measured.as_secs_f64();
+    let h = &tally.latency_ns;
+    let (p50, p90, p99, p999, max, mean) = if answered == 0 {
+        (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    } else {
+        (
+            micros(h.value_at_quantile(0.5)),
+            micros(h.value_at_quantile(0.9)),
+            micros(h.value_at_quantile(0.99)),
+            micros(h.value_at_quantile(0.999)),
+            micros(h.max()),
+            (h.mean() / 100.0).round() / 10.0,
+        )
+    };
+    eprintln!(
+        "{label}{mode} {target}: {n} conns x {c} in flight{streams}, {rate}",
+        label = if args.label.is_empty() {
+            String::new()
+        } else {
+            format!("[{}] ", args.label)
+        },
+        mode = args.mode.as_str(),
+        target = args.target,
+        n = args.connections,
+        c = args.concurrency,
+        streams = match args.mode {
+            Mode::Stream => format!(" x {} streams", args.streams),
+            Mode::Unary => String::new(),
+        },
+        rate = if args.rate > 0.0 {
+            format!("{} req/s offered", args.rate)
+        } else {
+            "flat out".to_owned()
+        },
+    );
+    eprintln!(
+        "  {answered} answered in {:.1}s: {throughput:.0}/s; latency µs p50 {p50} p90 {p90} p99 {p99} p99.9 {p999} max {max}",
+        measured.as_secs_f64()
+    );
+    eprintln!(
+        "  verdicts: retry {} deny {} ambiguous {}; errors {}{}",
+        tally.retry,
+        tally.deny,
+        tally.ambiguous,
+        tally.errors,
+        tally
+            .first_error
+            .as_deref()
+            .map(|e| format!(" (first: {e})"))
+            .unwrap_or_default()
+    );
+
+    let mut json = String::new();
+    let _ = write!(
+        json,
+        "{{\"label\":{label},\"mode\":\"{mode}\",\"target\":{target},\"connections\":{n},\
+         \"concurrency\":{c},\"streams\":{s},\"rate\":{rate},\"upstreams\":{u},\
+         \"duration_s\":{d:.3},\"answered\":{answered},\"throughput\":{throughput:.1},\
+         \"p50_us\":{p50},\"p90_us\":{p90},\"p99_us\":{p99},\"p999_us\":{p999},\"max_us\":{max},\
+         \"mean_us\":{mean},\"retry\":{r},\"deny\":{de},\"ambiguous\":{a},\"errors\":{e}}}",
+        label = json_string(&args.label),
+        mode = args.mode.as_str(),
+        target = json_string(&args.target),
+        n = args.connections,
+        c = args.concurrency,
+        s = if args.mode == Mode::Stream {
+            args.streams
+        } else {
+            0
+        },
+        rate = args.rate,
+        u = args.upstreams,
+        d = measured.as_secs_f64(),
+        r = tally.retry,
+        de = tally.deny,
+        a = tally.ambiguous,
+        e = tally.errors,
+    );
+    println!("{json}");
+    Ok(())
+}
+
+/// A JSON string literal.
+fn json_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('"');
+    for ch in text.chars() {
+        match ch {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            ch if (ch as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", ch as u32);
+            }
+            ch => out.push(ch),
+        }
+    }
+    out.push('"');
+    out
+}
