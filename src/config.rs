@@ -96,10 +96,13 @@ pub struct ServerSettings {
     #[serde(default = "default_max_concurrent_streams")]
     pub max_concurrent_streams: u32,
     /// Requests in progress per connection; more are refused with
-    /// RESOURCE_EXHAUSTED rather than queued.
-    #[serde(default = "default_max_concurrent_requests")]
+    /// RESOURCE_EXHAUSTED rather than queued. 0 (the default) leaves the
+    /// bound to `max_concurrent_streams`, which HTTP/2 enforces for free.
+    #[serde(default)]
     pub max_concurrent_requests: usize,
-    /// Longest a unary call may take before it is cancelled.
+    /// Longest a call may take before it is cancelled; `"0s"` (the default)
+    /// sets no timer, since every store operation is already bounded by
+    /// `store.timeout`.
     #[serde(default = "default_request_timeout")]
     pub request_timeout: String,
     /// `[server.tls]`: TLS, and mTLS with a client CA.
@@ -131,11 +134,8 @@ fn default_max_message_bytes() -> usize {
 fn default_max_concurrent_streams() -> u32 {
     128
 }
-fn default_max_concurrent_requests() -> usize {
-    1024
-}
 fn default_request_timeout() -> String {
-    "5s".into()
+    "0s".into()
 }
 
 /// `[auth]`
@@ -187,7 +187,7 @@ impl Default for ServerSettings {
             allow_unauthenticated: false,
             max_message_bytes: default_max_message_bytes(),
             max_concurrent_streams: default_max_concurrent_streams(),
-            max_concurrent_requests: default_max_concurrent_requests(),
+            max_concurrent_requests: 0,
             request_timeout: default_request_timeout(),
             tls: None,
         }
@@ -509,10 +509,10 @@ pub struct ServerLimits {
     pub max_message_bytes: usize,
     /// HTTP/2 streams per connection.
     pub max_concurrent_streams: u32,
-    /// Requests in progress per connection.
-    pub max_concurrent_requests: usize,
-    /// Per-call time limit.
-    pub request_timeout: Duration,
+    /// Requests in progress per connection, if limited.
+    pub max_concurrent_requests: Option<usize>,
+    /// Per-call time limit, if any.
+    pub request_timeout: Option<Duration>,
 }
 
 /// The validated configuration the service runs on.
@@ -720,21 +720,13 @@ fn server_limits(server: &ServerSettings) -> Result<ServerLimits, InvalidConfig>
             "must be at least 1",
         ));
     }
-    if server.max_concurrent_requests == 0 {
-        return Err(invalid(
-            "server.max_concurrent_requests",
-            "must be at least 1",
-        ));
-    }
     let request_timeout = parse_duration("server.request_timeout", &server.request_timeout)?;
-    if request_timeout.is_zero() {
-        return Err(invalid("server.request_timeout", "must be above zero"));
-    }
     Ok(ServerLimits {
         max_message_bytes: server.max_message_bytes,
         max_concurrent_streams: server.max_concurrent_streams,
-        max_concurrent_requests: server.max_concurrent_requests,
-        request_timeout,
+        max_concurrent_requests: (server.max_concurrent_requests > 0)
+            .then_some(server.max_concurrent_requests),
+        request_timeout: (!request_timeout.is_zero()).then_some(request_timeout),
     })
 }
 
@@ -1141,7 +1133,7 @@ mod tests {
             ("[limits]\nmax_upstreams = 0", "limits.max_upstreams"),
             ("[server]\nlisten = \"0.0.0.0:50051\"", "server.listen"),
             (
-                "[server]\nrequest_timeout = \"0s\"",
+                "[server]\nrequest_timeout = \"soon\"",
                 "server.request_timeout",
             ),
             (

@@ -272,11 +272,22 @@ impl fmt::Display for Decision {
                 refresh_credentials: true,
             } => write!(
                 f,
-                "retry after {backoff:?}: refresh credentials and replay once (rule 9, 401)"
+                "retry after {}ms: refresh credentials and replay once (rule 9, 401)",
+                backoff.as_millis()
             ),
             Verdict::Retry { backoff, .. } => match self.http_status {
-                Some(status) => write!(f, "retry after {backoff:?}: status {status} is retryable (rule 9)"),
-                None => write!(f, "retry after {backoff:?}: evidence {evidence} allows another attempt (rule 9)"),
+                // Whole milliseconds: precise enough for a human, and integer
+                // formatting is far cheaper than Duration's Debug.
+                Some(status) => write!(
+                    f,
+                    "retry after {}ms: status {status} is retryable (rule 9)",
+                    backoff.as_millis()
+                ),
+                None => write!(
+                    f,
+                    "retry after {}ms: evidence {evidence} allows another attempt (rule 9)",
+                    backoff.as_millis()
+                ),
             },
             Verdict::Ambiguous if self.rule == Rule::AMBIGUOUS_SEND => f.write_str(
                 "ambiguous: the request was sent and may have taken effect; the operation is not idempotent, so reconcile (rule 8)",

@@ -58,7 +58,7 @@ impl<S: BudgetStore> Service<S> {
             }
         };
 
-        let decision_id = format!("{:032x}", rand::rng().random::<u128>());
+        let decision_id = hex(&rand::rng().random::<[u8; 16]>());
         self.inner
             .metrics
             .record_decision(valid.upstream, &decision, started.elapsed());
@@ -123,7 +123,12 @@ impl<S: BudgetStore> Service<S> {
             previous_backoff: valid.previous_backoff,
             max_attempts: valid.max_attempts,
             budget: view,
-            now: SystemTime::now(),
+            // Only an HTTP-date Retry-After reads the wall clock.
+            now: if valid.retry_after.is_some() {
+                SystemTime::now()
+            } else {
+                SystemTime::UNIX_EPOCH
+            },
             jitter: rand::rng().random::<f64>(),
         };
         let mut decision = engine::decide(&facts, &policy.engine);
