@@ -12,9 +12,7 @@ use super::validate::ValidDecideRequest;
 use super::{Live, Service, trace_context, validate};
 use crate::auth::{Denied, Principal};
 use crate::budget::{BudgetStore, StoreError};
-use crate::engine::{
-    self, BudgetView, Decision, DenyReason, Evidence, Facts, Idempotency, Verdict,
-};
+use crate::engine::{self, BudgetView, Decision, DenyReason, Evidence, Idempotency, Verdict};
 use crate::pb;
 use crate::telemetry::metrics::StoreOp;
 use crate::telemetry::trace::hex;
@@ -108,29 +106,13 @@ impl<S: BudgetStore> Service<S> {
             },
             Err(other) => return Err(other.into()),
         };
-        let facts = Facts {
-            idempotency: valid.idempotency,
-            body: &valid.body,
-            attempt: valid.attempt,
-            claimed_evidence: valid.claimed_evidence,
-            failure: valid.failure,
-            http_status: valid.http_status,
-            retry_after: valid.retry_after,
-            deadline_remaining: valid.deadline_remaining,
-            first_byte_delivered: valid.first_byte_delivered,
-            runtime_draining: valid.runtime_draining,
-            auth_refresh_attempted: valid.auth_refresh_attempted,
-            previous_backoff: valid.previous_backoff,
-            max_attempts: valid.max_attempts,
-            budget: view,
-            // Only an HTTP-date Retry-After reads the wall clock.
-            now: if valid.retry_after.is_some() {
-                SystemTime::now()
-            } else {
-                SystemTime::UNIX_EPOCH
-            },
-            jitter: rand::rng().random::<f64>(),
+        // Only an HTTP-date Retry-After reads the wall clock.
+        let now = if valid.retry_after.is_some() {
+            SystemTime::now()
+        } else {
+            SystemTime::UNIX_EPOCH
         };
+        let facts = valid.facts(view, now, rand::rng().random::<f64>());
         let mut decision = engine::decide(&facts, &policy.engine);
         let mut tokens_remaining = view.tokens;
         if let Verdict::Retry { .. } = decision.verdict {

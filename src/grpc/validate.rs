@@ -1,9 +1,9 @@
 //! Request validation: protobuf messages in, domain values out, or an
 //! [`InvalidRequest`] naming the field. Nothing is spent before this passes.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use crate::engine::{Body, Evidence, FailureKind, Idempotency, Replayability};
+use crate::engine::{Body, BudgetView, Evidence, Facts, FailureKind, Idempotency, Replayability};
 use crate::pb;
 
 /// Longest upstream or operation name, in bytes.
@@ -73,6 +73,32 @@ pub struct ValidDecideRequest<'a> {
     pub previous_backoff: Option<Duration>,
     /// The caller's own limit.
     pub max_attempts: Option<u32>,
+}
+
+impl ValidDecideRequest<'_> {
+    /// The engine's facts for this request, with the budget as looked at,
+    /// the wall clock (read for an HTTP-date Retry-After) and a uniform
+    /// jitter draw in `[0, 1)`.
+    pub fn facts(&self, budget: BudgetView, now: SystemTime, jitter: f64) -> Facts<'_> {
+        Facts {
+            idempotency: self.idempotency,
+            body: &self.body,
+            attempt: self.attempt,
+            claimed_evidence: self.claimed_evidence,
+            failure: self.failure,
+            http_status: self.http_status,
+            retry_after: self.retry_after,
+            deadline_remaining: self.deadline_remaining,
+            first_byte_delivered: self.first_byte_delivered,
+            runtime_draining: self.runtime_draining,
+            auth_refresh_attempted: self.auth_refresh_attempted,
+            previous_backoff: self.previous_backoff,
+            max_attempts: self.max_attempts,
+            budget,
+            now,
+            jitter,
+        }
+    }
 }
 
 /// Validates a decide request.
