@@ -409,6 +409,32 @@ impl Settings {
         toml: &str,
         environment: Option<HashMap<String, String>>,
     ) -> Result<Settings, InvalidConfig> {
+        // The config crate reads `a[3]` in a key as an array index and
+        // allocates up to it, so a key like `"x[200000000000]"` aborts the
+        // process (found by fuzzing). No retryd key has brackets: refuse
+        // them, by name, before the config crate sees them.
+        // Text that is not TOML at all is left to the config crate, which
+        // reports where.
+        if let Ok(table) = toml.parse::<toml::Table>() {
+            refuse_bracketed_keys("", &table)?;
+        }
+        let process_environment;
+        let variables = match &environment {
+            Some(map) => map,
+            None => {
+                process_environment = std::env::vars().collect::<HashMap<_, _>>();
+                &process_environment
+            }
+        };
+        if let Some(name) = variables
+            .keys()
+            .find(|name| name.starts_with(ENV_PREFIX) && name.contains(['[', ']']))
+        {
+            return Err(invalid(
+                name.clone(),
+                "variable names may not contain '[' or ']'",
+            ));
+        }
         let builder = config::Config::builder()
             .add_source(config::File::from_str(toml, config::FileFormat::Toml))
             .add_source(
@@ -428,6 +454,34 @@ impl Settings {
     pub fn from_toml(toml: &str) -> Result<Settings, InvalidConfig> {
         Settings::from_sources(toml, Some(HashMap::new()))
     }
+}
+
+fn refuse_bracketed_keys(prefix: &str, table: &toml::Table) -> Result<(), InvalidConfig> {
+    for (key, value) in table {
+        let path = if prefix.is_empty() {
+            key.clone()
+        } else {
+            format!("{prefix}.{key}")
+        };
+        if key.contains(['[', ']']) {
+            return Err(invalid(
+                path,
+                "keys (and upstream names) may not contain '[' or ']'",
+            ));
+        }
+        match value {
+            toml::Value::Table(inner) => refuse_bracketed_keys(&path, inner)?,
+            toml::Value::Array(items) => {
+                for item in items {
+                    if let toml::Value::Table(inner) = item {
+                        refuse_bracketed_keys(&path, inner)?;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Which budget store to run.
@@ -1191,6 +1245,18 @@ mod tests {
         ))
         .unwrap();
         assert!(with_auth.auth.is_enabled());
+    }
+
+    #[test]
+    fn bracketed_keys_are_refused_not_expanded() {
+        // The config crate would read this as an index and try to allocate.
+        let message = error_of("\"x[200000000000000000]\" = 1");
+        assert!(message.starts_with("x[200000000000000000]:"), "{message}");
+        let message = error_of("[upstreams.\"a[1]\"]\nmax_attempts = 2");
+        assert!(message.starts_with("upstreams.a[1]:"), "{message}");
+        let environment = HashMap::from([("RETRYD__X[9]".to_string(), "1".to_string())]);
+        let error = Settings::from_sources("", Some(environment)).unwrap_err();
+        assert!(error.to_string().starts_with("RETRYD__X[9]:"), "{error}");
     }
 
     #[test]

@@ -44,7 +44,9 @@ impl TraceContext {
         if version.len() != 2 || version == "ff" || (version == "00" && parts.next().is_some()) {
             return None;
         }
-        u8::from_str_radix(version, 16).ok()?;
+        // Lower-case hex only, like every other field (found by fuzzing:
+        // `from_str_radix` also took "Aa").
+        decode_hex::<1>(version)?;
         let trace_id: [u8; 16] = decode_hex(trace_id)?;
         let span_id: [u8; 8] = decode_hex(span_id)?;
         let [flags]: [u8; 1] = decode_hex(flags)?;
@@ -295,6 +297,7 @@ mod tests {
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
             "00-4bf92f3577b34da6a3ce929d0e0e47-00f067aa0ba902b7-01",
             "zz-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "Aa-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         ] {
             assert_eq!(TraceContext::parse(raw, None), None, "{raw:?}");
         }
