@@ -1,0 +1,5 @@
+//! Fuzz target `config`: see `retryd_fuzz::checks::config` for the input format
+//! and the invariants it asserts.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| retryd_fuzz::checks::config(data));
