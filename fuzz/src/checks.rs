@@ -356,24 +356,7 @@ pub fn check_decide(request: &pb::DecideRequest, environment: &Environment) -> O
         }
     };
     check_valid_decide_request(request, &valid);
-    let facts = Facts {
-        idempotency: valid.idempotency,
-        body: &valid.body,
-        attempt: valid.attempt,
-        claimed_evidence: valid.claimed_evidence,
-        failure: valid.failure,
-        http_status: valid.http_status,
-        retry_after: valid.retry_after,
-        deadline_remaining: valid.deadline_remaining,
-        first_byte_delivered: valid.first_byte_delivered,
-        runtime_draining: valid.runtime_draining,
-        auth_refresh_attempted: valid.auth_refresh_attempted,
-        previous_backoff: valid.previous_backoff,
-        max_attempts: valid.max_attempts,
-        budget: environment.budget,
-        now: now(),
-        jitter: environment.jitter,
-    };
+    let facts = valid.facts(environment.budget, now(), environment.jitter);
     let decision = engine::decide(&facts, &environment.policy);
     check_decision(&facts, &environment.policy, &decision);
     Some(decision)
