@@ -1421,17 +1421,7 @@ impl Inner {
                 .await;
         }
         if self.mode == RedisMode::Leased {
-            self.flush_deposits().await;
-            let now = Instant::now();
-            let holding: Vec<(Box<str>, Arc<Upstream>)> = self
-                .upstreams
-                .iter()
-                .map(|entry| (entry.key().clone(), Arc::clone(entry.value())))
-                .collect();
-            for (upstream, state) in holding {
-                self.retire_lease(&upstream, &state, now, false);
-            }
-            self.return_leases().await;
+            self.settle_leases(false).await;
         }
         if last_housekeeping.elapsed() >= HOUSEKEEPING_INTERVAL {
             *last_housekeeping = Instant::now();
@@ -1554,9 +1544,14 @@ impl Inner {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
-        if self.mode != RedisMode::Leased {
-            return;
+        if self.mode == RedisMode::Leased {
+            self.settle_leases(true).await;
         }
+    }
+
+    /// Flushes batched deposits, retires leases (expired ones, or `all` of
+    /// them at shutdown) and hands their unspent tokens back to Redis.
+    async fn settle_leases(self: &Arc<Self>, all: bool) {
         self.flush_deposits().await;
         let now = Instant::now();
         let holding: Vec<(Box<str>, Arc<Upstream>)> = self
@@ -1565,7 +1560,7 @@ impl Inner {
             .map(|entry| (entry.key().clone(), Arc::clone(entry.value())))
             .collect();
         for (upstream, state) in holding {
-            self.retire_lease(&upstream, &state, now, true);
+            self.retire_lease(&upstream, &state, now, all);
         }
         self.return_leases().await;
     }
