@@ -26,16 +26,17 @@ impl<S: BudgetStore> Service<S> {
     /// Decides one request under the caller's trace context: validate, look
     /// at the budget, decide, spend a token only if the verdict is RETRY,
     /// and record the decision as a span, a log line and counters.
+    /// `live` is the configuration the whole decision uses, loaded once by
+    /// the caller, so that a reload never splits one decision.
     pub(super) async fn decide_one(
         &self,
+        live: &Live,
         principal: &Principal,
         request: &pb::DecideRequest,
         parent: Option<&TraceContext>,
     ) -> Result<pb::DecideResponse, Status> {
         let started = Instant::now();
         let span = self.inner.tracer.start(parent);
-        // One configuration for the whole decision, even across a reload.
-        let live = self.policies();
         let valid = match validate::decide_request(request)
             .map_err(Status::from)
             .and_then(|valid| {
@@ -48,7 +49,7 @@ impl<S: BudgetStore> Service<S> {
                 return Err(status);
             }
         };
-        let (decision, tokens_remaining) = match self.decide_valid(&live, &valid).await {
+        let (decision, tokens_remaining) = match self.decide_valid(live, &valid).await {
             Ok(outcome) => outcome,
             Err(status) => {
                 self.finish_failed(span, SPAN_DECIDE, &status);
@@ -314,9 +315,11 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         &self,
         request: Request<pb::DecideRequest>,
     ) -> Result<Response<pb::DecideResponse>, Status> {
-        let principal = self.authenticate(&self.policies(), &request)?;
+        // One load of the configuration serves authentication and decision.
+        let live = self.policies();
+        let principal = self.authenticate(&live, &request)?;
         let parent = trace_context(request.metadata());
-        self.decide_one(&principal, request.get_ref(), parent.as_ref())
+        self.decide_one(&live, &principal, request.get_ref(), parent.as_ref())
             .await
             .map(Response::new)
     }
@@ -344,7 +347,12 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
                         // A bad item is answered in place, so one caller's
                         // mistake does not tear down a shared sidecar stream.
                         Ok(request) => Ok(service
-                            .decide_one(&principal, &request, parent.as_deref())
+                            .decide_one(
+                                &service.policies(),
+                                &principal,
+                                &request,
+                                parent.as_deref(),
+                            )
                             .await
                             .unwrap_or_else(|status| pb::DecideResponse {
                                 error: Some(pb::StreamError {
