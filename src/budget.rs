@@ -121,15 +121,21 @@ pub struct Refill {
     pub nanos: u64,
 }
 
-/// Converts tokens to units, saturating; negative and NaN become zero.
+/// Converts tokens to units, rounding half away from zero, saturating;
+/// negative and NaN become zero.
 pub fn tokens_to_units(tokens: f64) -> u64 {
-    let units = (tokens * UNITS_PER_TOKEN as f64).round();
+    let units = tokens * UNITS_PER_TOKEN as f64;
+    // Not `f64::round`: on baseline x86-64 it is a libm call, and every
+    // budget operation converts the capacity. Rounding by hand is exact:
+    // below 2^53 `units - whole` loses nothing (Sterbenz), and above it
+    // every double is already whole.
     if units.is_nan() || units <= 0.0 {
         0
     } else if units >= u64::MAX as f64 {
         u64::MAX
     } else {
-        units as u64
+        let whole = units as u64;
+        whole + u64::from(units - whole as f64 >= 0.5)
     }
 }
 
@@ -149,6 +155,29 @@ pub struct BudgetSnapshot {
     pub retries_enabled: bool,
     /// False if the store holds no state for the upstream yet.
     pub tracked: bool,
+}
+
+/// What one decision learns from an upstream's budget, and whether it
+/// spent a token: the answer of [`BudgetStore::check`]. It carries no name,
+/// so the decision path allocates nothing for it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BudgetCheck {
+    /// Tokens available now: after the withdrawal, if one was made.
+    pub tokens: f64,
+    /// False while an operator has switched retries off.
+    pub retries_enabled: bool,
+    /// True if this check withdrew one token.
+    pub withdrew: bool,
+}
+
+impl From<&BudgetCheck> for BudgetView {
+    fn from(check: &BudgetCheck) -> Self {
+        BudgetView {
+            tokens: check.tokens,
+            retries_enabled: check.retries_enabled,
+            unavailable: false,
+        }
+    }
 }
 
 impl From<&BudgetSnapshot> for BudgetView {
@@ -190,6 +219,22 @@ pub trait BudgetStore: Send + Sync + 'static {
         upstream: &str,
         config: &BucketConfig,
     ) -> impl Future<Output = Result<BudgetSnapshot, StoreError>> + Send;
+
+    /// A decision's whole business with the budget, in one step (one round
+    /// trip for a shared store): reads the budget and, if `withdraw` is set,
+    /// withdraws one token when a whole one is there **and** retries are
+    /// switched on. Without `withdraw` it is [`BudgetStore::view`] (and, like
+    /// it, creates nothing); with it, [`BudgetStore::try_withdraw`] guarded
+    /// by the kill switch.
+    ///
+    /// The caller sets `withdraw` when the verdict would be RETRY if the
+    /// budget allowed, so a decision never needs a second call.
+    fn check(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        withdraw: bool,
+    ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send;
 
     /// Withdraws one token if at least one is there. Returns the tokens left
     /// after the withdrawal, or `None` if there was not a whole token.
@@ -309,6 +354,23 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn tokens_round_to_units_as_f64_round_does(tokens in prop_oneof![
+            -1e3f64..1e16,
+            (0u64..1 << 40).prop_map(|units| units as f64 / 1e6 + 0.5e-6),
+            any::<f64>(),
+        ]) {
+            let rounded = (tokens * UNITS_PER_TOKEN as f64).round();
+            let expected = if rounded.is_nan() || rounded <= 0.0 {
+                0
+            } else if rounded >= u64::MAX as f64 {
+                u64::MAX
+            } else {
+                rounded as u64
+            };
+            prop_assert_eq!(tokens_to_units(tokens), expected);
+        }
+
         #[test]
         fn refill_never_credits_more_than_elapsed_allows(
             per_second in 0.0f64..10_000.0,

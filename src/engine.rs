@@ -91,6 +91,24 @@ pub struct BudgetView {
     pub unavailable: bool,
 }
 
+impl BudgetView {
+    /// A budget that allows a retry: deciding on it tells what the verdict
+    /// is if the budget allows, before the budget has been read.
+    pub const OPEN: BudgetView = BudgetView {
+        tokens: f64::INFINITY,
+        retries_enabled: true,
+        unavailable: false,
+    };
+
+    /// True if the budget rules (2 and 5's kill switch) let a retry through.
+    /// Every view that allows gives the decision [`BudgetView::OPEN`] gives;
+    /// one that does not can only turn it into a DENY (engine property
+    /// tests).
+    pub fn allows(&self) -> bool {
+        !self.unavailable && self.tokens >= 1.0 && self.retries_enabled
+    }
+}
+
 /// Everything reported about one failed attempt, already validated.
 #[derive(Clone, Debug)]
 pub struct Facts<'a> {

@@ -82,6 +82,7 @@ where
     withdrawals_grant_exactly_the_whole_initial_tokens(&make(100).await).await;
     deposits_add_ratio_times_requests_capped_at_capacity(&make(100).await).await;
     looking_never_spends(&make(100).await).await;
+    a_check_withdraws_only_when_asked_and_allowed(&make(100).await).await;
     kill_switch_round_trip(&make(100).await).await;
     list_is_ordered_by_name(&make(100).await).await;
     odd_upstream_names_are_kept_apart(&make(100).await).await;
@@ -153,6 +154,42 @@ async fn looking_never_spends<S: BudgetStore>(store: &S) {
         granted += 1;
     }
     assert_eq!(granted, 3);
+}
+
+/// `check` is what a decision calls: a view, or a withdrawal guarded by
+/// the kill switch, in one step.
+async fn a_check_withdraws_only_when_asked_and_allowed<S: BudgetStore>(store: &S) {
+    let config = bucket(10.0, 2.5, 0.0, 0.0);
+    let looked = store.check("check", &config, false).await.unwrap();
+    assert_eq!(
+        (looked.tokens, looked.retries_enabled, looked.withdrew),
+        (2.5, true, false)
+    );
+    assert!(
+        !store.view("check", &config).await.unwrap().tracked,
+        "a check without withdrawal creates nothing"
+    );
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let check = store.check("check", &config, true).await.unwrap();
+        assert!(check.retries_enabled);
+        seen.push((check.withdrew, check.tokens));
+    }
+    assert_eq!(
+        seen,
+        [(true, 1.5), (true, 0.5), (false, 0.5), (false, 0.5)],
+        "whole tokens only, and what is left"
+    );
+
+    let guarded = bucket(10.0, 5.0, 0.0, 0.0);
+    store
+        .set_retries_enabled("guarded", &guarded, false)
+        .await
+        .unwrap();
+    let refused = store.check("guarded", &guarded, true).await.unwrap();
+    assert!(!refused.withdrew, "the kill switch guards the withdrawal");
+    assert!(!refused.retries_enabled);
+    assert_eq!(store.view("guarded", &guarded).await.unwrap().tokens, 5.0);
 }
 
 async fn kill_switch_round_trip<S: BudgetStore>(store: &S) {

@@ -11,13 +11,13 @@
 use std::future::{Future, ready};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::time::Instant;
 
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 
 use super::{
-    BucketConfig, BudgetSnapshot, BudgetStore, StoreError, UNITS_PER_TOKEN, units_to_tokens,
+    BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, StoreError, UNITS_PER_TOKEN,
+    units_to_tokens,
 };
 
 /// A source of monotonic nanoseconds. Injected so tests control time.
@@ -26,25 +26,51 @@ pub trait Clock: Send + Sync + 'static {
     fn now_nanos(&self) -> u64;
 }
 
-/// The process's monotonic clock.
+/// The process's monotonic clock, read coarsely: on Linux the
+/// `CLOCK_MONOTONIC_COARSE` clock (the time of the last scheduler tick,
+/// 1–4 ms old, read from the vDSO page without touching the hardware
+/// counter). A precise reading (`Instant::now`, or the TSC through quanta)
+/// was a quarter of a withdrawal's cost in the profile (see BENCHMARKS.md).
+///
+/// A bucket needs no more: its floor adds about a token per second, so a
+/// reading up to one tick late only delays that credit by a tick, and it
+/// can never credit more than the time really elapsed. Readings shared by
+/// concurrent withdrawals also let them skip the refill entirely.
 #[derive(Clone, Copy, Debug)]
 pub struct MonotonicClock {
-    origin: Instant,
+    origin: u64,
 }
 
 impl Default for MonotonicClock {
     fn default() -> Self {
         MonotonicClock {
-            origin: Instant::now(),
+            origin: coarse_nanos(),
         }
     }
 }
 
 impl Clock for MonotonicClock {
     fn now_nanos(&self) -> u64 {
-        // u64 nanoseconds last 584 years of uptime.
-        self.origin.elapsed().as_nanos() as u64
+        coarse_nanos().saturating_sub(self.origin)
     }
+}
+
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn coarse_nanos() -> u64 {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
+    // u64 nanoseconds last 584 years of uptime.
+    (now.tv_sec as u64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(now.tv_nsec as u64)
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn coarse_nanos() -> u64 {
+    static ORIGIN: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    ORIGIN
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_nanos() as u64
 }
 
 /// A clock that moves only when told to, for tests and simulations.
@@ -130,13 +156,36 @@ impl Bucket {
             });
     }
 
-    fn try_withdraw(&self, capacity: u64) -> Option<u64> {
+    /// Withdraws one token: the units left, or the units held (less than a
+    /// token) if there was no whole token.
+    fn try_withdraw(&self, capacity: u64) -> Result<u64, u64> {
         self.units
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
                 held.min(capacity).checked_sub(UNITS_PER_TOKEN)
             })
-            .ok()
             .map(|before| before.min(capacity) - UNITS_PER_TOKEN)
+            .map_err(|held| held.min(capacity))
+    }
+
+    /// A decision's check on a tracked bucket: refill, then withdraw one
+    /// token if asked to and retries are on.
+    fn check(&self, config: &BucketConfig, now: u64, withdraw: bool) -> BudgetCheck {
+        let capacity = config.capacity_units();
+        let held = self.refill(config, now, capacity);
+        let retries_enabled = self.retries_enabled.load(Ordering::Acquire);
+        let (units, withdrew) = if withdraw && retries_enabled {
+            match self.try_withdraw(capacity) {
+                Ok(left) => (left, true),
+                Err(held) => (held, false),
+            }
+        } else {
+            (held, false)
+        };
+        BudgetCheck {
+            tokens: units_to_tokens(units),
+            retries_enabled,
+            withdrew,
+        }
     }
 }
 
@@ -194,21 +243,19 @@ impl<C: Clock> MemoryBudgetStore<C> {
         }
     }
 
-    fn snapshot(&self, upstream: &str, config: &BucketConfig) -> BudgetSnapshot {
-        let now = self.clock.now_nanos();
+    /// A look that creates nothing: the check of a bucket that exists, or
+    /// what a fresh one would hold. Returns whether the bucket exists.
+    fn look(&self, upstream: &str, config: &BucketConfig) -> (BudgetCheck, bool) {
         match self.buckets.get(upstream) {
-            Some(bucket) => BudgetSnapshot {
-                upstream: upstream.to_owned(),
-                tokens: units_to_tokens(bucket.refill(config, now, config.capacity_units())),
-                retries_enabled: bucket.retries_enabled.load(Ordering::Acquire),
-                tracked: true,
-            },
-            None => BudgetSnapshot {
-                upstream: upstream.to_owned(),
-                tokens: units_to_tokens(config.initial_units()),
-                retries_enabled: true,
-                tracked: false,
-            },
+            Some(bucket) => (bucket.check(config, self.clock.now_nanos(), false), true),
+            None => (
+                BudgetCheck {
+                    tokens: units_to_tokens(config.initial_units()),
+                    retries_enabled: true,
+                    withdrew: false,
+                },
+                false,
+            ),
         }
     }
 }
@@ -219,7 +266,28 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
         upstream: &str,
         config: &BucketConfig,
     ) -> impl Future<Output = Result<BudgetSnapshot, StoreError>> + Send {
-        ready(Ok(self.snapshot(upstream, config)))
+        let (check, tracked) = self.look(upstream, config);
+        ready(Ok(BudgetSnapshot {
+            upstream: upstream.to_owned(),
+            tokens: check.tokens,
+            retries_enabled: check.retries_enabled,
+            tracked,
+        }))
+    }
+
+    fn check(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        withdraw: bool,
+    ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send {
+        ready(if withdraw {
+            self.with_bucket(upstream, config, |bucket, now| {
+                bucket.check(config, now, true)
+            })
+        } else {
+            Ok(self.look(upstream, config).0)
+        })
     }
 
     fn try_withdraw(
@@ -230,7 +298,7 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
         ready(self.with_bucket(upstream, config, |bucket, now| {
             let capacity = config.capacity_units();
             bucket.refill(config, now, capacity);
-            bucket.try_withdraw(capacity).map(units_to_tokens)
+            bucket.try_withdraw(capacity).ok().map(units_to_tokens)
         }))
     }
 

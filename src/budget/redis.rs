@@ -119,8 +119,8 @@ use self::circuit::{Circuit, Transition};
 use self::keys::KeySpace;
 use self::scripts::Scripts;
 use super::{
-    BucketConfig, BudgetSnapshot, BudgetStore, MemoryBudgetStore, OnUnavailable, StoreError,
-    StoreStats, UNITS_PER_TOKEN, units_to_tokens,
+    BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, MemoryBudgetStore, OnUnavailable,
+    StoreError, StoreStats, UNITS_PER_TOKEN, units_to_tokens,
 };
 use crate::config::{RedisConfig, RedisMode};
 
@@ -934,23 +934,54 @@ impl Inner {
 
     // ----- answers while Redis is unreachable -----
 
+    /// A view while Redis is unreachable: the local bucket plus this
+    /// replica's lease, under the last known kill switch.
     async fn fallback_view(
         &self,
         upstream: &str,
         config: &BucketConfig,
         leased_units: u64,
-    ) -> Result<BudgetSnapshot, StoreError> {
+    ) -> Result<(BudgetCheck, bool), StoreError> {
         match config.on_unavailable {
             OnUnavailable::Local => {
                 bump(&self.counters.fallbacks, 1);
-                let mut snapshot = self.fallback.view(upstream, &local_config(config)).await?;
-                snapshot.tokens += units_to_tokens(leased_units);
-                snapshot.retries_enabled &= !self.is_known_off(upstream);
-                Ok(snapshot)
+                let mut check = self
+                    .fallback
+                    .check(upstream, &local_config(config), false)
+                    .await?;
+                check.tokens += units_to_tokens(leased_units);
+                check.retries_enabled &= !self.is_known_off(upstream);
+                Ok((check, true))
             }
             OnUnavailable::Deny => {
                 bump(&self.counters.unavailable, 1);
                 Err(unavailable(RedisStoreError::CircuitOpen))
+            }
+        }
+    }
+
+    /// A decision's check while Redis is unreachable (exact mode): the local
+    /// bucket, under the last known kill switch.
+    async fn fallback_check(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        failure: Failure,
+    ) -> Result<BudgetCheck, StoreError> {
+        match config.on_unavailable {
+            OnUnavailable::Local => {
+                bump(&self.counters.fallbacks, 1);
+                let off = self.is_known_off(upstream);
+                let mut check = self
+                    .fallback
+                    .check(upstream, &local_config(config), !off)
+                    .await?;
+                check.retries_enabled &= !off;
+                Ok(check)
+            }
+            OnUnavailable::Deny => {
+                bump(&self.counters.unavailable, 1);
+                Err(failure.into_error())
             }
         }
     }
@@ -1006,11 +1037,12 @@ impl Inner {
 
     // ----- the operations -----
 
+    /// The budget without spending, and whether it is tracked.
     async fn view(
         self: &Arc<Self>,
         upstream: &str,
         config: &BucketConfig,
-    ) -> Result<BudgetSnapshot, StoreError> {
+    ) -> Result<(BudgetCheck, bool), StoreError> {
         let now = Instant::now();
         let state = if self.leasing() {
             self.upstreams
@@ -1048,12 +1080,14 @@ impl Inner {
                     state.remember(&reply);
                 }
                 if !reply.tracked && state.is_none() {
-                    return Ok(BudgetSnapshot {
-                        upstream: upstream.to_owned(),
-                        tokens: units_to_tokens(reply.tokens),
-                        retries_enabled: reply.enabled,
-                        tracked: false,
-                    });
+                    return Ok((
+                        BudgetCheck {
+                            tokens: units_to_tokens(reply.tokens),
+                            retries_enabled: reply.enabled,
+                            withdrew: false,
+                        },
+                        false,
+                    ));
                 }
                 Shared {
                     units: reply.tokens,
@@ -1062,17 +1096,73 @@ impl Inner {
                 }
             }
         };
-        Ok(BudgetSnapshot {
-            upstream: upstream.to_owned(),
-            tokens: units_to_tokens(
-                shared
-                    .units
-                    .saturating_add(local)
-                    .min(config.capacity_units()),
-            ),
-            retries_enabled: shared.enabled,
-            tracked: true,
-        })
+        Ok((
+            BudgetCheck {
+                tokens: units_to_tokens(
+                    shared
+                        .units
+                        .saturating_add(local)
+                        .min(config.capacity_units()),
+                ),
+                retries_enabled: shared.enabled,
+                withdrew: false,
+            },
+            true,
+        ))
+    }
+
+    /// A decision's business with the budget (see [`BudgetStore::check`]).
+    /// Exact mode: one script that reads and, if asked, withdraws. Leased
+    /// mode: the view (this replica's lease and a cached reading of the
+    /// shared bucket, so usually no round trip), then the lease.
+    async fn check(
+        self: &Arc<Self>,
+        upstream: &str,
+        config: &BucketConfig,
+        withdraw: bool,
+    ) -> Result<BudgetCheck, StoreError> {
+        if !withdraw {
+            return Ok(self.view(upstream, config).await?.0);
+        }
+        if self.leasing() {
+            let (view, _) = self.view(upstream, config).await?;
+            if !view.retries_enabled || view.tokens < 1.0 {
+                return Ok(view);
+            }
+            return Ok(match self.try_withdraw(upstream, config).await? {
+                Some(left) => BudgetCheck {
+                    tokens: left,
+                    retries_enabled: true,
+                    withdrew: true,
+                },
+                // Less than a whole token, however much the view promised.
+                None => BudgetCheck {
+                    tokens: 0.0,
+                    retries_enabled: true,
+                    withdrew: false,
+                },
+            });
+        }
+        let deadline = self.deadline();
+        let state = match self.admitted(upstream, config, deadline).await {
+            Ok(state) => state,
+            Err(Ok(failure)) => return self.fallback_check(upstream, config, failure).await,
+            Err(Err(refused)) => return Err(refused),
+        };
+        match self
+            .run_bucket(&self.scripts.check, upstream, config, &["1"], deadline)
+            .await
+        {
+            Ok(reply) => {
+                self.after_write(upstream, &state, &reply);
+                Ok(BudgetCheck {
+                    tokens: units_to_tokens(reply.tokens),
+                    retries_enabled: reply.enabled,
+                    withdrew: reply.result == 1,
+                })
+            }
+            Err(failure) => self.fallback_check(upstream, config, failure).await,
+        }
     }
 
     async fn try_withdraw(
@@ -1572,7 +1662,25 @@ impl BudgetStore for RedisBudgetStore {
         upstream: &str,
         config: &BucketConfig,
     ) -> impl Future<Output = Result<BudgetSnapshot, StoreError>> + Send {
-        self.inner.view(upstream, config)
+        let inner = &self.inner;
+        async move {
+            let (check, tracked) = inner.view(upstream, config).await?;
+            Ok(BudgetSnapshot {
+                upstream: upstream.to_owned(),
+                tokens: check.tokens,
+                retries_enabled: check.retries_enabled,
+                tracked,
+            })
+        }
+    }
+
+    fn check(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        withdraw: bool,
+    ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send {
+        self.inner.check(upstream, config, withdraw)
     }
 
     fn try_withdraw(

@@ -802,6 +802,33 @@ proptest! {
         }
     }
 
+    /// What the service's one-store-call decision rests on: a budget that
+    /// allows gives exactly the decision of an open budget, and one that
+    /// does not changes it, if at all, only into a DENY of rule 2 or 5.
+    #[test]
+    fn the_budget_can_only_deny(case in any_case()) {
+        let policy = Policy::default();
+        let decision = case.run(&policy);
+        let open = Case {
+            tokens: BudgetView::OPEN.tokens,
+            enabled: BudgetView::OPEN.retries_enabled,
+            unavailable: BudgetView::OPEN.unavailable,
+            ..case.clone()
+        }
+        .run(&policy);
+        let view = BudgetView {
+            tokens: case.tokens,
+            retries_enabled: case.enabled,
+            unavailable: case.unavailable,
+        };
+        if view.allows() {
+            prop_assert_eq!(decision, open);
+        } else if decision != open {
+            prop_assert!(matches!(decision.verdict, Verdict::Deny(_)), "{}", decision);
+            prop_assert!(matches!(decision.rule.number(), 2 | 5), "{}", decision);
+        }
+    }
+
     /// A claim is never made stronger; evidence NOT_SENT needs a proving
     /// failure.
     #[test]

@@ -83,23 +83,51 @@ impl<S: BudgetStore> Service<S> {
         Ok(response(&decision, decision_id, tokens_remaining))
     }
 
-    /// The decision proper, on a validated request.
+    /// The decision proper, on a validated request, with one store call.
+    ///
+    /// The budget (rules 2 and 5) can only turn a would-be verdict into a
+    /// DENY. So the engine first decides as if the budget allowed: if that
+    /// is RETRY, the store is asked to withdraw a token in the same call
+    /// that reads the budget; if not, only to read it. Whenever the budget
+    /// read does not allow, the engine decides again on what was read (pure,
+    /// no I/O). A shared store thus answers every decision in one round
+    /// trip instead of a view plus a withdrawal.
     async fn decide_valid(
         &self,
         live: &Live,
         valid: &ValidDecideRequest<'_>,
     ) -> Result<(Decision, f64), Status> {
         let policy = live.policies.get(valid.upstream);
-        let store = &self.inner.store;
-        let metrics = &self.inner.metrics;
+        // Only an HTTP-date Retry-After reads the wall clock.
+        let now = if valid.retry_after.is_some() {
+            SystemTime::now()
+        } else {
+            SystemTime::UNIX_EPOCH
+        };
+        let mut facts = valid.facts(BudgetView::OPEN, now, rand::rng().random::<f64>());
+        let hoped = engine::decide(&facts, &policy.engine);
+        let withdraw = matches!(hoped.verdict, Verdict::Retry { .. });
 
-        let looked = Instant::now();
-        let viewed = store.view(valid.upstream, &policy.bucket).await;
-        metrics.record_store(StoreOp::View, looked.elapsed(), viewed.is_err());
-        let view = match viewed {
-            Ok(snapshot) => BudgetView::from(&snapshot),
+        let started = Instant::now();
+        let checked = self
+            .inner
+            .store
+            .check(valid.upstream, &policy.bucket, withdraw)
+            .await;
+        let op = if withdraw {
+            StoreOp::Withdraw
+        } else {
+            StoreOp::View
+        };
+        self.inner
+            .metrics
+            .record_store(op, started.elapsed(), checked.is_err());
+        facts.budget = match checked {
+            Ok(check) if check.withdrew => return Ok((hoped, check.tokens)),
+            Ok(check) => BudgetView::from(&check),
             // The store already fell back to a local bucket if the policy
-            // allows; this error means the policy is to deny.
+            // allows; this error means the policy is to deny. A withdrawal
+            // whose outcome is unknown is not a RETRY either.
             Err(StoreError::Unavailable(_)) => BudgetView {
                 tokens: 0.0,
                 retries_enabled: true,
@@ -107,34 +135,21 @@ impl<S: BudgetStore> Service<S> {
             },
             Err(other) => return Err(other.into()),
         };
-        // Only an HTTP-date Retry-After reads the wall clock.
-        let now = if valid.retry_after.is_some() {
-            SystemTime::now()
-        } else {
-            SystemTime::UNIX_EPOCH
-        };
-        let facts = valid.facts(view, now, rand::rng().random::<f64>());
-        let mut decision = engine::decide(&facts, &policy.engine);
-        let mut tokens_remaining = view.tokens;
-        if let Verdict::Retry { .. } = decision.verdict {
-            let withdrawing = Instant::now();
-            let withdrawn = store.try_withdraw(valid.upstream, &policy.bucket).await;
-            metrics.record_store(StoreOp::Withdraw, withdrawing.elapsed(), withdrawn.is_err());
-            match withdrawn {
-                Ok(Some(left)) => tokens_remaining = left,
-                // Someone else took the last token after we looked.
-                Ok(None) => {
-                    decision = decision.into_budget_denial(DenyReason::BudgetExhausted);
-                    tokens_remaining = 0.0;
-                }
-                // A withdrawal whose outcome is unknown is not a RETRY.
-                Err(StoreError::Unavailable(_)) => {
-                    decision = decision.into_budget_denial(DenyReason::BudgetUnavailable);
-                }
-                Err(other) => return Err(other.into()),
-            }
+        let tokens = facts.budget.tokens;
+        if facts.budget.allows() && !withdraw {
+            return Ok((hoped, tokens));
         }
-        Ok((decision, tokens_remaining))
+        let decision = engine::decide(&facts, &policy.engine);
+        Ok(match decision.verdict {
+            // The read allowed a retry but no token came with it: someone
+            // else took the last one in between (leased mode's view is a
+            // cached reading).
+            Verdict::Retry { .. } => (
+                decision.into_budget_denial(DenyReason::BudgetExhausted),
+                0.0,
+            ),
+            _ => (decision, tokens),
+        })
     }
 
     fn decision_attributes(

@@ -8,6 +8,7 @@ const PRELUDE: &str = include_str!("bucket.lua");
 /// Every script the store runs, hashed once.
 pub(super) struct Scripts {
     pub(super) view: Script,
+    pub(super) check: Script,
     pub(super) withdraw: Script,
     pub(super) deposit: Script,
     pub(super) set_enabled: Script,
@@ -26,6 +27,7 @@ impl Scripts {
     pub(super) fn new() -> Scripts {
         Scripts {
             view: bucket_script(include_str!("view.lua")),
+            check: bucket_script(include_str!("check.lua")),
             withdraw: bucket_script(include_str!("withdraw.lua")),
             deposit: bucket_script(include_str!("deposit.lua")),
             set_enabled: bucket_script(include_str!("set_enabled.lua")),
@@ -38,9 +40,10 @@ impl Scripts {
     }
 
     /// All of them, to load at start-up.
-    pub(super) fn all(&self) -> [&Script; 9] {
+    pub(super) fn all(&self) -> [&Script; 10] {
         [
             &self.view,
+            &self.check,
             &self.withdraw,
             &self.deposit,
             &self.set_enabled,
