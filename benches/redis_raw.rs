@@ -1,28 +1,35 @@
-//! The Redis store's withdraw script, raw: `EVALSHA` of exactly the script
-//! `RedisBudgetStore` runs (the `bucket.lua` prelude plus `withdraw.lua`),
-//! with the same keys and arguments, through the same client (redis-rs, one
-//! multiplexed `ConnectionManager`), from many tasks at once, for a fixed
-//! time. This is the ceiling the exact-mode store is compared with.
+//! The Redis store against its own script, raw, in one process: `EVALSHA`
+//! of exactly the script the exact-mode store runs once per decision (the
+//! `bucket.lua` prelude plus `check.lua`, withdrawing), with the same keys
+//! and arguments, through the same client (redis-rs, one multiplexed
+//! `ConnectionManager`), against `RedisBudgetStore::check` in exact and in
+//! leased mode (what a decision calls), each from the same number of tasks.
+//! The three alternate in short slices (`--rounds`), so that load from other
+//! work hits them alike, and the median of the per-round ratios is reported
+//! next to the totals.
 //!
 //! Not a criterion bench: it needs a Redis, which `scripts/bench` starts,
-//! and it prints one JSON line like `retryd-load`'s:
+//! and it prints JSON lines like `retryd-load`'s:
 //!
 //! ```text
-//! cargo bench --bench redis_raw -- --url redis://127.0.0.1:PORT [--duration 5s] [--tasks 64]
+//! cargo bench --bench redis_raw -- --url redis://127.0.0.1:PORT [--duration 5s] [--tasks 64] [--rounds 10]
 //! ```
 //!
 //! Without `--url` (as under `cargo test --all-targets`) it does nothing.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::future::BoxFuture;
 use hdrhistogram::Histogram;
 use redis::aio::ConnectionManager;
-use retryd::budget::BucketConfig;
+use retryd::budget::{BucketConfig, BudgetStore, RedisBudgetStore};
+use retryd::config::{RedisConfig, RedisMode};
 
 const SCRIPT: &str = concat!(
     include_str!("../src/budget/redis/bucket.lua"),
     "\n",
-    include_str!("../src/budget/redis/withdraw.lua")
+    include_str!("../src/budget/redis/check.lua")
 );
 
 /// The store's idle TTL argument (`IDLE_TTL_MS` in `budget/redis.rs`).
@@ -33,6 +40,7 @@ struct Args {
     duration: Duration,
     warmup: Duration,
     tasks: usize,
+    rounds: u32,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -41,6 +49,7 @@ fn parse_args() -> Result<Args, String> {
         duration: Duration::from_secs(5),
         warmup: Duration::from_secs(1),
         tasks: 64,
+        rounds: 10,
     };
     let mut words = std::env::args().skip(1);
     while let Some(word) = words.next() {
@@ -59,6 +68,12 @@ fn parse_args() -> Result<Args, String> {
                 args.tasks = value("--tasks")?
                     .parse()
                     .map_err(|_| "--tasks: not a number".to_owned())?
+            }
+            "--rounds" => {
+                args.rounds = value("--rounds")?
+                    .parse::<u32>()
+                    .map_err(|_| "--rounds: not a number".to_owned())?
+                    .max(1)
             }
             // cargo passes --bench; criterion-style filters are ignored.
             _ => {}
@@ -89,12 +104,112 @@ fn main() {
     }
 }
 
+/// One way of making a decision's budget call.
+type Call = Arc<dyn Fn() -> BoxFuture<'static, Result<bool, String>> + Send + Sync>;
+
+/// What one side measured over all its slices.
+struct Tally {
+    latency: Histogram<u64>,
+    granted: u64,
+    errors: u64,
+    elapsed: Duration,
+}
+
+impl Tally {
+    fn new() -> Tally {
+        Tally {
+            latency: Histogram::new_with_bounds(1_000, 60_000_000_000, 3)
+                .expect("valid constant bounds"),
+            granted: 0,
+            errors: 0,
+            elapsed: Duration::ZERO,
+        }
+    }
+
+    fn throughput(&self) -> f64 {
+        self.latency.len() as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+/// Runs `call` from `tasks` tasks for `length`; returns calls per second
+/// and adds what it saw to `tally` (unless warming up).
+async fn slice(call: &Call, tasks: usize, length: Duration, tally: Option<&mut Tally>) -> f64 {
+    let end = Instant::now() + length;
+    let workers: Vec<_> = (0..tasks)
+        .map(|_| {
+            let call = Arc::clone(call);
+            tokio::spawn(async move {
+                let mut latency = Tally::new();
+                while Instant::now() < end {
+                    let sent = Instant::now();
+                    let outcome = call().await;
+                    latency
+                        .latency
+                        .saturating_record(sent.elapsed().as_nanos() as u64);
+                    match outcome {
+                        Ok(granted) => latency.granted += u64::from(granted),
+                        Err(_) => latency.errors += 1,
+                    }
+                }
+                latency
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    let mut total = Tally::new();
+    for worker in workers {
+        if let Ok(part) = worker.await {
+            let _ = total.latency.add(&part.latency);
+            total.granted += part.granted;
+            total.errors += part.errors;
+        }
+    }
+    let took = started.elapsed();
+    let rate = total.latency.len() as f64 / took.as_secs_f64();
+    if let Some(tally) = tally {
+        let _ = tally.latency.add(&total.latency);
+        tally.granted += total.granted;
+        tally.errors += total.errors;
+        tally.elapsed += took;
+    }
+    rate
+}
+
+async fn store(url: &str, mode: RedisMode) -> Result<RedisBudgetStore, String> {
+    let config = RedisConfig {
+        urls: vec![url.to_owned()],
+        mode,
+        // retryd's defaults.
+        timeout: Duration::from_millis(20),
+        lease_tokens: 5.0,
+        lease_ttl: Duration::from_secs(2),
+        key_prefix: format!("retryd-bench-{mode:?}").to_lowercase(),
+    };
+    RedisBudgetStore::connect(&config, 10_000)
+        .await
+        .map_err(|err| format!("cannot connect the {mode:?} store: {err}"))
+}
+
+fn store_call(store: RedisBudgetStore, config: BucketConfig) -> Call {
+    Arc::new(move || {
+        let store = store.clone();
+        Box::pin(async move {
+            store
+                .check("upstream-000000", &config, true)
+                .await
+                .map(|check| check.withdrew)
+                .map_err(|err| err.to_string())
+        })
+    })
+}
+
 async fn run(url: String, args: Args) -> Result<(), String> {
     let client = redis::Client::open(url.as_str()).map_err(|err| err.to_string())?;
     let connection = ConnectionManager::new(client)
         .await
         .map_err(|err| format!("cannot connect to {url}: {err}"))?;
-    let script = redis::Script::new(SCRIPT);
+    // Shared, not cloned per call: a `Script` clone copies its text.
+    let script = Arc::new(redis::Script::new(SCRIPT));
     // The bucket retryd's bench configuration uses: it never runs dry.
     let config = BucketConfig {
         capacity: 1e9,
@@ -103,78 +218,94 @@ async fn run(url: String, args: Args) -> Result<(), String> {
         min_per_second: 1000.0,
         ..BucketConfig::default()
     };
-    let floor = format!("{:?}", config.floor_units_per_nano());
-    let start = Instant::now();
-    let measure_from = start + args.warmup;
-    let end = measure_from + args.duration;
-
-    let tasks: Vec<_> = (0..args.tasks)
-        .map(|_| {
-            let mut connection = connection.clone();
-            let script = script.clone();
-            let floor = floor.clone();
-            tokio::spawn(async move {
-                let mut latency = Histogram::<u64>::new_with_bounds(1_000, 60_000_000_000, 3)
-                    .expect("valid constant bounds");
-                let (mut granted, mut errors) = (0u64, 0u64);
-                loop {
-                    let sent = Instant::now();
-                    if sent >= end {
-                        break;
-                    }
-                    let reply: redis::RedisResult<Vec<i64>> = script
-                        .key("retryd:{u:upstream-000000}:bucket")
-                        .key("retryd:{u:upstream-000000}:off")
-                        .key("retryd:{u:upstream-000000}:leases")
-                        .arg(config.capacity_units())
-                        .arg(config.initial_units())
-                        .arg(&floor)
-                        .arg(IDLE_TTL_MS)
-                        .invoke_async(&mut connection)
-                        .await;
-                    let done = Instant::now();
-                    if sent < measure_from || done > end {
-                        continue;
-                    }
-                    match reply {
-                        Ok(values) => {
-                            latency.saturating_record((done - sent).as_nanos() as u64);
-                            granted += u64::from(values.first() == Some(&1));
-                        }
-                        Err(_) => errors += 1,
-                    }
-                }
-                (latency, granted, errors)
-            })
+    let floor: Arc<str> = format!("{:?}", config.floor_units_per_nano()).into();
+    let raw: Call = Arc::new(move || {
+        let mut connection = connection.clone();
+        let (script, floor) = (Arc::clone(&script), Arc::clone(&floor));
+        Box::pin(async move {
+            let mut invocation = script.prepare_invoke();
+            invocation
+                .key("retryd:{u:upstream-000000}:bucket")
+                .key("retryd:{u:upstream-000000}:off")
+                .key("retryd:{u:upstream-000000}:leases")
+                .arg(config.capacity_units())
+                .arg(config.initial_units())
+                .arg(&*floor)
+                .arg(IDLE_TTL_MS)
+                .arg("1");
+            invocation
+                .invoke_async::<Vec<i64>>(&mut connection)
+                .await
+                .map(|values| values.first() == Some(&1))
+                .map_err(|err| err.to_string())
         })
-        .collect();
-    let mut latency =
-        Histogram::<u64>::new_with_bounds(1_000, 60_000_000_000, 3).expect("valid constant bounds");
-    let (mut granted, mut errors) = (0u64, 0u64);
-    for task in tasks {
-        let (histogram, task_granted, task_errors) = task
-            .await
-            .map_err(|err| format!("a task panicked: {err}"))?;
-        let _ = latency.add(&histogram);
-        granted += task_granted;
-        errors += task_errors;
+    });
+    let sides: [(&str, Call); 3] = [
+        ("raw", raw),
+        (
+            "exact",
+            store_call(store(&url, RedisMode::Exact).await?, config),
+        ),
+        (
+            "leased",
+            store_call(store(&url, RedisMode::Leased).await?, config),
+        ),
+    ];
+    for (_, call) in &sides {
+        slice(call, args.tasks, args.warmup / 3, None).await;
     }
-    let calls = latency.len();
-    let throughput = calls as f64 / args.duration.as_secs_f64();
+    let length = args.duration / args.rounds;
+    let mut tallies: Vec<Tally> = sides.iter().map(|_| Tally::new()).collect();
+    let mut ratios: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    for _ in 0..args.rounds {
+        let mut rates = [0.0; 3];
+        for (index, (_, call)) in sides.iter().enumerate() {
+            rates[index] = slice(call, args.tasks, length, Some(&mut tallies[index])).await;
+        }
+        ratios[0].push(rates[1] / rates[0]);
+        ratios[1].push(rates[2] / rates[0]);
+    }
     let micros = |nanos: u64| (nanos as f64 / 100.0).round() / 10.0;
+    for ((name, _), tally) in sides.iter().zip(&tallies) {
+        let label = if *name == "raw" {
+            "redis.raw".to_owned()
+        } else {
+            format!("redis.store.{name}")
+        };
+        eprintln!(
+            "redis {name}, {} tasks: {:.0}/s, p50 {} µs, p99 {} µs; granted {}, errors {}",
+            args.tasks,
+            tally.throughput(),
+            micros(tally.latency.value_at_quantile(0.5)),
+            micros(tally.latency.value_at_quantile(0.99)),
+            tally.granted,
+            tally.errors,
+        );
+        println!(
+            "{{\"label\":\"{label}\",\"tasks\":{},\"throughput\":{:.1},\"answered\":{},\
+             \"p50_us\":{},\"p99_us\":{},\"p999_us\":{},\"granted\":{},\"errors\":{}}}",
+            args.tasks,
+            tally.throughput(),
+            tally.latency.len(),
+            micros(tally.latency.value_at_quantile(0.5)),
+            micros(tally.latency.value_at_quantile(0.99)),
+            micros(tally.latency.value_at_quantile(0.999)),
+            tally.granted,
+            tally.errors,
+        );
+    }
+    let median = |values: &mut Vec<f64>| {
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    let (exact, leased) = (median(&mut ratios[0]), median(&mut ratios[1]));
     eprintln!(
-        "redis raw withdraw script, {} tasks: {throughput:.0}/s, p50 {} µs, p99 {} µs; granted {granted}, errors {errors}",
-        args.tasks,
-        micros(latency.value_at_quantile(0.5)),
-        micros(latency.value_at_quantile(0.99)),
+        "store ÷ raw script, median of {} rounds: exact {exact:.3}, leased {leased:.3}",
+        args.rounds
     );
     println!(
-        "{{\"label\":\"redis.raw\",\"tasks\":{},\"throughput\":{throughput:.1},\"answered\":{calls},\
-         \"p50_us\":{},\"p99_us\":{},\"p999_us\":{},\"granted\":{granted},\"errors\":{errors}}}",
-        args.tasks,
-        micros(latency.value_at_quantile(0.5)),
-        micros(latency.value_at_quantile(0.99)),
-        micros(latency.value_at_quantile(0.999)),
+        "{{\"label\":\"redis.store_ratio\",\"rounds\":{},\"exact_vs_raw\":{exact:.4},\"leased_vs_raw\":{leased:.4}}}",
+        args.rounds
     );
     Ok(())
 }

@@ -12,6 +12,13 @@
 //! the size retryd would send for it: same verdict, a 32-character decision
 //! id and the same explanation text.
 //!
+//! With `--redis URL` every `Decide` also runs, before answering, the one
+//! script retryd's exact Redis store runs per decision (the `bucket.lua`
+//! prelude plus `check.lua`, same keys and arguments, withdrawing for the
+//! RETRY kind), through the same client (redis-rs, one multiplexed
+//! `ConnectionManager`), and ignores its answer: "gRPC plus the raw script",
+//! the reference for retryd on the exact Redis store.
+//!
 //! Like `retryd serve`, it prints `{"grpc":"HOST:PORT"}` on stdout once
 //! listening, and stops on SIGTERM or SIGINT.
 
@@ -38,12 +45,84 @@ struct Args {
     /// connection, keepalive), to tell their cost from the decision's.
     #[arg(long)]
     server_limits: bool,
+    /// Also run the exact store's decision script on this Redis per Decide.
+    #[arg(long, value_name = "URL")]
+    redis: Option<String>,
+}
+
+/// The script the exact Redis store runs once per decision.
+const CHECK_SCRIPT: &str = concat!(
+    include_str!("../budget/redis/bucket.lua"),
+    "\n",
+    include_str!("../budget/redis/check.lua")
+);
+
+/// One upstream's keys as the store lays them out (prefix `retryd`), for
+/// `retryd-load`'s single upstream.
+const KEYS: [&str; 3] = [
+    "retryd:{u:upstream-000000}:bucket",
+    "retryd:{u:upstream-000000}:off",
+    "retryd:{u:upstream-000000}:leases",
+];
+
+/// The decision script and what `scripts/bench` configures retryd with: a
+/// bucket that never runs dry.
+#[derive(Clone)]
+struct RawScript {
+    connection: redis::aio::ConnectionManager,
+    script: redis::Script,
+    capacity_units: u64,
+    initial_units: u64,
+    floor: String,
+}
+
+impl RawScript {
+    async fn connect(url: &str) -> anyhow::Result<RawScript> {
+        let client = redis::Client::open(url).with_context(|| format!("bad Redis URL {url}"))?;
+        let connection = redis::aio::ConnectionManager::new(client)
+            .await
+            .with_context(|| format!("cannot connect to {url}"))?;
+        let config = retryd::budget::BucketConfig {
+            capacity: 1e9,
+            initial: 1e9,
+            ratio: 0.1,
+            min_per_second: 1000.0,
+            ..retryd::budget::BucketConfig::default()
+        };
+        Ok(RawScript {
+            connection,
+            script: redis::Script::new(CHECK_SCRIPT),
+            capacity_units: config.capacity_units(),
+            initial_units: config.initial_units(),
+            floor: format!("{:?}", config.floor_units_per_nano()),
+        })
+    }
+
+    async fn run(&self, withdraw: bool) -> Result<(), Status> {
+        let mut invocation = self.script.prepare_invoke();
+        for key in KEYS {
+            invocation.key(key);
+        }
+        invocation
+            .arg(self.capacity_units)
+            .arg(self.initial_units)
+            .arg(&self.floor)
+            // The store's IDLE_TTL_MS.
+            .arg(60_000)
+            .arg(if withdraw { "1" } else { "0" });
+        invocation
+            .invoke_async::<Vec<i64>>(&mut self.connection.clone())
+            .await
+            .map(drop)
+            .map_err(|error| Status::unavailable(error.to_string()))
+    }
 }
 
 /// Canned responses by `DecideRequest.idempotency` (0 to 4).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 struct Baseline {
     canned: Arc<[pb::DecideResponse; 5]>,
+    redis: Option<RawScript>,
 }
 
 fn canned(
@@ -77,7 +156,7 @@ fn canned(
 }
 
 impl Baseline {
-    fn new() -> Self {
+    fn new(redis: Option<RawScript>) -> Self {
         let retry = canned(
             pb::Verdict::Retry,
             pb::DenyReason::Unspecified,
@@ -104,6 +183,7 @@ impl Baseline {
         // NON_IDEMPOTENT for AMBIGUOUS.
         Baseline {
             canned: Arc::new([retry.clone(), deny, retry.clone(), retry, ambiguous]),
+            redis,
         }
     }
 
@@ -121,7 +201,13 @@ impl RetryDecider for Baseline {
         &self,
         request: Request<pb::DecideRequest>,
     ) -> Result<Response<pb::DecideResponse>, Status> {
-        Ok(Response::new(self.answer(request.get_ref())))
+        let answer = self.answer(request.get_ref());
+        if let Some(redis) = &self.redis {
+            redis
+                .run(answer.verdict == pb::Verdict::Retry as i32)
+                .await?;
+        }
+        Ok(Response::new(answer))
     }
 
     type DecideStreamStream = Answers;
@@ -157,6 +243,10 @@ fn main() -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("cannot bind {}", args.listen))?;
+        let redis = match &args.redis {
+            Some(url) => Some(RawScript::connect(url).await?),
+            None => None,
+        };
         let address = listener.local_addr()?;
         println!("{{\"grpc\":\"{address}\"}}");
         let mut server = tonic::transport::Server::builder();
@@ -171,7 +261,7 @@ fn main() -> anyhow::Result<()> {
                 .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)));
         }
         server
-            .add_service(RetryDeciderServer::new(Baseline::new()))
+            .add_service(RetryDeciderServer::new(Baseline::new(redis)))
             .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown_signal())
             .await
             .context("the gRPC server failed")
