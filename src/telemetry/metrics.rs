@@ -157,9 +157,9 @@ impl Histogram {
 /// A budget store operation, for the store metrics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StoreOp {
-    /// Reading a budget.
+    /// A decision's store call that only reads the budget.
     View,
-    /// Withdrawing a token.
+    /// A decision's store call that reads and may withdraw a token.
     Withdraw,
     /// Depositing reported traffic.
     Deposit,
