@@ -212,6 +212,11 @@ pub enum StoreError {
 /// Every method takes the upstream's [`BucketConfig`] because policies can
 /// change at run time and the store must apply the current one.
 pub trait BudgetStore: Send + Sync + 'static {
+    /// True if every future this store returns is ready when returned (it
+    /// never waits on I/O), so the service may decide without an executor:
+    /// no future boxed and queued per stream item. False by default.
+    const ANSWERS_AT_ONCE: bool = false;
+
     /// The budget now, without spending. An upstream the store does not
     /// track yet reads as a fresh bucket (and is not created by looking).
     fn view(

@@ -4,30 +4,47 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
-use futures::{Stream, StreamExt};
+use futures::{FutureExt, Stream, StreamExt};
 use rand::Rng;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::validate::ValidDecideRequest;
 use super::{Live, Service, trace_context, validate};
 use crate::auth::{Denied, Principal};
-use crate::budget::{BudgetStore, StoreError};
+use crate::budget::{BudgetCheck, BudgetStore, StoreError};
 use crate::engine::{self, BudgetView, Decision, DenyReason, Evidence, Idempotency, Verdict};
 use crate::pb;
+use crate::policy::UpstreamPolicy;
 use crate::telemetry::metrics::StoreOp;
-use crate::telemetry::trace::hex;
+use crate::telemetry::trace::{SpanStart, hex};
 use crate::telemetry::{Attribute, SPAN_DECIDE, SPAN_REPORT_TRAFFIC, TraceContext, attr};
 
 /// How many stream items may be in flight at once. Responses still leave
 /// in request order; the window only lets store round trips overlap.
 const STREAM_WINDOW: usize = 32;
 
+/// A decision up to its one store call: validated, authorized, and decided
+/// as if the budget allowed (`hoped`).
+struct Begun<'r> {
+    valid: ValidDecideRequest<'r>,
+    policy: &'r UpstreamPolicy,
+    now: SystemTime,
+    jitter: f64,
+    hoped: Decision,
+    /// `hoped` is a RETRY: the store call may spend a token.
+    withdraw: bool,
+    started: Instant,
+    span: Option<SpanStart>,
+}
+
 impl<S: BudgetStore> Service<S> {
-    /// Decides one request under the caller's trace context: validate, look
-    /// at the budget, decide, spend a token only if the verdict is RETRY,
-    /// and record the decision as a span, a log line and counters.
-    /// `live` is the configuration the whole decision uses, loaded once by
-    /// the caller, so that a reload never splits one decision.
+    /// Decides one request under the caller's trace context: validate,
+    /// decide as if the budget allowed, make the one store call (a read,
+    /// plus a withdrawal only if that decision is RETRY), settle the
+    /// decision on what the store said, and record it as a span, a log line
+    /// and counters. `live` is the configuration the whole decision uses,
+    /// loaded once by the caller, so that a reload never splits one
+    /// decision.
     pub(super) async fn decide_one(
         &self,
         live: &Live,
@@ -35,6 +52,58 @@ impl<S: BudgetStore> Service<S> {
         request: &pb::DecideRequest,
         parent: Option<&TraceContext>,
     ) -> Result<pb::DecideResponse, Status> {
+        let begun = self.begin(live, principal, request, parent)?;
+        let store = &self.inner.store;
+        let asked = Instant::now();
+        let checked = store
+            .check(begun.valid.upstream, &begun.policy.bucket, begun.withdraw)
+            .await;
+        let op = if begun.withdraw {
+            StoreOp::Withdraw
+        } else {
+            StoreOp::View
+        };
+        self.inner
+            .metrics
+            .record_store(op, asked.elapsed(), checked.is_err());
+        self.conclude(begun, checked, parent)
+    }
+
+    /// [`Service::decide_one`] without an executor, for a store whose
+    /// answers are ready when returned (`BudgetStore::ANSWERS_AT_ONCE`):
+    /// no future is boxed or queued per decision, and the store call is not
+    /// timed apart (it is part of the decision's duration).
+    pub(super) fn decide_one_now(
+        &self,
+        live: &Live,
+        principal: &Principal,
+        request: &pb::DecideRequest,
+        parent: Option<&TraceContext>,
+    ) -> Result<pb::DecideResponse, Status> {
+        let begun = self.begin(live, principal, request, parent)?;
+        let checked = self
+            .inner
+            .store
+            .check(begun.valid.upstream, &begun.policy.bucket, begun.withdraw)
+            .now_or_never()
+            // A store that claims to answer at once but did not: nothing
+            // was spent that we know of, and no guess is made.
+            .unwrap_or_else(|| {
+                Err(StoreError::Unavailable(
+                    "the budget store did not answer at once".into(),
+                ))
+            });
+        self.conclude(begun, checked, parent)
+    }
+
+    /// Everything before the store call. A refusal is recorded here.
+    fn begin<'r>(
+        &self,
+        live: &'r Live,
+        principal: &Principal,
+        request: &'r pb::DecideRequest,
+        parent: Option<&TraceContext>,
+    ) -> Result<Begun<'r>, Status> {
         let started = Instant::now();
         let span = self.inner.tracer.start(parent);
         let valid = match validate::decide_request(request)
@@ -49,11 +118,83 @@ impl<S: BudgetStore> Service<S> {
                 return Err(status);
             }
         };
-        let (decision, tokens_remaining) = match self.decide_valid(live, &valid).await {
-            Ok(outcome) => outcome,
-            Err(status) => {
+        let policy = live.policies.get(valid.upstream);
+        // Only an HTTP-date Retry-After reads the wall clock.
+        let now = if valid.retry_after.is_some() {
+            SystemTime::now()
+        } else {
+            SystemTime::UNIX_EPOCH
+        };
+        let jitter = rand::rng().random::<f64>();
+        // The budget (rules 2 and 5) can only turn a verdict into a DENY, so
+        // only a RETRY here needs a token, and then the store withdraws it
+        // in the same call that reads the budget.
+        let hoped = engine::decide(&valid.facts(BudgetView::OPEN, now, jitter), &policy.engine);
+        let withdraw = matches!(hoped.verdict, Verdict::Retry { .. });
+        Ok(Begun {
+            valid,
+            policy,
+            now,
+            jitter,
+            hoped,
+            withdraw,
+            started,
+            span,
+        })
+    }
+
+    /// Everything after the store call: the decision on what the store
+    /// said, then the records and the response.
+    fn conclude(
+        &self,
+        begun: Begun<'_>,
+        checked: Result<BudgetCheck, StoreError>,
+        parent: Option<&TraceContext>,
+    ) -> Result<pb::DecideResponse, Status> {
+        let Begun {
+            valid,
+            policy,
+            now,
+            jitter,
+            hoped,
+            withdraw,
+            started,
+            span,
+        } = begun;
+        let budget = match checked {
+            Ok(check) if check.withdrew => Ok((hoped, check.tokens)),
+            Ok(check) => Err(BudgetView::from(&check)),
+            // The store already fell back to a local bucket if the policy
+            // allows; this error means the policy is to deny. A withdrawal
+            // whose outcome is unknown is not a RETRY either.
+            Err(StoreError::Unavailable(_)) => Err(BudgetView {
+                tokens: 0.0,
+                retries_enabled: true,
+                unavailable: true,
+            }),
+            Err(other) => {
+                let status = Status::from(other);
                 self.finish_failed(span, SPAN_DECIDE, &status);
                 return Err(status);
+            }
+        };
+        let (decision, tokens_remaining) = match budget {
+            Ok(spent) => spent,
+            // Allowed, and nothing to spend: the hoped decision stands.
+            Err(view) if view.allows() && !withdraw => (hoped, view.tokens),
+            // The engine decides again on what was read (pure, no I/O).
+            Err(view) => {
+                let decision = engine::decide(&valid.facts(view, now, jitter), &policy.engine);
+                match decision.verdict {
+                    // The read allowed a retry but no token came with it:
+                    // someone else took the last one in between (leased
+                    // mode's read is a cached reading).
+                    Verdict::Retry { .. } => (
+                        decision.into_budget_denial(DenyReason::BudgetExhausted),
+                        0.0,
+                    ),
+                    _ => (decision, view.tokens),
+                }
             }
         };
 
@@ -81,75 +222,6 @@ impl<S: BudgetStore> Service<S> {
                 .finish(span, SPAN_DECIDE, attributes, None);
         }
         Ok(response(&decision, decision_id, tokens_remaining))
-    }
-
-    /// The decision proper, on a validated request, with one store call.
-    ///
-    /// The budget (rules 2 and 5) can only turn a would-be verdict into a
-    /// DENY. So the engine first decides as if the budget allowed: if that
-    /// is RETRY, the store is asked to withdraw a token in the same call
-    /// that reads the budget; if not, only to read it. Whenever the budget
-    /// read does not allow, the engine decides again on what was read (pure,
-    /// no I/O). A shared store thus answers every decision in one round
-    /// trip instead of a view plus a withdrawal.
-    async fn decide_valid(
-        &self,
-        live: &Live,
-        valid: &ValidDecideRequest<'_>,
-    ) -> Result<(Decision, f64), Status> {
-        let policy = live.policies.get(valid.upstream);
-        // Only an HTTP-date Retry-After reads the wall clock.
-        let now = if valid.retry_after.is_some() {
-            SystemTime::now()
-        } else {
-            SystemTime::UNIX_EPOCH
-        };
-        let mut facts = valid.facts(BudgetView::OPEN, now, rand::rng().random::<f64>());
-        let hoped = engine::decide(&facts, &policy.engine);
-        let withdraw = matches!(hoped.verdict, Verdict::Retry { .. });
-
-        let started = Instant::now();
-        let checked = self
-            .inner
-            .store
-            .check(valid.upstream, &policy.bucket, withdraw)
-            .await;
-        let op = if withdraw {
-            StoreOp::Withdraw
-        } else {
-            StoreOp::View
-        };
-        self.inner
-            .metrics
-            .record_store(op, started.elapsed(), checked.is_err());
-        facts.budget = match checked {
-            Ok(check) if check.withdrew => return Ok((hoped, check.tokens)),
-            Ok(check) => BudgetView::from(&check),
-            // The store already fell back to a local bucket if the policy
-            // allows; this error means the policy is to deny. A withdrawal
-            // whose outcome is unknown is not a RETRY either.
-            Err(StoreError::Unavailable(_)) => BudgetView {
-                tokens: 0.0,
-                retries_enabled: true,
-                unavailable: true,
-            },
-            Err(other) => return Err(other.into()),
-        };
-        let tokens = facts.budget.tokens;
-        if facts.budget.allows() && !withdraw {
-            return Ok((hoped, tokens));
-        }
-        let decision = engine::decide(&facts, &policy.engine);
-        Ok(match decision.verdict {
-            // The read allowed a retry but no token came with it: someone
-            // else took the last one in between (leased mode's view is a
-            // cached reading).
-            Verdict::Retry { .. } => (
-                decision.into_budget_denial(DenyReason::BudgetExhausted),
-                0.0,
-            ),
-            _ => (decision, tokens),
-        })
     }
 
     fn decision_attributes(
@@ -293,9 +365,19 @@ fn response(decision: &Decision, decision_id: String, tokens_remaining: f64) -> 
         evidence_adjusted: decision.evidence_adjusted,
         decision_id,
         tokens_remaining,
-        explanation: decision.to_string(),
+        explanation: explanation(decision),
         error: None,
     }
+}
+
+/// The decision's text, written into one allocation: `to_string` starts
+/// empty and grew the buffer five times per decision (a profile's `realloc`).
+fn explanation(decision: &Decision) -> String {
+    use std::fmt::Write as _;
+    // The longest explanation is under 200 bytes.
+    let mut text = String::with_capacity(200);
+    let _ = write!(text, "{decision}");
+    text
 }
 
 fn deny_reason(reason: DenyReason) -> pb::DenyReason {
@@ -334,9 +416,13 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         let live = self.policies();
         let principal = self.authenticate(&live, &request)?;
         let parent = trace_context(request.metadata());
-        self.decide_one(&live, &principal, request.get_ref(), parent.as_ref())
-            .await
-            .map(Response::new)
+        let answer = if S::ANSWERS_AT_ONCE {
+            self.decide_one_now(&live, &principal, request.get_ref(), parent.as_ref())
+        } else {
+            self.decide_one(&live, &principal, request.get_ref(), parent.as_ref())
+                .await
+        };
+        answer.map(Response::new)
     }
 
     type DecideStreamStream = DecideResponseStream;
@@ -348,41 +434,58 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         // The caller authenticates once for the stream; each item is still
         // checked against the upstreams it may use.
         let principal = self.authenticate(&self.policies(), &request)?;
-        let service = self.clone();
         // Every item's span is a child of the stream's trace context.
         let parent = trace_context(request.metadata()).map(Arc::new);
-        let responses = request
-            .into_inner()
-            .map(move |item| {
-                let service = service.clone();
-                let parent = parent.clone();
-                let principal = Arc::clone(&principal);
-                async move {
-                    match item {
-                        // A bad item is answered in place, so one caller's
-                        // mistake does not tear down a shared sidecar stream.
-                        Ok(request) => Ok(service
-                            .decide_one(
-                                &service.policies(),
-                                &principal,
-                                &request,
-                                parent.as_deref(),
-                            )
-                            .await
-                            .unwrap_or_else(|status| pb::DecideResponse {
-                                error: Some(pb::StreamError {
-                                    code: status.code() as i32,
-                                    message: status.message().to_owned(),
-                                }),
-                                ..pb::DecideResponse::default()
-                            })),
-                        // The transport failed: end the stream with it.
-                        Err(status) => Err(status),
-                    }
-                }
+        let items = request.into_inner();
+        // A bad item is answered in place, so one caller's mistake does not
+        // tear down a shared sidecar stream; a transport error ends it.
+        let answered = |answer: Result<pb::DecideResponse, Status>| {
+            answer.unwrap_or_else(|status| pb::DecideResponse {
+                error: Some(pb::StreamError {
+                    code: status.code() as i32,
+                    message: status.message().to_owned(),
+                }),
+                ..pb::DecideResponse::default()
             })
-            .buffered(STREAM_WINDOW);
-        Ok(Response::new(Box::pin(responses)))
+        };
+        let service = self.clone();
+        let responses: DecideResponseStream = if S::ANSWERS_AT_ONCE {
+            // Decided in the stream's own poll, one item after the other:
+            // no future per item to box, queue and reorder.
+            Box::pin(items.map(move |item| {
+                item.map(|request| {
+                    answered(service.decide_one_now(
+                        &service.policies(),
+                        &principal,
+                        &request,
+                        parent.as_deref(),
+                    ))
+                })
+            }))
+        } else {
+            Box::pin(
+                items
+                    .map(move |item| {
+                        let service = service.clone();
+                        let parent = parent.clone();
+                        let principal = Arc::clone(&principal);
+                        async move {
+                            let request = item?;
+                            let answer = service
+                                .decide_one(
+                                    &service.policies(),
+                                    &principal,
+                                    &request,
+                                    parent.as_deref(),
+                                )
+                                .await;
+                            Ok(answered(answer))
+                        }
+                    })
+                    .buffered(STREAM_WINDOW),
+            )
+        };
+        Ok(Response::new(responses))
     }
 
     async fn report_traffic(

@@ -253,7 +253,14 @@ fn name<'a>(field: &str, raw: &'a str) -> Result<&'a str, InvalidRequest> {
             format!("longer than {MAX_NAME_BYTES} bytes"),
         ));
     }
-    if raw.chars().any(char::is_control) {
+    // The ASCII test is vectorised; only a name with other characters pays
+    // for decoding them (ASCII's control characters are below 0x20 and 0x7f).
+    let control = if raw.is_ascii() {
+        raw.bytes().any(|byte| byte < 0x20 || byte == 0x7f)
+    } else {
+        raw.chars().any(char::is_control)
+    };
+    if control {
         return Err(invalid(field, "contains control characters"));
     }
     Ok(raw)
