@@ -31,7 +31,7 @@ use clap::Parser;
 use futures::{Stream, StreamExt};
 use retryd::pb;
 use retryd::pb::retry_decider_server::{RetryDecider, RetryDeciderServer};
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 
 #[derive(Parser, Debug)]
@@ -262,7 +262,12 @@ fn main() -> anyhow::Result<()> {
         }
         server
             .add_service(RetryDeciderServer::new(Baseline::new(redis)))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown_signal())
+            .serve_with_incoming_shutdown(
+                // tonic's default (TCP_NODELAY), which it applies only to
+                // listeners it binds itself.
+                TcpIncoming::from(listener).with_nodelay(Some(true)),
+                shutdown_signal(),
+            )
             .await
             .context("the gRPC server failed")
     })
