@@ -182,6 +182,7 @@ async fn store(url: &str, mode: RedisMode) -> Result<RedisBudgetStore, String> {
         // retryd's defaults.
         timeout: Duration::from_millis(20),
         lease_tokens: 5.0,
+        max_lease_tokens: 1000.0,
         lease_ttl: Duration::from_secs(2),
         key_prefix: format!("retryd-bench-{mode:?}").to_lowercase(),
     };

@@ -222,9 +222,12 @@ pub struct StoreSettings {
     /// How long a store operation may take before it counts as failed.
     #[serde(default = "default_store_timeout")]
     pub timeout: String,
-    /// Leased mode: tokens taken from Redis per lease.
+    /// Leased mode: tokens taken from Redis per lease, at first and at least.
     #[serde(default = "default_lease_tokens")]
     pub lease_tokens: f64,
+    /// Leased mode: the most tokens one lease may grow to.
+    #[serde(default = "default_max_lease_tokens")]
+    pub max_lease_tokens: f64,
     /// Leased mode: how long a lease lives before unspent tokens expire.
     #[serde(default = "default_lease_ttl")]
     pub lease_ttl: String,
@@ -248,6 +251,9 @@ fn default_store_timeout() -> String {
 fn default_lease_tokens() -> f64 {
     5.0
 }
+fn default_max_lease_tokens() -> f64 {
+    1000.0
+}
 fn default_lease_ttl() -> String {
     "2s".into()
 }
@@ -264,6 +270,7 @@ impl Default for StoreSettings {
             on_unavailable: default_on_unavailable(),
             timeout: default_store_timeout(),
             lease_tokens: default_lease_tokens(),
+            max_lease_tokens: default_max_lease_tokens(),
             lease_ttl: default_lease_ttl(),
             key_prefix: default_key_prefix(),
         }
@@ -511,8 +518,11 @@ pub struct RedisConfig {
     pub mode: RedisMode,
     /// Per-operation timeout.
     pub timeout: Duration,
-    /// Tokens per lease.
+    /// Tokens per lease, at first and at least.
     pub lease_tokens: f64,
+    /// The most tokens a lease may grow to (also capped at a quarter of
+    /// the bucket's capacity).
+    pub max_lease_tokens: f64,
     /// Lease lifetime.
     pub lease_ttl: Duration,
     /// Key prefix.
@@ -900,6 +910,15 @@ fn redis_config(store: &StoreSettings) -> Result<RedisConfig, InvalidConfig> {
     if !(store.lease_tokens >= 1.0 && store.lease_tokens.is_finite()) {
         return Err(invalid("store.lease_tokens", "must be at least 1"));
     }
+    if !(store.max_lease_tokens >= store.lease_tokens && store.max_lease_tokens.is_finite()) {
+        return Err(invalid(
+            "store.max_lease_tokens",
+            format!(
+                "must be finite and at least store.lease_tokens ({})",
+                store.lease_tokens
+            ),
+        ));
+    }
     let lease_ttl = parse_duration("store.lease_ttl", &store.lease_ttl)?;
     if lease_ttl < Duration::from_millis(10) {
         return Err(invalid("store.lease_ttl", "must be at least 10ms"));
@@ -915,6 +934,7 @@ fn redis_config(store: &StoreSettings) -> Result<RedisConfig, InvalidConfig> {
         mode,
         timeout,
         lease_tokens: store.lease_tokens,
+        max_lease_tokens: store.max_lease_tokens,
         lease_ttl,
         key_prefix: store.key_prefix.clone(),
     })
@@ -1164,6 +1184,14 @@ mod tests {
                 "[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1\"\nmode = \"fast\"",
                 "store.mode",
             ),
+            (
+                "[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1\"\nlease_tokens = 20.0\nmax_lease_tokens = 10.0",
+                "store.max_lease_tokens",
+            ),
+            (
+                "[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1\"\nmax_lease_tokens = inf",
+                "store.max_lease_tokens",
+            ),
             ("[telemetry]\nlog_format = \"xml\"", "telemetry.log_format"),
             (
                 "[telemetry]\nsampling_ratio = 2.0",
@@ -1232,6 +1260,25 @@ mod tests {
                 "{toml:?} gave {message:?}, expected key {key}"
             );
         }
+    }
+
+    #[test]
+    fn leases_grow_to_a_thousand_tokens_unless_told() {
+        let redis = |toml: &str| match config(toml).unwrap().store {
+            StoreConfig::Redis(redis) => redis,
+            other => panic!("{other:?}"),
+        };
+        let base = "[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1\"\n";
+        let defaults = redis(base);
+        assert_eq!(
+            (defaults.lease_tokens, defaults.max_lease_tokens),
+            (5.0, 1000.0)
+        );
+        // A fixed lease size: as many tokens at most as at least.
+        let fixed = redis(&format!(
+            "{base}lease_tokens = 7.0\nmax_lease_tokens = 7.0\n"
+        ));
+        assert_eq!(fixed.max_lease_tokens, 7.0);
     }
 
     #[test]

@@ -273,12 +273,9 @@ pub async fn serve<S: BudgetStore>(
     // it, Nagle's algorithm held a response's last small segment until the
     // caller's delayed ACK: a 40 ms tail on a share of decisions.
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    let mut server = tokio::spawn(router.serve_with_incoming_shutdown(
-        incoming,
-        async {
-            let _ = stop_rx.await;
-        },
-    ));
+    let mut server = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async {
+        let _ = stop_rx.await;
+    }));
 
     tokio::select! {
         result = &mut server => {

@@ -41,6 +41,7 @@ async fn redis_store(urls: &[String], mode: RedisMode, max_upstreams: usize) -> 
         // Generous: these tests check answers, not latency, on a busy machine.
         timeout: Duration::from_millis(500),
         lease_tokens: 5.0,
+        max_lease_tokens: 1000.0,
         lease_ttl: Duration::from_secs(2),
         key_prefix: fresh_prefix(),
     };

@@ -37,6 +37,7 @@ async fn store(urls: Vec<String>, mode: RedisMode) -> RedisBudgetStore {
         mode,
         timeout: TIMEOUT,
         lease_tokens: 5.0,
+        max_lease_tokens: 1000.0,
         lease_ttl: Duration::from_secs(2),
         key_prefix: format!(
             "outage-{}-{}",

@@ -40,6 +40,7 @@ struct Setup {
     prefix: String,
     timeout: Duration,
     lease_tokens: f64,
+    max_lease_tokens: f64,
     lease_ttl: Duration,
 }
 
@@ -51,6 +52,7 @@ impl Setup {
             prefix: fresh_prefix(),
             timeout: Duration::from_millis(500),
             lease_tokens: 5.0,
+            max_lease_tokens: 1000.0,
             lease_ttl: Duration::from_secs(2),
         }
     }
@@ -61,6 +63,7 @@ impl Setup {
             mode: self.mode,
             timeout: self.timeout,
             lease_tokens: self.lease_tokens,
+            max_lease_tokens: self.max_lease_tokens,
             lease_ttl: self.lease_ttl,
             key_prefix: self.prefix.clone(),
         };

@@ -19,22 +19,34 @@
 //!   withdraws atomically. When demand exceeds supply, the fleet grants
 //!   exactly the budget. A view reads Redis each time, so the kill switch
 //!   set through one replica is obeyed by the others on their next decision.
-//! - **leased**: a replica moves up to `lease_tokens` whole tokens out of the
-//!   shared bucket into a lease (one script), spends them locally with a
-//!   compare-and-swap, and takes another lease when it runs dry (the same
-//!   script hands the dry one back). A live lease counts against the
-//!   capacity, so shared plus leased tokens never exceed it. A lease is
-//!   spendable for `lease_ttl / 2`; then its unspent tokens are returned
-//!   (once per lease id, capped at capacity) by a background task, or, if
-//!   the replica dies or the return fails, they expire with the lease in
-//!   Redis after `lease_ttl` and count as spent. Leased mode may under-use a
-//!   budget (tokens idle in one replica, at most `lease_ttl / 2` plus a
-//!   sweep), never over-allow. Deposits are batched per upstream and flushed
-//!   every 5 ms. Views add this replica's lease to a reading of the shared
-//!   bucket cached for at most 100 ms (not trusted while Redis is believed
-//!   down): the kill switch reaches the other replicas within that bound;
-//!   the budget check that matters is the withdrawal, which never trusts a
-//!   view.
+//! - **leased**: a replica moves whole tokens out of the shared bucket into
+//!   a lease (one script), spends them locally with a compare-and-swap, and
+//!   takes another lease when it runs dry (the same script hands the dry one
+//!   back). A live lease counts against the capacity, so shared plus leased
+//!   tokens never exceed it. A lease is spendable for `lease_ttl / 2`; then
+//!   its unspent tokens are returned (once per lease id, capped at capacity)
+//!   by a background task, or, if the replica dies or the return fails, they
+//!   expire with the lease in Redis after `lease_ttl` and count as spent.
+//!   Leased mode may under-use a budget (tokens idle in one replica, at most
+//!   `lease_ttl / 2` plus a sweep), never over-allow. Deposits are batched
+//!   per upstream and flushed every 5 ms. Views add this replica's lease to
+//!   a reading of the shared bucket cached for at most 100 ms (not trusted
+//!   while Redis is believed down): the kill switch reaches the other
+//!   replicas within that bound; the budget check that matters is the
+//!   withdrawal, which never trusts a view.
+//!
+//!   The lease size adapts per upstream. While one task acquires a lease the
+//!   others wait, so a busy upstream gets about one lease of RETRYs per round
+//!   trip: a fixed small lease caps its throughput, a fixed large one leaves
+//!   tokens idle in quiet replicas. A lease starts at `lease_tokens`; the
+//!   next one asks for twice as many when the last ran dry within
+//!   `lease_ttl / 4` of being taken, and for half (never below
+//!   `lease_tokens`) when one expired or went back with tokens left. It is
+//!   capped at `max_lease_tokens` and at a quarter of the bucket's capacity
+//!   (never below `lease_tokens`), so one replica cannot hold most of a
+//!   small bucket. The size is only what a replica asks for: the script
+//!   still leases at most the whole tokens the bucket holds, so the
+//!   invariant does not depend on it.
 //!
 //! # When Redis is unreachable
 //!
@@ -276,6 +288,7 @@ struct Counters {
     forfeited_units: AtomicU64,
     lost_deposits: AtomicU64,
     task_restarts: AtomicU64,
+    lease_acquisitions: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64, by: u64) {
@@ -294,6 +307,9 @@ struct Lease {
     /// `<lease id>:<units>`, the member of the upstream's lease set.
     member: String,
     remaining: AtomicU64,
+    /// When it was asked for, to tell a lease that ran dry quickly (the
+    /// next should be bigger) from one that merely ran dry.
+    taken_at: Instant,
     /// Local spending ends here, half a `lease_ttl` before Redis forgets
     /// the lease, so that the return arrives while it is still live.
     spend_until: Instant,
@@ -323,6 +339,42 @@ impl Lease {
     }
 }
 
+/// How a lease ended, as far as the size of the next one is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LeaseEnd {
+    /// Spent within a quarter of `lease_ttl`: demand outruns the lease, and
+    /// every refill is a round trip others wait for.
+    DrainedQuickly,
+    /// Spent, but not quickly, or nothing to judge by: the size fits.
+    Drained,
+    /// Expired or handed back with tokens left: the lease was bigger than
+    /// the demand, and the surplus sat idle in this replica.
+    LeftOver,
+}
+
+/// The largest lease for a bucket, in units: `max_units`, and a quarter of
+/// the capacity so that one replica never holds most of a small bucket,
+/// both in whole tokens; never below `min_units` (`lease_tokens`), the size
+/// a lease always had.
+fn lease_cap(min_units: u64, max_units: u64, capacity_units: u64) -> u64 {
+    let whole = |units: u64| units / UNITS_PER_TOKEN * UNITS_PER_TOKEN;
+    whole(max_units.min(capacity_units / 4)).max(min_units)
+}
+
+/// The size of the next lease, in units: double after one that ran dry
+/// quickly (fewer round trips for a busy upstream), half after one that
+/// had tokens left (fewer tokens idle for a quiet one), within
+/// `min_units..=cap`. Sizes stay whole tokens: the acquire script leases
+/// only whole tokens, and a fraction would be returned unspent.
+fn next_lease_units(current: u64, end: LeaseEnd, min_units: u64, cap: u64) -> u64 {
+    let next = match end {
+        LeaseEnd::DrainedQuickly => current.saturating_mul(2),
+        LeaseEnd::Drained => current,
+        LeaseEnd::LeftOver => current / 2 / UNITS_PER_TOKEN * UNITS_PER_TOKEN,
+    };
+    next.min(cap).max(min_units)
+}
+
 /// A reading of the shared bucket, for leased-mode views.
 #[derive(Clone, Copy, Debug)]
 struct Shared {
@@ -347,6 +399,8 @@ struct Upstream {
     /// The bucket parameters last used, for background work.
     config: Mutex<BucketConfig>,
     lease: Mutex<Option<Arc<Lease>>>,
+    /// Units the next lease asks for (see [`next_lease_units`]).
+    lease_size: AtomicU64,
     /// One lease acquisition at a time; the others wait for its outcome.
     acquiring: tokio::sync::Mutex<()>,
     acquisitions: AtomicU64,
@@ -357,12 +411,13 @@ struct Upstream {
 }
 
 impl Upstream {
-    fn new(config: &BucketConfig) -> Upstream {
+    fn new(config: &BucketConfig, lease_units: u64) -> Upstream {
         Upstream {
             index_until: AtomicU64::new(0),
             index_score: AtomicU64::new(0),
             config: Mutex::new(*config),
             lease: Mutex::new(None),
+            lease_size: AtomicU64::new(lease_units),
             acquiring: tokio::sync::Mutex::new(()),
             acquisitions: AtomicU64::new(0),
             last_acquisition: AtomicU8::new(ACQUIRED),
@@ -389,6 +444,19 @@ impl Upstream {
 
     fn has_lease(&self) -> bool {
         lock(&self.lease).is_some()
+    }
+
+    /// Resizes the next lease after one ended; returns the new size.
+    fn resize_lease(&self, end: LeaseEnd, min_units: u64, cap: u64) -> u64 {
+        let resize = |size| next_lease_units(size, end, min_units, cap);
+        // The closure always answers Some, so this never fails.
+        let before = self
+            .lease_size
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |size| {
+                Some(resize(size))
+            })
+            .unwrap_or_else(|size| size);
+        resize(before)
     }
 
     /// Units this replica holds or owes the shared bucket: its lease and
@@ -428,7 +496,10 @@ struct Inner {
     keys: KeySpace,
     mode: RedisMode,
     timeout: Duration,
+    /// The first and smallest lease (`lease_tokens`).
     lease_units: u64,
+    /// The largest lease (`max_lease_tokens`), before the capacity cap.
+    max_lease_units: u64,
     lease_ttl: Duration,
     view_cache: Duration,
     max_upstreams: usize,
@@ -497,13 +568,19 @@ impl RedisBudgetStore {
             .map_err(unavailable)?;
 
         let lease_tokens = config.lease_tokens.floor().max(1.0);
+        let lease_units = lease_tokens as u64 * UNITS_PER_TOKEN;
+        // `as` saturates: a huge maximum is the capacity cap's business.
+        let max_lease_units = (config.max_lease_tokens.floor() as u64)
+            .saturating_mul(UNITS_PER_TOKEN)
+            .max(lease_units);
         let inner = Arc::new(Inner {
             connection,
             scripts,
             keys: KeySpace::new(&config.key_prefix),
             mode: config.mode,
             timeout: config.timeout,
-            lease_units: lease_tokens as u64 * UNITS_PER_TOKEN,
+            lease_units,
+            max_lease_units,
             lease_ttl: config.lease_ttl,
             view_cache: VIEW_CACHE.min(config.lease_ttl / 2),
             max_upstreams,
@@ -554,6 +631,15 @@ impl RedisBudgetStore {
     /// Times the background task panicked and was restarted (should stay 0).
     pub fn background_restarts(&self) -> u64 {
         self.inner.counters.task_restarts.load(Ordering::Relaxed)
+    }
+
+    /// Leased mode: lease acquisitions Redis answered since start (whether
+    /// or not the bucket had a token to lease), over every upstream.
+    pub fn lease_acquisitions(&self) -> u64 {
+        self.inner
+            .counters
+            .lease_acquisitions
+            .load(Ordering::Relaxed)
     }
 
     /// Flushes batched deposits and returns every lease. Afterwards leased
@@ -823,7 +909,7 @@ impl Inner {
         let state = Arc::clone(
             self.upstreams
                 .entry(upstream.into())
-                .or_insert_with(|| Arc::new(Upstream::new(config)))
+                .or_insert_with(|| Arc::new(Upstream::new(config, self.lease_units)))
                 .value(),
         );
         *lock(&state.config) = *config;
@@ -1271,10 +1357,21 @@ impl Inner {
             ),
             None => ("", 0),
         };
+        let taken_at = Instant::now();
+        let end = match &previous {
+            Some(_) if previous_unused > 0 => LeaseEnd::LeftOver,
+            Some(lease) if taken_at.duration_since(lease.taken_at) <= self.lease_ttl / 4 => {
+                LeaseEnd::DrainedQuickly
+            }
+            _ => LeaseEnd::Drained,
+        };
+        // Resized even without a previous lease: the capacity may have
+        // been lowered since.
+        let requested = state.resize_lease(end, self.lease_units, self.lease_cap(config));
         let sequence = self.lease_sequence.fetch_add(1, Ordering::Relaxed);
         let id = format!("{}-{sequence}", self.replica);
-        let spend_until = Instant::now() + self.lease_ttl / 2;
-        let lease_units = self.lease_units.to_string();
+        let spend_until = taken_at + self.lease_ttl / 2;
+        let lease_units = requested.to_string();
         let ttl_ms = (self.lease_ttl.as_millis() as u64).max(1).to_string();
         let unused = previous_unused.to_string();
         let result = self
@@ -1304,6 +1401,7 @@ impl Inner {
                 return Err(failure);
             }
         };
+        bump(&self.counters.lease_acquisitions, 1);
         self.after_write(upstream, state, &reply);
         let taken = reply.result.max(0) as u64;
         if taken < UNITS_PER_TOKEN {
@@ -1313,6 +1411,7 @@ impl Inner {
         *lock(&state.lease) = Some(Arc::new(Lease {
             member: format!("{id}:{taken}"),
             remaining: AtomicU64::new(left),
+            taken_at,
             spend_until,
         }));
         Ok(Some(left))
@@ -1332,8 +1431,24 @@ impl Inner {
         // A spender racing with this swap either took its token first or
         // finds nothing: the same unit is never both spent and returned.
         let units = lease.remaining.swap(0, Ordering::AcqRel);
+        if units > 0 {
+            state.resize_lease(
+                LeaseEnd::LeftOver,
+                self.lease_units,
+                self.lease_cap(&state.config()),
+            );
+        }
         // Returned even when dry: a live lease occupies room in the bucket.
         self.queue_return(upstream, state, &lease, units);
+    }
+
+    /// The largest lease of a bucket (see [`lease_cap`]).
+    fn lease_cap(&self, config: &BucketConfig) -> u64 {
+        lease_cap(
+            self.lease_units,
+            self.max_lease_units,
+            config.capacity_units(),
+        )
     }
 
     fn queue_return(&self, upstream: &str, state: &Upstream, lease: &Lease, units: u64) {
@@ -1751,6 +1866,75 @@ mod tests {
         assert_eq!(reply.tokens, 5_000_000);
         assert!(reply.enabled && reply.tracked);
         assert!(Reply::parse(&[1, 2, 3]).is_err());
+    }
+
+    const T: u64 = UNITS_PER_TOKEN;
+
+    #[test]
+    fn leases_double_when_drained_quickly_and_halve_when_left_over() {
+        let (min, cap) = (5 * T, 1000 * T);
+        let next = |size, end| next_lease_units(size, end, min, cap);
+        assert_eq!(next(5 * T, LeaseEnd::DrainedQuickly), 10 * T);
+        assert_eq!(next(10 * T, LeaseEnd::Drained), 10 * T);
+        assert_eq!(next(40 * T, LeaseEnd::LeftOver), 20 * T);
+        // Halving stays in whole tokens and never goes below the minimum.
+        assert_eq!(next(25 * T, LeaseEnd::LeftOver), 12 * T);
+        assert_eq!(next(8 * T, LeaseEnd::LeftOver), 5 * T);
+        assert_eq!(next(5 * T, LeaseEnd::LeftOver), 5 * T);
+        // Doubling stops at the cap, and never overflows.
+        assert_eq!(next(640 * T, LeaseEnd::DrainedQuickly), 1000 * T);
+        assert_eq!(next(1000 * T, LeaseEnd::DrainedQuickly), 1000 * T);
+        assert_eq!(
+            next_lease_units(u64::MAX, LeaseEnd::DrainedQuickly, 0, u64::MAX),
+            u64::MAX
+        );
+        // A lowered cap applies at once, even to a lease that fitted.
+        assert_eq!(
+            next_lease_units(800 * T, LeaseEnd::Drained, min, 100 * T),
+            100 * T
+        );
+        // From the minimum up to the cap and back, by steps of two.
+        let mut size = min;
+        let mut grown = vec![size];
+        while size < cap {
+            size = next(size, LeaseEnd::DrainedQuickly);
+            grown.push(size / T);
+        }
+        assert_eq!(grown[1..], [10, 20, 40, 80, 160, 320, 640, 1000]);
+        let mut steps = 0;
+        while size > min {
+            size = next(size, LeaseEnd::LeftOver);
+            steps += 1;
+        }
+        assert_eq!((size, steps), (min, 8));
+    }
+
+    #[test]
+    fn leases_are_capped_at_a_quarter_of_the_capacity_in_whole_tokens() {
+        // A large bucket: max_lease_tokens caps.
+        assert_eq!(lease_cap(5 * T, 1000 * T, 1_000_000_000 * T), 1000 * T);
+        // A small one: a quarter of its capacity, in whole tokens.
+        assert_eq!(lease_cap(5 * T, 1000 * T, 100 * T), 25 * T);
+        assert_eq!(lease_cap(T, 1000 * T, 30 * T), 7 * T);
+        assert_eq!(lease_cap(T, 1000 * T, 30 * T + T / 2), 7 * T);
+        // Never below lease_tokens, which is what a lease always was.
+        assert_eq!(lease_cap(5 * T, 1000 * T, 8 * T), 5 * T);
+        assert_eq!(lease_cap(5 * T, 5 * T, 1_000 * T), 5 * T);
+    }
+
+    #[test]
+    fn an_upstream_starts_at_lease_tokens_and_resizes_atomically() {
+        let state = Upstream::new(&BucketConfig::default(), 2 * T);
+        assert_eq!(state.lease_size.load(Ordering::Acquire), 2 * T);
+        assert_eq!(
+            state.resize_lease(LeaseEnd::DrainedQuickly, 2 * T, 100 * T),
+            4 * T
+        );
+        assert_eq!(
+            state.resize_lease(LeaseEnd::LeftOver, 2 * T, 100 * T),
+            2 * T
+        );
+        assert_eq!(state.lease_size.load(Ordering::Acquire), 2 * T);
     }
 
     #[test]
