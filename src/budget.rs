@@ -170,6 +170,18 @@ pub struct BudgetCheck {
     pub withdrew: bool,
 }
 
+impl BudgetCheck {
+    /// The same reading under the upstream's name, as admin answers carry it.
+    pub fn into_snapshot(self, upstream: &str, tracked: bool) -> BudgetSnapshot {
+        BudgetSnapshot {
+            upstream: upstream.to_owned(),
+            tokens: self.tokens,
+            retries_enabled: self.retries_enabled,
+            tracked,
+        }
+    }
+}
+
 impl From<&BudgetCheck> for BudgetView {
     fn from(check: &BudgetCheck) -> Self {
         BudgetView {

@@ -270,12 +270,7 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
         config: &BucketConfig,
     ) -> impl Future<Output = Result<BudgetSnapshot, StoreError>> + Send {
         let (check, tracked) = self.look(upstream, config);
-        ready(Ok(BudgetSnapshot {
-            upstream: upstream.to_owned(),
-            tokens: check.tokens,
-            retries_enabled: check.retries_enabled,
-            tracked,
-        }))
+        ready(Ok(check.into_snapshot(upstream, tracked)))
     }
 
     fn check(

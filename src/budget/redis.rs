@@ -1780,12 +1780,7 @@ impl BudgetStore for RedisBudgetStore {
         let inner = &self.inner;
         async move {
             let (check, tracked) = inner.view(upstream, config).await?;
-            Ok(BudgetSnapshot {
-                upstream: upstream.to_owned(),
-                tokens: check.tokens,
-                retries_enabled: check.retries_enabled,
-                tracked,
-            })
+            Ok(check.into_snapshot(upstream, tracked))
         }
     }
 
