@@ -151,18 +151,8 @@ impl<S: BudgetStore> Service<S> {
         checked: Result<BudgetCheck, StoreError>,
         parent: Option<&TraceContext>,
     ) -> Result<pb::DecideResponse, Status> {
-        let Begun {
-            valid,
-            policy,
-            now,
-            jitter,
-            hoped,
-            withdraw,
-            started,
-            span,
-        } = begun;
         let budget = match checked {
-            Ok(check) if check.withdrew => Ok((hoped, check.tokens)),
+            Ok(check) if check.withdrew => Ok((begun.hoped, check.tokens)),
             Ok(check) => Err(BudgetView::from(&check)),
             // The store already fell back to a local bucket if the policy
             // allows; this error means the policy is to deny. A withdrawal
@@ -174,17 +164,19 @@ impl<S: BudgetStore> Service<S> {
             }),
             Err(other) => {
                 let status = Status::from(other);
-                self.finish_failed(span, SPAN_DECIDE, &status);
+                self.finish_failed(begun.span, SPAN_DECIDE, &status);
                 return Err(status);
             }
         };
+        let valid = &begun.valid;
         let (decision, tokens_remaining) = match budget {
             Ok(spent) => spent,
             // Allowed, and nothing to spend: the hoped decision stands.
-            Err(view) if view.allows() && !withdraw => (hoped, view.tokens),
+            Err(view) if view.allows() && !begun.withdraw => (begun.hoped, view.tokens),
             // The engine decides again on what was read (pure, no I/O).
             Err(view) => {
-                let decision = engine::decide(&valid.facts(view, now, jitter), &policy.engine);
+                let facts = valid.facts(view, begun.now, begun.jitter);
+                let decision = engine::decide(&facts, &begun.policy.engine);
                 match decision.verdict {
                     // The read allowed a retry but no token came with it:
                     // someone else took the last one in between (leased
@@ -201,11 +193,11 @@ impl<S: BudgetStore> Service<S> {
         let decision_id = hex(&rand::rng().random::<[u8; 16]>());
         self.inner
             .metrics
-            .record_decision(valid.upstream, &decision, started.elapsed());
+            .record_decision(valid.upstream, &decision, begun.started.elapsed());
         tracing::debug!(
             target: "retryd::decision",
             decision_id,
-            trace_id = span.as_ref().map(|s| &s.trace_id).or(parent.map(|p| &p.trace_id)).map(|id| hex(id)),
+            trace_id = begun.span.as_ref().map(|s| &s.trace_id).or(parent.map(|p| &p.trace_id)).map(|id| hex(id)),
             upstream = valid.upstream,
             operation = valid.operation,
             attempt = valid.attempt,
@@ -214,9 +206,9 @@ impl<S: BudgetStore> Service<S> {
             rule = decision.rule.number(),
             "decided"
         );
-        if let Some(span) = span {
+        if let Some(span) = begun.span {
             let attributes =
-                self.decision_attributes(&valid, &decision, tokens_remaining, &decision_id);
+                self.decision_attributes(valid, &decision, tokens_remaining, &decision_id);
             self.inner
                 .tracer
                 .finish(span, SPAN_DECIDE, attributes, None);
