@@ -7,7 +7,6 @@
 mod redis_harness;
 
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use redis_harness::{RedisCluster, RedisServer};
@@ -25,15 +24,6 @@ fn bucket(capacity: f64, initial: f64, ratio: f64, min_per_second: f64) -> Bucke
 }
 
 /// A key prefix no other test or store uses.
-fn fresh_prefix() -> String {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    format!(
-        "contract-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
 async fn redis_store(urls: &[String], mode: RedisMode, max_upstreams: usize) -> RedisBudgetStore {
     let config = RedisConfig {
         urls: urls.to_vec(),
@@ -43,7 +33,7 @@ async fn redis_store(urls: &[String], mode: RedisMode, max_upstreams: usize) -> 
         lease_tokens: 5.0,
         max_lease_tokens: 1000.0,
         lease_ttl: Duration::from_secs(2),
-        key_prefix: fresh_prefix(),
+        key_prefix: redis_harness::fresh_prefix("contract"),
     };
     RedisBudgetStore::connect(&config, max_upstreams)
         .await

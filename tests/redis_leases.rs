@@ -8,7 +8,7 @@
 mod redis_harness;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis_harness::RedisServer;
@@ -25,15 +25,6 @@ fn bucket(capacity: f64) -> BucketConfig {
     }
 }
 
-fn fresh_prefix() -> String {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    format!(
-        "leases-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
 #[derive(Clone)]
 struct Setup {
     url: String,
@@ -47,7 +38,7 @@ impl Setup {
     fn new(server: &RedisServer, lease_tokens: f64) -> Setup {
         Setup {
             url: server.url(),
-            prefix: fresh_prefix(),
+            prefix: redis_harness::fresh_prefix("leases"),
             lease_tokens,
             max_lease_tokens: 1000.0,
             lease_ttl: Duration::from_secs(2),

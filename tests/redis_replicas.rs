@@ -25,15 +25,6 @@ fn bucket(capacity: f64, initial: f64, ratio: f64, min_per_second: f64) -> Bucke
     }
 }
 
-fn fresh_prefix() -> String {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    format!(
-        "replicas-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
 struct Setup {
     urls: Vec<String>,
     mode: RedisMode,
@@ -49,7 +40,7 @@ impl Setup {
         Setup {
             urls,
             mode,
-            prefix: fresh_prefix(),
+            prefix: redis_harness::fresh_prefix("replicas"),
             timeout: Duration::from_millis(500),
             lease_tokens: 5.0,
             max_lease_tokens: 1000.0,

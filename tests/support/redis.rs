@@ -14,6 +14,17 @@ use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+/// A key prefix no other store in this test process uses, so that stores
+/// sharing one Redis never see each other's budgets.
+pub fn fresh_prefix(tag: &str) -> String {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    format!(
+        "{tag}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    )
+}
+
 /// How long a server may take to accept connections.
 const STARTUP: Duration = Duration::from_secs(10);
 
