@@ -39,6 +39,16 @@ impl Server {
 
     /// Like [`Server::start`], with extra environment variables.
     pub fn start_with_env(extra: &str, env: &[(&str, &str)]) -> Server {
+        Server::start_config(&[], extra, env)
+    }
+
+    /// Like [`Server::start`], with retryd run by `wrapper` (a program and
+    /// its arguments, e.g. `valgrind --tool=none`).
+    pub fn start_under(wrapper: &[&str], extra: &str) -> Server {
+        Server::start_config(wrapper, extra, &[])
+    }
+
+    fn start_config(wrapper: &[&str], extra: &str, env: &[(&str, &str)]) -> Server {
         let dir = tempfile::tempdir().expect("temp dir");
         let config_path = dir.path().join("retryd.toml");
         let has_server = extra.contains("[server]");
@@ -50,23 +60,36 @@ impl Server {
             )
         };
         std::fs::write(&config_path, config).expect("write config");
-        Server::spawn(&config_path, env, dir)
+        Server::spawn(wrapper, &config_path, env, dir)
     }
 
     /// Starts retryd on an existing configuration file (which must listen
     /// on loopback ports), e.g. one the test rewrites to reload.
     pub fn start_file(config_path: &std::path::Path) -> Server {
-        Server::spawn(config_path, &[], tempfile::tempdir().expect("temp dir"))
+        Server::spawn(
+            &[],
+            config_path,
+            &[],
+            tempfile::tempdir().expect("temp dir"),
+        )
     }
 
     fn spawn(
+        wrapper: &[&str],
         config_path: &std::path::Path,
         env: &[(&str, &str)],
         dir: tempfile::TempDir,
     ) -> Server {
         let stderr_path = dir.path().join("stderr.log");
         let stderr = std::fs::File::create(&stderr_path).expect("stderr file");
-        let mut command = Command::new(binary());
+        let mut command = match wrapper {
+            [] => Command::new(binary()),
+            [program, arguments @ ..] => {
+                let mut command = Command::new(program);
+                command.args(arguments).arg(binary());
+                command
+            }
+        };
         command
             .args(["serve", "--config"])
             .arg(config_path)
@@ -76,7 +99,9 @@ impl Server {
         for (key, value) in env {
             command.env(key, value);
         }
-        let mut child = command.spawn().expect("spawn retryd");
+        let mut child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot run {:?}: {e}", command.get_program()));
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
