@@ -12,6 +12,10 @@
 //! so the server does its real work; the response verdicts are counted and
 //! reported so a run whose RETRYs silently became budget denials shows.
 //!
+//! With `--requests N` it sends exactly N requests flat out and measures
+//! them all: a fixed amount of work, so that a server's instruction count
+//! under callgrind divides into a cost per call.
+//!
 //! At a fixed rate the generator is open-loop: a pacer thread releases
 //! tickets at the rate, evenly spaced, into one queue that every idle
 //! sender draws from, and latency runs from the ticket's release, so time a
@@ -25,6 +29,7 @@
 use std::fmt::Write as _;
 use std::str::FromStr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -63,6 +68,11 @@ struct Args {
     /// Total requests per second across all connections; 0 is flat out.
     #[arg(long, default_value_t = 0.0)]
     rate: f64,
+    /// Send exactly this many requests, flat out, and measure them all
+    /// (instead of a warm-up and a duration): a fixed amount of work, for
+    /// counting a server's instructions per call under callgrind.
+    #[arg(long, conflicts_with_all = ["rate", "duration", "warmup"])]
+    requests: Option<u64>,
     /// Weights of the verdict kinds the requests are built to get.
     #[arg(long, default_value = "retry=2,deny=1,ambiguous=1")]
     mix: Mix,
@@ -245,8 +255,12 @@ impl Requests {
 /// latency is measured from.
 #[derive(Clone)]
 enum Tickets {
-    FlatOut { end: Instant },
+    FlatOut {
+        end: Instant,
+    },
     Paced(Arc<Mutex<mpsc::UnboundedReceiver<Instant>>>),
+    /// Flat out, until this many tickets, shared by every sender, are gone.
+    Counted(Arc<AtomicU64>),
 }
 
 impl Tickets {
@@ -258,6 +272,10 @@ impl Tickets {
                 (now < *end).then_some(now)
             }
             Tickets::Paced(queue) => queue.lock().await.recv().await,
+            Tickets::Counted(left) => left
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_ok()
+                .then(Instant::now),
         }
     }
 
@@ -463,14 +481,27 @@ async fn run(args: &Args) -> anyhow::Result<(Tally, Duration)> {
     }
     let requests = Requests::new(&args.mix, args.upstreams);
     let start = Instant::now();
-    let window = Window {
-        measure_from: start + args.warmup,
-        end: start + args.warmup + args.duration,
-    };
-    let tickets = if args.rate > 0.0 {
-        start_pacer(args.rate, start, window.end)
-    } else {
-        Tickets::FlatOut { end: window.end }
+    let (window, tickets) = match args.requests {
+        // Every answer counts, however long they take.
+        Some(count) => (
+            Window {
+                measure_from: start,
+                end: start + Duration::from_secs(86_400),
+            },
+            Tickets::Counted(Arc::new(AtomicU64::new(count))),
+        ),
+        None => {
+            let window = Window {
+                measure_from: start + args.warmup,
+                end: start + args.warmup + args.duration,
+            };
+            let tickets = if args.rate > 0.0 {
+                start_pacer(args.rate, start, window.end)
+            } else {
+                Tickets::FlatOut { end: window.end }
+            };
+            (window, tickets)
+        }
     };
 
     let mut senders = Vec::new();
@@ -509,7 +540,11 @@ async fn run(args: &Args) -> anyhow::Result<(Tally, Duration)> {
     for sender in senders {
         total.merge(sender.await.context("a sender task panicked")?);
     }
-    Ok((total, window.end - window.measure_from))
+    let measured = match args.requests {
+        Some(_) => start.elapsed(),
+        None => window.end - window.measure_from,
+    };
+    Ok((total, measured))
 }
 
 fn micros(nanos: u64) -> f64 {
@@ -572,10 +607,10 @@ fn main() -> anyhow::Result<()> {
             Mode::Stream => format!(" x {} streams", args.streams),
             Mode::Unary => String::new(),
         },
-        rate = if args.rate > 0.0 {
-            format!("{} req/s offered", args.rate)
-        } else {
-            "flat out".to_owned()
+        rate = match args.requests {
+            Some(count) => format!("{count} requests, flat out"),
+            None if args.rate > 0.0 => format!("{} req/s offered", args.rate),
+            None => "flat out".to_owned(),
         },
     );
     eprintln!(
