@@ -40,9 +40,10 @@ struct Args {
     /// Where to listen (port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: SocketAddr,
-    /// Apply retryd's default server limits (per-connection concurrency
-    /// limit with load shedding, a 5 s request timeout, 128 streams per
-    /// connection, keepalive), to tell their cost from the decision's.
+    /// Serve as `retryd serve` does by default, apart from the decision:
+    /// its `[server]` defaults (128 streams per connection, keepalive) and
+    /// its routes (health, reflection v1 and v1alpha beside the decider),
+    /// to tell the cost of that setup from the decision's.
     #[arg(long)]
     server_limits: bool,
     /// Also run the exact store's decision script on this Redis per Decide.
@@ -250,18 +251,28 @@ fn main() -> anyhow::Result<()> {
         let address = listener.local_addr()?;
         println!("{{\"grpc\":\"{address}\"}}");
         let mut server = tonic::transport::Server::builder();
-        if args.server_limits {
-            // The defaults of retryd's `[server]` section.
-            server = server
+        let decider = RetryDeciderServer::new(Baseline::new(redis));
+        let router = if args.server_limits {
+            // What `retryd serve` sets up by default around the decider:
+            // the `[server]` defaults, and the same routes.
+            let (_, health) = tonic_health::server::health_reporter();
+            let reflection = || {
+                tonic_reflection::server::Builder::configure()
+                    .register_encoded_file_descriptor_set(retryd::grpc::FILE_DESCRIPTOR_SET)
+                    .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            };
+            server
                 .max_concurrent_streams(128)
-                .concurrency_limit_per_connection(1024)
-                .load_shed(true)
-                .timeout(std::time::Duration::from_secs(5))
                 .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
-                .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)));
-        }
-        server
-            .add_service(RetryDeciderServer::new(Baseline::new(redis)))
+                .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
+                .add_service(health)
+                .add_service(reflection().build_v1()?)
+                .add_service(reflection().build_v1alpha()?)
+                .add_service(decider)
+        } else {
+            server.add_service(decider)
+        };
+        router
             .serve_with_incoming_shutdown(
                 // tonic's default (TCP_NODELAY), which it applies only to
                 // listeners it binds itself.
