@@ -661,6 +661,115 @@ fn explanations_name_the_rule() {
     );
 }
 
+/// Every branch of the explanation text, exactly: callers log it and
+/// people read it, so a rewrite for speed must not change a byte.
+#[test]
+fn every_explanation_word_for_word() {
+    let decision = |verdict, rule, status, adjusted| Decision {
+        verdict,
+        rule,
+        effective_evidence: Evidence::SentNoResponse,
+        evidence_adjusted: adjusted,
+        http_status: status,
+    };
+    let retry = |refresh_credentials| Verdict::Retry {
+        backoff: Duration::from_micros(1_234_567),
+        refresh_credentials,
+    };
+    let cases = [
+        (
+            decision(retry(true), Rule::STATUS, Some(401), false),
+            "retry after 1234ms: refresh credentials and replay once (rule 9, 401)",
+        ),
+        (
+            decision(retry(false), Rule::STATUS, Some(503), false),
+            "retry after 1234ms: status 503 is retryable (rule 9)",
+        ),
+        (
+            decision(retry(false), Rule::STATUS, None, true),
+            "retry after 1234ms: evidence sent_no_response allows another attempt (rule 9); \
+             the claimed evidence was weakened to sent_no_response",
+        ),
+        (
+            decision(Verdict::Ambiguous, Rule::AMBIGUOUS_SEND, None, false),
+            "ambiguous: the request was sent and may have taken effect; the operation is not \
+             idempotent, so reconcile (rule 8)",
+        ),
+        (
+            decision(Verdict::Ambiguous, Rule::STATUS, Some(500), false),
+            "ambiguous: evidence sent_no_response means the request may have taken effect; \
+             the operation is not idempotent, so reconcile (rule 9)",
+        ),
+        (
+            decision(Verdict::Deny(MaxAttempts), Rule::MAX_ATTEMPTS, None, false),
+            "deny: no attempts left (rule 1)",
+        ),
+        (
+            decision(Verdict::Deny(BudgetExhausted), Rule::BUDGET, None, false),
+            "deny: the upstream's retry budget is empty (rule 2)",
+        ),
+        (
+            decision(Verdict::Deny(BudgetUnavailable), Rule::BUDGET, None, false),
+            "deny: the shared retry budget is unreachable and the policy is to deny (rule 2)",
+        ),
+        (
+            decision(Verdict::Deny(BodyNotReplayable), Rule::BODY, None, false),
+            "deny: the body cannot be sent again (rule 3)",
+        ),
+        (
+            decision(
+                Verdict::Deny(ResponseAlreadyDelivered),
+                Rule::FIRST_BYTE,
+                None,
+                false,
+            ),
+            "deny: part of the response already reached the application (rule 4)",
+        ),
+        (
+            decision(Verdict::Deny(RuntimeDraining), Rule::DRAINING, None, false),
+            "deny: the caller's runtime is draining (rule 5)",
+        ),
+        (
+            decision(Verdict::Deny(RetriesDisabled), Rule::BUDGET, None, false),
+            "deny: an operator switched retries off for this upstream (rule 2)",
+        ),
+        (
+            decision(Verdict::Deny(Deadline), Rule::DEADLINE, None, false),
+            "deny: the remaining deadline leaves no room for another attempt (rule 6)",
+        ),
+        (
+            decision(Verdict::Deny(PermanentFailure), Rule::PERMANENT, None, true),
+            "deny: the failure is permanent (rule 7); the claimed evidence was weakened to \
+             sent_no_response",
+        ),
+        (
+            decision(
+                Verdict::Deny(StatusNotRetryable),
+                Rule::STATUS,
+                Some(404),
+                false,
+            ),
+            "deny: the status is not retryable for this operation (rule 9, status 404)",
+        ),
+        (
+            decision(Verdict::Deny(StatusNotRetryable), Rule::STATUS, None, false),
+            "deny: the outcome is not retryable for this operation (rule 9)",
+        ),
+    ];
+    for (decision, text) in cases {
+        assert_eq!(decision.to_string(), text, "{decision:?}");
+    }
+}
+
+#[test]
+fn decimals_as_format_writes_them() {
+    for n in [0, 7, 10, 99, 1_234, 1_000_000, u64::MAX] {
+        let mut text = String::from("x");
+        push_decimal(&mut text, n);
+        assert_eq!(text, format!("x{n}"));
+    }
+}
+
 #[test]
 fn losing_the_token_race_is_a_budget_denial() {
     let decision = case()

@@ -357,19 +357,9 @@ fn response(decision: &Decision, decision_id: String, tokens_remaining: f64) -> 
         evidence_adjusted: decision.evidence_adjusted,
         decision_id,
         tokens_remaining,
-        explanation: explanation(decision),
+        explanation: decision.explanation(),
         error: None,
     }
-}
-
-/// The decision's text, written into one allocation: `to_string` starts
-/// empty and grew the buffer five times per decision (a profile's `realloc`).
-fn explanation(decision: &Decision) -> String {
-    use std::fmt::Write as _;
-    // The longest explanation is under 200 bytes.
-    let mut text = String::with_capacity(200);
-    let _ = write!(text, "{decision}");
-    text
 }
 
 fn deny_reason(reason: DenyReason) -> pb::DenyReason {
