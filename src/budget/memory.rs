@@ -7,13 +7,22 @@
 //! that never takes the tokens below one whole token's worth. No lock is
 //! held across an `.await` because nothing here awaits: the futures are
 //! ready when returned.
+//!
+//! The buckets live in one shared map, and each thread also keeps its own
+//! index of the buckets it has used: a decision then finds its bucket with
+//! no lock and no write to memory another core reads, so the only cache
+//! line threads contend for is the bucket's own. Buckets are never removed,
+//! so an index entry never goes stale.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::future::{Future, ready};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
+use thread_local::ThreadLocal;
 
 use super::{
     BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, StoreError, UNITS_PER_TOKEN,
@@ -189,10 +198,18 @@ impl Bucket {
     }
 }
 
+/// One thread's index of the buckets it has used, by upstream.
+type NearBuckets = RefCell<HashMap<Arc<str>, Arc<Bucket>>>;
+
 /// In-memory budgets for one process (the default store).
 #[derive(Debug)]
 pub struct MemoryBudgetStore<C: Clock = MonotonicClock> {
-    buckets: DashMap<Box<str>, Bucket>,
+    /// Every bucket; taking a shard lock here is the slow path.
+    buckets: DashMap<Arc<str>, Arc<Bucket>>,
+    /// Each thread's index into `buckets`. The shared map's read lock is an
+    /// atomic write to a line every core touches: on a busy upstream it cost
+    /// more than the bucket's own compare-and-swap (see BENCHMARKS.md).
+    near: ThreadLocal<NearBuckets>,
     tracked: AtomicUsize,
     max_upstreams: usize,
     clock: C,
@@ -210,6 +227,7 @@ impl<C: Clock> MemoryBudgetStore<C> {
     pub fn with_clock(max_upstreams: usize, clock: C) -> Self {
         MemoryBudgetStore {
             buckets: DashMap::new(),
+            near: ThreadLocal::new(),
             tracked: AtomicUsize::new(0),
             max_upstreams,
             clock,
@@ -217,7 +235,7 @@ impl<C: Clock> MemoryBudgetStore<C> {
     }
 
     /// Runs `f` on the upstream's bucket, creating the bucket if needed and
-    /// allowed. The closure runs under the map's shard lock: keep it short.
+    /// allowed.
     fn with_bucket<T>(
         &self,
         upstream: &str,
@@ -225,11 +243,12 @@ impl<C: Clock> MemoryBudgetStore<C> {
         f: impl FnOnce(&Bucket, u64) -> T,
     ) -> Result<T, StoreError> {
         let now = self.clock.now_nanos();
-        if let Some(bucket) = self.buckets.get(upstream) {
-            return Ok(f(&bucket, now));
+        let near = self.near.get_or_default();
+        if let Some(bucket) = near.borrow().get(upstream) {
+            return Ok(f(bucket, now));
         }
-        match self.buckets.entry(upstream.into()) {
-            Entry::Occupied(entry) => Ok(f(entry.get(), now)),
+        let (key, bucket) = match self.buckets.entry(upstream.into()) {
+            Entry::Occupied(entry) => (Arc::clone(entry.key()), Arc::clone(entry.get())),
             Entry::Vacant(entry) => {
                 let limit = self.max_upstreams;
                 self.tracked
@@ -237,17 +256,33 @@ impl<C: Clock> MemoryBudgetStore<C> {
                         (n < limit).then_some(n + 1)
                     })
                     .map_err(|_| StoreError::TooManyUpstreams { limit })?;
-                let bucket = entry.insert(Bucket::new(config, now));
-                Ok(f(&bucket, now))
+                let key = Arc::clone(entry.key());
+                let bucket = Arc::clone(entry.insert(Arc::new(Bucket::new(config, now))).value());
+                (key, bucket)
             }
-        }
+        };
+        let answer = f(&bucket, now);
+        near.borrow_mut().insert(key, bucket);
+        Ok(answer)
     }
 
     /// A look that creates nothing: the check of a bucket that exists, or
     /// what a fresh one would hold. Returns whether the bucket exists.
     fn look(&self, upstream: &str, config: &BucketConfig) -> (BudgetCheck, bool) {
-        match self.buckets.get(upstream) {
-            Some(bucket) => (bucket.check(config, self.clock.now_nanos(), false), true),
+        let near = self.near.get_or_default();
+        if let Some(bucket) = near.borrow().get(upstream) {
+            return (bucket.check(config, self.clock.now_nanos(), false), true);
+        }
+        let shared = self
+            .buckets
+            .get(upstream)
+            .map(|entry| (Arc::clone(entry.key()), Arc::clone(entry.value())));
+        match shared {
+            Some((key, bucket)) => {
+                let check = bucket.check(config, self.clock.now_nanos(), false);
+                near.borrow_mut().insert(key, bucket);
+                (check, true)
+            }
             None => (
                 BudgetCheck {
                     tokens: units_to_tokens(config.initial_units()),
@@ -470,6 +505,39 @@ mod tests {
                 .unwrap()
                 .is_some()
         );
+    }
+
+    #[test]
+    fn threads_share_buckets_and_the_limit() {
+        // Each thread indexes buckets on its own; what it finds must be the
+        // one shared bucket, and the limit counts upstreams, not indexes.
+        let config = BucketConfig {
+            capacity: 3.0,
+            initial: 3.0,
+            ratio: 0.0,
+            min_per_second: 0.0,
+            ..BucketConfig::default()
+        };
+        let store = MemoryBudgetStore::with_clock(1, ManualClock::default());
+        assert_eq!(
+            block_on(store.try_withdraw("a", &config)).unwrap(),
+            Some(2.0)
+        );
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                assert_eq!(block_on(store.view("a", &config)).unwrap().tokens, 2.0);
+                assert_eq!(
+                    block_on(store.try_withdraw("a", &config)).unwrap(),
+                    Some(1.0)
+                );
+                let other = block_on(store.try_withdraw("b", &config));
+                assert!(
+                    matches!(other, Err(StoreError::TooManyUpstreams { limit: 1 })),
+                    "{other:?}"
+                );
+            });
+        });
+        assert_eq!(block_on(store.view("a", &config)).unwrap().tokens, 1.0);
     }
 
     #[test]
