@@ -152,9 +152,9 @@ impl Auth {
         &self,
         authorization: Option<&str>,
         certificate_identities: impl IntoIterator<Item = &'a str>,
-    ) -> Result<Arc<Principal>, Denied> {
+    ) -> Result<&Arc<Principal>, Denied> {
         if let Some(anonymous) = &self.anonymous {
-            return Ok(Arc::clone(anonymous));
+            return Ok(anonymous);
         }
         if let Some(value) = authorization {
             let token = value
@@ -166,12 +166,11 @@ impl Auth {
             return self
                 .by_key_hash
                 .get(&hash_key(token.trim()))
-                .cloned()
                 .ok_or(Denied::Unauthenticated("unknown API key"));
         }
         certificate_identities
             .into_iter()
-            .find_map(|identity| self.by_identity.get(identity).cloned())
+            .find_map(|identity| self.by_identity.get(identity))
             .ok_or(Denied::Unauthenticated(
                 "no credential: send \"authorization: Bearer <api key>\" or a known client certificate",
             ))

@@ -36,7 +36,7 @@ impl<S: BudgetStore> Service<S> {
         let live = self.policies();
         let principal = match self.authenticate(&live, request).and_then(|principal| {
             if principal.admin {
-                Ok(principal)
+                Ok(Arc::clone(principal))
             } else {
                 Err(Denied::PermissionDenied(format!(
                     "principal {:?} lacks the admin role",

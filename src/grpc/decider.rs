@@ -395,13 +395,13 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         request: Request<pb::DecideRequest>,
     ) -> Result<Response<pb::DecideResponse>, Status> {
         // One load of the configuration serves authentication and decision.
-        let live = self.policies();
+        let live = self.live();
         let principal = self.authenticate(&live, &request)?;
         let parent = trace_context(request.metadata());
         let answer = if S::ANSWERS_AT_ONCE {
-            self.decide_one_now(&live, &principal, request.get_ref(), parent.as_ref())
+            self.decide_one_now(&live, principal, request.get_ref(), parent.as_ref())
         } else {
-            self.decide_one(&live, &principal, request.get_ref(), parent.as_ref())
+            self.decide_one(&live, principal, request.get_ref(), parent.as_ref())
                 .await
         };
         answer.map(Response::new)
@@ -415,7 +415,7 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
     ) -> Result<Response<Self::DecideStreamStream>, Status> {
         // The caller authenticates once for the stream; each item is still
         // checked against the upstreams it may use.
-        let principal = self.authenticate(&self.policies(), &request)?;
+        let principal = Arc::clone(self.authenticate(&self.live(), &request)?);
         // Every item's span is a child of the stream's trace context.
         let parent = trace_context(request.metadata()).map(Arc::new);
         let items = request.into_inner();
@@ -437,7 +437,7 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
             Box::pin(items.map(move |item| {
                 item.map(|request| {
                     answered(service.decide_one_now(
-                        &service.policies(),
+                        &service.live(),
                         &principal,
                         &request,
                         parent.as_deref(),
@@ -455,7 +455,7 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
                             let request = item?;
                             let answer = service
                                 .decide_one(
-                                    &service.policies(),
+                                    &service.live(),
                                     &principal,
                                     &request,
                                     parent.as_deref(),
@@ -480,7 +480,7 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
             .inner
             .tracer
             .start(trace_context(request.metadata()).as_ref());
-        match Service::report_traffic(self, &live, &principal, request.get_ref()).await {
+        match Service::report_traffic(self, &live, principal, request.get_ref()).await {
             Ok(accepted) => {
                 if let Some(span) = span {
                     let requests: u64 = request
