@@ -12,7 +12,8 @@
 //! index of the buckets it has used: a decision then finds its bucket with
 //! no lock and no write to memory another core reads, so the only cache
 //! line threads contend for is the bucket's own. Buckets are never removed,
-//! so an index entry never goes stale.
+//! so an index entry never goes stale (an eviction would have to clear the
+//! indexes as well).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
