@@ -182,30 +182,41 @@ pub fn hash_key(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
 }
 
-/// The identities a DER-encoded client certificate vouches for: its DNS and
-/// URI subject alternative names and its common name.
+/// The identities a DER-encoded client certificate vouches for, as RFC 6125
+/// reads them: its DNS and URI subject alternative names; its common names
+/// only when it has no subject alternative name at all (a certificate with
+/// SANs vouches for those alone, whatever its subject says). Nothing for a
+/// certificate that does not parse.
+///
+/// Pass only the leaf: the handshake verifies that the leaf chains to the
+/// client CA, not that the other certificates a client sends do, so their
+/// names prove nothing.
 pub fn certificate_identities(der: &[u8]) -> Vec<String> {
     use x509_parser::extensions::GeneralName;
     use x509_parser::prelude::{FromDer, X509Certificate};
     let Ok((_, certificate)) = X509Certificate::from_der(der) else {
         return Vec::new();
     };
-    let mut identities = Vec::new();
-    if let Ok(Some(names)) = certificate.subject_alternative_name() {
-        for name in &names.value.general_names {
-            match name {
-                GeneralName::DNSName(dns) => identities.push((*dns).to_owned()),
-                GeneralName::URI(uri) => identities.push((*uri).to_owned()),
-                _ => {}
-            }
-        }
+    match certificate.subject_alternative_name() {
+        Ok(Some(names)) => names
+            .value
+            .general_names
+            .iter()
+            .filter_map(|name| match name {
+                GeneralName::DNSName(dns) => Some((*dns).to_owned()),
+                GeneralName::URI(uri) => Some((*uri).to_owned()),
+                _ => None,
+            })
+            .collect(),
+        Ok(None) => certificate
+            .subject()
+            .iter_common_name()
+            .filter_map(|common_name| common_name.as_str().ok())
+            .map(str::to_owned)
+            .collect(),
+        // A malformed or duplicated SAN extension: trust no name in it.
+        Err(_) => Vec::new(),
     }
-    for common_name in certificate.subject().iter_common_name() {
-        if let Ok(text) = common_name.as_str() {
-            identities.push(text.to_owned());
-        }
-    }
-    identities
 }
 
 #[cfg(test)]

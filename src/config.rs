@@ -105,6 +105,14 @@ pub struct ServerSettings {
     /// `store.timeout`.
     #[serde(default = "default_request_timeout")]
     pub request_timeout: String,
+    /// Most connections open at once; more are closed as soon as they are
+    /// accepted (and the bound is lowered to fit the process's file limit).
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Longest a new connection may take to finish its TLS handshake and
+    /// send the HTTP/2 preface before it is closed.
+    #[serde(default = "default_handshake_timeout")]
+    pub handshake_timeout: String,
     /// `[server.tls]`: TLS, and mTLS with a client CA.
     pub tls: Option<TlsSettings>,
 }
@@ -136,6 +144,12 @@ fn default_max_concurrent_streams() -> u32 {
 }
 fn default_request_timeout() -> String {
     "0s".into()
+}
+fn default_max_connections() -> usize {
+    10_000
+}
+fn default_handshake_timeout() -> String {
+    "10s".into()
 }
 
 /// `[auth]`
@@ -189,6 +203,8 @@ impl Default for ServerSettings {
             max_concurrent_streams: default_max_concurrent_streams(),
             max_concurrent_requests: 0,
             request_timeout: default_request_timeout(),
+            max_connections: default_max_connections(),
+            handshake_timeout: default_handshake_timeout(),
             tls: None,
         }
     }
@@ -577,6 +593,10 @@ pub struct ServerLimits {
     pub max_concurrent_requests: Option<usize>,
     /// Per-call time limit, if any.
     pub request_timeout: Option<Duration>,
+    /// Most connections open at once.
+    pub max_connections: usize,
+    /// Time a connection has for its TLS handshake and HTTP/2 preface.
+    pub handshake_timeout: Duration,
 }
 
 /// The validated configuration the service runs on.
@@ -785,12 +805,24 @@ fn server_limits(server: &ServerSettings) -> Result<ServerLimits, InvalidConfig>
         ));
     }
     let request_timeout = parse_duration("server.request_timeout", &server.request_timeout)?;
+    if server.max_connections == 0 {
+        return Err(invalid("server.max_connections", "must be at least 1"));
+    }
+    let handshake_timeout = parse_duration("server.handshake_timeout", &server.handshake_timeout)?;
+    if handshake_timeout.is_zero() {
+        return Err(invalid(
+            "server.handshake_timeout",
+            "must be more than 0s: a connection that never speaks would be kept forever",
+        ));
+    }
     Ok(ServerLimits {
         max_message_bytes: server.max_message_bytes,
         max_concurrent_streams: server.max_concurrent_streams,
         max_concurrent_requests: (server.max_concurrent_requests > 0)
             .then_some(server.max_concurrent_requests),
         request_timeout: (!request_timeout.is_zero()).then_some(request_timeout),
+        max_connections: server.max_connections,
+        handshake_timeout,
     })
 }
 

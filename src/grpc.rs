@@ -5,6 +5,7 @@
 //! `tonic::Status` in one place, `grpc/status.rs`.
 
 mod admin;
+pub mod connections;
 mod decider;
 mod status;
 pub mod validate;
@@ -17,16 +18,16 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tonic::transport::Server;
-use tonic::transport::server::TcpIncoming;
 
 use arc_swap::ArcSwap;
 
-use crate::auth::{Auth, Principal, certificate_identities};
+use crate::auth::{Auth, Principal};
 use crate::budget::BudgetStore;
-use crate::config::{Config, InvalidConfig, ServerLimits, TlsConfig};
+use crate::config::{Config, InvalidConfig, ServerLimits};
 use crate::pb;
 use crate::policy::Policies;
-use crate::telemetry::{Attribute, Metrics, SpanStart, TraceContext, Tracer, attr};
+use crate::telemetry::{Attribute, Metrics, SpanStart, Throttle, TraceContext, Tracer, attr};
+pub use connections::{Acceptor, Peer};
 
 /// The health-service name that reports the budget store's reachability.
 pub const STORE_HEALTH_SERVICE: &str = "retryd.v1.BudgetStore";
@@ -54,6 +55,9 @@ struct Inner<S> {
     tracer: Tracer,
     /// Where the configuration came from, for reloads.
     reload: Reload,
+    /// Refused calls are logged ten at once, then one a second, with a
+    /// count of the others: a caller probing keys must not flood the log.
+    refusals: Throttle,
 }
 
 /// The reloadable part of the configuration.
@@ -106,6 +110,7 @@ impl<S: BudgetStore> Service<S> {
                 metrics,
                 tracer,
                 reload,
+                refusals: Throttle::new(Duration::from_secs(1), 10),
             }),
         }
     }
@@ -172,36 +177,69 @@ impl<S: BudgetStore> Service<S> {
         Ok((named, restart_required))
     }
 
-    /// Who is calling: the principal behind the request's API key or client
-    /// certificate (anonymous when authentication is off), borrowed from
-    /// the configuration (cloned only by a caller that keeps it).
+    /// Who is calling `rpc`: the principal behind the request's API key or
+    /// client certificate (anonymous when authentication is off), borrowed
+    /// from the configuration (cloned only by a caller that keeps it). A
+    /// refusal is logged for audit.
     fn authenticate<'l, T>(
         &self,
         live: &'l Live,
         request: &tonic::Request<T>,
+        rpc: &'static str,
     ) -> Result<&'l Arc<Principal>, tonic::Status> {
         if !live.auth.is_enabled() {
             return Ok(live.auth.authenticate(None, [])?);
         }
-        let authorization =
-            match request.metadata().get("authorization") {
-                Some(value) => Some(value.to_str().map_err(|_| {
-                    tonic::Status::unauthenticated("authorization: not valid ASCII")
-                })?),
-                None => None,
-            };
-        let identities: Vec<String> = request
-            .peer_certs()
-            .map(|certificates| {
-                certificates
-                    .iter()
-                    .flat_map(|certificate| certificate_identities(certificate.as_ref()))
-                    .collect()
-            })
-            .unwrap_or_default();
-        Ok(live
-            .auth
-            .authenticate(authorization, identities.iter().map(String::as_str))?)
+        let authenticated = match request.metadata().get("authorization") {
+            Some(value) => match value.to_str() {
+                Ok(text) => Ok(Some(text)),
+                Err(_) => Err(tonic::Status::unauthenticated(
+                    "authorization: not valid ASCII",
+                )),
+            },
+            None => Ok(None),
+        }
+        .and_then(|authorization| {
+            // Read from the leaf certificate once, when the connection was made.
+            let identities = peer(request).map(Peer::identities).unwrap_or_default();
+            Ok(live
+                .auth
+                .authenticate(authorization, identities.iter().map(String::as_str))?)
+        });
+        if let Err(status) = &authenticated {
+            self.audit_refusal(rpc, peer_addr(request), None, status);
+        }
+        authenticated
+    }
+
+    /// Logs a call refused for want of a credential or a permission, on the
+    /// audit target, throttled. Other failures are not refusals and are
+    /// not logged here.
+    fn audit_refusal(
+        &self,
+        rpc: &'static str,
+        peer: Option<SocketAddr>,
+        principal: Option<&str>,
+        status: &tonic::Status,
+    ) {
+        if !matches!(
+            status.code(),
+            tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
+        ) {
+            return;
+        }
+        self.inner.refusals.log(|suppressed| {
+            tracing::warn!(
+                target: "retryd::audit",
+                rpc,
+                peer = peer.map(|peer| peer.to_string()),
+                principal,
+                code = ?status.code(),
+                reason = status.message(),
+                suppressed,
+                "call refused"
+            );
+        });
     }
 
     /// The budget store, for health checks and metrics.
@@ -210,16 +248,27 @@ impl<S: BudgetStore> Service<S> {
     }
 }
 
-/// Serves `service` on `listener` (with gRPC health and reflection) until
-/// `shutdown` completes; then stops accepting, gives in-flight calls up to
-/// `grace` to finish, and returns.
+/// The connection a request came on: its address and client certificate.
+fn peer<T>(request: &tonic::Request<T>) -> Option<&Peer> {
+    request.extensions().get::<Peer>()
+}
+
+/// The address a request came from.
+fn peer_addr<T>(request: &tonic::Request<T>) -> Option<SocketAddr> {
+    peer(request).map(|peer| peer.remote_addr)
+}
+
+/// Serves `service` on `listener` (with gRPC health and reflection),
+/// accepting connections through `acceptor`, until `shutdown` completes;
+/// then stops accepting, gives in-flight calls up to `grace` to finish,
+/// and returns.
 pub async fn serve<S: BudgetStore>(
     listener: TcpListener,
+    acceptor: Acceptor,
     service: Service<S>,
     shutdown: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
 ) -> Result<(), tonic::transport::Error> {
-    let tls = service.inner.reload.startup.tls.clone();
     let limits = service.inner.reload.startup.server_limits.clone();
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
@@ -266,7 +315,7 @@ pub async fn serve<S: BudgetStore>(
         .expect("the descriptor sets are compiled in and valid");
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let mut builder = server_builder(&limits, tls.as_ref())?;
+    let mut builder = server_builder(&limits);
     let decider = pb::retry_decider_server::RetryDeciderServer::new(service.clone())
         .max_decoding_message_size(limits.max_message_bytes);
     let admin = pb::retry_admin_server::RetryAdminServer::new(service)
@@ -277,10 +326,7 @@ pub async fn serve<S: BudgetStore>(
         .add_service(reflection_v1alpha)
         .add_service(decider)
         .add_service(admin);
-    // TCP_NODELAY: tonic sets it only on listeners it binds itself. Without
-    // it, Nagle's algorithm held a response's last small segment until the
-    // caller's delayed ACK: a 40 ms tail on a share of decisions.
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = acceptor.incoming(listener);
     let mut server = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async {
         let _ = stop_rx.await;
     }));
@@ -309,17 +355,22 @@ pub async fn serve<S: BudgetStore>(
     }
 }
 
-/// A server with the configured limits and TLS. HTTP/2 bounds the streams
-/// of a connection; an optional per-connection request limit refuses
-/// overload with RESOURCE_EXHAUSTED (load shedding) rather than queueing.
-/// Both optional layers cost time on every call (measured: together with
-/// the timeout about 10% of a bare server's throughput), hence opt-in.
-fn server_builder(
-    limits: &ServerLimits,
-    tls: Option<&TlsConfig>,
-) -> Result<Server, tonic::transport::Error> {
+/// The most streams a client may make the server reset (by sending frames
+/// the server must refuse) on one connection before it is closed with a
+/// GOAWAY. hyper's own default; tonic's default (`None`) turns the bound
+/// off, which leaves the server open to a reset flood (RUSTSEC-2024-0003).
+const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
+
+/// A server with the configured limits (TLS is the [`Acceptor`]'s). HTTP/2
+/// bounds the streams of a connection; an optional per-connection request
+/// limit refuses overload with RESOURCE_EXHAUSTED (load shedding) rather
+/// than queueing. Both optional layers cost time on every call (measured:
+/// together with the timeout about 10% of a bare server's throughput),
+/// hence opt-in.
+fn server_builder(limits: &ServerLimits) -> Server {
     let mut builder = Server::builder()
         .max_concurrent_streams(limits.max_concurrent_streams)
+        .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)));
     if let Some(limit) = limits.max_concurrent_requests {
@@ -330,18 +381,7 @@ fn server_builder(
     if let Some(timeout) = limits.request_timeout {
         builder = builder.timeout(timeout);
     }
-    if let Some(tls) = tls {
-        let mut config = tonic::transport::ServerTlsConfig::new().identity(
-            tonic::transport::Identity::from_pem(&tls.cert_pem, &tls.key_pem),
-        );
-        if let Some(ca) = &tls.client_ca_pem {
-            config = config
-                .client_ca_root(tonic::transport::Certificate::from_pem(ca))
-                .client_auth_optional(tls.client_auth_optional);
-        }
-        builder = builder.tls_config(config)?;
-    }
-    Ok(builder)
+    builder
 }
 
 fn flatten(
@@ -368,13 +408,23 @@ fn trace_context(metadata: &tonic::metadata::MetadataMap) -> Option<TraceContext
 impl<S> Service<S> {
     /// Finishes the span of a call that failed with `status`.
     fn finish_failed(&self, span: Option<SpanStart>, name: &'static str, status: &tonic::Status) {
+        self.finish_failed_with(span, name, status, Vec::new());
+    }
+
+    /// Finishes the span of a call that failed with `status`, with
+    /// `attributes` beside the status code.
+    fn finish_failed_with(
+        &self,
+        span: Option<SpanStart>,
+        name: &'static str,
+        status: &tonic::Status,
+        mut attributes: Vec<(&'static str, Attribute)>,
+    ) {
         if let Some(span) = span {
-            self.inner.tracer.finish(
-                span,
-                name,
-                vec![(attr::GRPC_STATUS, Attribute::Int(status.code() as i64))],
-                Some(status.message().to_owned()),
-            );
+            attributes.push((attr::GRPC_STATUS, Attribute::Int(status.code() as i64)));
+            self.inner
+                .tracer
+                .finish(span, name, attributes, Some(status.message().to_owned()));
         }
     }
 }

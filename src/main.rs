@@ -71,6 +71,8 @@ fn main() -> ExitCode {
 
 fn check_config(file: &std::path::Path) -> anyhow::Result<()> {
     let config = Config::load(Some(file))?;
+    // The certificates and keys are parsed as serving would parse them.
+    grpc::Acceptor::try_new(config.tls.as_ref(), &config.server_limits)?;
     println!(
         "{}: ok ({} named upstreams, store {})",
         file.display(),
@@ -144,11 +146,12 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
         );
     }
     telemetry::init_logs(&config.telemetry).map_err(anyhow::Error::msg)?;
+    let acceptor = grpc::Acceptor::try_new(config.tls.as_ref(), &config.server_limits)?;
     runtime()?.block_on(async move {
         match config.store.clone() {
             StoreConfig::Memory => {
                 let store = MemoryBudgetStore::new(config.max_upstreams);
-                run(config, config_path, store, "memory").await
+                run(config, config_path, acceptor, store, "memory").await
             }
             StoreConfig::Redis(redis) => {
                 let label = match redis.mode {
@@ -159,7 +162,7 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
                     .await
                     .with_context(|| format!("store.url: cannot use Redis at {:?}", redis.urls))?;
                 tracing::info!(urls = ?redis.urls, mode = label, "budgets shared through Redis");
-                run(config, config_path, store, label).await
+                run(config, config_path, acceptor, store, label).await
             }
         }
     })
@@ -168,6 +171,7 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
 async fn run<S: BudgetStore>(
     config: Config,
     config_path: Option<PathBuf>,
+    acceptor: grpc::Acceptor,
     store: S,
     store_label: &'static str,
 ) -> anyhow::Result<()> {
@@ -249,6 +253,7 @@ async fn run<S: BudgetStore>(
 
     grpc::serve(
         grpc_listener,
+        acceptor,
         service,
         async move {
             shutdown_signal().await;

@@ -12,6 +12,8 @@ mod otlp;
 pub mod trace;
 
 use std::io::IsTerminal;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use tracing_subscriber::EnvFilter;
 
@@ -81,6 +83,65 @@ pub mod attr {
     pub const PEER: &str = "retry.admin.peer";
     /// Who acted (the authenticated principal, `anonymous` without auth).
     pub const PRINCIPAL: &str = "retry.admin.principal";
+    /// Who asked for a decision or reported traffic (the authenticated
+    /// principal, `anonymous` without auth).
+    pub const CALLER: &str = "retry.principal";
+}
+
+/// Lets log lines through at a bounded rate: `burst` at once, then one per
+/// interval (the generic cell rate algorithm), saying how many were held
+/// back since the last. For what a flood of refused calls or shed
+/// connections logs, so that the log cannot be flooded in turn, while an
+/// isolated event is always logged. Lock-free, for handlers on every worker
+/// thread.
+#[derive(Debug)]
+pub struct Throttle {
+    origin: Instant,
+    interval: u64,
+    /// How far ahead of now the schedule may run: `burst` intervals.
+    tolerance: u64,
+    /// The theoretical time of the next line, in nanoseconds since `origin`.
+    next: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl Throttle {
+    /// A throttle letting `burst` lines through at once, then one per
+    /// `interval`.
+    pub fn new(interval: Duration, burst: u32) -> Throttle {
+        let interval = interval.as_nanos() as u64;
+        Throttle {
+            origin: Instant::now(),
+            interval,
+            tolerance: interval.saturating_mul(u64::from(burst.saturating_sub(1))),
+            next: AtomicU64::new(0),
+            suppressed: AtomicU64::new(0),
+        }
+    }
+
+    /// Calls `log` with the number of lines held back since the last one,
+    /// if the rate allows; otherwise counts this one as held back.
+    pub fn log(&self, log: impl FnOnce(u64)) {
+        let now = self.origin.elapsed().as_nanos() as u64;
+        let mut next = self.next.load(Ordering::Relaxed);
+        loop {
+            if next > now.saturating_add(self.tolerance) {
+                self.suppressed.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            let scheduled = next.max(now).saturating_add(self.interval);
+            match self.next.compare_exchange_weak(
+                next,
+                scheduled,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(current) => next = current,
+            }
+        }
+        log(self.suppressed.swap(0, Ordering::Relaxed));
+    }
 }
 
 /// Starts logging to stderr in the configured format and level.
@@ -96,4 +157,26 @@ pub fn init_logs(config: &TelemetryConfig) -> Result<(), String> {
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
     result.map_err(|err| format!("cannot start logging: {err}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_throttle_lets_a_burst_through_then_counts_the_rest() {
+        let throttle = Throttle::new(Duration::from_secs(3600), 3);
+        let mut logged = Vec::new();
+        for _ in 0..10 {
+            throttle.log(|suppressed| logged.push(suppressed));
+        }
+        assert_eq!(logged, [0, 0, 0]);
+        assert_eq!(throttle.suppressed.load(Ordering::Relaxed), 7);
+        // With no interval to wait, everything goes through.
+        let throttle = Throttle::new(Duration::ZERO, 1);
+        for _ in 0..3 {
+            throttle.log(|suppressed| logged.push(suppressed));
+        }
+        assert_eq!(logged, [0, 0, 0, 0, 0, 0]);
+    }
 }

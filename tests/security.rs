@@ -619,3 +619,85 @@ fn replace(path: &std::path::Path, text: &str) {
     std::fs::write(&temporary, text).unwrap();
     std::fs::rename(&temporary, path).unwrap();
 }
+
+/// An admin principal acts only on the upstreams its patterns name: one
+/// limited to `payments-*` cannot switch off `ledger`, nor read its budget,
+/// and lists only its own; ReloadConfig applies the operator's file and
+/// needs only the role.
+#[tokio::test]
+async fn admin_acts_are_scoped_by_the_principals_upstreams() {
+    const PAYMENTS_OPS_KEY: &str = "payments-ops-key-0123456789";
+    let server = Server::start(&format!(
+        "{}\n[[auth.principals]]\nname = \"payments-ops\"\napi_keys_sha256 = [\"{}\"]\nupstreams = [\"payments-*\"]\nadmin = true\n",
+        auth_config(),
+        sha(PAYMENTS_OPS_KEY)
+    ));
+    let channel = server.channel().await;
+    let mut admin = RetryAdminClient::new(channel.clone());
+    let mut decider = RetryDeciderClient::new(channel);
+    let key = format!("Bearer {PAYMENTS_OPS_KEY}");
+    let ops = format!("Bearer {OPS_KEY}");
+    let switch = |upstream: &str, authorization: &str| {
+        with_key(
+            pb::SetRetriesEnabledRequest {
+                upstream: upstream.into(),
+                enabled: false,
+                reason: "scope test".into(),
+            },
+            Some(authorization),
+        )
+    };
+    let status = admin
+        .set_retries_enabled(switch("ledger", &key))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    assert!(status.message().starts_with("upstream:"), "{status:?}");
+    admin
+        .set_retries_enabled(switch("payments-api", &key))
+        .await
+        .unwrap();
+    // ledger still retries: nothing was switched off for it.
+    let answer = decider
+        .decide(with_key(retryable("ledger"), Some(&ops)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(answer.verdict(), pb::Verdict::Retry);
+
+    let get = |upstream: &str| {
+        with_key(
+            pb::GetBudgetRequest {
+                upstream: upstream.into(),
+            },
+            Some(&key),
+        )
+    };
+    assert_eq!(
+        admin.get_budget(get("ledger")).await.unwrap_err().code(),
+        Code::PermissionDenied
+    );
+    admin.get_budget(get("payments-api")).await.unwrap();
+    let listed: Vec<String> = admin
+        .list_budgets(with_key(pb::ListBudgetsRequest {}, Some(&key)))
+        .await
+        .unwrap()
+        .into_inner()
+        .budgets
+        .into_iter()
+        .map(|budget| budget.upstream)
+        .collect();
+    assert_eq!(listed, ["payments-api"]);
+    let everything = admin
+        .list_budgets(with_key(pb::ListBudgetsRequest {}, Some(&ops)))
+        .await
+        .unwrap()
+        .into_inner()
+        .budgets
+        .len();
+    assert_eq!(everything, 2, "the global admin sees ledger too");
+    admin
+        .reload_config(with_key(pb::ReloadConfigRequest {}, Some(&key)))
+        .await
+        .unwrap();
+}

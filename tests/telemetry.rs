@@ -461,3 +461,208 @@ async fn decision_log_lines_carry_trace_and_decision_ids() {
     assert_eq!(json["verdict"], "retry");
     assert_eq!(json["upstream"], "logged");
 }
+
+fn with_key<T>(mut request: tonic::Request<T>, key: &str) -> tonic::Request<T> {
+    request.metadata_mut().insert(
+        "authorization",
+        MetadataValue::try_from(format!("Bearer {key}").as_str()).unwrap(),
+    );
+    request
+}
+
+fn int(span: &Span, key: &str) -> i64 {
+    match attribute(span, key) {
+        Some(Value::IntValue(value)) => *value,
+        other => panic!("{key}: {other:?} in {span:?}"),
+    }
+}
+
+/// Admin calls, refused attempts included, are audited whatever the
+/// caller's sampling flag or the sampling ratio; every span names the
+/// principal; refusals are logged, throttled.
+#[tokio::test]
+async fn admin_calls_are_always_audited_and_spans_name_the_principal() {
+    const OPS_KEY: &str = "ops-key-0123456789abcdef";
+    const CHECKOUT_KEY: &str = "checkout-key-0123456789";
+    let sha = |key: &str| hex(&retryd::auth::hash_key(key));
+    let collector = Collector::default();
+    let endpoint = collector.clone().start().await;
+    let server = Server::start(&format!(
+        r#"[telemetry]
+otlp_endpoint = "http://{endpoint}"
+sampling_ratio = 0.0
+log_format = "json"
+
+[[auth.principals]]
+name = "ops"
+api_keys_sha256 = ["{}"]
+upstreams = ["*"]
+admin = true
+
+[[auth.principals]]
+name = "checkout"
+api_keys_sha256 = ["{}"]
+upstreams = ["payments-*"]
+"#,
+        sha(OPS_KEY),
+        sha(CHECKOUT_KEY)
+    ));
+    let channel = server.channel().await;
+    let mut admin = retryd::pb::retry_admin_client::RetryAdminClient::new(channel.clone());
+    let mut decider = RetryDeciderClient::new(channel);
+    let kill = |reason: &str| pb::SetRetriesEnabledRequest {
+        upstream: "ledger".into(),
+        enabled: false,
+        reason: reason.into(),
+    };
+    let unsampled = |message, trace_id: &str| {
+        let mut request = tonic::Request::new(message);
+        let header = format!("00-{trace_id}-{PARENT}-00");
+        request.metadata_mut().insert(
+            "traceparent",
+            MetadataValue::try_from(header.as_str()).unwrap(),
+        );
+        request
+    };
+
+    // An admin asking not to be sampled, and one with no trace at all
+    // under a sampling ratio of 0: both recorded.
+    let quiet_trace = "11111111111111111111111111111111";
+    admin
+        .set_retries_enabled(with_key(unsampled(kill("unsampled"), quiet_trace), OPS_KEY))
+        .await
+        .unwrap();
+    admin
+        .set_retries_enabled(with_key(tonic::Request::new(kill("root")), OPS_KEY))
+        .await
+        .unwrap();
+    // Refused: a principal without the admin role, and a wrong key, both
+    // unsampled.
+    let refused_trace = "22222222222222222222222222222222";
+    let status = admin
+        .set_retries_enabled(with_key(
+            unsampled(kill("not admin"), refused_trace),
+            CHECKOUT_KEY,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::PermissionDenied);
+    let status = admin
+        .set_retries_enabled(with_key(
+            unsampled(kill("wrong key"), refused_trace),
+            "not-a-key-at-all-000",
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated);
+
+    let admin_spans = collector
+        .wait_for(4, |span| span.name == "retry.admin.set_retries_enabled")
+        .await;
+    assert_eq!(admin_spans.len(), 4, "{admin_spans:?}");
+    let in_trace = |trace: &str| {
+        admin_spans
+            .iter()
+            .filter(|span| hex(&span.trace_id) == trace)
+            .collect::<Vec<_>>()
+    };
+    let quiet = in_trace(quiet_trace);
+    assert_eq!(quiet.len(), 1);
+    assert_eq!(text(quiet[0], "retry.admin.principal"), "ops");
+    assert_eq!(hex(&quiet[0].parent_span_id), PARENT);
+    let refused = in_trace(refused_trace);
+    assert_eq!(refused.len(), 2);
+    for span in &refused {
+        assert!(
+            text(span, "retry.admin.peer").starts_with("127.0.0.1:"),
+            "{span:?}"
+        );
+    }
+    let codes: Vec<i64> = refused
+        .iter()
+        .map(|span| int(span, "rpc.grpc.status_code"))
+        .collect();
+    assert!(
+        codes.contains(&(tonic::Code::PermissionDenied as i64)),
+        "{codes:?}"
+    );
+    assert!(
+        codes.contains(&(tonic::Code::Unauthenticated as i64)),
+        "{codes:?}"
+    );
+    let not_admin = refused
+        .iter()
+        .find(|span| int(span, "rpc.grpc.status_code") == tonic::Code::PermissionDenied as i64)
+        .unwrap();
+    assert_eq!(text(not_admin, "retry.admin.principal"), "checkout");
+
+    // Decide and ReportTraffic spans (sampled by their caller) name the
+    // principal.
+    let trace_id = "33333333333333333333333333333333";
+    decider
+        .decide(with_key(
+            traced(retryable("payments-api"), trace_id, PARENT),
+            CHECKOUT_KEY,
+        ))
+        .await
+        .unwrap();
+    let report = pb::ReportTrafficRequest {
+        traffic: vec![pb::UpstreamTraffic {
+            upstream: "payments-api".into(),
+            requests: 10,
+        }],
+    };
+    decider
+        .report_traffic(with_key(traced(report, trace_id, PARENT), CHECKOUT_KEY))
+        .await
+        .unwrap();
+    let spans = collector
+        .wait_for(2, |span| hex(&span.trace_id) == trace_id)
+        .await;
+    assert_eq!(spans.len(), 2, "{spans:?}");
+    for span in &spans {
+        assert_eq!(text(span, "retry.principal"), "checkout", "{span:?}");
+    }
+
+    // Refusals are logged for audit, naming the call, the peer and (when
+    // known) the principal; a flood of them is throttled.
+    let flood_started = Instant::now();
+    for _ in 0..50 {
+        let status = decider
+            .decide(with_key(
+                tonic::Request::new(retryable("ledger")),
+                CHECKOUT_KEY,
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::PermissionDenied);
+    }
+    let flood_seconds = flood_started.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let logs = server.logs();
+    let refusals: Vec<serde_json::Value> = logs
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|line| line["message"] == "call refused")
+        .collect();
+    assert!(
+        refusals.iter().any(
+            |line| line["rpc"] == "/retryd.v1.RetryAdmin/SetRetriesEnabled"
+                && line["code"] == "Unauthenticated"
+                && line["peer"]
+                    .as_str()
+                    .is_some_and(|peer| peer.contains("127.0.0.1"))
+        ),
+        "{logs}"
+    );
+    let decide_refusals = refusals
+        .iter()
+        .filter(|line| line["rpc"] == "/retryd.v1.RetryDecider/Decide")
+        .count();
+    // A burst of ten lines, then at most one per second of flood (and one
+    // for a second boundary).
+    assert!(
+        decide_refusals as f64 <= 10.0 + flood_seconds + 1.0,
+        "{decide_refusals} lines for 50 refusals in {flood_seconds:.1} s:\n{logs}"
+    );
+}

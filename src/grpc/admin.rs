@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use super::{Live, Service, trace_context, validate};
+use super::{Live, Service, peer_addr, trace_context, validate};
 use crate::auth::{Denied, Principal};
 use crate::budget::{BudgetSnapshot, BudgetStore};
 use crate::pb;
@@ -16,42 +16,51 @@ use crate::telemetry::{
 };
 
 impl<S: BudgetStore> Service<S> {
-    /// Runs an admin call for an admin principal, inside a span named
-    /// `name` with the attributes `describe` derives from its answer.
+    /// Runs the admin call `rpc` for an admin principal, inside a span
+    /// named `name` with the attributes `describe` derives from its answer.
+    /// The span is recorded whatever the caller's sampling flag, refused
+    /// attempts included, with the peer's address; refusals are also
+    /// logged for audit.
     async fn admin_call<M, T, F, Fut>(
         &self,
+        rpc: &'static str,
         name: &'static str,
         request: &Request<M>,
         call: F,
         describe: impl FnOnce(&T, &Principal) -> Vec<(&'static str, Attribute)>,
     ) -> Result<(T, Arc<Principal>), Status>
     where
-        F: FnOnce(Arc<Live>) -> Fut,
+        F: FnOnce(Arc<Live>, Arc<Principal>) -> Fut,
         Fut: Future<Output = Result<T, Status>>,
     {
         let span = self
             .inner
             .tracer
-            .start(trace_context(request.metadata()).as_ref());
+            .start_always(trace_context(request.metadata()).as_ref());
+        let peer = peer_addr(request);
+        let peer_attribute = || {
+            (
+                attr::PEER,
+                Attribute::Text(peer.map(|p| p.to_string()).unwrap_or_default()),
+            )
+        };
         let live = self.policies();
-        let principal = match self.authenticate(&live, request).and_then(|principal| {
-            if principal.admin {
-                Ok(Arc::clone(principal))
-            } else {
-                Err(Denied::PermissionDenied(format!(
-                    "principal {:?} lacks the admin role",
-                    principal.name
-                ))
-                .into())
-            }
-        }) {
-            Ok(principal) => principal,
+        let principal = match self.authenticate(&live, request, rpc) {
+            Ok(principal) => Arc::clone(principal),
             Err(status) => {
-                self.finish_failed(span, name, &status);
+                self.finish_failed_with(span, name, &status, vec![peer_attribute()]);
                 return Err(status);
             }
         };
-        let result = call(live).await;
+        let result = if principal.admin {
+            call(live, Arc::clone(&principal)).await
+        } else {
+            Err(Denied::PermissionDenied(format!(
+                "principal {:?} lacks the admin role",
+                principal.name
+            ))
+            .into())
+        };
         match &result {
             Ok(answer) => {
                 if let Some(span) = span {
@@ -59,9 +68,30 @@ impl<S: BudgetStore> Service<S> {
                     self.inner.tracer.finish(span, name, attributes, None);
                 }
             }
-            Err(status) => self.finish_failed(span, name, status),
+            Err(status) => {
+                self.audit_refusal(rpc, peer, Some(&principal.name), status);
+                let attributes = vec![
+                    peer_attribute(),
+                    (attr::PRINCIPAL, Attribute::Text(principal.name.clone())),
+                ];
+                self.finish_failed_with(span, name, status, attributes);
+            }
         }
         result.map(|answer| (answer, principal))
+    }
+}
+
+/// Refuses an admin act on an upstream outside the principal's patterns:
+/// an admin's role is scoped like its decisions.
+fn permit(principal: &Principal, upstream: &str) -> Result<(), Status> {
+    if principal.may_use(upstream) {
+        Ok(())
+    } else {
+        Err(Denied::PermissionDenied(format!(
+            "upstream: principal {:?} may not administer upstream {upstream:?}",
+            principal.name
+        ))
+        .into())
     }
 }
 
@@ -84,8 +114,9 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
         request: Request<pb::GetBudgetRequest>,
     ) -> Result<Response<pb::GetBudgetResponse>, Status> {
         let wanted = &request.get_ref().upstream;
-        let call = |live: Arc<Live>| async move {
+        let call = |live: Arc<Live>, principal: Arc<Principal>| async move {
             let upstream = validate::upstream("upstream", wanted)?;
+            permit(&principal, upstream)?;
             let policy = live.policies.get(upstream);
             let snapshot = self.inner.store.view(upstream, &policy.bucket).await?;
             Ok(budget(snapshot, policy))
@@ -94,7 +125,13 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             vec![(attr::UPSTREAM, Attribute::Text(budget.upstream.clone()))]
         };
         let (budget, _) = self
-            .admin_call(SPAN_GET_BUDGET, &request, call, describe)
+            .admin_call(
+                "/retryd.v1.RetryAdmin/GetBudget",
+                SPAN_GET_BUDGET,
+                &request,
+                call,
+                describe,
+            )
             .await?;
         Ok(Response::new(pb::GetBudgetResponse {
             budget: Some(budget),
@@ -105,15 +142,17 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
         &self,
         request: Request<pb::ListBudgetsRequest>,
     ) -> Result<Response<pb::ListBudgetsResponse>, Status> {
-        let call = |live: Arc<Live>| async move {
+        let call = |live: Arc<Live>, principal: Arc<Principal>| async move {
             let policies = &live.policies;
             let snapshots = self
                 .inner
                 .store
                 .list(|upstream| policies.get(upstream).bucket)
                 .await?;
+            // An admin sees the budgets of the upstreams it administers.
             Ok(snapshots
                 .into_iter()
+                .filter(|snapshot| principal.may_use(&snapshot.upstream))
                 .map(|snapshot| {
                     let policy = policies.get(&snapshot.upstream);
                     budget(snapshot, policy)
@@ -121,7 +160,13 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
                 .collect::<Vec<_>>())
         };
         let (budgets, _) = self
-            .admin_call(SPAN_LIST_BUDGETS, &request, call, |_, _| Vec::new())
+            .admin_call(
+                "/retryd.v1.RetryAdmin/ListBudgets",
+                SPAN_LIST_BUDGETS,
+                &request,
+                call,
+                |_, _| Vec::new(),
+            )
             .await?;
         Ok(Response::new(pb::ListBudgetsResponse { budgets }))
     }
@@ -130,11 +175,12 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
         &self,
         request: Request<pb::SetRetriesEnabledRequest>,
     ) -> Result<Response<pb::SetRetriesEnabledResponse>, Status> {
-        let peer = request.remote_addr();
+        let peer = peer_addr(&request);
         let message = request.get_ref();
-        let call = |live: Arc<Live>| async move {
+        let call = |live: Arc<Live>, principal: Arc<Principal>| async move {
             let upstream = validate::upstream("upstream", &message.upstream)?;
             validate::reason("reason", &message.reason)?;
+            permit(&principal, upstream)?;
             let policy = live.policies.get(upstream);
             Ok(self
                 .inner
@@ -156,7 +202,13 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             ]
         };
         let (previous, principal) = self
-            .admin_call(SPAN_SET_RETRIES_ENABLED, &request, call, describe)
+            .admin_call(
+                "/retryd.v1.RetryAdmin/SetRetriesEnabled",
+                SPAN_SET_RETRIES_ENABLED,
+                &request,
+                call,
+                describe,
+            )
             .await?;
         let upstream = message.upstream.as_str();
         let reason = message.reason.as_str();
@@ -183,12 +235,19 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
         &self,
         request: Request<pb::ReloadConfigRequest>,
     ) -> Result<Response<pb::ReloadConfigResponse>, Status> {
-        let call = |_: Arc<Live>| async { Ok(self.reload()?) };
+        // Global: it applies the file the operator wrote, whatever it names.
+        let call = |_: Arc<Live>, _: Arc<Principal>| async { Ok(self.reload()?) };
         let describe = |_: &(usize, Vec<&'static str>), principal: &Principal| {
             vec![(attr::PRINCIPAL, Attribute::Text(principal.name.clone()))]
         };
         let ((named, restart_required), principal) = self
-            .admin_call(SPAN_RELOAD_CONFIG, &request, call, describe)
+            .admin_call(
+                "/retryd.v1.RetryAdmin/ReloadConfig",
+                SPAN_RELOAD_CONFIG,
+                &request,
+                call,
+                describe,
+            )
             .await?;
         tracing::warn!(target: "retryd::audit", principal = principal.name, "configuration reloaded by RetryAdmin");
         Ok(Response::new(pb::ReloadConfigResponse {

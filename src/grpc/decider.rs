@@ -9,7 +9,7 @@ use rand::Rng;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::validate::ValidDecideRequest;
-use super::{Live, Service, trace_context, validate};
+use super::{Live, Service, peer_addr, trace_context, validate};
 use crate::auth::{Denied, Principal};
 use crate::budget::{BudgetCheck, BudgetStore, StoreError};
 use crate::engine::{self, BudgetView, Decision, DenyReason, Evidence, Idempotency, Verdict};
@@ -23,9 +23,15 @@ use crate::telemetry::{Attribute, SPAN_DECIDE, SPAN_REPORT_TRAFFIC, TraceContext
 /// in request order; the window only lets store round trips overlap.
 const STREAM_WINDOW: usize = 32;
 
+/// The methods, as refusals name them in the audit log.
+const RPC_DECIDE: &str = "/retryd.v1.RetryDecider/Decide";
+const RPC_DECIDE_STREAM: &str = "/retryd.v1.RetryDecider/DecideStream";
+const RPC_REPORT_TRAFFIC: &str = "/retryd.v1.RetryDecider/ReportTraffic";
+
 /// A decision up to its one store call: validated, authorized, and decided
 /// as if the budget allowed (`hoped`).
 struct Begun<'r> {
+    principal: &'r Principal,
     valid: ValidDecideRequest<'r>,
     policy: &'r UpstreamPolicy,
     now: SystemTime,
@@ -100,7 +106,7 @@ impl<S: BudgetStore> Service<S> {
     fn begin<'r>(
         &self,
         live: &'r Live,
-        principal: &Principal,
+        principal: &'r Principal,
         request: &'r pb::DecideRequest,
         parent: Option<&TraceContext>,
     ) -> Result<Begun<'r>, Status> {
@@ -114,7 +120,8 @@ impl<S: BudgetStore> Service<S> {
             }) {
             Ok(valid) => valid,
             Err(status) => {
-                self.finish_failed(span, SPAN_DECIDE, &status);
+                let caller = (attr::CALLER, Attribute::Text(principal.name.clone()));
+                self.finish_failed_with(span, SPAN_DECIDE, &status, vec![caller]);
                 return Err(status);
             }
         };
@@ -132,6 +139,7 @@ impl<S: BudgetStore> Service<S> {
         let hoped = engine::decide(&valid.facts(BudgetView::OPEN, now, jitter), &policy.engine);
         let withdraw = matches!(hoped.verdict, Verdict::Retry { .. });
         Ok(Begun {
+            principal,
             valid,
             policy,
             now,
@@ -207,8 +215,13 @@ impl<S: BudgetStore> Service<S> {
             "decided"
         );
         if let Some(span) = begun.span {
-            let attributes =
-                self.decision_attributes(valid, &decision, tokens_remaining, &decision_id);
+            let attributes = self.decision_attributes(
+                begun.principal,
+                valid,
+                &decision,
+                tokens_remaining,
+                &decision_id,
+            );
             self.inner
                 .tracer
                 .finish(span, SPAN_DECIDE, attributes, None);
@@ -218,6 +231,7 @@ impl<S: BudgetStore> Service<S> {
 
     fn decision_attributes(
         &self,
+        principal: &Principal,
         valid: &ValidDecideRequest<'_>,
         decision: &Decision,
         tokens_remaining: f64,
@@ -243,6 +257,7 @@ impl<S: BudgetStore> Service<S> {
             ),
             (attr::TOKENS_REMAINING, Attribute::Float(tokens_remaining)),
             (attr::STORE, Attribute::Static(self.inner.store_label)),
+            (attr::CALLER, Attribute::Text(principal.name.clone())),
         ];
         if let Some(claimed) = valid.claimed_evidence {
             attributes.push((attr::EVIDENCE_CLAIMED, Attribute::Static(claimed.as_str())));
@@ -396,7 +411,7 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
     ) -> Result<Response<pb::DecideResponse>, Status> {
         // One load of the configuration serves authentication and decision.
         let live = self.live();
-        let principal = self.authenticate(&live, &request)?;
+        let principal = self.authenticate(&live, &request, RPC_DECIDE)?;
         let parent = trace_context(request.metadata());
         let answer = if S::ANSWERS_AT_ONCE {
             self.decide_one_now(&live, principal, request.get_ref(), parent.as_ref())
@@ -404,6 +419,10 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
             self.decide_one(&live, principal, request.get_ref(), parent.as_ref())
                 .await
         };
+        if let Err(status) = &answer {
+            let peer = peer_addr(&request);
+            self.audit_refusal(RPC_DECIDE, peer, Some(&principal.name), status);
+        }
         answer.map(Response::new)
     }
 
@@ -415,19 +434,25 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
     ) -> Result<Response<Self::DecideStreamStream>, Status> {
         // The caller authenticates once for the stream; each item is still
         // checked against the upstreams it may use.
-        let principal = Arc::clone(self.authenticate(&self.live(), &request)?);
+        let principal = Arc::clone(self.authenticate(&self.live(), &request, RPC_DECIDE_STREAM)?);
         // Every item's span is a child of the stream's trace context.
         let parent = trace_context(request.metadata()).map(Arc::new);
+        let peer = peer_addr(&request);
         let items = request.into_inner();
         // A bad item is answered in place, so one caller's mistake does not
         // tear down a shared sidecar stream; a transport error ends it.
-        let answered = |answer: Result<pb::DecideResponse, Status>| {
-            answer.unwrap_or_else(|status| pb::DecideResponse {
-                error: Some(pb::StreamError {
-                    code: status.code() as i32,
-                    message: status.message().to_owned(),
-                }),
-                ..pb::DecideResponse::default()
+        let answered = move |service: &Service<S>,
+                             principal: &Principal,
+                             answer: Result<pb::DecideResponse, Status>| {
+            answer.unwrap_or_else(|status| {
+                service.audit_refusal(RPC_DECIDE_STREAM, peer, Some(&principal.name), &status);
+                pb::DecideResponse {
+                    error: Some(pb::StreamError {
+                        code: status.code() as i32,
+                        message: status.message().to_owned(),
+                    }),
+                    ..pb::DecideResponse::default()
+                }
             })
         };
         let service = self.clone();
@@ -436,12 +461,13 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
             // no future per item to box, queue and reorder.
             Box::pin(items.map(move |item| {
                 item.map(|request| {
-                    answered(service.decide_one_now(
+                    let answer = service.decide_one_now(
                         &service.live(),
                         &principal,
                         &request,
                         parent.as_deref(),
-                    ))
+                    );
+                    answered(&service, &principal, answer)
                 })
             }))
         } else {
@@ -461,7 +487,7 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
                                     parent.as_deref(),
                                 )
                                 .await;
-                            Ok(answered(answer))
+                            Ok(answered(&service, &principal, answer))
                         }
                     })
                     .buffered(STREAM_WINDOW),
@@ -475,11 +501,12 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         request: Request<pb::ReportTrafficRequest>,
     ) -> Result<Response<pb::ReportTrafficResponse>, Status> {
         let live = self.policies();
-        let principal = self.authenticate(&live, &request)?;
+        let principal = self.authenticate(&live, &request, RPC_REPORT_TRAFFIC)?;
         let span = self
             .inner
             .tracer
             .start(trace_context(request.metadata()).as_ref());
+        let caller = || (attr::CALLER, Attribute::Text(principal.name.clone()));
         match Service::report_traffic(self, &live, principal, request.get_ref()).await {
             Ok(accepted) => {
                 if let Some(span) = span {
@@ -492,6 +519,7 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
                     let attributes = vec![
                         (attr::TRAFFIC_ENTRIES, Attribute::Int(i64::from(accepted))),
                         (attr::TRAFFIC_REQUESTS, Attribute::Int(requests as i64)),
+                        caller(),
                     ];
                     self.inner
                         .tracer
@@ -500,7 +528,9 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
                 Ok(Response::new(pb::ReportTrafficResponse { accepted }))
             }
             Err(status) => {
-                self.finish_failed(span, SPAN_REPORT_TRAFFIC, &status);
+                let peer = peer_addr(&request);
+                self.audit_refusal(RPC_REPORT_TRAFFIC, peer, Some(&principal.name), &status);
+                self.finish_failed_with(span, SPAN_REPORT_TRAFFIC, &status, vec![caller()]);
                 Err(status)
             }
         }

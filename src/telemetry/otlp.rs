@@ -163,7 +163,8 @@ fn span(record: SpanRecord) -> Span {
             .parent_span_id
             .map(|id| id.to_vec())
             .unwrap_or_default(),
-        // W3C flags: sampled (only sampled spans get here).
+        // W3C flags: sampled (only sampled spans, and the audit spans of
+        // admin calls, which are recorded whatever the caller's flag).
         flags: 1,
         name: record.name.to_owned(),
         kind: span::SpanKind::Server as i32,

@@ -209,28 +209,42 @@ impl Tracer {
     /// decision is followed; roots are sampled at the configured ratio.
     pub fn start(&self, parent: Option<&TraceContext>) -> Option<SpanStart> {
         self.queue.as_ref()?;
+        match parent {
+            Some(parent) if !parent.sampled => None,
+            Some(_) => Some(self.span(parent)),
+            None => {
+                let ratio = self.sampling_ratio;
+                (ratio > 0.0 && rand::rng().random::<f64>() < ratio).then(|| self.span(None))
+            }
+        }
+    }
+
+    /// Starts a span that is recorded whatever the caller's sampling flag
+    /// and the sampling ratio say, for the audit record of an admin call: a
+    /// caller must not be able to switch off the record of its own acts.
+    /// `None` only when tracing is off.
+    pub fn start_always(&self, parent: Option<&TraceContext>) -> Option<SpanStart> {
+        self.queue.as_ref()?;
+        Some(self.span(parent))
+    }
+
+    fn span(&self, parent: Option<&TraceContext>) -> SpanStart {
         let mut rng = rand::rng();
         let (trace_id, parent_span_id, trace_state) = match parent {
-            Some(parent) if !parent.sampled => return None,
             Some(parent) => (
                 parent.trace_id,
                 Some(parent.span_id),
                 parent.trace_state.clone(),
             ),
-            None => {
-                if self.sampling_ratio <= 0.0 || rng.random::<f64>() >= self.sampling_ratio {
-                    return None;
-                }
-                (rng.random::<[u8; 16]>(), None, String::new())
-            }
+            None => (rng.random::<[u8; 16]>(), None, String::new()),
         };
-        Some(SpanStart {
+        SpanStart {
             trace_id,
             span_id: rng.random::<[u8; 8]>(),
             parent_span_id,
             trace_state,
             start_unix_nanos: unix_nanos(),
-        })
+        }
     }
 
     /// Finishes a span and queues it for export, dropping it (and counting

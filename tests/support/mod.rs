@@ -157,6 +157,23 @@ impl Server {
         self.child.as_ref().expect("running").id()
     }
 
+    /// CPU seconds the server has used so far (user + system), from
+    /// `/proc`: unlike wall time, not inflated by the machine's other work.
+    pub fn cpu_seconds(&self) -> f64 {
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).expect("proc stat");
+        // The fields after the command name, which is in parentheses.
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .expect("stat has a command name")
+            .1
+            .split_whitespace()
+            .collect();
+        let ticks = |i: usize| fields[i].parse::<f64>().expect("clock ticks");
+        // utime and stime, in USER_HZ (100 on Linux).
+        (ticks(11) + ticks(12)) / 100.0
+    }
+
     /// Sends a signal (`HUP`, `TERM`, …) to the server.
     pub fn signal(&self, name: &str) {
         let status = Command::new("kill")

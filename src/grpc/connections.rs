@@ -1,0 +1,473 @@
+//! Accepting connections: the bound on how many are open, the deadline for
+//! saying something, TLS, and who the client certificate names.
+//!
+//! Every connection holds one of `server.max_connections` permits until it
+//! closes; at the bound, a new connection is closed as soon as it is
+//! accepted, so a flood sheds instead of queueing. A connection must finish
+//! its TLS handshake and send the HTTP/2 preface within
+//! `server.handshake_timeout`, or it is closed: a connection that never
+//! speaks would otherwise hold its permit and file descriptor forever (HTTP/2
+//! keepalive starts only after the preface). An accept error such as EMFILE
+//! repeats at once, so the loop backs off instead of spinning.
+//!
+//! TLS is done here rather than by tonic so that the client certificate is
+//! parsed once per connection, not once per call, and from its leaf alone:
+//! the other certificates a client sends are not verified by the handshake,
+//! so they vouch for nothing.
+//!
+//! This module must not decide who may do what: it hands [`Peer`] to the
+//! handlers, which ask `auth`.
+
+use std::convert::Infallible;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::server::TlsStream;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::auth::certificate_identities;
+use crate::config::{InvalidConfig, ServerLimits, TlsConfig};
+use crate::telemetry::Throttle;
+
+/// What every HTTP/2 client sends first (RFC 9113, section 3.4).
+const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// File descriptors kept for what is not a gRPC connection (the metrics
+/// port and its scrapes, Redis, the span exporter, logs).
+const RESERVED_FILES: u64 = 64;
+
+/// How long the accept loop waits after an error that repeats at once
+/// (out of file descriptors or memory).
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// At most one warning per this interval for shed connections and accept
+/// errors: a flood must not become a flood of log lines.
+const WARN_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Who is at the other end of a connection: a request extension, set once
+/// per connection.
+#[derive(Clone, Debug)]
+pub struct Peer {
+    /// The client's address.
+    pub remote_addr: SocketAddr,
+    /// The identities the client certificate's leaf vouches for (see
+    /// [`certificate_identities`]); `None` without TLS or without a client
+    /// certificate.
+    pub identities: Option<Arc<[String]>>,
+}
+
+impl Peer {
+    /// The identities of the client certificate, empty without one.
+    pub fn identities(&self) -> &[String] {
+        self.identities.as_deref().unwrap_or_default()
+    }
+}
+
+/// Accepts connections under the configured bound, deadline and TLS.
+#[derive(Clone)]
+pub struct Acceptor {
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    handshake_timeout: Duration,
+    max_connections: usize,
+}
+
+impl std::fmt::Debug for Acceptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Acceptor")
+            .field("tls", &self.tls.is_some())
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("max_connections", &self.max_connections)
+            .finish()
+    }
+}
+
+impl Acceptor {
+    /// An acceptor for `limits`, with TLS if `tls` is given. Parses every
+    /// certificate and key, so that a bad PEM is refused, naming its key,
+    /// before any port is bound.
+    pub fn try_new(
+        tls: Option<&TlsConfig>,
+        limits: &ServerLimits,
+    ) -> Result<Acceptor, InvalidConfig> {
+        let tls = tls
+            .map(|tls| server_config(tls).map(|config| Arc::new(config).into()))
+            .transpose()?;
+        Ok(Acceptor {
+            tls,
+            handshake_timeout: limits.handshake_timeout,
+            max_connections: within_file_limit(limits.max_connections),
+        })
+    }
+
+    /// The bound on open connections, after fitting it to the file limit.
+    pub fn max_connections(&self) -> usize {
+        self.max_connections
+    }
+
+    /// Accepts from `listener` until the returned stream is dropped, handing
+    /// over each connection once it has finished its handshake.
+    pub fn incoming(self, listener: TcpListener) -> ReceiverStream<Result<Connection, Infallible>> {
+        // A short queue: connections wait in it only while tonic is busy
+        // taking the previous one.
+        let (sender, receiver) = mpsc::channel(64);
+        tokio::spawn(accept_loop(listener, self, sender));
+        ReceiverStream::new(receiver)
+    }
+
+    /// The TLS handshake (if any) and the HTTP/2 preface, which the caller
+    /// bounds in time.
+    async fn handshake(
+        &self,
+        stream: TcpStream,
+        remote_addr: SocketAddr,
+    ) -> io::Result<(Io, Peer)> {
+        // Without it, Nagle's algorithm held a response's last small segment
+        // until the caller's delayed ACK: a 40 ms tail on a share of calls.
+        stream.set_nodelay(true)?;
+        let (mut io, identities) = match &self.tls {
+            None => (Io::Plain(stream), None),
+            Some(tls) => {
+                let stream = tls.accept(stream).await?;
+                // The leaf is the only certificate the handshake verified.
+                let identities = stream
+                    .get_ref()
+                    .1
+                    .peer_certificates()
+                    .and_then(|chain| chain.first())
+                    .map(|leaf| Arc::from(certificate_identities(leaf.as_ref())));
+                (Io::Tls(Box::new(stream)), identities)
+            }
+        };
+        let mut preface = [0; PREFACE.len()];
+        io.read_exact(&mut preface).await?;
+        if &preface != PREFACE {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "not an HTTP/2 connection preface",
+            ));
+        }
+        Ok((
+            io,
+            Peer {
+                remote_addr,
+                identities,
+            },
+        ))
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    acceptor: Acceptor,
+    sender: mpsc::Sender<Result<Connection, Infallible>>,
+) {
+    let permits = Arc::new(Semaphore::new(acceptor.max_connections));
+    let acceptor = Arc::new(acceptor);
+    let shed = Throttle::new(WARN_INTERVAL, 1);
+    let failed = Throttle::new(WARN_INTERVAL, 1);
+    loop {
+        let accepted = tokio::select! {
+            // The server stopped taking connections: stop accepting, which
+            // closes the port.
+            () = sender.closed() => return,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, remote_addr) = match accepted {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                failed.log(|suppressed| {
+                    tracing::warn!(%error, suppressed, "cannot accept a connection");
+                });
+                if is_exhaustion(&error) {
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                }
+                continue;
+            }
+        };
+        let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
+            drop(stream);
+            shed.log(|suppressed| {
+                tracing::warn!(
+                    max_connections = acceptor.max_connections,
+                    %remote_addr,
+                    suppressed,
+                    "too many open connections (server.max_connections): closing new ones"
+                );
+            });
+            continue;
+        };
+        let acceptor = Arc::clone(&acceptor);
+        let sender = sender.clone();
+        tokio::spawn(async move {
+            let deadline = acceptor.handshake_timeout;
+            match tokio::time::timeout(deadline, acceptor.handshake(stream, remote_addr)).await {
+                Ok(Ok((io, peer))) => {
+                    let connection = Connection {
+                        io,
+                        replayed: 0,
+                        peer,
+                        _permit: permit,
+                    };
+                    // Fails only when the server has stopped.
+                    let _ = sender.send(Ok(connection)).await;
+                }
+                Ok(Err(error)) => {
+                    tracing::debug!(%error, %remote_addr, "connection closed during its handshake");
+                }
+                Err(_) => {
+                    tracing::debug!(%remote_addr, ?deadline, "connection closed: no handshake in time (server.handshake_timeout)");
+                }
+            }
+        });
+    }
+}
+
+/// Errors that `accept` returns again at once until something is closed.
+fn is_exhaustion(error: &io::Error) -> bool {
+    const EMFILE: i32 = 24;
+    const ENFILE: i32 = 23;
+    const ENOBUFS: i32 = 105;
+    const ENOMEM: i32 = 12;
+    matches!(
+        error.raw_os_error(),
+        Some(EMFILE | ENFILE | ENOBUFS | ENOMEM)
+    ) || error.kind() == io::ErrorKind::OutOfMemory
+}
+
+/// `wanted`, lowered so that the open connections and what else the
+/// process needs fit under its file limit: past it, `accept` fails for
+/// everyone, legitimate callers included.
+fn within_file_limit(wanted: usize) -> usize {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    let Some(files) = limit.current else {
+        return wanted;
+    };
+    let fitting =
+        usize::try_from(files.saturating_sub(RESERVED_FILES).max(1)).unwrap_or(usize::MAX);
+    if fitting < wanted {
+        tracing::warn!(
+            max_connections = wanted,
+            file_limit = files,
+            lowered_to = fitting,
+            "server.max_connections does not fit the file limit (ulimit -n): lowered"
+        );
+        fitting
+    } else {
+        wanted
+    }
+}
+
+/// The rustls configuration of `[server.tls]`, every PEM parsed.
+fn server_config(tls: &TlsConfig) -> Result<rustls::ServerConfig, InvalidConfig> {
+    let invalid = |key: &str, reason: String| InvalidConfig::Value {
+        key: key.to_owned(),
+        reason,
+    };
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let chain = certificates("server.tls.cert_file", &tls.cert_pem)?;
+    let key = PrivateKeyDer::from_pem_slice(&tls.key_pem).map_err(|error| {
+        invalid(
+            "server.tls.key_file",
+            format!("no usable PEM private key: {error}"),
+        )
+    })?;
+    let builder = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()
+        .map_err(|error| invalid("server.tls", error.to_string()))?;
+    let builder = match &tls.client_ca_pem {
+        None => builder.with_no_client_auth(),
+        Some(ca_pem) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for ca in certificates("server.tls.client_ca_file", ca_pem)? {
+                roots.add(ca).map_err(|error| {
+                    invalid(
+                        "server.tls.client_ca_file",
+                        format!("not a usable CA certificate: {error}"),
+                    )
+                })?;
+            }
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider,
+            );
+            let verifier = if tls.client_auth_optional {
+                verifier.allow_unauthenticated()
+            } else {
+                verifier
+            };
+            builder.with_client_cert_verifier(
+                verifier
+                    .build()
+                    .map_err(|error| invalid("server.tls.client_ca_file", error.to_string()))?,
+            )
+        }
+    };
+    let mut config = builder.with_single_cert(chain, key).map_err(|error| {
+        invalid(
+            "server.tls.key_file",
+            format!("cannot be used with server.tls.cert_file: {error}"),
+        )
+    })?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(config)
+}
+
+/// Every certificate of a PEM file, which must hold at least one.
+fn certificates(key: &str, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, InvalidConfig> {
+    let invalid = |reason: String| InvalidConfig::Value {
+        key: key.to_owned(),
+        reason,
+    };
+    let certificates = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|error| invalid(format!("not a PEM certificate file: {error}")))?;
+    for certificate in &certificates {
+        use x509_parser::prelude::{FromDer, X509Certificate};
+        X509Certificate::from_der(certificate.as_ref())
+            .map_err(|error| invalid(format!("a certificate does not parse: {error}")))?;
+    }
+    if certificates.is_empty() {
+        return Err(invalid("holds no PEM certificate".into()));
+    }
+    Ok(certificates)
+}
+
+/// An accepted connection, past its handshake, holding its permit until it
+/// closes. The preface it already sent is read again first, by the HTTP/2
+/// server.
+pub struct Connection {
+    io: Io,
+    /// How much of [`PREFACE`] has been read again.
+    replayed: usize,
+    peer: Peer,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl tonic::transport::server::Connected for Connection {
+    type ConnectInfo = Peer;
+
+    fn connect_info(&self) -> Peer {
+        self.peer.clone()
+    }
+}
+
+enum Io {
+    Plain(TcpStream),
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for Io {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(stream) => Pin::new(stream).poll_read(cx, buf),
+            Io::Tls(stream) => Pin::new(stream).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Io {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Io::Plain(stream) => Pin::new(stream).poll_write(cx, buf),
+            Io::Tls(stream) => Pin::new(stream).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Io::Plain(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
+            Io::Tls(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Io::Plain(stream) => stream.is_write_vectored(),
+            Io::Tls(stream) => stream.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(stream) => Pin::new(stream).poll_flush(cx),
+            Io::Tls(stream) => Pin::new(stream).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Io::Plain(stream) => Pin::new(stream).poll_shutdown(cx),
+            Io::Tls(stream) => Pin::new(stream).poll_shutdown(cx),
+        }
+    }
+}
+
+impl AsyncRead for Connection {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.replayed < PREFACE.len() {
+            let rest = &PREFACE[this.replayed..];
+            let n = rest.len().min(buf.remaining());
+            buf.put_slice(&rest[..n]);
+            this.replayed += n;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Connection {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
