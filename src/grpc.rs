@@ -268,7 +268,7 @@ pub async fn serve<S: BudgetStore>(
     service: Service<S>,
     shutdown: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
-) -> Result<(), tonic::transport::Error> {
+) -> Result<(), ServeError> {
     let limits = service.inner.reload.startup.server_limits.clone();
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
@@ -384,14 +384,34 @@ fn server_builder(limits: &ServerLimits) -> Server {
     builder
 }
 
+/// Why serving stopped other than by shutdown.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The transport failed.
+    #[error(transparent)]
+    Transport(#[from] tonic::transport::Error),
+    /// The server task panicked: a crash, which must not look like a clean
+    /// stop (the process exits non-zero).
+    #[error("the gRPC server task panicked: {0}")]
+    Panicked(String),
+}
+
 fn flatten(
     joined: Result<Result<(), tonic::transport::Error>, tokio::task::JoinError>,
-) -> Result<(), tonic::transport::Error> {
+) -> Result<(), ServeError> {
     match joined {
-        Ok(result) => result,
+        Ok(result) => Ok(result?),
         Err(join_error) => {
-            tracing::error!(error = %join_error, "the gRPC server task failed");
-            Ok(())
+            let message = match join_error.try_into_panic() {
+                Ok(panic) => panic
+                    .downcast_ref::<&str>()
+                    .map(|text| (*text).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic without a message".to_owned()),
+                Err(cancelled) => cancelled.to_string(),
+            };
+            tracing::error!(panic = message, "the gRPC server task failed");
+            Err(ServeError::Panicked(message))
         }
     }
 }
@@ -432,4 +452,25 @@ impl<S> Service<S> {
 /// Binds a listener, for `main` and tests.
 pub async fn bind(address: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(address).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panicking_server_task_is_an_error_not_a_clean_stop() {
+        let joined = tokio::spawn(async {
+            if true {
+                panic!("boom");
+            }
+            Ok(())
+        })
+        .await;
+        match flatten(joined) {
+            Err(ServeError::Panicked(message)) => assert_eq!(message, "boom"),
+            other => panic!("{other:?}"),
+        }
+        assert!(flatten(tokio::spawn(async { Ok(()) }).await).is_ok());
+    }
 }
