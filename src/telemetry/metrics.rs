@@ -206,15 +206,19 @@ pub enum StoreOp {
     View,
     /// A decision's store call that reads and may withdraw a token.
     Withdraw,
+    /// Admitting a traffic report's upstreams, all at once, before any
+    /// deposit (see `BudgetStore::admit`).
+    Admit,
     /// Depositing reported traffic.
     Deposit,
     /// Switching retries on or off, or listing.
     Admin,
 }
 
-const STORE_OPS: [(StoreOp, &str); 4] = [
+const STORE_OPS: [(StoreOp, &str); 5] = [
     (StoreOp::View, "view"),
     (StoreOp::Withdraw, "withdraw"),
+    (StoreOp::Admit, "admit"),
     (StoreOp::Deposit, "deposit"),
     (StoreOp::Admin, "admin"),
 ];
