@@ -261,6 +261,29 @@ pub trait BudgetStore: Send + Sync + 'static {
         config: &BucketConfig,
     ) -> impl Future<Output = Result<Option<f64>, StoreError>> + Send;
 
+    /// Gives every one of `upstreams` (each with its current bucket
+    /// parameters; a name may repeat) a place under the store's upstream
+    /// limit, or none that lacks one: if the new ones do not all fit, nothing
+    /// changes and the answer is [`StoreError::TooManyUpstreams`]. The
+    /// memory store creates their buckets, a shared store enters them in
+    /// its index; either way an admitted upstream reads as a fresh bucket
+    /// until something is deposited or withdrawn, so admitting moves no
+    /// budget.
+    ///
+    /// A traffic report admits all its upstreams before it deposits, so
+    /// that a report going over the limit deposits nowhere. After `Ok`, a
+    /// [`BudgetStore::deposit`] to these upstreams does not fail for the
+    /// limit (a shared store may still fail it for an outage). Never called
+    /// on the decision path.
+    ///
+    /// A shared store whose backend is unreachable answers as the
+    /// upstreams' `on_unavailable` policies will: `Unavailable` if any of
+    /// them is `deny`, else it admits them all to its local fallback.
+    fn admit(
+        &self,
+        upstreams: &[(&str, &BucketConfig)],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// Deposits `ratio × requests` tokens, capped at capacity.
     fn deposit(
         &self,

@@ -274,6 +274,50 @@ impl<C: Clock> MemoryBudgetStore<C> {
         Ok(answer)
     }
 
+    /// [`BudgetStore::admit`]: room for every new upstream is reserved in
+    /// one step, then their buckets are created. Off the decision path: it
+    /// takes shard locks, which a decision's `check` avoids.
+    fn admit_all(&self, upstreams: &[(&str, &BucketConfig)]) -> Result<(), StoreError> {
+        let mut new: Vec<(&str, &BucketConfig)> = {
+            let near = self.near.get_or_default().0.borrow();
+            upstreams
+                .iter()
+                .filter(|(upstream, _)| {
+                    !near.contains_key(*upstream) && !self.buckets.contains_key(*upstream)
+                })
+                .copied()
+                .collect()
+        };
+        if new.is_empty() {
+            return Ok(());
+        }
+        new.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        new.dedup_by(|a, b| a.0 == b.0);
+        let limit = self.max_upstreams;
+        self.tracked
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                n.checked_add(new.len()).filter(|total| *total <= limit)
+            })
+            .map_err(|_| StoreError::TooManyUpstreams { limit })?;
+        // Someone may have created one of these buckets since we looked:
+        // its reserved room goes back. Until it does, a racing newcomer may
+        // be refused that room; the limit is never exceeded.
+        let now = self.clock.now_nanos();
+        let mut unused = 0;
+        for (upstream, config) in new {
+            match self.buckets.entry(upstream.into()) {
+                Entry::Occupied(_) => unused += 1,
+                Entry::Vacant(entry) => {
+                    entry.insert(Arc::new(Bucket::new(config, now)));
+                }
+            }
+        }
+        if unused > 0 {
+            self.tracked.fetch_sub(unused, Ordering::AcqRel);
+        }
+        Ok(())
+    }
+
     /// A look that creates nothing: the check of a bucket that exists, or
     /// what a fresh one would hold. Returns whether the bucket exists.
     fn look(&self, upstream: &str, config: &BucketConfig) -> (BudgetCheck, bool) {
@@ -341,6 +385,13 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
             bucket.refill(config, now, capacity);
             bucket.try_withdraw(capacity).ok().map(units_to_tokens)
         }))
+    }
+
+    fn admit(
+        &self,
+        upstreams: &[(&str, &BucketConfig)],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        ready(self.admit_all(upstreams))
     }
 
     fn deposit(
@@ -585,6 +636,82 @@ mod tests {
         }
         let tokens = block_on(store.view("a", &config)).unwrap().tokens;
         assert_eq!(crate::budget::tokens_to_units(tokens), 10_000);
+    }
+
+    #[test]
+    fn admission_is_all_or_nothing() {
+        let config = BucketConfig {
+            capacity: 10.0,
+            initial: 4.0,
+            ratio: 1.0,
+            min_per_second: 0.0,
+            ..BucketConfig::default()
+        };
+        let store = MemoryBudgetStore::with_clock(3, ManualClock::default());
+        block_on(store.deposit("known", &config, 1)).unwrap();
+        // Two new upstreams for two slots; repeats and known ones are free.
+        let fits = [
+            ("known", &config),
+            ("b", &config),
+            ("c", &config),
+            ("b", &config),
+        ];
+        block_on(store.admit(&fits)).unwrap();
+        let listed: Vec<_> = block_on(store.list(|_| config))
+            .unwrap()
+            .into_iter()
+            .map(|budget| (budget.upstream, budget.tokens))
+            .collect();
+        assert_eq!(
+            listed,
+            [
+                ("b".to_owned(), 4.0),
+                ("c".to_owned(), 4.0),
+                ("known".to_owned(), 5.0)
+            ],
+            "admission creates fresh buckets and moves no budget"
+        );
+        // Full: a new upstream is refused, and nothing else is created.
+        let store = MemoryBudgetStore::with_clock(3, ManualClock::default());
+        block_on(store.deposit("known", &config, 1)).unwrap();
+        let over = [
+            ("known", &config),
+            ("b", &config),
+            ("c", &config),
+            ("d", &config),
+        ];
+        let refused = block_on(store.admit(&over));
+        assert!(
+            matches!(refused, Err(StoreError::TooManyUpstreams { limit: 3 })),
+            "{refused:?}"
+        );
+        assert_eq!(block_on(store.list(|_| config)).unwrap().len(), 1);
+        // The refused room was not taken: two newcomers still fit.
+        block_on(store.admit(&[("b", &config), ("c", &config)])).unwrap();
+        assert!(matches!(
+            block_on(store.try_withdraw("d", &config)),
+            Err(StoreError::TooManyUpstreams { limit: 3 })
+        ));
+        // Admitted upstreams can be deposited to at the limit.
+        block_on(store.deposit("c", &config, 2)).unwrap();
+        assert_eq!(block_on(store.view("c", &config)).unwrap().tokens, 6.0);
+    }
+
+    #[test]
+    fn admission_knows_buckets_other_threads_created() {
+        let config = BucketConfig::default();
+        let store = MemoryBudgetStore::with_clock(2, ManualClock::default());
+        // Another thread created "a": this thread's index does not know
+        // it, the shared map does, and it takes no second slot.
+        std::thread::scope(|scope| {
+            scope.spawn(|| block_on(store.deposit("a", &config, 1)).unwrap());
+        });
+        block_on(store.admit(&[("a", &config), ("b", &config)])).unwrap();
+        assert_eq!(store.tracked.load(Ordering::Acquire), 2);
+        assert!(matches!(
+            block_on(store.admit(&[("c", &config)])),
+            Err(StoreError::TooManyUpstreams { limit: 2 })
+        ));
     }
 
     #[test]

@@ -94,9 +94,11 @@
 //! `{prefix}:{index}:upstreams` whose scores are lapse times, pruned on
 //! every admission: it holds the upstreams with live buckets (and every
 //! upstream whose retries are off). `max_upstreams` is enforced fleet-wide
-//! through it: a new upstream is admitted by one script on the index. In a
-//! Cluster the index lives in one slot, on one node; it is touched once per
-//! new upstream and about once a minute per upstream and replica.
+//! through it: a new upstream is admitted by one script on the index, and a
+//! traffic report's new upstreams by one script for them all, all or none
+//! (`admit_all.lua`). In a Cluster the index lives in one slot, on one
+//! node; it is touched once per new upstream (or report naming new ones)
+//! and about once a minute per upstream and replica.
 //!
 //! # Why the `redis` crate
 //!
@@ -141,6 +143,10 @@ const IDLE_TTL_MS: u64 = 60_000;
 /// An index entry outlives the bucket it stands for by this much, so that
 /// a replica refreshes it about once per this period, not on every write.
 const INDEX_SLACK_MS: u64 = 60_000;
+/// A traffic report's admission asks Redis again about an upstream whose
+/// index entry this replica knows to be live for less than this, so that
+/// no entry lapses while the report's deposits are made.
+const ADMISSION_MARGIN_MS: u64 = 10_000;
 /// Index score of a bucket that never expires (no floor, below initial):
 /// far in the future, yet distinct from the `+inf` of a kill switch.
 const FAR_SCORE: u64 = 1_000_000_000_000_000;
@@ -916,6 +922,99 @@ impl Inner {
         let score = if score < 0 { INF_SCORE } else { score as u64 };
         self.set_index(&state, score, now_ms);
         Ok(state)
+    }
+
+    /// [`BudgetStore::admit`]: one script on the index admits every
+    /// upstream the replica does not know to be there for a while yet, all
+    /// or none; with Redis unreachable, [`Inner::admit_locally`].
+    async fn admit(&self, upstreams: &[(&str, &BucketConfig)]) -> Result<(), StoreError> {
+        if !self.circuit.is_up() {
+            return self.admit_locally(upstreams, Failure::NotSent).await;
+        }
+        let soon = self.now_ms().saturating_add(ADMISSION_MARGIN_MS);
+        let mut asked: Vec<(&str, &BucketConfig)> = upstreams
+            .iter()
+            .filter(|(upstream, _)| {
+                self.upstreams
+                    .get(*upstream)
+                    .is_none_or(|known| known.index_until.load(Ordering::Acquire) <= soon)
+            })
+            .copied()
+            .collect();
+        if asked.is_empty() {
+            return Ok(());
+        }
+        asked.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        asked.dedup_by(|a, b| a.0 == b.0);
+        let mut invocation = self.scripts.admit_all.prepare_invoke();
+        invocation
+            .key(self.keys.index())
+            .arg(self.max_upstreams)
+            .arg(INDEX_SLACK_MS);
+        for (upstream, _) in &asked {
+            invocation.arg(*upstream);
+        }
+        let values: Vec<i64> = match self
+            .call(self.deadline(), self.connection.invoke(&invocation))
+            .await
+        {
+            Ok(values) => values,
+            Err(failure) => return self.admit_locally(upstreams, failure).await,
+        };
+        let (now_ms, scores) = match values[..] {
+            [0, _] => {
+                return Err(StoreError::TooManyUpstreams {
+                    limit: self.max_upstreams,
+                });
+            }
+            [1, now_ms, ref scores @ ..] if scores.len() == asked.len() => (now_ms, scores),
+            _ => {
+                let failure = Failure::Unknown(RedisStoreError::Reply(format!(
+                    "admission answered {values:?}"
+                )));
+                return self.admit_locally(upstreams, failure).await;
+            }
+        };
+        for ((upstream, config), score) in asked.iter().zip(scores) {
+            let state = Arc::clone(
+                self.upstreams
+                    .entry((*upstream).into())
+                    .or_insert_with(|| Arc::new(Upstream::new(config, self.lease_units)))
+                    .value(),
+            );
+            *lock(&state.config) = **config;
+            let score = if *score < 0 { INF_SCORE } else { *score as u64 };
+            self.set_index(&state, score, now_ms);
+        }
+        Ok(())
+    }
+
+    /// Admission while Redis is unreachable: the deposits that follow will
+    /// go where each upstream's `on_unavailable` sends them. If one of them
+    /// denies, its deposit would fail, so the report is refused whole;
+    /// otherwise every upstream is admitted to the local fallback (all or
+    /// none), where deposits Redis never saw go.
+    async fn admit_locally(
+        &self,
+        upstreams: &[(&str, &BucketConfig)],
+        failure: Failure,
+    ) -> Result<(), StoreError> {
+        if upstreams
+            .iter()
+            .any(|(_, config)| config.on_unavailable == OnUnavailable::Deny)
+        {
+            bump(&self.counters.unavailable, 1);
+            return Err(failure.into_error());
+        }
+        let local: Vec<(&str, BucketConfig)> = upstreams
+            .iter()
+            .map(|(upstream, config)| (*upstream, local_config(config)))
+            .collect();
+        let local: Vec<(&str, &BucketConfig)> = local
+            .iter()
+            .map(|(upstream, config)| (*upstream, config))
+            .collect();
+        self.fallback.admit(&local).await
     }
 
     fn set_index(&self, state: &Upstream, score: u64, server_now_ms: i64) {
@@ -1799,6 +1898,13 @@ impl BudgetStore for RedisBudgetStore {
         config: &BucketConfig,
     ) -> impl Future<Output = Result<Option<f64>, StoreError>> + Send {
         self.inner.try_withdraw(upstream, config)
+    }
+
+    fn admit(
+        &self,
+        upstreams: &[(&str, &BucketConfig)],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.inner.admit(upstreams)
     }
 
     fn deposit(

@@ -11,7 +11,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::validate::ValidDecideRequest;
 use super::{Live, Service, peer_addr, trace_context, validate};
 use crate::auth::{Denied, Principal};
-use crate::budget::{BudgetCheck, BudgetStore, StoreError};
+use crate::budget::{BucketConfig, BudgetCheck, BudgetStore, StoreError};
 use crate::engine::{self, BudgetView, Decision, DenyReason, Evidence, Idempotency, Verdict};
 use crate::pb;
 use crate::policy::UpstreamPolicy;
@@ -295,26 +295,57 @@ impl<S: BudgetStore> Service<S> {
         for (index, (upstream, _)) in entries.iter().enumerate() {
             permit(principal, upstream, &format!("traffic[{index}].upstream"))?;
         }
-        let mut accepted = 0;
-        for (upstream, requests) in entries {
-            let policy = live.policies.get(upstream);
+        // All or nothing against the store's upstream limit too: every
+        // upstream is admitted before anything is deposited, so a report
+        // naming one too many deposits nowhere. (Report ids, for idempotent
+        // re-sends, would be checked here, before the deposits.)
+        let admitting: Vec<(&str, &BucketConfig)> = entries
+            .iter()
+            .map(|&(upstream, _)| (upstream, &live.policies.get(upstream).bucket))
+            .collect();
+        let store = &self.inner.store;
+        let asked = Instant::now();
+        let admitted = store.admit(&admitting).await;
+        self.inner
+            .metrics
+            .record_store(StoreOp::Admit, asked.elapsed(), admitted.is_err());
+        admitted.map_err(|error| report_failed(error.into(), None, entries.len()))?;
+        // Deposits are one store call each (on Redis, on different Cluster
+        // slots, so never one transaction): if one fails, the status says
+        // which entries were applied.
+        for (index, (&(upstream, config), &(_, requests))) in
+            admitting.iter().zip(&entries).enumerate()
+        {
             let depositing = Instant::now();
-            let deposited = self
-                .inner
-                .store
-                .deposit(upstream, &policy.bucket, requests)
-                .await;
+            let deposited = store.deposit(upstream, config, requests).await;
             self.inner.metrics.record_store(
                 StoreOp::Deposit,
                 depositing.elapsed(),
                 deposited.is_err(),
             );
-            deposited?;
+            deposited.map_err(|error| report_failed(error.into(), Some(index), entries.len()))?;
             self.inner.metrics.record_deposit(requests);
-            accepted += 1;
         }
-        Ok(accepted)
+        // At most MAX_TRAFFIC_ENTRIES (validated).
+        Ok(entries.len() as u32)
     }
+}
+
+/// The status of a traffic report the store failed, saying what was
+/// applied: nothing if it failed before the deposits (`failed` is `None`),
+/// else the entries before `failed`, maybe `failed` itself (a deposit that
+/// timed out may have landed), and none after it. The wording is the
+/// contract's (see ReportTraffic in the proto).
+fn report_failed(status: Status, failed: Option<usize>, entries: usize) -> Status {
+    let message = match failed {
+        None => format!("{}; no traffic entry was applied", status.message()),
+        Some(index) => format!(
+            "traffic[{index}]: {}; entries 0..{index} were applied, entry {index} may or may not have been, entries {}..{entries} were not",
+            status.message(),
+            index + 1
+        ),
+    };
+    Status::new(status.code(), message)
 }
 
 /// Refuses an upstream the principal may not use.

@@ -233,7 +233,10 @@ pub fn upstream<'a>(field: &str, raw: &'a str) -> Result<&'a str, InvalidRequest
     name(field, raw)
 }
 
-/// Validates a free-text reason for the audit log.
+/// Validates a free-text reason for the audit log: bounded, free of
+/// control characters (as names are), and free of the Unicode
+/// bidirectional controls, which would make an audit line read otherwise
+/// than it is written. Any script's letters and punctuation pass.
 pub fn reason<'a>(field: &str, raw: &'a str) -> Result<&'a str, InvalidRequest> {
     if raw.len() > MAX_REASON_BYTES {
         return Err(invalid(
@@ -241,7 +244,24 @@ pub fn reason<'a>(field: &str, raw: &'a str) -> Result<&'a str, InvalidRequest> 
             format!("longer than {MAX_REASON_BYTES} bytes"),
         ));
     }
+    if raw.chars().any(char::is_control) {
+        return Err(invalid(field, "contains control characters"));
+    }
+    if raw.chars().any(is_bidi_control) {
+        return Err(invalid(field, "contains bidirectional control characters"));
+    }
     Ok(raw)
+}
+
+/// The Unicode bidirectional formatting characters (UAX #9): the Arabic
+/// letter mark, the implicit marks, the embeddings and overrides, and the
+/// isolates. They are format characters, not control characters, so
+/// `char::is_control` lets them through.
+fn is_bidi_control(character: char) -> bool {
+    matches!(
+        character,
+        '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'
+    )
 }
 
 /// Names end up in logs, span attributes and metric labels: bounded, and
@@ -387,4 +407,52 @@ fn duration(
         return Err(invalid(field, "must be at most 24h"));
     }
     Ok(Some(duration))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reason_refuses_control_and_bidirectional_characters() {
+        let refused = [
+            ("x\u{1b}[31m", "control"),
+            ("a\nb", "control"),
+            ("a\r\nb", "control"),
+            ("nul\0", "control"),
+            ("tab\there", "control"),
+            ("del\u{7f}", "control"),
+            ("c1\u{85}", "control"),
+            ("c1\u{9b}31m", "control"),
+            ("arabic mark \u{61c}", "bidirectional"),
+            ("rlm \u{200f}", "bidirectional"),
+            ("lre \u{202a}", "bidirectional"),
+            ("rlo pay\u{202e}ments", "bidirectional"),
+            ("lri \u{2066}", "bidirectional"),
+            ("pdi \u{2069}", "bidirectional"),
+        ];
+        for (raw, kind) in refused {
+            let error = reason("reason", raw).expect_err(raw);
+            assert_eq!(error.field, "reason", "{raw:?}");
+            assert!(error.reason.contains(kind), "{raw:?}: {error}");
+            assert!(error.to_string().starts_with("reason: "), "{error}");
+        }
+    }
+
+    #[test]
+    fn a_reason_keeps_prose_in_any_script() {
+        for raw in [
+            "",
+            "INC-42: upstream melting",
+            "INC-9 — Zahlungen überlastet, 支払い, مدفوعات",
+            // Joiners are not bidirectional controls: emoji and Indic
+            // scripts need them.
+            "on fire 👩\u{200d}🚒",
+        ] {
+            assert_eq!(reason("reason", raw), Ok(raw));
+        }
+        let long = "x".repeat(MAX_REASON_BYTES + 1);
+        assert!(reason("reason", &long).is_err());
+        assert!(reason("reason", &long[1..]).is_ok());
+    }
 }

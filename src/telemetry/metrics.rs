@@ -1,8 +1,11 @@
 //! Prometheus metrics: counters and histograms as atomics, indexed so that
 //! recording takes no lock and no allocation, rendered as text on scrape.
 //!
-//! Upstream labels are bounded: the upstreams the configuration names keep
-//! their own label, every other upstream counts as `_other`.
+//! Upstream labels are bounded: the upstreams the configuration named at
+//! start keep their own label, every other upstream (a caller's made-up
+//! name, a look-alike, one named only by a later reload) counts as
+//! `_other`. This holds for the budget gauges as for the counters, so no
+//! series ever carries a name a caller chose.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -24,9 +27,10 @@ pub const METRIC_DECISION_SECONDS: &str = "retryd_decision_duration_seconds";
 pub const METRIC_REPORTED_REQUESTS: &str = "retryd_reported_requests_total";
 /// Counter of tokens withdrawn (one per RETRY).
 pub const METRIC_WITHDRAWALS: &str = "retryd_budget_withdrawals_total";
-/// Gauge of tokens per tracked upstream.
+/// Gauge of tokens per configured tracked upstream; `_other` sums the rest.
 pub const METRIC_BUDGET_TOKENS: &str = "retryd_budget_tokens";
-/// Gauge: 0 while retries are switched off for the upstream.
+/// Gauge: 0 while retries are switched off for the upstream (for `_other`:
+/// for any of the upstreams it stands for).
 pub const METRIC_RETRIES_ENABLED: &str = "retryd_retries_enabled";
 /// Gauge of upstreams with state in the store.
 pub const METRIC_TRACKED_UPSTREAMS: &str = "retryd_tracked_upstreams";
@@ -62,8 +66,6 @@ pub const METRIC_RELOADS: &str = "retryd_config_reloads_total";
 
 /// The label of upstreams the configuration does not name.
 pub const OTHER_UPSTREAM: &str = "_other";
-/// Most upstreams listed with their own token gauge in one scrape.
-const MAX_BUDGET_SERIES: usize = 1000;
 
 // Outcomes: retry, ambiguous, then one per deny reason.
 const DENY_REASONS: [DenyReason; 10] = [
@@ -204,15 +206,19 @@ pub enum StoreOp {
     View,
     /// A decision's store call that reads and may withdraw a token.
     Withdraw,
+    /// Admitting a traffic report's upstreams, all at once, before any
+    /// deposit (see `BudgetStore::admit`).
+    Admit,
     /// Depositing reported traffic.
     Deposit,
     /// Switching retries on or off, or listing.
     Admin,
 }
 
-const STORE_OPS: [(StoreOp, &str); 4] = [
+const STORE_OPS: [(StoreOp, &str); 5] = [
     (StoreOp::View, "view"),
     (StoreOp::Withdraw, "withdraw"),
+    (StoreOp::Admit, "admit"),
     (StoreOp::Deposit, "deposit"),
     (StoreOp::Admin, "admin"),
 ];
@@ -239,7 +245,13 @@ pub struct Metrics {
 impl Metrics {
     /// Metrics with a label of their own for each of `named_upstreams`.
     pub fn new<'a>(named_upstreams: impl IntoIterator<Item = &'a str>) -> Metrics {
-        let mut labels: Vec<String> = named_upstreams.into_iter().map(str::to_owned).collect();
+        // An upstream configured as `_other` is counted with the others:
+        // two series with one label would make the exposition invalid.
+        let mut labels: Vec<String> = named_upstreams
+            .into_iter()
+            .filter(|name| *name != OTHER_UPSTREAM)
+            .map(str::to_owned)
+            .collect();
         labels.sort();
         labels.dedup();
         labels.push(OTHER_UPSTREAM.to_owned());
@@ -276,13 +288,18 @@ impl Metrics {
         self.reloads[usize::from(!applied)].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Counts one decision and how long it took.
-    pub fn record_decision(&self, upstream: &str, decision: &Decision, elapsed: Duration) {
-        let row = self
-            .index
+    /// The row of an upstream's label: its own if the configuration names
+    /// it, else `_other`'s (the last).
+    fn row(&self, upstream: &str) -> usize {
+        self.index
             .get(upstream)
             .copied()
-            .unwrap_or(self.labels.len() - 1);
+            .unwrap_or(self.labels.len() - 1)
+    }
+
+    /// Counts one decision and how long it took.
+    pub fn record_decision(&self, upstream: &str, decision: &Decision, elapsed: Duration) {
+        let row = self.row(upstream);
         let shard = &self.shards[shard_of_this_thread(self.shards.len())];
         shard.decisions[row][outcome_index(&decision.verdict)].fetch_add(1, Ordering::Relaxed);
         shard.latency.record(elapsed);
@@ -495,39 +512,63 @@ impl Metrics {
             "Upstreams with budget state.",
         );
         let _ = writeln!(out, "{METRIC_TRACKED_UPSTREAMS} {}", budgets.len());
+        // The gauges are labelled as the counters are: a tracked upstream
+        // the configuration does not name is added into `_other`. A label
+        // without tracked upstreams has no series.
+        let mut gauges: Vec<Option<Gauges>> = vec![None; self.labels.len()];
+        for budget in budgets {
+            let gauge = gauges[self.row(&budget.upstream)].get_or_insert(Gauges {
+                tokens: 0.0,
+                retries_enabled: true,
+            });
+            gauge.tokens += budget.tokens;
+            gauge.retries_enabled &= budget.retries_enabled;
+        }
+        let labelled = || {
+            self.labels
+                .iter()
+                .zip(&gauges)
+                .filter_map(|(label, gauge)| gauge.map(|gauge| (escape(label), gauge)))
+        };
         help(
             &mut out,
             METRIC_BUDGET_TOKENS,
             "gauge",
-            "Tokens in the upstream's retry budget.",
+            "Tokens in the upstream's retry budget (_other: the sum over unconfigured upstreams).",
         );
-        for budget in budgets.iter().take(MAX_BUDGET_SERIES) {
+        for (label, gauge) in labelled() {
             let _ = writeln!(
                 out,
-                "{METRIC_BUDGET_TOKENS}{{upstream=\"{}\"}} {}",
-                escape(&budget.upstream),
-                budget.tokens
+                "{METRIC_BUDGET_TOKENS}{{upstream=\"{label}\"}} {}",
+                gauge.tokens
             );
         }
         help(
             &mut out,
             METRIC_RETRIES_ENABLED,
             "gauge",
-            "0 while an operator has switched retries off.",
+            "0 while an operator has switched retries off (_other: for any unconfigured upstream).",
         );
-        for budget in budgets.iter().take(MAX_BUDGET_SERIES) {
+        for (label, gauge) in labelled() {
             let _ = writeln!(
                 out,
-                "{METRIC_RETRIES_ENABLED}{{upstream=\"{}\"}} {}",
-                escape(&budget.upstream),
-                u8::from(budget.retries_enabled)
+                "{METRIC_RETRIES_ENABLED}{{upstream=\"{label}\"}} {}",
+                u8::from(gauge.retries_enabled)
             );
         }
         out
     }
 }
 
-/// Label values escape backslash, quote and newline.
+/// The budget gauges of one upstream label at scrape time.
+#[derive(Clone, Copy, Debug)]
+struct Gauges {
+    tokens: f64,
+    retries_enabled: bool,
+}
+
+/// Label values escape backslash, quote and newline, as the text exposition
+/// format requires; every other character may appear as it is.
 fn escape(value: &str) -> String {
     value
         .replace('\\', "\\\\")
@@ -593,5 +634,118 @@ pub async fn serve_metrics<F, Fut>(
             let _ = stream.write_all(body.as_bytes()).await;
             let _ = stream.shutdown().await;
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn budget(upstream: &str, tokens: f64, retries_enabled: bool) -> BudgetSnapshot {
+        BudgetSnapshot {
+            upstream: upstream.to_owned(),
+            tokens,
+            retries_enabled,
+            tracked: true,
+        }
+    }
+
+    fn gauge_lines(page: &str) -> Vec<&str> {
+        page.lines()
+            .filter(|line| {
+                line.starts_with("retryd_budget_tokens{")
+                    || line.starts_with("retryd_retries_enabled{")
+            })
+            .collect()
+    }
+
+    #[test]
+    fn gauges_name_configured_upstreams_and_sum_the_others() {
+        let metrics = Metrics::new(["payments", "ledger", "search"]);
+        let budgets = [
+            budget("ledger", 3.0, false),
+            budget("pay\u{202e}ments", 2.0, true),
+            budget("payments", 5.5, true),
+            budget("payments\u{200b}", 1.0, false),
+            budget("zzz", 0.5, true),
+        ];
+        let page = metrics.render(&budgets, true, &StoreStats::default());
+        assert_eq!(
+            gauge_lines(&page),
+            [
+                "retryd_budget_tokens{upstream=\"ledger\"} 3",
+                "retryd_budget_tokens{upstream=\"payments\"} 5.5",
+                "retryd_budget_tokens{upstream=\"_other\"} 3.5",
+                "retryd_retries_enabled{upstream=\"ledger\"} 0",
+                "retryd_retries_enabled{upstream=\"payments\"} 1",
+                "retryd_retries_enabled{upstream=\"_other\"} 0",
+            ],
+            "{page}"
+        );
+        assert!(page.contains("\nretryd_tracked_upstreams 5\n"), "{page}");
+    }
+
+    #[test]
+    fn without_unconfigured_upstreams_there_is_no_other_series() {
+        let metrics = Metrics::new(["payments"]);
+        let page = metrics.render(
+            &[budget("payments", 1.0, true)],
+            true,
+            &StoreStats::default(),
+        );
+        assert_eq!(
+            gauge_lines(&page),
+            [
+                "retryd_budget_tokens{upstream=\"payments\"} 1",
+                "retryd_retries_enabled{upstream=\"payments\"} 1",
+            ]
+        );
+        let empty = Metrics::new(["payments"]).render(&[], true, &StoreStats::default());
+        assert!(gauge_lines(&empty).is_empty(), "{empty}");
+    }
+
+    #[test]
+    fn an_upstream_configured_as_other_is_one_series_with_the_others() {
+        let metrics = Metrics::new(["_other", "payments"]);
+        let page = metrics.render(
+            &[budget("_other", 1.0, true), budget("unlisted", 2.0, true)],
+            true,
+            &StoreStats::default(),
+        );
+        assert_eq!(
+            gauge_lines(&page),
+            [
+                "retryd_budget_tokens{upstream=\"_other\"} 3",
+                "retryd_retries_enabled{upstream=\"_other\"} 1",
+            ]
+        );
+    }
+
+    #[test]
+    fn configured_names_are_escaped_as_the_text_format_requires() {
+        // The configuration allows any name but brackets: quotes,
+        // backslashes and newlines must not end a label value or a line.
+        let names = ["we\"ird", "back\\slash", "new\nline", "tab\tand ü"];
+        let metrics = Metrics::new(names);
+        let budgets: Vec<BudgetSnapshot> =
+            names.iter().map(|name| budget(name, 1.0, true)).collect();
+        let page = metrics.render(&budgets, true, &StoreStats::default());
+        for escaped in [
+            "\"back\\\\slash\"",
+            "\"new\\nline\"",
+            "\"tab\tand ü\"",
+            "\"we\\\"ird\"",
+        ] {
+            let tokens = format!("retryd_budget_tokens{{upstream={escaped}}} 1");
+            assert!(page.lines().any(|line| line == tokens), "{tokens}\n{page}");
+        }
+        // Every line is a comment or one whole sample: no name broke a line.
+        for line in page.lines() {
+            assert!(
+                line.starts_with("# ") || line.starts_with("retryd_"),
+                "{line:?}"
+            );
+        }
+        assert_eq!(escape("a\\\"\n"), "a\\\\\\\"\\n");
     }
 }

@@ -15,6 +15,7 @@ pub(super) struct Scripts {
     pub(super) acquire: Script,
     pub(super) release: Script,
     pub(super) admit: Script,
+    pub(super) admit_all: Script,
     pub(super) list: Script,
     pub(super) probe: Script,
 }
@@ -34,13 +35,14 @@ impl Scripts {
             acquire: bucket_script(include_str!("acquire.lua")),
             release: bucket_script(include_str!("release.lua")),
             admit: Script::new(include_str!("admit.lua")),
+            admit_all: Script::new(include_str!("admit_all.lua")),
             list: Script::new(include_str!("list.lua")),
             probe: Script::new(include_str!("probe.lua")),
         }
     }
 
     /// All of them, to load at start-up.
-    pub(super) fn all(&self) -> [&Script; 10] {
+    pub(super) fn all(&self) -> [&Script; 11] {
         [
             &self.view,
             &self.check,
@@ -50,6 +52,7 @@ impl Scripts {
             &self.acquire,
             &self.release,
             &self.admit,
+            &self.admit_all,
             &self.list,
             &self.probe,
         ]
