@@ -120,14 +120,13 @@ pub struct TlsSettings {
     /// PEM CA bundle that client certificates must chain to (mTLS).
     pub client_ca_file: Option<String>,
     /// With a client CA: `required` (default) or `optional` (callers may
-    /// authenticate with an API key instead).
-    #[serde(default = "default_client_auth")]
-    pub client_auth: String,
+    /// authenticate with an API key instead). A written `required` needs
+    /// `client_ca_file`; unset, it is `required` when there is a client CA
+    /// and means nothing without one (TLS without mTLS).
+    #[serde(default)]
+    pub client_auth: Option<String>,
 }
 
-fn default_client_auth() -> String {
-    "required".into()
-}
 fn default_max_message_bytes() -> usize {
     64 * 1024
 }
@@ -753,16 +752,24 @@ fn tls_config(tls: &TlsSettings) -> Result<TlsConfig, InvalidConfig> {
             return Err(invalid(key, "is not a PEM file"));
         }
     }
-    let client_auth_optional = match tls.client_auth.as_str() {
-        "required" => false,
-        "optional" => true,
-        other => {
+    let client_auth_optional = match tls.client_auth.as_deref() {
+        None | Some("required") => false,
+        Some("optional") => true,
+        Some(other) => {
             return Err(invalid(
                 "server.tls.client_auth",
                 format!("must be \"required\" or \"optional\", not {other:?}"),
             ));
         }
     };
+    // Without a client CA no client certificate is even asked for, so a
+    // written "required" would silently require nothing.
+    if tls.client_auth.as_deref() == Some("required") && client_ca_pem.is_none() {
+        return Err(invalid(
+            "server.tls.client_ca_file",
+            "required when server.tls.client_auth = \"required\": without a client CA no client certificate is asked for, so nothing would be required",
+        ));
+    }
     Ok(TlsConfig {
         cert_pem,
         key_pem,
@@ -1304,6 +1311,43 @@ mod tests {
         let environment = HashMap::from([("RETRYD__X[9]".to_string(), "1".to_string())]);
         let error = Settings::from_sources("", Some(environment)).unwrap_err();
         assert!(error.to_string().starts_with("RETRYD__X[9]:"), "{error}");
+    }
+
+    #[test]
+    fn required_client_auth_needs_a_client_ca() {
+        let dir = tempfile::tempdir().unwrap();
+        let pem = dir.path().join("any.pem");
+        std::fs::write(
+            &pem,
+            "-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        let pem = pem.display();
+        let tls = |extra: &str| {
+            format!("[server.tls]\ncert_file = \"{pem}\"\nkey_file = \"{pem}\"\n{extra}")
+        };
+        // "required" with no CA to require a certificate from: refused.
+        let message = error_of(&tls("client_auth = \"required\"\n"));
+        assert!(
+            message.starts_with("server.tls.client_ca_file:") && message.contains("client_auth"),
+            "{message}"
+        );
+        // TLS without mTLS (client_auth unset) stays allowed; with a CA,
+        // an unset client_auth means "required".
+        let plain = config(&tls("")).unwrap().tls.unwrap();
+        assert!(plain.client_ca_pem.is_none());
+        for (extra, optional) in [
+            ("", false),
+            ("client_auth = \"required\"\n", false),
+            ("client_auth = \"optional\"\n", true),
+        ] {
+            let mtls = config(&tls(&format!("client_ca_file = \"{pem}\"\n{extra}")))
+                .unwrap()
+                .tls
+                .unwrap();
+            assert!(mtls.client_ca_pem.is_some());
+            assert_eq!(mtls.client_auth_optional, optional, "{extra:?}");
+        }
     }
 
     #[test]
