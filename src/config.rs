@@ -9,6 +9,7 @@
 //! process environment.
 
 use std::collections::{BTreeMap, HashMap};
+use std::fmt;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
@@ -193,14 +194,27 @@ impl Default for ServerSettings {
     }
 }
 
-/// One URL or several (Redis Cluster nodes).
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+/// One URL or several (Redis Cluster nodes), as written. `Debug` redacts
+/// credentials, like [`RedisUrl`]'s.
+#[derive(Clone, Deserialize, PartialEq)]
 #[serde(untagged)]
 pub enum Urls {
     /// `url = "redis://127.0.0.1:6379"`
     One(String),
     /// `url = ["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]`
     Many(Vec<String>),
+}
+
+impl fmt::Debug for Urls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Urls::One(url) => f.debug_tuple("One").field(&redact_url(url)).finish(),
+            Urls::Many(urls) => f
+                .debug_tuple("Many")
+                .field(&urls.iter().map(|url| redact_url(url)).collect::<Vec<_>>())
+                .finish(),
+        }
+    }
 }
 
 /// `[store]`
@@ -512,7 +526,7 @@ pub enum RedisMode {
 #[derive(Clone, Debug, PartialEq)]
 pub struct RedisConfig {
     /// One URL for a single node, several for a cluster.
-    pub urls: Vec<String>,
+    pub urls: Vec<RedisUrl>,
     /// Exact or leased.
     pub mode: RedisMode,
     /// Per-operation timeout.
@@ -526,6 +540,136 @@ pub struct RedisConfig {
     pub lease_ttl: Duration,
     /// Key prefix.
     pub key_prefix: String,
+}
+
+/// A Redis URL that cannot print its credentials: `Debug` and `Display`
+/// show `redis://***@host:port/db`, hiding the whole userinfo (user name
+/// too, since a password written without its `:` lands there), any query
+/// and any port that is not a number. The URL itself is reachable only
+/// through [`RedisUrl::expose_credentials`], for the store to connect with.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedisUrl(String);
+
+impl RedisUrl {
+    /// The URL as configured, password included: only for connecting.
+    pub fn expose_credentials(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for RedisUrl {
+    fn from(url: String) -> RedisUrl {
+        RedisUrl(url)
+    }
+}
+
+impl From<&str> for RedisUrl {
+    fn from(url: &str) -> RedisUrl {
+        RedisUrl(url.to_owned())
+    }
+}
+
+/// Compares the whole URL, without printing it (for tests).
+impl PartialEq<&str> for RedisUrl {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
+    }
+}
+
+impl fmt::Display for RedisUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&redact_url(&self.0))
+    }
+}
+
+impl fmt::Debug for RedisUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("RedisUrl")
+            .field(&redact_url(&self.0))
+            .finish()
+    }
+}
+
+/// The parts of `scheme://[userinfo@]host[:port][/path][?query|#fragment]`
+/// that redaction and validation look at. The userinfo runs to the *last*
+/// `@`, so that a password with a raw `@`, `/`, `?` or `#` in it is still
+/// all userinfo, hidden (at worst an `@` in a path hides the host too).
+struct UrlParts<'a> {
+    scheme: &'a str,
+    has_userinfo: bool,
+    host: &'a str,
+    port: Option<&'a str>,
+    path: &'a str,
+    /// From the first `?` or `#` after the host, delimiter included.
+    query: &'a str,
+}
+
+impl UrlParts<'_> {
+    /// `None` without `://`: then nothing says which part is safe to show.
+    fn of(url: &str) -> Option<UrlParts<'_>> {
+        let (scheme, rest) = url.split_once("://")?;
+        let (has_userinfo, rest) = match rest.rsplit_once('@') {
+            Some((_, after)) => (true, after),
+            None => (false, rest),
+        };
+        let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(authority_end);
+        // `[::1]:6379`: the port follows the bracketed IPv6 address.
+        let port_start = match authority.strip_prefix('[') {
+            Some(inner) => inner.find(']').map(|end| end + 2),
+            None => Some(0),
+        }
+        .and_then(|from| authority.get(from..)?.find(':').map(|at| from + at));
+        let (host, port) = match port_start {
+            Some(at) => (&authority[..at], Some(&authority[at + 1..])),
+            None => (authority, None),
+        };
+        let query_start = tail.find(['?', '#']).unwrap_or(tail.len());
+        let (path, query) = tail.split_at(query_start);
+        Some(UrlParts {
+            scheme,
+            has_userinfo,
+            host,
+            port,
+            path,
+            query,
+        })
+    }
+
+    fn is_numeric_port(&self) -> bool {
+        self.port
+            .is_none_or(|port| !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
+    }
+}
+
+/// `url` as it may be shown: its userinfo, query and any port that is not
+/// a number replaced by `***` (see [`RedisUrl`]); a text without `://` is
+/// not shown at all.
+pub fn redact_url(url: &str) -> String {
+    let Some(parts) = UrlParts::of(url) else {
+        return "***".to_owned();
+    };
+    let mut shown = format!("{}://", parts.scheme);
+    if parts.has_userinfo {
+        shown.push_str("***@");
+    }
+    shown.push_str(parts.host);
+    match parts.port {
+        // Not a port: perhaps a password written without its host,
+        // `redis://:secret`.
+        Some(_) if !parts.is_numeric_port() => shown.push_str(":***"),
+        Some(port) => {
+            shown.push(':');
+            shown.push_str(port);
+        }
+        None => {}
+    }
+    shown.push_str(parts.path);
+    if let Some(delimiter) = parts.query.chars().next() {
+        shown.push(delimiter);
+        shown.push_str("***");
+    }
+    shown
 }
 
 /// Log line format.
@@ -883,23 +1027,46 @@ fn redis_config(store: &StoreSettings) -> Result<RedisConfig, InvalidConfig> {
         return Err(invalid("store.url", "names no Redis node"));
     }
     for url in &urls {
+        // Messages show the URL redacted: it may carry the password.
+        let shown = redact_url(url);
         // TLS to Redis (rediss://) is not built in: refuse it here rather
         // than fail at connect time.
         if url.starts_with("rediss://") {
             return Err(invalid(
                 "store.url",
                 format!(
-                    "{url:?}: TLS to Redis is not supported by this build; use redis:// over a trusted network or a TLS proxy"
+                    "{shown:?}: TLS to Redis is not supported by this build; use redis:// over a trusted network or a TLS proxy"
                 ),
             ));
         }
         if !url.starts_with("redis://") {
             return Err(invalid(
                 "store.url",
-                format!("{url:?} is not a redis:// URL"),
+                format!("{shown:?} is not a redis:// URL"),
             ));
         }
+        // What the client would refuse only at connect time, refused here
+        // so that check-config catches it.
+        let parts = UrlParts::of(url).filter(|parts| !parts.host.is_empty());
+        match parts {
+            None => {
+                return Err(invalid(
+                    "store.url",
+                    format!("{shown:?} names no host (redis://[:PASSWORD@]HOST[:PORT][/DB])"),
+                ));
+            }
+            Some(parts) if !parts.is_numeric_port() => {
+                return Err(invalid(
+                    "store.url",
+                    format!(
+                        "{shown:?}: the port is not a number (a password goes before an @: redis://:PASSWORD@HOST:PORT)"
+                    ),
+                ));
+            }
+            Some(_) => {}
+        }
     }
+    let urls = urls.into_iter().map(RedisUrl).collect();
     let mode = match store.mode.as_str() {
         "exact" => RedisMode::Exact,
         "leased" => RedisMode::Leased,
@@ -1348,6 +1515,57 @@ mod tests {
             assert!(mtls.client_ca_pem.is_some());
             assert_eq!(mtls.client_auth_optional, optional, "{extra:?}");
         }
+    }
+
+    const PASSWORD: &str = "hunter2-secret-9f3a";
+
+    #[test]
+    fn redis_urls_print_without_their_credentials() {
+        let cases = [
+            (
+                "redis://:hunter2-secret-9f3a@cache:6379/0",
+                "redis://***@cache:6379/0",
+            ),
+            (
+                "redis://ops:hunter2-secret-9f3a@cache:6379",
+                "redis://***@cache:6379",
+            ),
+            // A password written without its `:` is in the user name.
+            ("redis://hunter2-secret-9f3a@cache", "redis://***@cache"),
+            // Raw `@`, `/`, `?` in a password: still all userinfo.
+            (
+                "redis://:hunter2/secret?9f3a@x@cache:6379",
+                "redis://***@cache:6379",
+            ),
+            // A password where the host should be.
+            ("redis://:hunter2-secret-9f3a", "redis://:***"),
+            (
+                "redis://cache:6379/0?password=hunter2-secret-9f3a",
+                "redis://cache:6379/0?***",
+            ),
+            (
+                "redis://u:hunter2-secret-9f3a@[::1]:6379/2",
+                "redis://***@[::1]:6379/2",
+            ),
+            ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379"),
+            ("hunter2-secret-9f3a", "***"),
+        ];
+        for (raw, shown) in cases {
+            let url = RedisUrl::from(raw);
+            assert_eq!(url.to_string(), shown, "{raw}");
+            assert_eq!(format!("{url:?}"), format!("RedisUrl({shown:?})"));
+            assert_eq!(url.expose_credentials(), raw);
+            assert!(!shown.contains("hunter2"), "{shown}");
+        }
+
+        // Nothing that holds one prints it either.
+        let toml = format!("[store]\nkind = \"redis\"\nurl = \"redis://:{PASSWORD}@cache:6379\"\n");
+        let settings = Settings::from_toml(&toml).unwrap();
+        assert!(!format!("{settings:?}").contains(PASSWORD));
+        let config = Config::try_from(settings).unwrap();
+        assert!(!format!("{config:?}").contains(PASSWORD));
+        let many = Urls::Many(vec![format!("redis://:{PASSWORD}@a:7000")]);
+        assert_eq!(format!("{many:?}"), "Many([\"redis://***@a:7000\"])");
     }
 
     #[test]

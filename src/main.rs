@@ -155,10 +155,17 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
                     RedisMode::Exact => "redis-exact",
                     RedisMode::Leased => "redis-leased",
                 };
+                // `RedisUrl` prints without its credentials.
+                let urls = redis
+                    .urls
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ");
                 let store = RedisBudgetStore::connect(&redis, config.max_upstreams)
                     .await
-                    .with_context(|| format!("store.url: cannot use Redis at {:?}", redis.urls))?;
-                tracing::info!(urls = ?redis.urls, mode = label, "budgets shared through Redis");
+                    .with_context(|| format!("store.url: cannot use Redis at {urls}"))?;
+                tracing::info!(urls, mode = label, "budgets shared through Redis");
                 run(config, config_path, store, label).await
             }
         }
