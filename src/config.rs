@@ -25,11 +25,35 @@ use crate::policy::{Policies, UpstreamPolicy};
 pub const ENV_PREFIX: &str = "RETRYD";
 
 /// A configuration that cannot be used, naming the key at fault.
+///
+/// Its messages are shown to operators (stderr, logs, `ReloadConfig`'s
+/// status), so none of them quotes a line of the file or a credential in a
+/// URL: a `store.url` often carries the Redis password.
 #[derive(Debug, thiserror::Error)]
 pub enum InvalidConfig {
-    /// The file or the environment could not be read or parsed.
+    /// The file or the environment could not be read or parsed. The message
+    /// is the config crate's, with URL credentials redacted; the error
+    /// itself is not kept as a source, because printing the chain (as
+    /// `anyhow`'s `{:#}` does) would show them again.
     #[error("cannot load configuration: {0}")]
-    Load(#[source] config::ConfigError),
+    Load(String),
+    /// The file is not TOML. The line is not quoted, since it may hold a
+    /// secret; the position and the key, when the line names one, say
+    /// where.
+    #[error(
+        "{}TOML syntax error at line {line}, column {column}: {message}",
+        key.as_ref().map(|key| format!("{key}: ")).unwrap_or_default()
+    )]
+    Syntax {
+        /// The dotted key on the offending line (or its table), if any.
+        key: Option<String>,
+        /// 1-based line.
+        line: usize,
+        /// 1-based column, in characters.
+        column: usize,
+        /// What the TOML parser expected.
+        message: String,
+    },
     /// A key holds a value that is not allowed.
     #[error("{key}: {reason}")]
     Value {
@@ -433,11 +457,14 @@ impl Settings {
         // allocates up to it, so a key like `"x[200000000000]"` aborts the
         // process (found by fuzzing). No retryd key has brackets: refuse
         // them, by name, before the config crate sees them.
-        // Text that is not TOML at all is left to the config crate, which
-        // reports where.
-        if let Ok(table) = toml.parse::<toml::Table>() {
-            refuse_bracketed_keys("", &table)?;
-        }
+        // Text that is not TOML is refused here too: the TOML parser's own
+        // message quotes the offending line, which may be a `store.url`
+        // with its password, so it is placed by line, column and key
+        // instead.
+        let table = toml
+            .parse::<toml::Table>()
+            .map_err(|error| syntax_error(toml, &error))?;
+        refuse_bracketed_keys("", &table)?;
         let process_environment;
         let variables = match &environment {
             Some(map) => map,
@@ -467,7 +494,9 @@ impl Settings {
         builder
             .build()
             .and_then(|merged| merged.try_deserialize())
-            .map_err(InvalidConfig::Load)
+            // Serde quotes a value of the wrong type, which may be a URL
+            // with credentials (a `RETRYD__` variable set to the wrong key).
+            .map_err(|error| InvalidConfig::Load(redact_urls_in(&error.to_string())))
     }
 
     /// Settings from TOML text alone, for tests and `check-config`.
@@ -670,6 +699,87 @@ pub fn redact_url(url: &str) -> String {
         shown.push_str("***");
     }
     shown
+}
+
+/// `text` (an error message) with every URL in it redacted. A URL inside a
+/// quoted string (`string "redis://…"`, as serde quotes values) runs to the
+/// closing quote; elsewhere, to the next whitespace.
+fn redact_urls_in(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(separator) = rest.find("://") {
+        let scheme_start = rest[..separator]
+            .char_indices()
+            .rev()
+            .find(|&(_, c)| !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
+            .map_or(0, |(at, c)| at + c.len_utf8());
+        let quoted = rest[..scheme_start].ends_with('"');
+        let after = &rest[separator..];
+        let length = if quoted {
+            // To the first quote not escaped by a backslash.
+            let mut escaped = false;
+            after
+                .char_indices()
+                .find(|&(_, c)| {
+                    let end = c == '"' && !escaped;
+                    escaped = c == '\\' && !escaped;
+                    end
+                })
+                .map_or(after.len(), |(at, _)| at)
+        } else {
+            after.find(char::is_whitespace).unwrap_or(after.len())
+        };
+        let url_end = separator + length;
+        out.push_str(&rest[..scheme_start]);
+        out.push_str(&redact_url(&rest[scheme_start..url_end]));
+        rest = &rest[url_end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// A TOML syntax error, placed by line and column and, when the line (or
+/// the table it is in) names a key, by key; the line itself is not quoted.
+fn syntax_error(toml: &str, error: &toml::de::Error) -> InvalidConfig {
+    let start = error.span().map_or(0, |span| span.start).min(toml.len());
+    let before = toml.get(..start).unwrap_or(toml);
+    let line_index = before.matches('\n').count();
+    let line_start = before.rfind('\n').map_or(0, |at| at + 1);
+    let column = before[line_start..].chars().count() + 1;
+    let lines: Vec<&str> = toml.lines().collect();
+    // Only text made of key characters is shown: never a URL or a value.
+    let is_key = |text: &str| {
+        !text.is_empty()
+            && text.chars().all(|c| {
+                c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '"' | '\'' | ' ')
+            })
+    };
+    let table = lines
+        .get(..=line_index.min(lines.len().saturating_sub(1)))
+        .unwrap_or_default()
+        .iter()
+        .rev()
+        .find_map(|line| {
+            let header = line.split('#').next().unwrap_or_default().trim();
+            let inner = header.strip_prefix('[')?.strip_suffix(']')?;
+            let inner = inner.trim_start_matches('[').trim_end_matches(']').trim();
+            is_key(inner).then_some(inner)
+        });
+    let key = lines
+        .get(line_index)
+        .and_then(|line| line.split_once('='))
+        .map(|(key, _)| key.trim())
+        .filter(|key| is_key(key));
+    let key = match (table, key) {
+        (Some(table), Some(key)) => Some(format!("{table}.{key}")),
+        (table, key) => table.or(key).map(str::to_owned),
+    };
+    InvalidConfig::Syntax {
+        key,
+        line: line_index + 1,
+        column,
+        message: redact_urls_in(error.message().trim()),
+    }
 }
 
 /// Log line format.
@@ -1566,6 +1676,145 @@ mod tests {
         assert!(!format!("{config:?}").contains(PASSWORD));
         let many = Urls::Many(vec![format!("redis://:{PASSWORD}@a:7000")]);
         assert_eq!(format!("{many:?}"), "Many([\"redis://***@a:7000\"])");
+    }
+
+    #[test]
+    fn configuration_errors_name_the_key_without_the_password() {
+        let url_line = |url: &str| format!("[store]\nkind = \"redis\"\nurl = {url}\n");
+        let cases = [
+            (
+                url_line(&format!("\"http://:{PASSWORD}@cache:6379\"")),
+                "store.url: \"http://***@cache:6379\" is not a redis:// URL",
+            ),
+            (
+                url_line(&format!("\"rediss://:{PASSWORD}@cache:6380\"")),
+                "store.url: \"rediss://***@cache:6380\": TLS",
+            ),
+            (
+                url_line(&format!("[\"redis://a:7000\", \"redis://:{PASSWORD}\"]")),
+                "store.url: \"redis://:***\" names no host",
+            ),
+            (
+                url_line(&format!("\"redis://:{PASSWORD}@cache:x6379\"")),
+                "store.url: \"redis://***@cache:***\": the port is not a number",
+            ),
+            (
+                url_line(&format!("\"redis://:{PASSWORD}@cache:6379")),
+                "store.url: TOML syntax error at line 3, column ",
+            ),
+            (
+                format!("[store] # comment\nkind = \"redis\"\npassword = '{PASSWORD}\n"),
+                "store.password: TOML syntax error at line 3, column ",
+            ),
+            (
+                format!("[store]\nurl = [\n  \"redis://:{PASSWORD}@a:1\n]\n"),
+                "store: TOML syntax error at line 3, column ",
+            ),
+            (
+                format!("{PASSWORD}\n"),
+                "TOML syntax error at line 1, column 20: ",
+            ),
+            (
+                format!("[server]\nallow_unauthenticated = \"redis://u:{PASSWORD}@cache\"\n"),
+                "cannot load configuration: invalid type: string \"redis://***@cache\"",
+            ),
+        ];
+        for (toml, expected) in &cases {
+            let error = config(toml).expect_err("must be refused");
+            let message = error.to_string();
+            assert!(message.starts_with(expected), "{toml:?} gave {message:?}");
+            assert!(!message.contains(PASSWORD), "{message}");
+            // No source to print the unredacted text again.
+            assert!(std::error::Error::source(&error).is_none(), "{message}");
+        }
+
+        let environment = |url: String| {
+            HashMap::from([
+                ("RETRYD__STORE__KIND".to_string(), "redis".to_string()),
+                ("RETRYD__STORE__URL".to_string(), url),
+            ])
+        };
+        for url in [
+            format!("rediss://:{PASSWORD}@cache:6380"),
+            format!("http://:{PASSWORD}@cache:6379"),
+        ] {
+            let settings = Settings::from_sources("", Some(environment(url))).unwrap();
+            let message = Config::try_from(settings).unwrap_err().to_string();
+            assert!(message.starts_with("store.url: \""), "{message}");
+            assert!(message.contains("cache:63"), "{message}");
+            assert!(!message.contains(PASSWORD), "{message}");
+        }
+        let wrong_type = HashMap::from([(
+            "RETRYD__SERVER__ALLOW_UNAUTHENTICATED".to_string(),
+            format!("redis://:{PASSWORD}@cache:6379"),
+        )]);
+        let message = Settings::from_sources("", Some(wrong_type))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains("server.allow_unauthenticated"),
+            "{message}"
+        );
+        assert!(!message.contains(PASSWORD), "{message}");
+    }
+
+    #[test]
+    fn urls_in_free_text_are_redacted() {
+        let cases = [
+            (
+                "expected a boolean, not string \"redis://u:p\\\"w@h:1\" in `x`",
+                "expected a boolean, not string \"redis://***@h:1\" in `x`",
+            ),
+            ("at redis://:pw@h:1 then", "at redis://***@h:1 then"),
+            // Unquoted, a URL runs to whitespace, so punctuation glued to it
+            // is hidden with its port: on the safe side.
+            ("at redis://:pw@h:1, then", "at redis://***@h:*** then"),
+            (
+                "two: redis://:a@h:1 https://u:b@web/x",
+                "two: redis://***@h:1 https://***@web/x",
+            ),
+            ("no url here", "no url here"),
+            ("é://u:p@h and ://", "é://***@h and ://"),
+        ];
+        for (text, redacted) in cases {
+            assert_eq!(redact_urls_in(text), redacted);
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_password_is_hidden(
+            password in "\\PC*",
+            host in "[a-z0-9.-]{1,20}",
+        ) {
+            let url = format!("redis://user:{password}@{host}:6379/0");
+            proptest::prop_assert_eq!(redact_url(&url), format!("redis://***@{host}:6379/0"));
+            // Quoted by serde in a message, escapes and all.
+            let message = format!("invalid type: string {url:?}, expected a boolean");
+            proptest::prop_assert_eq!(
+                redact_urls_in(&message),
+                format!("invalid type: string \"redis://***@{host}:6379/0\", expected a boolean")
+            );
+        }
+
+        #[test]
+        fn syntax_errors_never_quote_the_file(
+            head in "[a-z\\[\\]=\" \\n]{0,40}",
+            password in "[!-~]{12,24}",
+        ) {
+            let toml = format!("{head}\nurl = \"redis://:{password}@cache:6379\n");
+            if let Err(error) = Settings::from_toml(&toml) {
+                let message = error.to_string();
+                proptest::prop_assert!(!message.contains(&password), "{}", message);
+            }
+        }
+
+        #[test]
+        fn redaction_never_panics(text in "\\PC*") {
+            let _ = redact_urls_in(&text);
+            let _ = redact_url(&text);
+            let _ = Settings::from_toml(&text);
+        }
     }
 
     #[test]

@@ -201,7 +201,8 @@ async fn run<S: BudgetStore>(
             )
             .map_err(anyhow::Error::msg)?;
             tracing::info!(
-                endpoint,
+                // An endpoint may carry credentials too.
+                endpoint = %retryd::config::redact_url(endpoint),
                 ratio = config.telemetry.sampling_ratio,
                 "exporting decision spans over OTLP"
             );
