@@ -7,6 +7,9 @@
 //! or `RetryAdmin/ReloadConfig`) and `RETRYD__` overrides. Each output must
 //! still say where the problem is (the key, the line, the host).
 //!
+//! And `retryd hash-key` must hash a key exactly as the server does when a
+//! caller presents it, and refuse a key no `authorization` header can carry.
+//!
 //! The Redis cases start their own `redis-server` and fail, never skip, when
 //! it cannot be started.
 
@@ -454,4 +457,80 @@ fn configuration_errors_never_show_the_redis_password() {
     );
     assert!(checked.success, "{}", checked.stderr);
     checked.assert_hidden("check-config of a good file");
+}
+
+/// The hex SHA-256 `retryd hash-key` prints for `stdin`.
+fn hash_key(stdin: &str) -> Run {
+    run(&["hash-key"], &[], stdin.as_bytes())
+}
+
+#[tokio::test]
+async fn hash_key_and_the_server_agree_on_surrounding_whitespace() {
+    const KEY: &str = "checkout-key-0123456789";
+    let hashed = hash_key(&format!("{KEY} \n"));
+    assert!(hashed.success, "{}", hashed.stderr);
+    let hex = hashed.stdout.trim();
+    assert_eq!(hex.len(), 64, "{hex:?}");
+    for padded in [format!("{KEY}\t\r\n"), format!("  {KEY}"), KEY.to_owned()] {
+        let again = hash_key(&padded);
+        assert!(again.success, "{}", again.stderr);
+        assert_eq!(again.stdout.trim(), hex, "hash-key of {padded:?}");
+    }
+
+    let server = Server::start(&format!(
+        "[[auth.principals]]\nname = \"checkout\"\napi_keys_sha256 = [\"{hex}\"]\nupstreams = [\"*\"]\n"
+    ));
+    let mut request = tonic::Request::new(retryable("orders"));
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {KEY}").parse().expect("header value"),
+    );
+    let answer = server
+        .decider()
+        .await
+        .decide(request)
+        .await
+        .expect("the key hash-key hashed is accepted");
+    assert_eq!(answer.into_inner().verdict(), pb::Verdict::Retry);
+}
+
+#[test]
+fn hash_key_refuses_keys_a_header_cannot_carry_as_typed() {
+    let cases = [
+        (
+            "interior whitespace",
+            "checkout key 0123456789\n",
+            "printable ASCII",
+        ),
+        (
+            "a tab inside",
+            "checkout\tkey-0123456789\n",
+            "printable ASCII",
+        ),
+        (
+            "a control character",
+            "checkout\u{1b}key-0123456789\n",
+            "printable ASCII",
+        ),
+        (
+            "non-ASCII",
+            "checkout-schlüssel-0123456789\n",
+            "printable ASCII",
+        ),
+        ("too short", "short-key\n", "16"),
+        ("nothing", "\n", "16"),
+    ];
+    for (what, stdin, needle) in cases {
+        let hashed = hash_key(stdin);
+        assert!(!hashed.success, "hash-key accepted a key with {what}");
+        assert!(hashed.stdout.is_empty(), "{what}: {}", hashed.stdout);
+        assert_mentions(&format!("hash-key with {what}"), &hashed.stderr, &[needle]);
+    }
+    let help = run(&["hash-key", "--help"], &[], b"");
+    assert!(help.success);
+    assert_mentions(
+        "hash-key --help",
+        &help.stdout,
+        &["printable ASCII", "SHA-256", "trimmed", "lower-case hex"],
+    );
 }
