@@ -177,7 +177,7 @@ async fn slice(call: &Call, tasks: usize, length: Duration, tally: Option<&mut T
 
 async fn store(url: &str, mode: RedisMode) -> Result<RedisBudgetStore, String> {
     let config = RedisConfig {
-        urls: vec![url.to_owned()],
+        urls: vec![url.into()],
         mode,
         // retryd's defaults.
         timeout: Duration::from_millis(20),

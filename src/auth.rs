@@ -177,9 +177,21 @@ impl Auth {
     }
 }
 
-/// The SHA-256 of an API key, as configured in `api_key_sha256`.
+/// An API key as it is hashed: without leading or trailing whitespace
+/// (`str::trim`). The server trims what follows `Bearer `, and
+/// `retryd hash-key` the line it reads: [`hash_key`] trims through this
+/// one function, so that the two can never disagree.
+pub fn normalize_key(key: &str) -> &str {
+    key.trim()
+}
+
+/// The SHA-256 of an API key, as configured in `api_keys_sha256`: of the
+/// UTF-8 bytes of [`normalize_key`]`(key)`, so surrounding whitespace never
+/// changes the hash. Keys are printable ASCII without spaces, since they
+/// travel in an HTTP/2 header; `retryd hash-key` refuses anything else, and
+/// a key outside that set cannot be presented as typed.
 pub fn hash_key(key: &str) -> [u8; 32] {
-    Sha256::digest(key.as_bytes()).into()
+    Sha256::digest(normalize_key(key).as_bytes()).into()
 }
 
 /// The identities a DER-encoded client certificate vouches for, as RFC 6125
@@ -290,6 +302,29 @@ mod tests {
                 .unwrap()
                 .name,
             "ops"
+        );
+    }
+
+    #[test]
+    fn a_key_hashes_the_same_whatever_whitespace_surrounds_it() {
+        assert_eq!(
+            hash_key("k3y-0123456789ab \t\r\n"),
+            hash_key("k3y-0123456789ab")
+        );
+        assert_eq!(hash_key("  k3y-0123456789ab"), hash_key("k3y-0123456789ab"));
+        assert_ne!(hash_key("k3y 0123456789ab"), hash_key("k3y0123456789ab"));
+        // What `retryd hash-key` prints for a line with a trailing space is
+        // what the server accepts for the key without it.
+        let auth = Auth::new(vec![(
+            principal("checkout", &["*"], false),
+            vec![hash_key("k3y-0123456789ab \n")],
+            vec![],
+        )]);
+        assert_eq!(
+            auth.authenticate(Some("Bearer k3y-0123456789ab"), [])
+                .unwrap()
+                .name,
+            "checkout"
         );
     }
 

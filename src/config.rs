@@ -9,6 +9,7 @@
 //! process environment.
 
 use std::collections::{BTreeMap, HashMap};
+use std::fmt;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
@@ -24,11 +25,35 @@ use crate::policy::{Policies, UpstreamPolicy};
 pub const ENV_PREFIX: &str = "RETRYD";
 
 /// A configuration that cannot be used, naming the key at fault.
+///
+/// Its messages are shown to operators (stderr, logs, `ReloadConfig`'s
+/// status), so none of them quotes a line of the file or a credential in a
+/// URL: a `store.url` often carries the Redis password.
 #[derive(Debug, thiserror::Error)]
 pub enum InvalidConfig {
-    /// The file or the environment could not be read or parsed.
+    /// The file or the environment could not be read or parsed. The message
+    /// is the config crate's, with URL credentials redacted; the error
+    /// itself is not kept as a source, because printing the chain (as
+    /// `anyhow`'s `{:#}` does) would show them again.
     #[error("cannot load configuration: {0}")]
-    Load(#[source] config::ConfigError),
+    Load(String),
+    /// The file is not TOML. The line is not quoted, since it may hold a
+    /// secret; the position and the key, when the line names one, say
+    /// where.
+    #[error(
+        "{}TOML syntax error at line {line}, column {column}: {message}",
+        key.as_ref().map(|key| format!("{key}: ")).unwrap_or_default()
+    )]
+    Syntax {
+        /// The dotted key on the offending line (or its table), if any.
+        key: Option<String>,
+        /// 1-based line.
+        line: usize,
+        /// 1-based column, in characters.
+        column: usize,
+        /// What the TOML parser expected.
+        message: String,
+    },
     /// A key holds a value that is not allowed.
     #[error("{key}: {reason}")]
     Value {
@@ -128,14 +153,13 @@ pub struct TlsSettings {
     /// PEM CA bundle that client certificates must chain to (mTLS).
     pub client_ca_file: Option<String>,
     /// With a client CA: `required` (default) or `optional` (callers may
-    /// authenticate with an API key instead).
-    #[serde(default = "default_client_auth")]
-    pub client_auth: String,
+    /// authenticate with an API key instead). A written `required` needs
+    /// `client_ca_file`; unset, it is `required` when there is a client CA
+    /// and means nothing without one (TLS without mTLS).
+    #[serde(default)]
+    pub client_auth: Option<String>,
 }
 
-fn default_client_auth() -> String {
-    "required".into()
-}
 fn default_max_message_bytes() -> usize {
     64 * 1024
 }
@@ -210,14 +234,27 @@ impl Default for ServerSettings {
     }
 }
 
-/// One URL or several (Redis Cluster nodes).
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+/// One URL or several (Redis Cluster nodes), as written. `Debug` redacts
+/// credentials, like [`RedisUrl`]'s.
+#[derive(Clone, Deserialize, PartialEq)]
 #[serde(untagged)]
 pub enum Urls {
     /// `url = "redis://127.0.0.1:6379"`
     One(String),
     /// `url = ["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]`
     Many(Vec<String>),
+}
+
+impl fmt::Debug for Urls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Urls::One(url) => f.debug_tuple("One").field(&redact_url(url)).finish(),
+            Urls::Many(urls) => f
+                .debug_tuple("Many")
+                .field(&urls.iter().map(|url| redact_url(url)).collect::<Vec<_>>())
+                .finish(),
+        }
+    }
 }
 
 /// `[store]`
@@ -436,11 +473,14 @@ impl Settings {
         // allocates up to it, so a key like `"x[200000000000]"` aborts the
         // process (found by fuzzing). No retryd key has brackets: refuse
         // them, by name, before the config crate sees them.
-        // Text that is not TOML at all is left to the config crate, which
-        // reports where.
-        if let Ok(table) = toml.parse::<toml::Table>() {
-            refuse_bracketed_keys("", &table)?;
-        }
+        // Text that is not TOML is refused here too: the TOML parser's own
+        // message quotes the offending line, which may be a `store.url`
+        // with its password, so it is placed by line, column and key
+        // instead.
+        let table = toml
+            .parse::<toml::Table>()
+            .map_err(|error| syntax_error(toml, &error))?;
+        refuse_bracketed_keys("", &table)?;
         let process_environment;
         let variables = match &environment {
             Some(map) => map,
@@ -470,7 +510,9 @@ impl Settings {
         builder
             .build()
             .and_then(|merged| merged.try_deserialize())
-            .map_err(InvalidConfig::Load)
+            // Serde quotes a value of the wrong type, which may be a URL
+            // with credentials (a `RETRYD__` variable set to the wrong key).
+            .map_err(|error| InvalidConfig::Load(redact_urls_in(&error.to_string())))
     }
 
     /// Settings from TOML text alone, for tests and `check-config`.
@@ -529,7 +571,7 @@ pub enum RedisMode {
 #[derive(Clone, Debug, PartialEq)]
 pub struct RedisConfig {
     /// One URL for a single node, several for a cluster.
-    pub urls: Vec<String>,
+    pub urls: Vec<RedisUrl>,
     /// Exact or leased.
     pub mode: RedisMode,
     /// Per-operation timeout.
@@ -543,6 +585,217 @@ pub struct RedisConfig {
     pub lease_ttl: Duration,
     /// Key prefix.
     pub key_prefix: String,
+}
+
+/// A Redis URL that cannot print its credentials: `Debug` and `Display`
+/// show `redis://***@host:port/db`, hiding the whole userinfo (user name
+/// too, since a password written without its `:` lands there), any query
+/// and any port that is not a number. The URL itself is reachable only
+/// through [`RedisUrl::expose_credentials`], for the store to connect with.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedisUrl(String);
+
+impl RedisUrl {
+    /// The URL as configured, password included: only for connecting.
+    pub fn expose_credentials(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for RedisUrl {
+    fn from(url: String) -> RedisUrl {
+        RedisUrl(url)
+    }
+}
+
+impl From<&str> for RedisUrl {
+    fn from(url: &str) -> RedisUrl {
+        RedisUrl(url.to_owned())
+    }
+}
+
+/// Compares the whole URL, without printing it (for tests).
+impl PartialEq<&str> for RedisUrl {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
+    }
+}
+
+impl fmt::Display for RedisUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&redact_url(&self.0))
+    }
+}
+
+impl fmt::Debug for RedisUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("RedisUrl")
+            .field(&redact_url(&self.0))
+            .finish()
+    }
+}
+
+/// The parts of `scheme://[userinfo@]host[:port][/path][?query|#fragment]`
+/// that redaction and validation look at. The userinfo runs to the *last*
+/// `@`, so that a password with a raw `@`, `/`, `?` or `#` in it is still
+/// all userinfo, hidden (at worst an `@` in a path hides the host too).
+struct UrlParts<'a> {
+    scheme: &'a str,
+    has_userinfo: bool,
+    host: &'a str,
+    port: Option<&'a str>,
+    path: &'a str,
+    /// From the first `?` or `#` after the host, delimiter included.
+    query: &'a str,
+}
+
+impl UrlParts<'_> {
+    /// `None` without `://`: then nothing says which part is safe to show.
+    fn of(url: &str) -> Option<UrlParts<'_>> {
+        let (scheme, rest) = url.split_once("://")?;
+        let (has_userinfo, rest) = match rest.rsplit_once('@') {
+            Some((_, after)) => (true, after),
+            None => (false, rest),
+        };
+        let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(authority_end);
+        // `[::1]:6379`: the port follows the bracketed IPv6 address.
+        let port_start = match authority.strip_prefix('[') {
+            Some(inner) => inner.find(']').map(|end| end + 2),
+            None => Some(0),
+        }
+        .and_then(|from| authority.get(from..)?.find(':').map(|at| from + at));
+        let (host, port) = match port_start {
+            Some(at) => (&authority[..at], Some(&authority[at + 1..])),
+            None => (authority, None),
+        };
+        let query_start = tail.find(['?', '#']).unwrap_or(tail.len());
+        let (path, query) = tail.split_at(query_start);
+        Some(UrlParts {
+            scheme,
+            has_userinfo,
+            host,
+            port,
+            path,
+            query,
+        })
+    }
+
+    fn is_numeric_port(&self) -> bool {
+        self.port
+            .is_none_or(|port| !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
+    }
+}
+
+/// `url` as it may be shown: its userinfo, query and any port that is not
+/// a number replaced by `***` (see [`RedisUrl`]); a text without `://` is
+/// not shown at all.
+pub fn redact_url(url: &str) -> String {
+    let Some(parts) = UrlParts::of(url) else {
+        return "***".to_owned();
+    };
+    let mut shown = format!("{}://", parts.scheme);
+    if parts.has_userinfo {
+        shown.push_str("***@");
+    }
+    shown.push_str(parts.host);
+    match parts.port {
+        // Not a port: perhaps a password written without its host,
+        // `redis://:secret`.
+        Some(_) if !parts.is_numeric_port() => shown.push_str(":***"),
+        Some(port) => {
+            shown.push(':');
+            shown.push_str(port);
+        }
+        None => {}
+    }
+    shown.push_str(parts.path);
+    if let Some(delimiter) = parts.query.chars().next() {
+        shown.push(delimiter);
+        shown.push_str("***");
+    }
+    shown
+}
+
+/// `text` (an error message) with every URL in it redacted. A URL inside a
+/// quoted string (`string "redis://…"`, as serde quotes values) runs to the
+/// closing quote; elsewhere, to the next whitespace.
+fn redact_urls_in(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(separator) = rest.find("://") {
+        let scheme_start = rest[..separator]
+            .char_indices()
+            .rev()
+            .find(|&(_, c)| !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
+            .map_or(0, |(at, c)| at + c.len_utf8());
+        let quoted = rest[..scheme_start].ends_with('"');
+        let after = &rest[separator..];
+        let length = if quoted {
+            // To the first quote not escaped by a backslash.
+            let mut escaped = false;
+            after
+                .char_indices()
+                .find(|&(_, c)| {
+                    let end = c == '"' && !escaped;
+                    escaped = c == '\\' && !escaped;
+                    end
+                })
+                .map_or(after.len(), |(at, _)| at)
+        } else {
+            after.find(char::is_whitespace).unwrap_or(after.len())
+        };
+        let url_end = separator + length;
+        out.push_str(&rest[..scheme_start]);
+        out.push_str(&redact_url(&rest[scheme_start..url_end]));
+        rest = &rest[url_end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// A TOML syntax error, placed by line and column and, when the line (or
+/// the table it is in) names a key, by key; the line itself is not quoted.
+fn syntax_error(toml: &str, error: &toml::de::Error) -> InvalidConfig {
+    let start = error.span().map_or(0, |span| span.start).min(toml.len());
+    let before = toml.get(..start).unwrap_or(toml);
+    let line_index = before.matches('\n').count();
+    let line_start = before.rfind('\n').map_or(0, |at| at + 1);
+    let column = before[line_start..].chars().count() + 1;
+    let lines: Vec<&str> = toml.lines().collect();
+    // Only text made of key characters is shown: never a URL or a value.
+    let is_key = |text: &str| {
+        !text.is_empty()
+            && text.chars().all(|c| {
+                c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '"' | '\'' | ' ')
+            })
+    };
+    let table = lines
+        .get(..=line_index.min(lines.len().saturating_sub(1)))
+        .unwrap_or_default()
+        .iter()
+        .rev()
+        .find_map(|line| {
+            let header = line.split('#').next().unwrap_or_default().trim();
+            let inner = header.strip_prefix('[')?.strip_suffix(']')?;
+            let inner = inner.trim_start_matches('[').trim_end_matches(']').trim();
+            is_key(inner).then_some(inner)
+        });
+    let key = lines
+        .get(line_index)
+        .and_then(|line| line.split_once('='))
+        .map(|(key, _)| key.trim())
+        .filter(|key| is_key(key));
+    let key = match (table, key) {
+        (Some(table), Some(key)) => Some(format!("{table}.{key}")),
+        (table, key) => table.or(key).map(str::to_owned),
+    };
+    InvalidConfig::Syntax {
+        key,
+        line: line_index + 1,
+        column,
+        message: redact_urls_in(error.message().trim()),
+    }
 }
 
 /// Log line format.
@@ -569,8 +822,9 @@ pub struct TelemetryConfig {
     pub export_queue: usize,
 }
 
-/// The validated `[server.tls]`, files read.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// The validated `[server.tls]`, files read. Its `Debug` leaves the private
+/// key out, so that no log line or panic message can carry it.
+#[derive(Clone, PartialEq, Eq)]
 pub struct TlsConfig {
     /// PEM certificate chain.
     pub cert_pem: Vec<u8>,
@@ -580,6 +834,20 @@ pub struct TlsConfig {
     pub client_ca_pem: Option<Vec<u8>>,
     /// Whether a client certificate may be absent (mTLS optional).
     pub client_auth_optional: bool,
+}
+
+impl std::fmt::Debug for TlsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsConfig")
+            .field("cert_pem", &format_args!("{} bytes", self.cert_pem.len()))
+            .field("key_pem", &format_args!("<redacted>"))
+            .field(
+                "client_ca_pem",
+                &self.client_ca_pem.as_ref().map(|pem| pem.len()),
+            )
+            .field("client_auth_optional", &self.client_auth_optional)
+            .finish()
+    }
 }
 
 /// Transport limits of the gRPC server.
@@ -773,16 +1041,24 @@ fn tls_config(tls: &TlsSettings) -> Result<TlsConfig, InvalidConfig> {
             return Err(invalid(key, "is not a PEM file"));
         }
     }
-    let client_auth_optional = match tls.client_auth.as_str() {
-        "required" => false,
-        "optional" => true,
-        other => {
+    let client_auth_optional = match tls.client_auth.as_deref() {
+        None | Some("required") => false,
+        Some("optional") => true,
+        Some(other) => {
             return Err(invalid(
                 "server.tls.client_auth",
                 format!("must be \"required\" or \"optional\", not {other:?}"),
             ));
         }
     };
+    // Without a client CA no client certificate is even asked for, so a
+    // written "required" would silently require nothing.
+    if tls.client_auth.as_deref() == Some("required") && client_ca_pem.is_none() {
+        return Err(invalid(
+            "server.tls.client_ca_file",
+            "required when server.tls.client_auth = \"required\": without a client CA no client certificate is asked for, so nothing would be required",
+        ));
+    }
     Ok(TlsConfig {
         cert_pem,
         key_pem,
@@ -908,23 +1184,46 @@ fn redis_config(store: &StoreSettings) -> Result<RedisConfig, InvalidConfig> {
         return Err(invalid("store.url", "names no Redis node"));
     }
     for url in &urls {
+        // Messages show the URL redacted: it may carry the password.
+        let shown = redact_url(url);
         // TLS to Redis (rediss://) is not built in: refuse it here rather
         // than fail at connect time.
         if url.starts_with("rediss://") {
             return Err(invalid(
                 "store.url",
                 format!(
-                    "{url:?}: TLS to Redis is not supported by this build; use redis:// over a trusted network or a TLS proxy"
+                    "{shown:?}: TLS to Redis is not supported by this build; use redis:// over a trusted network or a TLS proxy"
                 ),
             ));
         }
         if !url.starts_with("redis://") {
             return Err(invalid(
                 "store.url",
-                format!("{url:?} is not a redis:// URL"),
+                format!("{shown:?} is not a redis:// URL"),
             ));
         }
+        // What the client would refuse only at connect time, refused here
+        // so that check-config catches it.
+        let parts = UrlParts::of(url).filter(|parts| !parts.host.is_empty());
+        match parts {
+            None => {
+                return Err(invalid(
+                    "store.url",
+                    format!("{shown:?} names no host (redis://[:PASSWORD@]HOST[:PORT][/DB])"),
+                ));
+            }
+            Some(parts) if !parts.is_numeric_port() => {
+                return Err(invalid(
+                    "store.url",
+                    format!(
+                        "{shown:?}: the port is not a number (a password goes before an @: redis://:PASSWORD@HOST:PORT)"
+                    ),
+                ));
+            }
+            Some(_) => {}
+        }
     }
+    let urls = urls.into_iter().map(RedisUrl).collect();
     let mode = match store.mode.as_str() {
         "exact" => RedisMode::Exact,
         "leased" => RedisMode::Leased,
@@ -1114,6 +1413,19 @@ fn parse_duration(key: &str, raw: &str) -> Result<Duration, InvalidConfig> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tls_debug_leaves_the_private_key_out() {
+        let tls = TlsConfig {
+            cert_pem: b"-----BEGIN CERTIFICATE-----".to_vec(),
+            key_pem: b"-----BEGIN PRIVATE KEY-----\nsecret-key-bytes".to_vec(),
+            client_ca_pem: None,
+            client_auth_optional: false,
+        };
+        let printed = format!("{tls:?}");
+        assert!(!printed.contains("secret-key-bytes"), "{printed}");
+        assert!(printed.contains("<redacted>"), "{printed}");
+    }
 
     fn config(toml: &str) -> Result<Config, InvalidConfig> {
         Config::try_from(Settings::from_toml(toml)?)
@@ -1336,6 +1648,233 @@ mod tests {
         let environment = HashMap::from([("RETRYD__X[9]".to_string(), "1".to_string())]);
         let error = Settings::from_sources("", Some(environment)).unwrap_err();
         assert!(error.to_string().starts_with("RETRYD__X[9]:"), "{error}");
+    }
+
+    #[test]
+    fn required_client_auth_needs_a_client_ca() {
+        let dir = tempfile::tempdir().unwrap();
+        let pem = dir.path().join("any.pem");
+        std::fs::write(
+            &pem,
+            "-----BEGIN CERTIFICATE-----\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        let pem = pem.display();
+        let tls = |extra: &str| {
+            format!("[server.tls]\ncert_file = \"{pem}\"\nkey_file = \"{pem}\"\n{extra}")
+        };
+        // "required" with no CA to require a certificate from: refused.
+        let message = error_of(&tls("client_auth = \"required\"\n"));
+        assert!(
+            message.starts_with("server.tls.client_ca_file:") && message.contains("client_auth"),
+            "{message}"
+        );
+        // TLS without mTLS (client_auth unset) stays allowed; with a CA,
+        // an unset client_auth means "required".
+        let plain = config(&tls("")).unwrap().tls.unwrap();
+        assert!(plain.client_ca_pem.is_none());
+        for (extra, optional) in [
+            ("", false),
+            ("client_auth = \"required\"\n", false),
+            ("client_auth = \"optional\"\n", true),
+        ] {
+            let mtls = config(&tls(&format!("client_ca_file = \"{pem}\"\n{extra}")))
+                .unwrap()
+                .tls
+                .unwrap();
+            assert!(mtls.client_ca_pem.is_some());
+            assert_eq!(mtls.client_auth_optional, optional, "{extra:?}");
+        }
+    }
+
+    const PASSWORD: &str = "hunter2-secret-9f3a";
+
+    #[test]
+    fn redis_urls_print_without_their_credentials() {
+        let cases = [
+            (
+                "redis://:hunter2-secret-9f3a@cache:6379/0",
+                "redis://***@cache:6379/0",
+            ),
+            (
+                "redis://ops:hunter2-secret-9f3a@cache:6379",
+                "redis://***@cache:6379",
+            ),
+            // A password written without its `:` is in the user name.
+            ("redis://hunter2-secret-9f3a@cache", "redis://***@cache"),
+            // Raw `@`, `/`, `?` in a password: still all userinfo.
+            (
+                "redis://:hunter2/secret?9f3a@x@cache:6379",
+                "redis://***@cache:6379",
+            ),
+            // A password where the host should be.
+            ("redis://:hunter2-secret-9f3a", "redis://:***"),
+            (
+                "redis://cache:6379/0?password=hunter2-secret-9f3a",
+                "redis://cache:6379/0?***",
+            ),
+            (
+                "redis://u:hunter2-secret-9f3a@[::1]:6379/2",
+                "redis://***@[::1]:6379/2",
+            ),
+            ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379"),
+            ("hunter2-secret-9f3a", "***"),
+        ];
+        for (raw, shown) in cases {
+            let url = RedisUrl::from(raw);
+            assert_eq!(url.to_string(), shown, "{raw}");
+            assert_eq!(format!("{url:?}"), format!("RedisUrl({shown:?})"));
+            assert_eq!(url.expose_credentials(), raw);
+            assert!(!shown.contains("hunter2"), "{shown}");
+        }
+
+        // Nothing that holds one prints it either.
+        let toml = format!("[store]\nkind = \"redis\"\nurl = \"redis://:{PASSWORD}@cache:6379\"\n");
+        let settings = Settings::from_toml(&toml).unwrap();
+        assert!(!format!("{settings:?}").contains(PASSWORD));
+        let config = Config::try_from(settings).unwrap();
+        assert!(!format!("{config:?}").contains(PASSWORD));
+        let many = Urls::Many(vec![format!("redis://:{PASSWORD}@a:7000")]);
+        assert_eq!(format!("{many:?}"), "Many([\"redis://***@a:7000\"])");
+    }
+
+    #[test]
+    fn configuration_errors_name_the_key_without_the_password() {
+        let url_line = |url: &str| format!("[store]\nkind = \"redis\"\nurl = {url}\n");
+        let cases = [
+            (
+                url_line(&format!("\"http://:{PASSWORD}@cache:6379\"")),
+                "store.url: \"http://***@cache:6379\" is not a redis:// URL",
+            ),
+            (
+                url_line(&format!("\"rediss://:{PASSWORD}@cache:6380\"")),
+                "store.url: \"rediss://***@cache:6380\": TLS",
+            ),
+            (
+                url_line(&format!("[\"redis://a:7000\", \"redis://:{PASSWORD}\"]")),
+                "store.url: \"redis://:***\" names no host",
+            ),
+            (
+                url_line(&format!("\"redis://:{PASSWORD}@cache:x6379\"")),
+                "store.url: \"redis://***@cache:***\": the port is not a number",
+            ),
+            (
+                url_line(&format!("\"redis://:{PASSWORD}@cache:6379")),
+                "store.url: TOML syntax error at line 3, column ",
+            ),
+            (
+                format!("[store] # comment\nkind = \"redis\"\npassword = '{PASSWORD}\n"),
+                "store.password: TOML syntax error at line 3, column ",
+            ),
+            (
+                format!("[store]\nurl = [\n  \"redis://:{PASSWORD}@a:1\n]\n"),
+                "store: TOML syntax error at line 3, column ",
+            ),
+            (
+                format!("{PASSWORD}\n"),
+                "TOML syntax error at line 1, column 20: ",
+            ),
+            (
+                format!("[server]\nallow_unauthenticated = \"redis://u:{PASSWORD}@cache\"\n"),
+                "cannot load configuration: invalid type: string \"redis://***@cache\"",
+            ),
+        ];
+        for (toml, expected) in &cases {
+            let error = config(toml).expect_err("must be refused");
+            let message = error.to_string();
+            assert!(message.starts_with(expected), "{toml:?} gave {message:?}");
+            assert!(!message.contains(PASSWORD), "{message}");
+            // No source to print the unredacted text again.
+            assert!(std::error::Error::source(&error).is_none(), "{message}");
+        }
+
+        let environment = |url: String| {
+            HashMap::from([
+                ("RETRYD__STORE__KIND".to_string(), "redis".to_string()),
+                ("RETRYD__STORE__URL".to_string(), url),
+            ])
+        };
+        for url in [
+            format!("rediss://:{PASSWORD}@cache:6380"),
+            format!("http://:{PASSWORD}@cache:6379"),
+        ] {
+            let settings = Settings::from_sources("", Some(environment(url))).unwrap();
+            let message = Config::try_from(settings).unwrap_err().to_string();
+            assert!(message.starts_with("store.url: \""), "{message}");
+            assert!(message.contains("cache:63"), "{message}");
+            assert!(!message.contains(PASSWORD), "{message}");
+        }
+        let wrong_type = HashMap::from([(
+            "RETRYD__SERVER__ALLOW_UNAUTHENTICATED".to_string(),
+            format!("redis://:{PASSWORD}@cache:6379"),
+        )]);
+        let message = Settings::from_sources("", Some(wrong_type))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains("server.allow_unauthenticated"),
+            "{message}"
+        );
+        assert!(!message.contains(PASSWORD), "{message}");
+    }
+
+    #[test]
+    fn urls_in_free_text_are_redacted() {
+        let cases = [
+            (
+                "expected a boolean, not string \"redis://u:p\\\"w@h:1\" in `x`",
+                "expected a boolean, not string \"redis://***@h:1\" in `x`",
+            ),
+            ("at redis://:pw@h:1 then", "at redis://***@h:1 then"),
+            // Unquoted, a URL runs to whitespace, so punctuation glued to it
+            // is hidden with its port: on the safe side.
+            ("at redis://:pw@h:1, then", "at redis://***@h:*** then"),
+            (
+                "two: redis://:a@h:1 https://u:b@web/x",
+                "two: redis://***@h:1 https://***@web/x",
+            ),
+            ("no url here", "no url here"),
+            ("é://u:p@h and ://", "é://***@h and ://"),
+        ];
+        for (text, redacted) in cases {
+            assert_eq!(redact_urls_in(text), redacted);
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_password_is_hidden(
+            password in "\\PC*",
+            host in "[a-z0-9.-]{1,20}",
+        ) {
+            let url = format!("redis://user:{password}@{host}:6379/0");
+            proptest::prop_assert_eq!(redact_url(&url), format!("redis://***@{host}:6379/0"));
+            // Quoted by serde in a message, escapes and all.
+            let message = format!("invalid type: string {url:?}, expected a boolean");
+            proptest::prop_assert_eq!(
+                redact_urls_in(&message),
+                format!("invalid type: string \"redis://***@{host}:6379/0\", expected a boolean")
+            );
+        }
+
+        #[test]
+        fn syntax_errors_never_quote_the_file(
+            head in "[a-z\\[\\]=\" \\n]{0,40}",
+            password in "[!-~]{12,24}",
+        ) {
+            let toml = format!("{head}\nurl = \"redis://:{password}@cache:6379\n");
+            if let Err(error) = Settings::from_toml(&toml) {
+                let message = error.to_string();
+                proptest::prop_assert!(!message.contains(&password), "{}", message);
+            }
+        }
+
+        #[test]
+        fn redaction_never_panics(text in "\\PC*") {
+            let _ = redact_urls_in(&text);
+            let _ = redact_url(&text);
+            let _ = Settings::from_toml(&text);
+        }
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! The `retryd` command: `serve` (the default), `check-config` and `health`.
+//! The `retryd` command: `serve` (the default), `check-config`, `health` and
+//! `hash-key`.
 //! Startup wiring only: load and validate configuration, start telemetry,
 //! choose the budget store once, serve until SIGTERM or SIGINT.
 
@@ -38,8 +39,14 @@ enum Command {
         /// The TOML file to check.
         file: PathBuf,
     },
-    /// Print the SHA-256 of an API key read from stdin, for
+    /// Print the SHA-256 of an API key read from stdin (one line), for
     /// `auth.principals[].api_keys_sha256`.
+    ///
+    /// A key is printable ASCII without spaces (it travels in an HTTP/2
+    /// header, `authorization: Bearer <key>`), at least 16 characters.
+    /// Leading and trailing whitespace, the newline included, is trimmed,
+    /// here as by the server; the hash is the SHA-256 of the trimmed key's
+    /// UTF-8 bytes, printed as 64 lower-case hex digits.
     HashKey,
     /// Ask a running retryd's gRPC health service; exit 0 if it is serving.
     Health {
@@ -86,19 +93,40 @@ fn check_config(file: &std::path::Path) -> anyhow::Result<()> {
 }
 
 fn hash_key() -> anyhow::Result<()> {
-    let mut key = String::new();
+    let mut line = String::new();
     std::io::stdin()
-        .read_line(&mut key)
+        .read_line(&mut line)
         .context("cannot read the key from stdin")?;
-    let key = key.trim_end_matches(['\r', '\n']);
-    anyhow::ensure!(
-        key.len() >= 16,
-        "an API key should be at least 16 characters"
-    );
+    // Trimmed by the same function the server's hash goes through.
+    let key = retryd::auth::normalize_key(&line);
+    check_key(key)?;
     let hash = retryd::auth::hash_key(key);
     println!(
         "{}",
         hash.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    );
+    Ok(())
+}
+
+/// Refuses a (trimmed) key that a caller could not send as typed in an
+/// `authorization` header, or that is too short to be a secret. The
+/// message names what is wrong, never the key's characters.
+fn check_key(key: &str) -> anyhow::Result<()> {
+    if let Some(bad) = key.chars().find(|c| !c.is_ascii_graphic()) {
+        let what = if bad.is_whitespace() {
+            "whitespace inside it"
+        } else if bad.is_control() {
+            "a control character"
+        } else {
+            "a non-ASCII character"
+        };
+        anyhow::bail!(
+            "an API key is printable ASCII without spaces (it travels in an HTTP/2 header); this one has {what}"
+        );
+    }
+    anyhow::ensure!(
+        key.len() >= 16,
+        "an API key should be at least 16 characters"
     );
     Ok(())
 }
@@ -158,10 +186,17 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
                     RedisMode::Exact => "redis-exact",
                     RedisMode::Leased => "redis-leased",
                 };
+                // `RedisUrl` prints without its credentials.
+                let urls = redis
+                    .urls
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ");
                 let store = RedisBudgetStore::connect(&redis, config.max_upstreams)
                     .await
-                    .with_context(|| format!("store.url: cannot use Redis at {:?}", redis.urls))?;
-                tracing::info!(urls = ?redis.urls, mode = label, "budgets shared through Redis");
+                    .with_context(|| format!("store.url: cannot use Redis at {urls}"))?;
+                tracing::info!(urls, mode = label, "budgets shared through Redis");
                 run(config, config_path, acceptor, store, label).await
             }
         }
@@ -198,7 +233,8 @@ async fn run<S: BudgetStore>(
             )
             .map_err(anyhow::Error::msg)?;
             tracing::info!(
-                endpoint,
+                // An endpoint may carry credentials too.
+                endpoint = %retryd::config::redact_url(endpoint),
                 ratio = config.telemetry.sampling_ratio,
                 "exporting decision spans over OTLP"
             );
@@ -317,4 +353,27 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     let _ = interrupt.await;
     tracing::info!("shutdown signal received");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_key_accepts_printable_ascii_only() {
+        for key in ["checkout-key-0123456789", "!~#$%&'()*+,-./:;<=>?@[]^_`{|}"] {
+            assert!(check_key(key).is_ok(), "{key:?}");
+        }
+        for (key, reason) in [
+            ("checkout key 0123456789", "whitespace"),
+            ("checkout\tkey-0123456789", "whitespace"),
+            ("checkout\u{1b}key-0123456789", "control"),
+            ("checkout-schl\u{fc}ssel-0123456789", "non-ASCII"),
+            ("short-key", "16 characters"),
+            ("", "16 characters"),
+        ] {
+            let message = check_key(key).expect_err("must be refused").to_string();
+            assert!(message.contains(reason), "{key:?}: {message}");
+        }
+    }
 }

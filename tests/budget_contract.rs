@@ -26,7 +26,7 @@ fn bucket(capacity: f64, initial: f64, ratio: f64, min_per_second: f64) -> Bucke
 /// A key prefix no other test or store uses.
 async fn redis_store(urls: &[String], mode: RedisMode, max_upstreams: usize) -> RedisBudgetStore {
     let config = RedisConfig {
-        urls: urls.to_vec(),
+        urls: urls.iter().map(|url| url.as_str().into()).collect(),
         mode,
         // Generous: these tests check answers, not latency, on a busy machine.
         timeout: Duration::from_millis(500),

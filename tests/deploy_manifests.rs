@@ -904,7 +904,7 @@ fn compose_runs_two_healthchecked_retryd_replicas_on_redis() {
         };
         for url in &store.urls {
             assert!(
-                names.contains(&host_of(url)),
+                names.contains(&host_of(url.expose_credentials())),
                 "{name}: {url} is not a service"
             );
         }

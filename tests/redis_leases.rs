@@ -47,7 +47,7 @@ impl Setup {
 
     async fn store(&self, mode: RedisMode) -> RedisBudgetStore {
         let config = RedisConfig {
-            urls: vec![self.url.clone()],
+            urls: vec![self.url.as_str().into()],
             mode,
             // Generous: these tests count round trips, not their latency.
             timeout: Duration::from_millis(500),

@@ -33,7 +33,7 @@ fn bucket(on_unavailable: OnUnavailable) -> BucketConfig {
 async fn store(urls: Vec<String>, mode: RedisMode) -> RedisBudgetStore {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     let config = RedisConfig {
-        urls,
+        urls: urls.into_iter().map(Into::into).collect(),
         mode,
         timeout: TIMEOUT,
         lease_tokens: 5.0,

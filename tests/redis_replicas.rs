@@ -50,7 +50,7 @@ impl Setup {
 
     async fn replica(&self) -> RedisBudgetStore {
         let config = RedisConfig {
-            urls: self.urls.clone(),
+            urls: self.urls.iter().map(|url| url.as_str().into()).collect(),
             mode: self.mode,
             timeout: self.timeout,
             lease_tokens: self.lease_tokens,

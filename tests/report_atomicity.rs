@@ -321,7 +321,7 @@ async fn redis_admission_is_all_or_nothing_across_replicas() {
 
     let redis = RedisServer::start();
     let config = RedisConfig {
-        urls: vec![redis.url()],
+        urls: vec![redis.url().into()],
         mode: RedisMode::Exact,
         timeout: Duration::from_millis(500),
         lease_tokens: 5.0,

@@ -831,6 +831,7 @@ fn check_valid_config(config: &Config) {
     if let StoreConfig::Redis(redis) = &config.store {
         assert!(!redis.urls.is_empty());
         for url in &redis.urls {
+            let url = url.expose_credentials();
             assert!(url.starts_with("redis://") || url.starts_with("rediss://"));
         }
         assert!(!redis.timeout.is_zero());

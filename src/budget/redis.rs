@@ -136,7 +136,7 @@ use super::{
     BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, MemoryBudgetStore, OnUnavailable,
     StoreError, StoreStats, UNITS_PER_TOKEN, units_to_tokens,
 };
-use crate::config::{RedisConfig, RedisMode};
+use crate::config::{RedisConfig, RedisMode, RedisUrl};
 
 /// A bucket lives at least this long after its last write.
 const IDLE_TTL_MS: u64 = 60_000;
@@ -662,7 +662,8 @@ async fn open(config: &RedisConfig) -> Result<Connection, RedisStoreError> {
     };
     // One URL may still name a Cluster node: INFO says so.
     if config.urls.len() == 1 {
-        let client = ::redis::Client::open(first.as_str())?;
+        // The one place the password leaves its `RedisUrl`: to connect.
+        let client = ::redis::Client::open(first.expose_credentials())?;
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(1)))
             .set_min_delay(Duration::from_millis(20))
@@ -676,7 +677,7 @@ async fn open(config: &RedisConfig) -> Result<Connection, RedisStoreError> {
             return Ok(connection);
         }
     }
-    let client = ClusterClientBuilder::new(config.urls.iter().map(String::as_str))
+    let client = ClusterClientBuilder::new(config.urls.iter().map(RedisUrl::expose_credentials))
         .connection_timeout(Duration::from_secs(1))
         .response_timeout(config.timeout.max(Duration::from_millis(100)))
         .retries(3)
