@@ -33,7 +33,7 @@ pub use connections::{Acceptor, Peer};
 pub const STORE_HEALTH_SERVICE: &str = "retryd.v1.BudgetStore";
 
 /// The encoded descriptor set of `proto/`, for server reflection.
-pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("retryd_descriptor");
+pub use retryd_proto::FILE_DESCRIPTOR_SET;
 
 /// The state every handler shares. Generic over the store so that the
 /// store is chosen once, in `main`, with no dynamic dispatch on the hot

@@ -1,14 +1,18 @@
-//! retryd: decides whether a failed outbound call may be tried again.
+//! retryd, the server: decides whether a failed outbound call may be tried
+//! again, for every caller of a fleet.
+//!
+//! The rules are `retryd_engine`'s, the budgets `retryd_budget`'s and the
+//! wire types `retryd_proto`'s; this crate is what serves them: the
+//! configuration, who may call, the gRPC edge and telemetry. `main.rs`
+//! wires them together.
+
 pub mod auth;
-pub mod budget;
 pub mod config;
-pub mod engine;
 pub mod grpc;
 pub mod policy;
 pub mod telemetry;
 
-pub mod pb {
-    //! Generated protobuf and gRPC types.
-    #![allow(missing_docs, unreachable_pub, clippy::all)]
-    tonic::include_proto!("retryd.v1");
-}
+// The crates this one serves, under the names the code reads best with.
+use retryd_budget as budget;
+use retryd_engine as engine;
+use retryd_proto as pb;

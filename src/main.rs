@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use retryd::budget::{BudgetStore, MemoryBudgetStore, RedisBudgetStore};
-use retryd::config::{Config, RedisMode, StoreConfig};
+use retryd::config::{Config, StoreConfig};
 use retryd::grpc::{self, Reload, Service};
 use retryd::telemetry::{self, Metrics, Tracer};
+use retryd_budget::redis::{RedisMode, redact_url};
+use retryd_budget::{BudgetStore, MemoryBudgetStore, RedisBudgetStore};
 
 #[derive(Parser)]
 #[command(
@@ -234,7 +235,7 @@ async fn run<S: BudgetStore>(
             .map_err(anyhow::Error::msg)?;
             tracing::info!(
                 // An endpoint may carry credentials too.
-                endpoint = %retryd::config::redact_url(endpoint),
+                endpoint = %redact_url(endpoint),
                 ratio = config.telemetry.sampling_ratio,
                 "exporting decision spans over OTLP"
             );

@@ -3,15 +3,14 @@
 //! Redis Cluster in both modes, all started by the test itself. Every store
 //! must give the same answers.
 
-#[path = "support/redis.rs"]
-mod redis_harness;
+use retryd_testkit::redis as redis_harness;
 
 use std::future::Future;
 use std::time::{Duration, Instant};
 
 use redis_harness::{RedisCluster, RedisServer};
-use retryd::budget::{BucketConfig, BudgetStore, MemoryBudgetStore, RedisBudgetStore, StoreError};
-use retryd::config::{RedisConfig, RedisMode};
+use retryd_budget::redis::{RedisConfig, RedisMode};
+use retryd_budget::{BucketConfig, BudgetStore, MemoryBudgetStore, RedisBudgetStore, StoreError};
 
 fn bucket(capacity: f64, initial: f64, ratio: f64, min_per_second: f64) -> BucketConfig {
     BucketConfig {

@@ -9,9 +9,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use retryd::pb;
-use retryd::pb::retry_admin_client::RetryAdminClient;
-use retryd::pb::retry_decider_client::RetryDeciderClient;
+use retryd_proto as pb;
+use retryd_proto::retry_admin_client::RetryAdminClient;
+use retryd_proto::retry_decider_client::RetryDeciderClient;
 use serde_json::Value;
 
 /// The vectors, read from the repository at run time.

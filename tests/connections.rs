@@ -4,13 +4,13 @@
 //! limit), the accept loop does not spin, and a legitimate caller is still
 //! answered throughout.
 
-mod support;
+use retryd_testkit as support;
 
 use std::io::Read;
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use retryd::pb::retry_decider_client::RetryDeciderClient;
+use retryd_proto::retry_decider_client::RetryDeciderClient;
 use support::{Server, retryable};
 use tonic::transport::{Channel, Endpoint};
 

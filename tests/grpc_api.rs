@@ -1,11 +1,11 @@
 //! Black-box tests of the gRPC API against the real binary on a loopback
 //! port, with the embedded memory store.
 
-mod support;
+use retryd_testkit as support;
 
 use std::time::Duration;
 
-use retryd::pb;
+use retryd_proto as pb;
 use support::{Server, millis, retryable};
 use tonic::Code;
 

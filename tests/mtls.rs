@@ -7,11 +7,11 @@
 //! admin; an intermediate CA named like an admin; a CN naming an admin on
 //! a certificate whose SAN names someone else.
 
-mod support;
+use retryd_testkit as support;
 
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, SanType};
-use retryd::pb;
-use retryd::pb::retry_admin_client::RetryAdminClient;
+use retryd_proto as pb;
+use retryd_proto::retry_admin_client::RetryAdminClient;
 use support::Server;
 use tonic::Code;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};

@@ -4,16 +4,15 @@
 //! that goes back with tokens left halves the next. The sizes are read from
 //! the lease set in a real Redis, started by the test itself.
 
-#[path = "support/redis.rs"]
-mod redis_harness;
+use retryd_testkit::redis as redis_harness;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis_harness::RedisServer;
-use retryd::budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore, UNITS_PER_TOKEN};
-use retryd::config::{RedisConfig, RedisMode};
+use retryd_budget::redis::{RedisConfig, RedisMode};
+use retryd_budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore, UNITS_PER_TOKEN};
 
 fn bucket(capacity: f64) -> BucketConfig {
     BucketConfig {

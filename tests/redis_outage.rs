@@ -4,16 +4,15 @@
 //! `deny`: `StoreError::Unavailable`); when Redis returns, shared decisions
 //! resume within a second. No panic, no hang.
 
-#[path = "support/redis.rs"]
-mod redis_harness;
+use retryd_testkit::redis as redis_harness;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use redis_harness::{RedisCluster, RedisServer};
-use retryd::budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore, StoreError};
-use retryd::config::{RedisConfig, RedisMode};
+use retryd_budget::redis::{RedisConfig, RedisMode};
+use retryd_budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore, StoreError};
 
 const TIMEOUT: Duration = Duration::from_millis(50);
 /// The promise is 2 × the timeout; the timer wheel's millisecond

@@ -4,16 +4,15 @@
 //! an idle replica come back; the kill switch crosses replicas; scripts
 //! survive SCRIPT FLUSH and a restart, on one node and in a Cluster.
 
-#[path = "support/redis.rs"]
-mod redis_harness;
+use retryd_testkit::redis as redis_harness;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use redis_harness::{RedisCluster, RedisServer};
-use retryd::budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore};
-use retryd::config::{RedisConfig, RedisMode};
+use retryd_budget::redis::{RedisConfig, RedisMode};
+use retryd_budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore};
 
 fn bucket(capacity: f64, initial: f64, ratio: f64, min_per_second: f64) -> BucketConfig {
     BucketConfig {

@@ -2,12 +2,12 @@
 //! the fleet behaves as one budget, the kill switch crosses replicas, and a
 //! Redis outage under load is answered in time and recovered from.
 
-mod support;
+use retryd_testkit as support;
 
 use std::time::{Duration, Instant};
 
-use retryd::pb;
-use retryd::pb::retry_decider_client::RetryDeciderClient;
+use retryd_proto as pb;
+use retryd_proto::retry_decider_client::RetryDeciderClient;
 use support::redis::{RedisCluster, RedisServer};
 use support::{Server, retryable};
 use tonic::transport::Channel;

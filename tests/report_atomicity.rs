@@ -9,13 +9,13 @@
 //! Black-box: the real binary on loopback, and `redis-server` processes the
 //! test starts itself (the test fails if they cannot start).
 
-mod support;
+use retryd_testkit as support;
 
 use std::time::{Duration, Instant};
 
-use retryd::pb;
-use retryd::pb::retry_admin_client::RetryAdminClient;
-use retryd::pb::retry_decider_client::RetryDeciderClient;
+use retryd_proto as pb;
+use retryd_proto::retry_admin_client::RetryAdminClient;
+use retryd_proto::retry_decider_client::RetryDeciderClient;
 use support::Server;
 use support::redis::{RedisCluster, RedisServer};
 use tonic::Code;
@@ -316,8 +316,8 @@ async fn a_cluster_node_lost_mid_report_is_reported_with_what_was_applied() {
 /// and refuses a set that does not fit without adding any of it.
 #[tokio::test]
 async fn redis_admission_is_all_or_nothing_across_replicas() {
-    use retryd::budget::{BucketConfig, BudgetStore, RedisBudgetStore, StoreError};
-    use retryd::config::{RedisConfig, RedisMode};
+    use retryd_budget::redis::{RedisConfig, RedisMode};
+    use retryd_budget::{BucketConfig, BudgetStore, RedisBudgetStore, StoreError};
 
     let redis = RedisServer::start();
     let config = RedisConfig {

@@ -13,14 +13,14 @@
 //! The Redis cases start their own `redis-server` and fail, never skip, when
 //! it cannot be started.
 
-mod support;
+use retryd_testkit as support;
 
 use std::io::{Read, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use retryd::pb;
+use retryd_proto as pb;
 use support::redis::RedisServer;
 use support::{Server, binary, retryable};
 use tonic::Code;

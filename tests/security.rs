@@ -2,13 +2,13 @@
 //! authorization, TLS and mTLS, the refusal to listen publicly without
 //! auth, limits, the upstream-name flood, and atomic reloads.
 
-mod support;
+use retryd_testkit as support;
 
 use std::time::Duration;
 
-use retryd::pb;
-use retryd::pb::retry_admin_client::RetryAdminClient;
-use retryd::pb::retry_decider_client::RetryDeciderClient;
+use retryd_proto as pb;
+use retryd_proto::retry_admin_client::RetryAdminClient;
+use retryd_proto::retry_decider_client::RetryDeciderClient;
 use support::{Server, retryable};
 use tonic::Code;
 use tonic::metadata::MetadataValue;

@@ -3,7 +3,7 @@
 //! definitions) inside the test, exporter failures that never slow a
 //! decision, exact Prometheus counters, and decision log lines.
 
-mod support;
+use retryd_testkit as support;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -17,8 +17,8 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::Span;
-use retryd::pb;
-use retryd::pb::retry_decider_client::RetryDeciderClient;
+use retryd_proto as pb;
+use retryd_proto::retry_decider_client::RetryDeciderClient;
 use support::{Server, retryable};
 use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
@@ -508,7 +508,7 @@ upstreams = ["payments-*"]
         sha(CHECKOUT_KEY)
     ));
     let channel = server.channel().await;
-    let mut admin = retryd::pb::retry_admin_client::RetryAdminClient::new(channel.clone());
+    let mut admin = retryd_proto::retry_admin_client::RetryAdminClient::new(channel.clone());
     let mut decider = RetryDeciderClient::new(channel);
     let kill = |reason: &str| pb::SetRetriesEnabledRequest {
         upstream: "ledger".into(),

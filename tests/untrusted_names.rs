@@ -7,9 +7,9 @@
 //!
 //! Black-box: the real binary on loopback, memory store.
 
-mod support;
+use retryd_testkit as support;
 
-use retryd::pb;
+use retryd_proto as pb;
 use support::{Server, retryable};
 use tonic::Code;
 

@@ -6,11 +6,11 @@
 //! clock crashed the process at start-up (rustix issue #1559). rustix now
 //! goes through libc, whose vDSO calls valgrind handles.
 
-mod support;
+use retryd_testkit as support;
 
 use std::time::Duration;
 
-use retryd::pb;
+use retryd_proto as pb;
 use support::{Server, retryable};
 
 #[tokio::test]

@@ -15,13 +15,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prost::Message;
 use retryd::config::{Config, InvalidConfig, Settings, StoreConfig};
-use retryd::engine::{
-    self, BudgetView, Decision, DenyReason, Evidence, Facts, FailureKind, Idempotency, Jitter,
-    Policy, Replayability, Verdict,
-};
 use retryd::grpc::validate::{self, InvalidRequest, ValidDecideRequest};
-use retryd::pb;
 use retryd::telemetry::TraceContext;
+use retryd_engine::{
+    self as engine, BudgetView, Decision, DenyReason, Evidence, Facts, FailureKind, Idempotency,
+    Jitter, Policy, Replayability, Verdict,
+};
+use retryd_proto as pb;
 
 /// The fuzz targets, one per parser of untrusted input.
 pub const TARGETS: [&str; 5] = [

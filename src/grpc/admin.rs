@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
+use super::status::store_status;
 use super::{Live, Service, peer_addr, trace_context, validate};
 use crate::auth::{Denied, Principal};
 use crate::budget::{BudgetSnapshot, BudgetStore};
@@ -118,7 +119,12 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             let upstream = validate::upstream("upstream", wanted)?;
             permit(&principal, upstream)?;
             let policy = live.policies.get(upstream);
-            let snapshot = self.inner.store.view(upstream, &policy.bucket).await?;
+            let snapshot = self
+                .inner
+                .store
+                .view(upstream, &policy.bucket)
+                .await
+                .map_err(store_status)?;
             Ok(budget(snapshot, policy))
         };
         let describe = |budget: &pb::Budget, _: &Principal| {
@@ -148,7 +154,8 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
                 .inner
                 .store
                 .list(|upstream| policies.get(upstream).bucket)
-                .await?;
+                .await
+                .map_err(store_status)?;
             // An admin sees the budgets of the upstreams it administers.
             Ok(snapshots
                 .into_iter()
@@ -182,11 +189,11 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             validate::reason("reason", &message.reason)?;
             permit(&principal, upstream)?;
             let policy = live.policies.get(upstream);
-            Ok(self
-                .inner
+            self.inner
                 .store
                 .set_retries_enabled(upstream, &policy.bucket, message.enabled)
-                .await?)
+                .await
+                .map_err(store_status)
         };
         let describe = |previous: &bool, principal: &Principal| {
             vec![

@@ -8,6 +8,7 @@ use futures::{FutureExt, Stream, StreamExt};
 use rand::Rng;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::status::store_status;
 use super::validate::ValidDecideRequest;
 use super::{Live, Service, peer_addr, trace_context, validate};
 use crate::auth::{Denied, Principal};
@@ -171,7 +172,7 @@ impl<S: BudgetStore> Service<S> {
                 unavailable: true,
             }),
             Err(other) => {
-                let status = Status::from(other);
+                let status = store_status(other);
                 self.finish_failed(begun.span, SPAN_DECIDE, &status);
                 return Err(status);
             }
@@ -309,7 +310,7 @@ impl<S: BudgetStore> Service<S> {
         self.inner
             .metrics
             .record_store(StoreOp::Admit, asked.elapsed(), admitted.is_err());
-        admitted.map_err(|error| report_failed(error.into(), None, entries.len()))?;
+        admitted.map_err(|error| report_failed(store_status(error), None, entries.len()))?;
         // Deposits are one store call each (on Redis, on different Cluster
         // slots, so never one transaction): if one fails, the status says
         // which entries were applied.
@@ -323,7 +324,8 @@ impl<S: BudgetStore> Service<S> {
                 depositing.elapsed(),
                 deposited.is_err(),
             );
-            deposited.map_err(|error| report_failed(error.into(), Some(index), entries.len()))?;
+            deposited
+                .map_err(|error| report_failed(store_status(error), Some(index), entries.len()))?;
             self.inner.metrics.record_deposit(requests);
         }
         // At most MAX_TRAFFIC_ENTRIES (validated).

@@ -1,5 +1,6 @@
 //! The one place where errors become `tonic::Status`, so that handlers can
-//! use `?` and every error kind maps the same way everywhere.
+//! use `?` (or, for the budget store's errors, `.map_err(store_status)?`)
+//! and every error kind maps the same way everywhere.
 
 use tonic::Status;
 
@@ -33,8 +34,10 @@ impl From<InvalidRequest> for Status {
     }
 }
 
-impl From<StoreError> for Status {
-    fn from(error: StoreError) -> Status {
+/// A store error as a status. A function, not `From`: both types are other
+/// crates' (handlers write `.map_err(store_status)?`).
+pub(super) fn store_status(error: StoreError) -> Status {
+    {
         match error {
             StoreError::TooManyUpstreams { .. } => {
                 Status::resource_exhausted(format!("upstream: {error}"))

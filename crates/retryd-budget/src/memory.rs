@@ -635,7 +635,7 @@ mod tests {
             block_on(store.view("a", &config)).unwrap();
         }
         let tokens = block_on(store.view("a", &config)).unwrap().tokens;
-        assert_eq!(crate::budget::tokens_to_units(tokens), 10_000);
+        assert_eq!(crate::tokens_to_units(tokens), 10_000);
     }
 
     #[test]

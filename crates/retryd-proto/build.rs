@@ -2,8 +2,10 @@
 //! compiler (protox), so a fresh machine needs no `protoc` binary.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = ["proto/retryd/v1/retryd.proto"];
-    let file_descriptors = protox::compile(protos, ["proto"])?;
+    // The contract stays at the repository's root, beside the clients of
+    // every language that read it.
+    let protos = ["../../proto/retryd/v1/retryd.proto"];
+    let file_descriptors = protox::compile(protos, ["../../proto"])?;
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     // The descriptor set also feeds server reflection.
     std::fs::write(

@@ -4,7 +4,7 @@
 //! counted errors as answers, or sent a different number of requests than
 //! asked, would make every ratio there wrong.
 
-mod support;
+use retryd_testkit as support;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

@@ -23,16 +23,12 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use hdrhistogram::Histogram;
 use redis::aio::ConnectionManager;
-use retryd::budget::{BucketConfig, BudgetStore, RedisBudgetStore};
-use retryd::config::{RedisConfig, RedisMode};
+use retryd_budget::redis::{RedisConfig, RedisMode};
+use retryd_budget::{BucketConfig, BudgetStore, RedisBudgetStore};
 
-const SCRIPT: &str = concat!(
-    include_str!("../src/budget/redis/bucket.lua"),
-    "\n",
-    include_str!("../src/budget/redis/check.lua")
-);
+const SCRIPT: &str = retryd_budget::redis::CHECK_SOURCE;
 
-/// The store's idle TTL argument (`IDLE_TTL_MS` in `budget/redis.rs`).
+/// The store's idle TTL argument (`IDLE_TTL_MS` in `redis.rs`).
 const IDLE_TTL_MS: u64 = 60_000;
 
 struct Args {

@@ -9,6 +9,7 @@
 //! The order of the rules is the specification (`retry-and-ambiguity.md`):
 //! [`decide`] evaluates them first to last and the first that applies wins,
 //! so a later rule can never re-enable what an earlier one forbade.
+#![forbid(unsafe_code)]
 
 mod backoff;
 mod body;

@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
-use retryd::pb;
-use retryd::pb::retry_decider_client::RetryDeciderClient;
+use retryd_proto as pb;
+use retryd_proto::retry_decider_client::RetryDeciderClient;
 use tokio::sync::{Mutex, Semaphore, mpsc};
 use tonic::transport::{Channel, Endpoint};
 

@@ -29,8 +29,8 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::Parser;
 use futures::{Stream, StreamExt};
-use retryd::pb;
-use retryd::pb::retry_decider_server::{RetryDecider, RetryDeciderServer};
+use retryd_proto as pb;
+use retryd_proto::retry_decider_server::{RetryDecider, RetryDeciderServer};
 use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -52,11 +52,7 @@ struct Args {
 }
 
 /// The script the exact Redis store runs once per decision.
-const CHECK_SCRIPT: &str = concat!(
-    include_str!("../budget/redis/bucket.lua"),
-    "\n",
-    include_str!("../budget/redis/check.lua")
-);
+const CHECK_SCRIPT: &str = retryd_budget::redis::CHECK_SOURCE;
 
 /// One upstream's keys as the store lays them out (prefix `retryd`), for
 /// `retryd-load`'s single upstream.
@@ -83,12 +79,12 @@ impl RawScript {
         let connection = redis::aio::ConnectionManager::new(client)
             .await
             .with_context(|| format!("cannot connect to {url}"))?;
-        let config = retryd::budget::BucketConfig {
+        let config = retryd_budget::BucketConfig {
             capacity: 1e9,
             initial: 1e9,
             ratio: 0.1,
             min_per_second: 1000.0,
-            ..retryd::budget::BucketConfig::default()
+            ..retryd_budget::BucketConfig::default()
         };
         Ok(RawScript {
             connection,
@@ -258,7 +254,7 @@ fn main() -> anyhow::Result<()> {
             let (_, health) = tonic_health::server::health_reporter();
             let reflection = || {
                 tonic_reflection::server::Builder::configure()
-                    .register_encoded_file_descriptor_set(retryd::grpc::FILE_DESCRIPTOR_SET)
+                    .register_encoded_file_descriptor_set(retryd_proto::FILE_DESCRIPTOR_SET)
                     .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             };
             server

@@ -1,6 +1,10 @@
-//! Shared helpers for black-box tests: start the real `retryd` binary on a
-//! loopback port with a given configuration, and talk gRPC to it.
-#![allow(dead_code, unreachable_pub)]
+//! Shared helpers for black-box tests of every crate: start the real
+//! `retryd` binary on a loopback port with a given configuration, and talk
+//! gRPC to it; start real `redis-server` processes ([`redis`]).
+//!
+//! The binary is `RETRYD_BIN` when set (`scripts/test` sets it), else the
+//! `retryd` beside the running test in cargo's target directory, which
+//! `cargo test` builds for the server's own tests.
 
 pub mod redis;
 
@@ -9,9 +13,9 @@ use std::net::SocketAddr;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use retryd::pb;
-use retryd::pb::retry_admin_client::RetryAdminClient;
-use retryd::pb::retry_decider_client::RetryDeciderClient;
+use retryd_proto as pb;
+use retryd_proto::retry_admin_client::RetryAdminClient;
+use retryd_proto::retry_decider_client::RetryDeciderClient;
 use tonic::transport::Channel;
 
 /// A running `retryd serve`, killed when dropped.
@@ -27,7 +31,26 @@ pub struct Server {
 
 /// The path of the binary under test.
 pub fn binary() -> &'static str {
-    env!("CARGO_BIN_EXE_retryd")
+    static BINARY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BINARY.get_or_init(|| {
+        if let Ok(path) = std::env::var("RETRYD_BIN") {
+            return path;
+        }
+        // target/debug/deps/<test>-<hash> → target/debug/retryd
+        let test = std::env::current_exe().expect("the test's own path");
+        let beside = test
+            .parent()
+            .and_then(|deps| deps.parent())
+            .map(|profile| profile.join("retryd"))
+            .filter(|path| path.exists())
+            .unwrap_or_else(|| {
+                panic!(
+                    "no retryd binary beside {}: build it (cargo build --bin retryd) or set RETRYD_BIN",
+                    test.display()
+                )
+            });
+        beside.display().to_string()
+    })
 }
 
 impl Server {

@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use clap::Parser;
-use retryd::pb;
-use retryd::pb::retry_admin_client::RetryAdminClient;
-use retryd::pb::retry_decider_client::RetryDeciderClient;
+use retryd_proto as pb;
+use retryd_proto::retry_admin_client::RetryAdminClient;
+use retryd_proto::retry_decider_client::RetryDeciderClient;
 use tonic::Code;
 use tonic::transport::Channel;
 

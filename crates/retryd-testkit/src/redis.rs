@@ -5,7 +5,6 @@
 //! If `redis-server` cannot be started the test fails (panics): a missing
 //! Redis must never turn into a silently skipped test. Uses only `std`
 //! (plus `tempfile`) and the `redis-cli` that ships with `redis-server`.
-#![allow(dead_code, unreachable_pub)]
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};

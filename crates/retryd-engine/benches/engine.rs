@@ -11,7 +11,7 @@ use std::hint::black_box;
 use std::time::{Duration, SystemTime};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use retryd::engine::{
+use retryd_engine::{
     self, Body, BudgetView, Evidence, Facts, FailureKind, Idempotency, Policy, Replayability,
     Verdict,
 };
@@ -202,14 +202,14 @@ fn decide(c: &mut Criterion) {
     let mut group = c.benchmark_group("engine");
     for case in cases() {
         let facts = (case.facts)(&case.body);
-        let decision = engine::decide(&facts, &policy);
+        let decision = retryd_engine::decide(&facts, &policy);
         assert!(
             (case.expect)(&decision.verdict),
             "{}: unexpected {decision:?}",
             case.name
         );
         group.bench_function(case.name, |b| {
-            b.iter(|| engine::decide(black_box(&facts), black_box(&policy)))
+            b.iter(|| retryd_engine::decide(black_box(&facts), black_box(&policy)))
         });
     }
     group.finish();
@@ -226,7 +226,7 @@ fn decide(c: &mut Criterion) {
             .into_iter()
             .find(|case| case.name == name)
             .expect("the case list names it");
-        let decision = engine::decide(&(case.facts)(&case.body), &policy);
+        let decision = retryd_engine::decide(&(case.facts)(&case.body), &policy);
         group.bench_function(name, |b| b.iter(|| black_box(&decision).explanation()));
     }
     group.finish();

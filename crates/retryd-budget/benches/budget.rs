@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, criterion_group, criterion_main};
 use futures::FutureExt as _;
 use governor::{Quota, RateLimiter};
-use retryd::budget::memory::Clock;
-use retryd::budget::{BucketConfig, BudgetStore, MemoryBudgetStore};
+use retryd_budget::memory::Clock;
+use retryd_budget::{BucketConfig, BudgetStore, MemoryBudgetStore};
 use tower::retry::budget::{Budget as _, TpsBudget};
 
 const KEY: &str = "payments-api";

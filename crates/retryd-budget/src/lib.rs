@@ -1,7 +1,7 @@
 //! Retry budgets: one token bucket per upstream, filled as a fraction of
 //! real traffic plus a small floor per second, spent one token per RETRY.
 //!
-//! This module owns the [`BudgetStore`] trait and the bucket arithmetic that
+//! This crate owns the [`BudgetStore`] trait and the bucket arithmetic that
 //! every store shares. It knows nothing of gRPC or of the decision rules.
 //!
 //! The invariant every store keeps, across all its replicas: retries allowed
@@ -9,14 +9,16 @@
 //! tokens held are never above capacity nor below zero.
 
 pub mod memory;
+#[cfg(feature = "redis")]
 pub mod redis;
 
 use std::future::Future;
 
-use crate::engine::BudgetView;
+use retryd_engine::BudgetView;
 
 pub use memory::MemoryBudgetStore;
-pub use redis::RedisBudgetStore;
+#[cfg(feature = "redis")]
+pub use redis::{RedisBudgetStore, RedisConfig, RedisMode, RedisUrl};
 
 /// Tokens are kept as integers of this many units per token, so that stores
 /// can update them with integer atomics (or Redis integers) and never drift.

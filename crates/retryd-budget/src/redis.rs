@@ -9,7 +9,7 @@
 //! # What each mode promises
 //!
 //! Both modes keep, across every replica together, the invariant of
-//! [`crate::budget`]: RETRY grants ≤ initial + ratio × reported requests +
+//! [`crate`]: RETRY grants ≤ initial + ratio × reported requests +
 //! floor × elapsed, and the tokens held (shared plus leased out) never above
 //! capacity. Redis server time (`TIME` inside the scripts) is the only
 //! clock, so replica clocks never matter, and every operation is one script
@@ -111,8 +111,10 @@
 //! costs more compile time; both ran ~50k script calls/s here.
 
 mod circuit;
+mod config;
 mod keys;
 mod scripts;
+mod url;
 
 use std::collections::HashSet;
 use std::fmt;
@@ -130,13 +132,15 @@ use futures::StreamExt;
 use tokio::time::{Instant, MissedTickBehavior};
 
 use self::circuit::{Circuit, Transition};
+pub use self::config::{RedisConfig, RedisMode};
 use self::keys::KeySpace;
+pub use self::scripts::CHECK_SOURCE;
 use self::scripts::Scripts;
+pub use self::url::{RedisUrl, redact_url};
 use super::{
     BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, MemoryBudgetStore, OnUnavailable,
     StoreError, StoreStats, UNITS_PER_TOKEN, units_to_tokens,
 };
-use crate::config::{RedisConfig, RedisMode, RedisUrl};
 
 /// A bucket lives at least this long after its last write.
 const IDLE_TTL_MS: u64 = 60_000;
