@@ -17,7 +17,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 use crate::budget::{BudgetSnapshot, StoreStats};
-use crate::engine::{Decision, DenyReason, Verdict};
+use crate::engine::{Decision, DenyReason, VariantArray, Verdict};
 
 /// Counter of decisions, by upstream, verdict and reason.
 pub const METRIC_DECISIONS: &str = "retryd_decisions_total";
@@ -67,41 +67,30 @@ pub const METRIC_RELOADS: &str = "retryd_config_reloads_total";
 /// The label of upstreams the configuration does not name.
 pub const OTHER_UPSTREAM: &str = "_other";
 
-// Outcomes: retry, ambiguous, then one per deny reason.
-const DENY_REASONS: [DenyReason; 10] = [
-    DenyReason::MaxAttempts,
-    DenyReason::BudgetExhausted,
-    DenyReason::BudgetUnavailable,
-    DenyReason::BodyNotReplayable,
-    DenyReason::ResponseAlreadyDelivered,
-    DenyReason::RuntimeDraining,
-    DenyReason::RetriesDisabled,
-    DenyReason::Deadline,
-    DenyReason::PermanentFailure,
-    DenyReason::StatusNotRetryable,
-];
-const OUTCOMES: usize = 2 + DENY_REASONS.len();
+// Outcomes: retry, ambiguous, then one per deny reason, in the order of
+// `DenyReason::VARIANTS` (derived, so a new reason gets its column and its
+// label without a list to keep here).
+const OUTCOMES: usize = 2 + DenyReason::VARIANTS.len();
 
 const RETRY_OUTCOME: usize = 0;
+const AMBIGUOUS_OUTCOME: usize = 1;
 
+/// The counter column of a verdict: an exhaustive match and a dense cast,
+/// so that nothing on the decision path looks a label up or can fail to.
 fn outcome_index(verdict: &Verdict) -> usize {
     match verdict {
         Verdict::Retry { .. } => RETRY_OUTCOME,
-        Verdict::Ambiguous => 1,
-        Verdict::Deny(reason) => {
-            2 + DENY_REASONS
-                .iter()
-                .position(|known| known == reason)
-                .expect("DENY_REASONS lists every reason")
-        }
+        Verdict::Ambiguous => AMBIGUOUS_OUTCOME,
+        Verdict::Deny(reason) => 2 + *reason as usize,
     }
 }
 
+/// The `verdict` and `reason` labels of a counter column.
 fn outcome_labels(index: usize) -> (&'static str, &'static str) {
     match index {
-        0 => ("retry", ""),
-        1 => ("ambiguous", ""),
-        n => ("deny", DENY_REASONS[n - 2].as_str()),
+        RETRY_OUTCOME => ("retry", ""),
+        AMBIGUOUS_OUTCOME => ("ambiguous", ""),
+        n => ("deny", DenyReason::VARIANTS[n - 2].as_str()),
     }
 }
 
@@ -200,7 +189,7 @@ fn shard_of_this_thread(shards: usize) -> usize {
 }
 
 /// A budget store operation, for the store metrics.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, strum::VariantArray)]
 pub enum StoreOp {
     /// A decision's store call that only reads the budget.
     View,
@@ -215,13 +204,19 @@ pub enum StoreOp {
     Admin,
 }
 
-const STORE_OPS: [(StoreOp, &str); 5] = [
-    (StoreOp::View, "view"),
-    (StoreOp::Withdraw, "withdraw"),
-    (StoreOp::Admit, "admit"),
-    (StoreOp::Deposit, "deposit"),
-    (StoreOp::Admin, "admin"),
-];
+impl StoreOp {
+    /// The `op` label: an exhaustive match, so a new operation cannot
+    /// compile without one.
+    fn label(self) -> &'static str {
+        match self {
+            StoreOp::View => "view",
+            StoreOp::Withdraw => "withdraw",
+            StoreOp::Admit => "admit",
+            StoreOp::Deposit => "deposit",
+            StoreOp::Admin => "admin",
+        }
+    }
+}
 
 /// Process-wide counters, recorded by the gRPC edge and the exporter and
 /// rendered on scrape.
@@ -231,8 +226,9 @@ pub struct Metrics {
     index: HashMap<String, usize>,
     shards: Box<[DecisionShard]>,
     reported_requests: AtomicU64,
-    store_latency: [Histogram; STORE_OPS.len()],
-    store_errors: [AtomicU64; STORE_OPS.len()],
+    /// Indexed by `StoreOp as usize`, in the order of `StoreOp::VARIANTS`.
+    store_latency: [Histogram; StoreOp::VARIANTS.len()],
+    store_errors: [AtomicU64; StoreOp::VARIANTS.len()],
     /// Spans accepted by the collector.
     pub spans_exported: AtomicU64,
     /// Spans dropped because the export queue was full.
@@ -321,10 +317,7 @@ impl Metrics {
 
     /// Records one store operation's latency and outcome.
     pub fn record_store(&self, op: StoreOp, elapsed: Duration, failed: bool) {
-        let index = STORE_OPS
-            .iter()
-            .position(|(known, _)| *known == op)
-            .unwrap_or(0);
+        let index = op as usize;
         self.store_latency[index].record(elapsed);
         if failed {
             self.store_errors[index].fetch_add(1, Ordering::Relaxed);
@@ -421,7 +414,8 @@ impl Metrics {
             "histogram",
             "Budget store operation latency.",
         );
-        for ((_, op), histogram) in STORE_OPS.iter().zip(&self.store_latency) {
+        for (op, histogram) in StoreOp::VARIANTS.iter().zip(&self.store_latency) {
+            let op = op.label();
             histogram.render(&mut out, METRIC_STORE_SECONDS, &format!("op=\"{op}\""));
         }
         help(
@@ -430,7 +424,8 @@ impl Metrics {
             "counter",
             "Failed budget store operations.",
         );
-        for ((_, op), counter) in STORE_OPS.iter().zip(&self.store_errors) {
+        for (op, counter) in StoreOp::VARIANTS.iter().zip(&self.store_errors) {
+            let op = op.label();
             let _ = writeln!(
                 out,
                 "{METRIC_STORE_ERRORS}{{op=\"{op}\"}} {}",
@@ -640,6 +635,165 @@ pub async fn serve_metrics<F, Fut>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::{Body, BudgetView, Evidence, Facts, Idempotency, Policy};
+
+    /// A decision with `verdict`'s kind: the engine's own answer to a call
+    /// that was never sent (RETRY) or sent with no response and not
+    /// idempotent (AMBIGUOUS), or a denial for `reason`.
+    fn decision(idempotency: Idempotency, evidence: Evidence) -> Decision {
+        let body = Body::None;
+        let facts = Facts {
+            idempotency,
+            body: &body,
+            attempt: 1,
+            claimed_evidence: Some(evidence),
+            failure: None,
+            http_status: None,
+            retry_after: None,
+            deadline_remaining: None,
+            first_byte_delivered: false,
+            runtime_draining: false,
+            auth_refresh_attempted: false,
+            previous_backoff: None,
+            max_attempts: None,
+            budget: BudgetView::OPEN,
+            now: std::time::SystemTime::UNIX_EPOCH,
+            jitter: 0.5,
+        };
+        crate::engine::decide(&facts, &Policy::default())
+    }
+
+    fn retry() -> Decision {
+        let decision = decision(Idempotency::Idempotent, Evidence::SentNoResponse);
+        assert!(matches!(decision.verdict, Verdict::Retry { .. }));
+        decision
+    }
+
+    fn ambiguous() -> Decision {
+        let decision = decision(Idempotency::NonIdempotent, Evidence::SentNoResponse);
+        assert_eq!(decision.verdict, Verdict::Ambiguous);
+        decision
+    }
+
+    fn counter_lines(page: &str, name: &str) -> Vec<String> {
+        page.lines()
+            .filter(|line| line.starts_with(&format!("{name}{{")))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn every_verdict_and_reason_has_a_column_of_its_own_and_its_label() {
+        let mut seen = std::collections::HashSet::new();
+        for (position, &reason) in DenyReason::VARIANTS.iter().enumerate() {
+            // The dense cast is the position in the derived list.
+            assert_eq!(reason as usize, position, "{reason:?}");
+            let index = outcome_index(&Verdict::Deny(reason));
+            assert!(index < OUTCOMES);
+            assert_eq!(outcome_labels(index), ("deny", reason.as_str()));
+            assert!(seen.insert(index), "{reason:?} shares a column");
+        }
+        let retry = outcome_index(&retry().verdict);
+        let ambiguous = outcome_index(&Verdict::Ambiguous);
+        assert_eq!(outcome_labels(retry), ("retry", ""));
+        assert_eq!(outcome_labels(ambiguous), ("ambiguous", ""));
+        assert!(seen.insert(retry) && seen.insert(ambiguous));
+        assert_eq!(seen.len(), OUTCOMES);
+    }
+
+    #[test]
+    fn every_store_operation_has_its_own_series() {
+        for (position, &op) in StoreOp::VARIANTS.iter().enumerate() {
+            assert_eq!(op as usize, position, "{op:?}");
+        }
+        let metrics = Metrics::new(["payments"]);
+        metrics.record_store(StoreOp::Deposit, Duration::from_micros(30), true);
+        metrics.record_store(StoreOp::Withdraw, Duration::from_micros(30), false);
+        let page = metrics.render(&[], true, &StoreStats::default());
+        let errors = counter_lines(&page, METRIC_STORE_ERRORS);
+        let labels: Vec<&str> = StoreOp::VARIANTS.iter().map(|op| op.label()).collect();
+        assert_eq!(labels, ["view", "withdraw", "admit", "deposit", "admin"]);
+        for label in labels {
+            let value = if label == "deposit" { 1 } else { 0 };
+            assert!(
+                errors.contains(&format!("{METRIC_STORE_ERRORS}{{op=\"{label}\"}} {value}")),
+                "{errors:?}"
+            );
+        }
+        assert!(page.contains(&format!(
+            "{METRIC_STORE_SECONDS}_count{{op=\"withdraw\"}} 1"
+        )));
+    }
+
+    #[test]
+    fn decisions_are_counted_by_upstream_verdict_and_reason() {
+        let metrics = Metrics::new(["payments"]);
+        let elapsed = Duration::from_micros(40);
+        metrics.record_decision("payments", &retry(), elapsed);
+        metrics.record_decision("payments", &retry(), elapsed);
+        metrics.record_decision("payments", &ambiguous(), elapsed);
+        let exhausted = retry().into_budget_denial(DenyReason::BudgetExhausted);
+        metrics.record_decision("payments", &exhausted, elapsed);
+        // An upstream nobody configured counts as `_other`.
+        metrics.record_decision("made-up", &exhausted, elapsed);
+        let page = metrics.render(&[], true, &StoreStats::default());
+        let mut lines = counter_lines(&page, METRIC_DECISIONS);
+        lines.sort();
+        assert_eq!(
+            lines,
+            [
+                "retryd_decisions_total{upstream=\"_other\",verdict=\"deny\",reason=\"budget_exhausted\"} 1",
+                "retryd_decisions_total{upstream=\"payments\",verdict=\"ambiguous\",reason=\"\"} 1",
+                "retryd_decisions_total{upstream=\"payments\",verdict=\"deny\",reason=\"budget_exhausted\"} 1",
+                "retryd_decisions_total{upstream=\"payments\",verdict=\"retry\",reason=\"\"} 2",
+            ]
+        );
+        assert!(
+            page.contains(&format!("{METRIC_DECISION_SECONDS}_count 5")),
+            "{page}"
+        );
+        // Five decisions of 40 µs: all within the 50 µs bucket, none below 25.
+        assert!(
+            page.contains(&format!(
+                "{METRIC_DECISION_SECONDS}_bucket{{le=\"0.00005\"}} 5"
+            )),
+            "{page}"
+        );
+        assert!(
+            page.contains(&format!(
+                "{METRIC_DECISION_SECONDS}_bucket{{le=\"0.000025\"}} 0"
+            )),
+            "{page}"
+        );
+    }
+
+    #[test]
+    fn every_metric_has_help_and_type_once() {
+        let metrics = Metrics::new(["payments"]);
+        let page = metrics.render(
+            &[budget("payments", 1.0, true)],
+            true,
+            &StoreStats::default(),
+        );
+        let mut types = std::collections::HashMap::new();
+        for line in page.lines().filter(|line| line.starts_with("# TYPE ")) {
+            let name = line.split_whitespace().nth(2).unwrap();
+            *types.entry(name.to_owned()).or_insert(0) += 1;
+        }
+        assert!(types.values().all(|&count| count == 1), "{types:?}");
+        for line in page
+            .lines()
+            .filter(|line| !line.starts_with('#') && !line.is_empty())
+        {
+            let name = line.split(['{', ' ']).next().unwrap();
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| name.strip_suffix(suffix))
+                .filter(|family| types.contains_key(*family))
+                .unwrap_or(name);
+            assert!(types.contains_key(family), "no TYPE for {line}");
+        }
+    }
 
     fn budget(upstream: &str, tokens: f64, retries_enabled: bool) -> BudgetSnapshot {
         BudgetSnapshot {

@@ -4,6 +4,8 @@
 //! when a stage failure proves it, because a timeout mistaken for "never
 //! sent" is exactly how a payment gets made twice.
 
+use strum::VariantArray;
+
 /// How far the failed attempt got, from "proven never received" to "part
 /// of the response arrived". Ordered: a later variant admits more of the
 /// request's effect, so weakening a claim means moving it later.
@@ -31,8 +33,9 @@ impl Evidence {
     }
 }
 
-/// The stage failure behind a failed attempt.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// The stage failure behind a failed attempt. `FailureKind::VARIANTS`
+/// lists every kind, derived, so that no hand-kept list can miss one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, strum::VariantArray)]
 pub enum FailureKind {
     /// Name resolution failed.
     Dns,
@@ -67,25 +70,6 @@ pub enum FailureKind {
 }
 
 impl FailureKind {
-    /// Every kind, for configuration parsing and exhaustive tests.
-    pub const ALL: [FailureKind; 15] = [
-        FailureKind::Dns,
-        FailureKind::Connect,
-        FailureKind::PoolTimeout,
-        FailureKind::PreRequestTls,
-        FailureKind::ProfileRejection,
-        FailureKind::Http2RefusedStream,
-        FailureKind::GoawayUnprocessed,
-        FailureKind::PartialWrite,
-        FailureKind::ResponseHeaderTimeout,
-        FailureKind::ConnectionReset,
-        FailureKind::DecodeReset,
-        FailureKind::InterruptedStream,
-        FailureKind::GenericIo,
-        FailureKind::TlsCertificateInvalid,
-        FailureKind::RequestEncoding,
-    ];
-
     /// The snake_case name used in configuration and logs.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -109,8 +93,9 @@ impl FailureKind {
 
     /// The kind named `name` (as [`FailureKind::as_str`] spells it).
     pub fn from_name(name: &str) -> Option<FailureKind> {
-        FailureKind::ALL
-            .into_iter()
+        FailureKind::VARIANTS
+            .iter()
+            .copied()
             .find(|kind| kind.as_str() == name)
     }
 

@@ -25,6 +25,9 @@ pub use backoff::{Backoff, Jitter};
 pub use body::{Body, Replayability};
 pub use evidence::{Evidence, FailureKind, effective_evidence};
 pub use retry_after::parse_retry_after;
+/// `VARIANTS`, the derived list of every variant of [`DenyReason`] and
+/// [`FailureKind`].
+pub use strum::VariantArray;
 
 /// How safe it is to execute the operation again, as the caller declares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -147,8 +150,11 @@ pub struct Facts<'a> {
     pub jitter: f64,
 }
 
-/// Why a retry was denied.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Why a retry was denied. `DenyReason::VARIANTS` lists every reason in
+/// declaration order (derived), and the variants carry no explicit
+/// discriminants, so `reason as usize` is a dense index into it: tables
+/// indexed by reason (the metrics) cannot miss one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, strum::VariantArray)]
 pub enum DenyReason {
     /// Rule 1.
     MaxAttempts,

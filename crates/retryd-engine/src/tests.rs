@@ -266,7 +266,7 @@ fn each_rule_in_order() {
 
 #[test]
 fn evidence_rows() {
-    for failure in FailureKind::ALL {
+    for &failure in FailureKind::VARIANTS {
         if failure.is_permanent() {
             continue;
         }
@@ -822,7 +822,7 @@ fn any_case() -> impl Strategy<Value = Case> {
                 Just(Evidence::ResponseReceived),
                 Just(Evidence::PartialResponse)
             ]),
-            prop::option::of(prop::sample::select(FailureKind::ALL.to_vec())),
+            prop::option::of(prop::sample::select(FailureKind::VARIANTS.to_vec())),
             prop::option::of(prop_oneof![100u16..600, Just(401), Just(429), Just(503)]),
             prop::option::of(prop_oneof![Just("1"), Just("100"), Just("junk")]),
         ),
