@@ -102,10 +102,7 @@ fn hash_key() -> anyhow::Result<()> {
     let key = retryd::auth::normalize_key(&line);
     check_key(key)?;
     let hash = retryd::auth::hash_key(key);
-    println!(
-        "{}",
-        hash.iter().map(|b| format!("{b:02x}")).collect::<String>()
-    );
+    println!("{}", hex::encode(hash));
     Ok(())
 }
 

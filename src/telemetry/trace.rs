@@ -67,30 +67,19 @@ impl TraceContext {
 }
 
 fn decode_hex<const N: usize>(text: &str) -> Option<[u8; N]> {
-    // Lower-case only, as the specification requires.
-    if text.len() != 2 * N
-        || !text
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    {
+    // Lower-case only, as the specification requires (the hex crate also
+    // takes upper case).
+    if text.bytes().any(|b| b.is_ascii_uppercase()) {
         return None;
     }
     let mut out = [0u8; N];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).ok()?;
-    }
+    hex::decode_to_slice(text, &mut out).ok()?;
     Some(out)
 }
 
-/// Lower-case hex of `bytes`.
+/// Lower-case hex of `bytes`: trace and span ids, decision ids.
 pub fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for byte in bytes {
-        out.push(DIGITS[usize::from(byte >> 4)] as char);
-        out.push(DIGITS[usize::from(byte & 15)] as char);
-    }
-    out
+    hex::encode(bytes)
 }
 
 /// An attribute value.

@@ -233,7 +233,7 @@ impl Server {
         use std::io::Write;
         let mut stream = std::net::TcpStream::connect(self.metrics).expect("connect metrics");
         stream
-            .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
             .expect("send scrape");
         let mut response = String::new();
         stream.read_to_string(&mut response).expect("read scrape");
