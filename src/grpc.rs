@@ -7,6 +7,7 @@
 mod admin;
 pub mod connections;
 mod decider;
+mod report;
 mod status;
 pub mod validate;
 

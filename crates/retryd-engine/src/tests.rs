@@ -3,6 +3,7 @@
 //! bounds.
 
 use super::*;
+use crate::explanation::push_decimal;
 use proptest::prelude::*;
 
 const NOW_SECS: u64 = 1_800_000_000;

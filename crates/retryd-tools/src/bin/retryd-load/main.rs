@@ -26,10 +26,12 @@
 //! It only talks to the address it is given; bench scripts give it
 //! loopback ones.
 
+mod pacing;
+mod requests;
+
 use std::fmt::Write as _;
-use std::str::FromStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -37,8 +39,11 @@ use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
 use retryd_proto as pb;
 use retryd_proto::retry_decider_client::RetryDeciderClient;
-use tokio::sync::{Mutex, Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc};
 use tonic::transport::{Channel, Endpoint};
+
+use pacing::{Tickets, start_pacer};
+use requests::{Mix, Requests, retry_template};
 
 #[derive(Parser, Debug)]
 #[command(about = "Drives retryd's Decide or DecideStream and reports throughput and latency.")]
@@ -106,207 +111,6 @@ impl Mode {
             Mode::Stream => "stream",
         }
     }
-}
-
-/// Weights of `retry`, `deny` and `ambiguous` requests.
-#[derive(Clone, Debug)]
-struct Mix {
-    retry: usize,
-    deny: usize,
-    ambiguous: usize,
-}
-
-impl FromStr for Mix {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        let mut mix = Mix {
-            retry: 0,
-            deny: 0,
-            ambiguous: 0,
-        };
-        for part in text.split(',').filter(|part| !part.is_empty()) {
-            let (kind, weight) = part
-                .split_once('=')
-                .ok_or_else(|| format!("{part:?}: expected KIND=WEIGHT"))?;
-            let weight: usize = weight
-                .parse()
-                .map_err(|_| format!("{part:?}: the weight is not a whole number"))?;
-            match kind {
-                "retry" => mix.retry = weight,
-                "deny" => mix.deny = weight,
-                "ambiguous" => mix.ambiguous = weight,
-                other => return Err(format!("{other:?}: kinds are retry, deny, ambiguous")),
-            }
-        }
-        if mix.retry + mix.deny + mix.ambiguous == 0 {
-            return Err("the weights add up to zero".into());
-        }
-        Ok(mix)
-    }
-}
-
-/// A request retryd answers RETRY: an idempotent call whose connect failed
-/// (proven not sent), with deadline to spare. It spends one token.
-fn retry_template() -> pb::DecideRequest {
-    pb::DecideRequest {
-        operation: "PUT /v1/accounts/{id}".into(),
-        idempotency: pb::Idempotency::Idempotent as i32,
-        body: Some(pb::Body {
-            kind: pb::BodyKind::Bytes as i32,
-            ..pb::Body::default()
-        }),
-        attempt: 1,
-        evidence: pb::Evidence::NotSent as i32,
-        failure: pb::FailureKind::Connect as i32,
-        deadline_remaining: Some(prost_types::Duration {
-            seconds: 2,
-            nanos: 0,
-        }),
-        ..pb::DecideRequest::default()
-    }
-}
-
-/// A request retryd answers DENY (status not retryable) after checking
-/// every rule: a safe call that got a 404.
-fn deny_template() -> pb::DecideRequest {
-    pb::DecideRequest {
-        operation: "GET /v1/accounts/{id}".into(),
-        idempotency: pb::Idempotency::Safe as i32,
-        attempt: 1,
-        evidence: pb::Evidence::ResponseReceived as i32,
-        http_status: 404,
-        deadline_remaining: Some(prost_types::Duration {
-            seconds: 2,
-            nanos: 0,
-        }),
-        ..pb::DecideRequest::default()
-    }
-}
-
-/// A request retryd answers AMBIGUOUS: a non-idempotent charge that failed
-/// with a generic I/O error, so it may have been sent.
-fn ambiguous_template() -> pb::DecideRequest {
-    pb::DecideRequest {
-        operation: "POST /v1/charges".into(),
-        idempotency: pb::Idempotency::NonIdempotent as i32,
-        body: Some(pb::Body {
-            kind: pb::BodyKind::Bytes as i32,
-            ..pb::Body::default()
-        }),
-        attempt: 1,
-        evidence: pb::Evidence::NotSent as i32,
-        failure: pb::FailureKind::GenericIo as i32,
-        deadline_remaining: Some(prost_types::Duration {
-            seconds: 2,
-            nanos: 0,
-        }),
-        ..pb::DecideRequest::default()
-    }
-}
-
-/// Builds each sender's requests: the mix's templates in turn, each for
-/// the next upstream name.
-#[derive(Clone)]
-struct Requests {
-    templates: Arc<Vec<pb::DecideRequest>>,
-    upstreams: Arc<Vec<String>>,
-    next_template: usize,
-    next_upstream: usize,
-}
-
-impl Requests {
-    fn new(mix: &Mix, n_upstreams: usize) -> Self {
-        let mut templates = Vec::new();
-        templates.extend(std::iter::repeat_n(retry_template(), mix.retry));
-        templates.extend(std::iter::repeat_n(deny_template(), mix.deny));
-        templates.extend(std::iter::repeat_n(ambiguous_template(), mix.ambiguous));
-        let upstreams = (0..n_upstreams.max(1))
-            .map(|i| format!("upstream-{i:06}"))
-            .collect();
-        Requests {
-            templates: Arc::new(templates),
-            upstreams: Arc::new(upstreams),
-            next_template: 0,
-            next_upstream: 0,
-        }
-    }
-
-    /// The same sequence, started at a different place for sender `index`.
-    fn for_sender(&self, index: usize) -> Self {
-        Requests {
-            next_template: index % self.templates.len(),
-            next_upstream: index.wrapping_mul(7919) % self.upstreams.len(),
-            ..self.clone()
-        }
-    }
-
-    fn next(&mut self) -> pb::DecideRequest {
-        let mut request = self.templates[self.next_template].clone();
-        request.upstream = self.upstreams[self.next_upstream].clone();
-        self.next_template = (self.next_template + 1) % self.templates.len();
-        self.next_upstream = (self.next_upstream + 1) % self.upstreams.len();
-        request
-    }
-}
-
-/// When each request may start. Flat out: as soon as a sender is free. At
-/// a rate: when the pacer releases a ticket, which is also where its
-/// latency is measured from.
-#[derive(Clone)]
-enum Tickets {
-    FlatOut {
-        end: Instant,
-    },
-    Paced(Arc<Mutex<mpsc::UnboundedReceiver<Instant>>>),
-    /// Flat out, until this many tickets, shared by every sender, are gone.
-    Counted(Arc<AtomicU64>),
-}
-
-impl Tickets {
-    /// The next ticket's release time, or `None` once the run is over.
-    async fn next(&self) -> Option<Instant> {
-        match self {
-            Tickets::FlatOut { end } => {
-                let now = Instant::now();
-                (now < *end).then_some(now)
-            }
-            Tickets::Paced(queue) => queue.lock().await.recv().await,
-            Tickets::Counted(left) => left
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
-                .is_ok()
-                .then(Instant::now),
-        }
-    }
-
-    fn is_paced(&self) -> bool {
-        matches!(self, Tickets::Paced(_))
-    }
-}
-
-/// Releases `rate` tickets per second, evenly spaced, from `start` until
-/// `end`, on an OS thread.
-fn start_pacer(rate: f64, start: Instant, end: Instant) -> Tickets {
-    let (tx, rx) = mpsc::unbounded_channel();
-    std::thread::spawn(move || {
-        let interval = Duration::from_secs_f64(1.0 / rate);
-        let mut due = start;
-        while due < end {
-            let now = Instant::now();
-            // Everything due is released at once, each with its release
-            // time: a late wake-up delays arrivals, it is not latency.
-            while due <= now && due < end {
-                if tx.send(now).is_err() {
-                    return;
-                }
-                due += interval;
-            }
-            if due > now {
-                std::thread::sleep(due - now);
-            }
-        }
-    });
-    Tickets::Paced(Arc::new(Mutex::new(rx)))
 }
 
 /// The measured window: requests sent from `measure_from` and answered by

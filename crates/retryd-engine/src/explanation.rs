@@ -1,0 +1,114 @@
+//! The one-line explanation of a decision, for humans: built only when
+//! asked for, so the decision itself formats nothing.
+
+use std::fmt;
+
+use super::{Decision, DenyReason, Rule, Verdict};
+
+impl Decision {
+    /// One line for humans, the text of `Display`, built only when asked
+    /// for so that the hot path does not format strings nobody reads. The
+    /// gRPC edge asks once per response, so it is written with `push_str`
+    /// into one allocation rather than through `core::fmt`, which cost
+    /// ~650 of a DecideStream item's ~8,700 server instructions (callgrind).
+    pub fn explanation(&self) -> String {
+        // The longest explanation is under 200 bytes.
+        let mut text = String::with_capacity(200);
+        let evidence = self.effective_evidence.as_str();
+        match self.verdict {
+            Verdict::Retry {
+                backoff,
+                refresh_credentials,
+            } => {
+                // Whole milliseconds: precise enough for a human.
+                text.push_str("retry after ");
+                push_decimal(
+                    &mut text,
+                    u64::try_from(backoff.as_millis()).unwrap_or(u64::MAX),
+                );
+                text.push_str("ms: ");
+                match self.http_status {
+                    _ if refresh_credentials => {
+                        text.push_str("refresh credentials and replay once (rule 9, 401)");
+                    }
+                    Some(status) => {
+                        text.push_str("status ");
+                        push_decimal(&mut text, status.into());
+                        text.push_str(" is retryable (rule 9)");
+                    }
+                    None => {
+                        text.push_str("evidence ");
+                        text.push_str(evidence);
+                        text.push_str(" allows another attempt (rule 9)");
+                    }
+                }
+            }
+            Verdict::Ambiguous if self.rule == Rule::AMBIGUOUS_SEND => text.push_str(
+                "ambiguous: the request was sent and may have taken effect; the operation is not idempotent, so reconcile (rule 8)",
+            ),
+            Verdict::Ambiguous => {
+                text.push_str("ambiguous: evidence ");
+                text.push_str(evidence);
+                text.push_str(
+                    " means the request may have taken effect; the operation is not idempotent, so reconcile (rule 9)",
+                );
+            }
+            Verdict::Deny(reason) => {
+                let why = match reason {
+                    DenyReason::MaxAttempts => "no attempts left",
+                    DenyReason::BudgetExhausted => "the upstream's retry budget is empty",
+                    DenyReason::BudgetUnavailable => {
+                        "the shared retry budget is unreachable and the policy is to deny"
+                    }
+                    DenyReason::BodyNotReplayable => "the body cannot be sent again",
+                    DenyReason::ResponseAlreadyDelivered => {
+                        "part of the response already reached the application"
+                    }
+                    DenyReason::RuntimeDraining => "the caller's runtime is draining",
+                    DenyReason::RetriesDisabled => "an operator switched retries off for this upstream",
+                    DenyReason::Deadline => "the remaining deadline leaves no room for another attempt",
+                    DenyReason::PermanentFailure => "the failure is permanent",
+                    DenyReason::StatusNotRetryable => match self.http_status {
+                        Some(_) => "the status is not retryable for this operation",
+                        None => "the outcome is not retryable for this operation",
+                    },
+                };
+                text.push_str("deny: ");
+                text.push_str(why);
+                text.push_str(" (rule ");
+                push_decimal(&mut text, self.rule.number().into());
+                if let (DenyReason::StatusNotRetryable, Some(status)) = (reason, self.http_status) {
+                    text.push_str(", status ");
+                    push_decimal(&mut text, status.into());
+                }
+                text.push(')');
+            }
+        }
+        if self.evidence_adjusted {
+            text.push_str("; the claimed evidence was weakened to ");
+            text.push_str(evidence);
+        }
+        text
+    }
+}
+
+impl fmt::Display for Decision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.explanation())
+    }
+}
+
+/// Appends `n` in decimal.
+pub(crate) fn push_decimal(text: &mut String, mut n: u64) {
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    loop {
+        start -= 1;
+        digits[start] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    text.extend(digits[start..].iter().map(|&digit| char::from(digit)));
+}
