@@ -950,7 +950,12 @@ fn auth(settings: &AuthSettings) -> Result<Auth, InvalidConfig> {
     }
     let mut principals = Vec::with_capacity(settings.principals.len());
     let mut names = std::collections::HashSet::new();
-    let mut credentials = std::collections::HashSet::new();
+    // Credentials are compared as the server will compare them: a key by
+    // its decoded bytes (hex digits in either case are one hash), a DNS
+    // name case-insensitively (RFC 6125). Each maps to the index of the
+    // principal that holds it first, for the message.
+    let mut keys = HashMap::new();
+    let mut identities = HashMap::new();
     for (index, principal) in settings.principals.iter().enumerate() {
         let key = |name: &str| format!("auth.principals[{index}].{name}");
         if principal.name.is_empty() || !names.insert(principal.name.as_str()) {
@@ -963,26 +968,38 @@ fn auth(settings: &AuthSettings) -> Result<Auth, InvalidConfig> {
             ));
         }
         let mut hashes = Vec::new();
-        for hex in &principal.api_keys_sha256 {
+        for (entry, hex) in principal.api_keys_sha256.iter().enumerate() {
+            let entry_key = key(&format!("api_keys_sha256[{entry}]"));
             let hash = decode_sha256(hex).ok_or_else(|| {
                 invalid(
-                    key("api_keys_sha256"),
+                    &entry_key,
                     "each entry must be 64 hex digits (retryd hash-key)",
                 )
             })?;
-            if !credentials.insert(format!("key:{hex}")) {
+            if let Some(holder) = keys.insert(hash, index) {
                 return Err(invalid(
-                    key("api_keys_sha256"),
-                    "a key belongs to one principal only",
+                    entry_key,
+                    format!(
+                        "a key belongs to one principal only: auth.principals[{holder}] already holds this hash (hex digits compare in either case)"
+                    ),
                 ));
             }
             hashes.push(hash);
         }
-        for identity in &principal.identities {
-            if identity.is_empty() || !credentials.insert(format!("id:{identity}")) {
+        for (entry, identity) in principal.identities.iter().enumerate() {
+            let entry_key = key(&format!("identities[{entry}]"));
+            if identity.is_empty() {
                 return Err(invalid(
-                    key("identities"),
+                    entry_key,
                     "identities must be non-empty and belong to one principal only",
+                ));
+            }
+            if let Some(holder) = identities.insert(identity_for_comparison(identity), index) {
+                return Err(invalid(
+                    entry_key,
+                    format!(
+                        "identities must be non-empty and belong to one principal only: auth.principals[{holder}] already holds {identity:?} (DNS names compare in any case)"
+                    ),
                 ));
             }
         }
@@ -997,6 +1014,17 @@ fn auth(settings: &AuthSettings) -> Result<Auth, InvalidConfig> {
         ));
     }
     Ok(Auth::new(principals))
+}
+
+/// An identity as it is compared for duplicates: a URI (a SPIFFE ID, say)
+/// as written, since its path is case-sensitive; anything else is a DNS
+/// name or a common name, which RFC 6125 compares in any ASCII case.
+fn identity_for_comparison(identity: &str) -> String {
+    if identity.contains("://") {
+        identity.to_owned()
+    } else {
+        identity.to_ascii_lowercase()
+    }
 }
 
 fn decode_sha256(hex: &str) -> Option<[u8; 32]> {
@@ -1443,6 +1471,65 @@ mod tests {
         ))
         .unwrap();
         assert!(with_auth.auth.is_enabled());
+    }
+
+    #[test]
+    fn one_key_hash_in_two_cases_is_one_key() {
+        // Hex digits decode the same in either case (and with surrounding
+        // space), so these are one key: two principals holding it would
+        // have the later one silently win.
+        let lower = format!("ab12{}", "0".repeat(60));
+        let principals = |a: &str, b: &str| {
+            format!(
+                "[[auth.principals]]\nname = \"a\"\napi_keys_sha256 = [\"{a}\"]\nupstreams = [\"*\"]\n[[auth.principals]]\nname = \"b\"\napi_keys_sha256 = [\"{b}\"]\nupstreams = [\"*\"]\n"
+            )
+        };
+        for other in [
+            lower.clone(),
+            lower.to_ascii_uppercase(),
+            format!("AB12{}", "0".repeat(60)),
+            format!(" {lower} "),
+        ] {
+            let message = error_of(&principals(&lower, &other));
+            assert!(
+                message.starts_with("auth.principals[1].api_keys_sha256[0]:")
+                    && message.contains("auth.principals[0]"),
+                "{other:?} gave {message:?}"
+            );
+        }
+        // Twice in one principal, in two cases: the same refusal.
+        let message = error_of(&format!(
+            "[[auth.principals]]\nname = \"a\"\napi_keys_sha256 = [\"{lower}\", \"{}\"]\n",
+            lower.to_ascii_uppercase()
+        ));
+        assert!(
+            message.starts_with("auth.principals[0].api_keys_sha256[1]:"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn one_dns_identity_in_two_cases_is_one_identity() {
+        // RFC 6125: DNS names compare case-insensitively, so a certificate
+        // for `ops.example.com` is one for `OPS.Example.com`. URIs (SPIFFE
+        // IDs) keep a case-sensitive path, so they stay distinct.
+        let principals = |a: &str, b: &str| {
+            format!(
+                "[[auth.principals]]\nname = \"a\"\nidentities = [\"{a}\"]\nupstreams = [\"*\"]\n[[auth.principals]]\nname = \"b\"\nidentities = [\"{b}\"]\nupstreams = [\"*\"]\n"
+            )
+        };
+        let message = error_of(&principals("ops.example.com", "OPS.Example.com"));
+        assert!(
+            message.starts_with("auth.principals[1].identities[0]:")
+                && message.contains("auth.principals[0]"),
+            "{message}"
+        );
+        let distinct = config(&principals(
+            "spiffe://example.org/ns/ops",
+            "spiffe://example.org/ns/OPS",
+        ))
+        .unwrap();
+        assert!(distinct.auth.is_enabled());
     }
 
     #[test]
