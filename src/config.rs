@@ -16,6 +16,7 @@
 //! the order in which sections are checked.
 
 mod auth;
+mod enums;
 mod loading;
 mod policies;
 mod server;
@@ -32,6 +33,9 @@ use std::time::Duration;
 use crate::auth::Auth;
 use crate::policy::Policies;
 
+pub use self::enums::{
+    ClientAuth, FailureKindName, JitterName, LogFormat, OnUnavailableName, StoreKind, StoreMode,
+};
 pub use self::server::{ServerLimits, TlsConfig};
 pub use self::settings::{
     AuthSettings, BackoffSettings, BudgetSettings, LimitSettings, PolicySettings,
@@ -39,7 +43,7 @@ pub use self::settings::{
     Urls,
 };
 pub use self::store::StoreConfig;
-pub use self::telemetry::{LogFormat, TelemetryConfig};
+pub use self::telemetry::TelemetryConfig;
 
 /// The prefix of environment overrides: `RETRYD__STORE__KIND=redis`.
 pub const ENV_PREFIX: &str = "RETRYD";
@@ -136,8 +140,7 @@ impl TryFrom<Settings> for Config {
         let auth = auth::auth(&settings.auth)?;
         server::refuse_public_unauthenticated(listen, &auth, &settings.server)?;
         let store = store::store_config(&settings.store)?;
-        let store_default =
-            policies::parse_on_unavailable("store.on_unavailable", &settings.store.on_unavailable)?;
+        let store_default = settings.store.on_unavailable.into();
         let telemetry = telemetry::telemetry_config(&settings.telemetry)?;
         let policies = policies::policies(&settings, store_default)?;
         Ok(Config {

@@ -12,6 +12,7 @@ use std::path::Path;
 
 use crate::budget::redis::redact_url;
 
+use super::enums::UNKNOWN_VARIANT;
 use super::{ENV_PREFIX, InvalidConfig, Settings, invalid};
 
 #[cfg(test)]
@@ -77,14 +78,60 @@ impl Settings {
         builder
             .build()
             .and_then(|merged| merged.try_deserialize())
-            // Serde quotes a value of the wrong type, which may be a URL
-            // with credentials (a `RETRYD__` variable set to the wrong key).
-            .map_err(|error| InvalidConfig::Load(redact_urls_in(&error.to_string())))
+            .map_err(|error| load_error(&error))
     }
 
     /// Settings from TOML text alone, for tests and `check-config`.
     pub fn from_toml(toml: &str) -> Result<Settings, InvalidConfig> {
         Settings::from_sources(toml, Some(HashMap::new()))
+    }
+}
+
+/// The `config` crate's error as retryd says it. A name an enumerated
+/// setting does not accept is a bad value of a key, so it reads like every
+/// other (`store.mode: unknown variant "fast", expected "exact" or
+/// "leased"`) rather than with the key at the end; anything else keeps the
+/// crate's words. Either way serde quotes the value, which may be a URL
+/// with credentials (a `RETRYD__` variable set to the wrong key), so URLs
+/// are redacted.
+fn load_error(error: &config::ConfigError) -> InvalidConfig {
+    if let config::ConfigError::At {
+        error: cause,
+        key: Some(key),
+        ..
+    } = error
+    {
+        if let config::ConfigError::Message(message) = cause.as_ref() {
+            if message.starts_with(UNKNOWN_VARIANT) {
+                return invalid(redact_urls_in(&dotted_key(key)), redact_urls_in(message));
+            }
+        }
+    }
+    InvalidConfig::Load(redact_urls_in(&error.to_string()))
+}
+
+/// A key as the other messages write it. The `config` crate joins the
+/// path with dots, so `upstreams.Payments.API.on_unavailable` no longer
+/// says where the upstream's name ends; retryd quotes the name
+/// (`upstreams."Payments.API".on_unavailable`), found from the end since
+/// only these keys of an upstream hold a name.
+fn dotted_key(key: &str) -> String {
+    let Some(rest) = key.strip_prefix("upstreams.") else {
+        return key.to_owned();
+    };
+    let field_at = [".on_unavailable", ".backoff.jitter"]
+        .into_iter()
+        .find_map(|field| rest.strip_suffix(field).map(str::len))
+        .or_else(|| {
+            // `permanent_failures[3]`
+            let at = rest.rfind(".permanent_failures[")?;
+            let index = rest[at..].strip_prefix(".permanent_failures[")?;
+            let digits = index.strip_suffix(']')?;
+            (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())).then_some(at)
+        });
+    match field_at {
+        Some(at) => format!("upstreams.{:?}{}", &rest[..at], &rest[at..]),
+        None => key.to_owned(),
     }
 }
 

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 
 use crate::budget::{BucketConfig, OnUnavailable};
-use crate::engine::{FailureKind, Jitter, Policy};
+use crate::engine::Policy;
 use crate::policy::{Policies, UpstreamPolicy};
 
 use super::{InvalidConfig, PolicySettings, Settings, invalid, parse_duration};
@@ -77,20 +77,10 @@ fn resolve_policy(
         engine.transient_500 = transient;
     }
     if let Some(names) = &overrides.permanent_failures {
-        engine.permanent_failures = names
-            .iter()
-            .map(|name| {
-                FailureKind::from_name(name).ok_or_else(|| {
-                    invalid(
-                        key("permanent_failures"),
-                        format!("unknown failure kind {name:?}"),
-                    )
-                })
-            })
-            .collect::<Result<_, _>>()?;
+        engine.permanent_failures = names.iter().map(|name| name.0).collect();
     }
-    if let Some(raw) = &overrides.on_unavailable {
-        bucket.on_unavailable = parse_on_unavailable(&key("on_unavailable"), raw)?;
+    if let Some(on_unavailable) = overrides.on_unavailable {
+        bucket.on_unavailable = on_unavailable.into();
     }
 
     let budget = &overrides.budget;
@@ -142,31 +132,11 @@ fn resolve_policy(
     if let Some(raw) = &backoff.max {
         engine.backoff.max = parse_duration(&key("backoff.max"), raw)?;
     }
-    if let Some(raw) = &backoff.jitter {
-        engine.backoff.jitter = match raw.as_str() {
-            "full" => Jitter::Full,
-            "decorrelated" => Jitter::Decorrelated,
-            other => {
-                return Err(invalid(
-                    key("backoff.jitter"),
-                    format!("must be \"full\" or \"decorrelated\", not {other:?}"),
-                ));
-            }
-        };
+    if let Some(jitter) = backoff.jitter {
+        engine.backoff.jitter = jitter.into();
     }
     if engine.backoff.base > engine.backoff.max {
         return Err(invalid(key("backoff.base"), "must not exceed backoff.max"));
     }
     Ok(UpstreamPolicy { engine, bucket })
-}
-
-pub(super) fn parse_on_unavailable(key: &str, raw: &str) -> Result<OnUnavailable, InvalidConfig> {
-    match raw {
-        "local" => Ok(OnUnavailable::Local),
-        "deny" => Ok(OnUnavailable::Deny),
-        other => Err(invalid(
-            key,
-            format!("must be \"local\" or \"deny\", not {other:?}"),
-        )),
-    }
 }

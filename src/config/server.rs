@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use crate::auth::Auth;
 
-use super::{InvalidConfig, ServerSettings, TlsSettings, invalid, parse_duration};
+use super::{ClientAuth, InvalidConfig, ServerSettings, TlsSettings, invalid, parse_duration};
 
 /// The validated `[server.tls]`, files read. Its `Debug` leaves the private
 /// key out, so that no log line or panic message can carry it.
@@ -95,24 +95,17 @@ pub(super) fn tls_config(tls: &TlsSettings) -> Result<TlsConfig, InvalidConfig> 
             return Err(invalid(key, "is not a PEM file"));
         }
     }
-    let client_auth_optional = match tls.client_auth.as_deref() {
-        None | Some("required") => false,
-        Some("optional") => true,
-        Some(other) => {
-            return Err(invalid(
-                "server.tls.client_auth",
-                format!("must be \"required\" or \"optional\", not {other:?}"),
-            ));
-        }
-    };
-    // Without a client CA no client certificate is even asked for, so a
-    // written "required" would silently require nothing.
-    if tls.client_auth.as_deref() == Some("required") && client_ca_pem.is_none() {
+    // Unset is "required" with a client CA and means nothing without one;
+    // only a written "required" without a CA is refused: it would
+    // silently require nothing, since no client certificate is even asked
+    // for.
+    if tls.client_auth == Some(ClientAuth::Required) && client_ca_pem.is_none() {
         return Err(invalid(
             "server.tls.client_ca_file",
             "required when server.tls.client_auth = \"required\": without a client CA no client certificate is asked for, so nothing would be required",
         ));
     }
+    let client_auth_optional = tls.client_auth == Some(ClientAuth::Optional);
     Ok(TlsConfig {
         cert_pem,
         key_pem,

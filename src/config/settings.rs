@@ -12,6 +12,10 @@ use serde::Deserialize;
 
 use crate::budget::redis::redact_url;
 
+use super::enums::{
+    ClientAuth, FailureKindName, JitterName, LogFormat, OnUnavailableName, StoreKind, StoreMode,
+};
+
 /// The configuration file as written: every section optional.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -98,7 +102,7 @@ pub struct TlsSettings {
     /// `client_ca_file`; unset, it is `required` when there is a client CA
     /// and means nothing without one (TLS without mTLS).
     #[serde(default)]
-    pub client_auth: Option<String>,
+    pub client_auth: Option<ClientAuth>,
 }
 
 fn default_max_message_bytes() -> usize {
@@ -204,15 +208,15 @@ impl fmt::Debug for Urls {
 pub struct StoreSettings {
     /// `memory` or `redis`.
     #[serde(default = "default_store_kind")]
-    pub kind: String,
+    pub kind: StoreKind,
     /// Redis URL(s); several means Redis Cluster.
     pub url: Option<Urls>,
     /// `exact` or `leased`.
     #[serde(default = "default_store_mode")]
-    pub mode: String,
+    pub mode: StoreMode,
     /// `local` or `deny`: the default for upstreams that do not say.
     #[serde(default = "default_on_unavailable")]
-    pub on_unavailable: String,
+    pub on_unavailable: OnUnavailableName,
     /// How long a store operation may take before it counts as failed.
     #[serde(default = "default_store_timeout")]
     pub timeout: String,
@@ -230,14 +234,14 @@ pub struct StoreSettings {
     pub key_prefix: String,
 }
 
-fn default_store_kind() -> String {
-    "memory".into()
+fn default_store_kind() -> StoreKind {
+    StoreKind::Memory
 }
-fn default_store_mode() -> String {
-    "exact".into()
+fn default_store_mode() -> StoreMode {
+    StoreMode::Exact
 }
-fn default_on_unavailable() -> String {
-    "local".into()
+fn default_on_unavailable() -> OnUnavailableName {
+    OnUnavailableName::Local
 }
 fn default_store_timeout() -> String {
     "20ms".into()
@@ -282,7 +286,7 @@ pub struct TelemetrySettings {
     pub sampling_ratio: f64,
     /// `text` or `json`.
     #[serde(default = "default_log_format")]
-    pub log_format: String,
+    pub log_format: LogFormat,
     /// A `tracing` filter, e.g. `info` or `retryd=debug`.
     #[serde(default = "default_log_level")]
     pub log_level: String,
@@ -299,8 +303,8 @@ fn default_export_queue() -> usize {
 fn default_sampling_ratio() -> f64 {
     1.0
 }
-fn default_log_format() -> String {
-    "text".into()
+fn default_log_format() -> LogFormat {
+    LogFormat::Text
 }
 fn default_log_level() -> String {
     "info".into()
@@ -354,9 +358,9 @@ pub struct PolicySettings {
     /// Whether 500 is transient for this upstream.
     pub transient_500: Option<bool>,
     /// Extra permanent failure kinds, e.g. `["connect"]`.
-    pub permanent_failures: Option<Vec<String>>,
+    pub permanent_failures: Option<Vec<FailureKindName>>,
     /// `local` or `deny` while the shared store is unreachable.
-    pub on_unavailable: Option<String>,
+    pub on_unavailable: Option<OnUnavailableName>,
     /// The retry budget.
     #[serde(default)]
     pub budget: BudgetSettings,
@@ -388,5 +392,5 @@ pub struct BackoffSettings {
     /// Cap, e.g. `"5s"`.
     pub max: Option<String>,
     /// `full` or `decorrelated`.
-    pub jitter: Option<String>,
+    pub jitter: Option<JitterName>,
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::budget::redis::{RedisConfig, RedisMode, RedisUrl};
 
-use super::{InvalidConfig, StoreSettings, Urls, invalid, parse_duration};
+use super::{InvalidConfig, StoreKind, StoreSettings, Urls, invalid, parse_duration};
 
 /// Which budget store to run.
 #[derive(Clone, Debug, PartialEq)]
@@ -18,13 +18,9 @@ pub enum StoreConfig {
 }
 
 pub(super) fn store_config(store: &StoreSettings) -> Result<StoreConfig, InvalidConfig> {
-    match store.kind.as_str() {
-        "memory" => Ok(StoreConfig::Memory),
-        "redis" => Ok(StoreConfig::Redis(redis_config(store)?)),
-        other => Err(invalid(
-            "store.kind",
-            format!("must be \"memory\" or \"redis\", not {other:?}"),
-        )),
+    match store.kind {
+        StoreKind::Memory => Ok(StoreConfig::Memory),
+        StoreKind::Redis => Ok(StoreConfig::Redis(redis_config(store)?)),
     }
 }
 
@@ -48,16 +44,6 @@ fn redis_config(store: &StoreSettings) -> Result<RedisConfig, InvalidConfig> {
         .iter()
         .map(|url| RedisUrl::parse(url).map_err(|reason| invalid("store.url", reason)))
         .collect::<Result<Vec<_>, _>>()?;
-    let mode = match store.mode.as_str() {
-        "exact" => RedisMode::Exact,
-        "leased" => RedisMode::Leased,
-        other => {
-            return Err(invalid(
-                "store.mode",
-                format!("must be \"exact\" or \"leased\", not {other:?}"),
-            ));
-        }
-    };
     let timeout = parse_duration("store.timeout", &store.timeout)?;
     if timeout.is_zero() {
         return Err(invalid("store.timeout", "must be above zero"));
@@ -86,7 +72,7 @@ fn redis_config(store: &StoreSettings) -> Result<RedisConfig, InvalidConfig> {
     }
     Ok(RedisConfig {
         urls,
-        mode,
+        mode: RedisMode::from(store.mode),
         timeout,
         lease_tokens: store.lease_tokens,
         max_lease_tokens: store.max_lease_tokens,

@@ -2,16 +2,7 @@
 //! format and level as [`TelemetryConfig`]. Starting any of it is
 //! `crate::telemetry`'s business, not this module's.
 
-use super::{InvalidConfig, TelemetrySettings, invalid};
-
-/// Log line format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
-}
+use super::{InvalidConfig, LogFormat, TelemetrySettings, invalid};
 
 /// The validated `[telemetry]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -37,16 +28,6 @@ pub(super) fn telemetry_config(
             "must be between 0 and 1",
         ));
     }
-    let log_format = match telemetry.log_format.as_str() {
-        "text" => LogFormat::Text,
-        "json" => LogFormat::Json,
-        other => {
-            return Err(invalid(
-                "telemetry.log_format",
-                format!("must be \"text\" or \"json\", not {other:?}"),
-            ));
-        }
-    };
     if let Some(endpoint) = &telemetry.otlp_endpoint {
         if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
             return Err(invalid(
@@ -58,7 +39,7 @@ pub(super) fn telemetry_config(
     let telemetry = TelemetryConfig {
         otlp_endpoint: telemetry.otlp_endpoint.clone(),
         sampling_ratio: telemetry.sampling_ratio,
-        log_format,
+        log_format: telemetry.log_format,
         log_level: telemetry.log_level.clone(),
         export_queue: telemetry.export_queue,
     };

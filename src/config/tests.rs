@@ -3,6 +3,8 @@
 //! configuration contract says. Loading and redaction are tested beside
 //! `loading.rs`.
 
+use std::collections::HashMap;
+
 use crate::budget::BucketConfig;
 use crate::engine::Policy;
 
@@ -296,5 +298,132 @@ fn required_client_auth_needs_a_client_ca() {
             .unwrap();
         assert!(mtls.client_ca_pem.is_some());
         assert_eq!(mtls.client_auth_optional, optional, "{extra:?}");
+    }
+}
+
+/// `section.key = value` written in the file, then set by a `RETRYD__`
+/// variable over a file without it (`other_lines`, in the same section,
+/// are in both): the same refusal either way.
+fn refusals_of(section: &str, key: &str, value: &str, other_lines: &str) -> [InvalidConfig; 2] {
+    let file = format!("[{section}]\n{other_lines}{key} = {value:?}\n");
+    let from_file = config(&file).expect_err("the file's value must be refused");
+    let variable = format!(
+        "RETRYD__{}__{}",
+        section.replace('.', "__").to_ascii_uppercase(),
+        key.to_ascii_uppercase()
+    );
+    let environment = HashMap::from([(variable, value.to_owned())]);
+    let from_environment =
+        Settings::from_sources(&format!("[{section}]\n{other_lines}"), Some(environment))
+            .and_then(Config::try_from)
+            .expect_err("the variable's value must be refused");
+    [from_file, from_environment]
+}
+
+#[test]
+fn a_misspelt_name_is_refused_with_the_names_accepted() {
+    // Refused as the file is read, before the certificate files are.
+    let tls = "cert_file = \"/nonexistent.pem\"\nkey_file = \"/nonexistent.pem\"\n";
+    let cases = [
+        (
+            "store",
+            "kind",
+            "etcd",
+            "",
+            "store.kind: unknown variant \"etcd\", expected \"memory\" or \"redis\"",
+        ),
+        (
+            "store",
+            "mode",
+            "fast",
+            "",
+            "store.mode: unknown variant \"fast\", expected \"exact\" or \"leased\"",
+        ),
+        (
+            "store",
+            "on_unavailable",
+            "panic",
+            "",
+            "store.on_unavailable: unknown variant \"panic\", expected \"local\" or \"deny\"",
+        ),
+        (
+            "defaults",
+            "on_unavailable",
+            "Deny",
+            "",
+            "defaults.on_unavailable: unknown variant \"Deny\", expected \"local\" or \"deny\"",
+        ),
+        (
+            "upstreams.pay",
+            "on_unavailable",
+            "panic",
+            "",
+            "upstreams.\"pay\".on_unavailable: unknown variant \"panic\", expected \"local\" or \"deny\"",
+        ),
+        (
+            "defaults.backoff",
+            "jitter",
+            "equal",
+            "",
+            "defaults.backoff.jitter: unknown variant \"equal\", expected \"full\" or \"decorrelated\"",
+        ),
+        (
+            "upstreams.pay.backoff",
+            "jitter",
+            "equal",
+            "",
+            "upstreams.\"pay\".backoff.jitter: unknown variant \"equal\", expected \"full\" or \"decorrelated\"",
+        ),
+        (
+            "telemetry",
+            "log_format",
+            "xml",
+            "",
+            "telemetry.log_format: unknown variant \"xml\", expected \"text\" or \"json\"",
+        ),
+        (
+            "server.tls",
+            "client_auth",
+            "requird",
+            tls,
+            "server.tls.client_auth: unknown variant \"requird\", expected \"required\" or \"optional\"",
+        ),
+    ];
+    for (section, key, value, other_lines, expected) in cases {
+        for error in refusals_of(section, key, value, other_lines) {
+            assert_eq!(error.to_string(), expected);
+            assert!(
+                matches!(&error, InvalidConfig::Value { key, .. } if expected.starts_with(&format!("{key}: "))),
+                "{error:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_misspelt_failure_kind_is_refused_with_every_kind() {
+    let every_kind = "expected one of \"dns\", \"connect\", \"pool_timeout\", \"pre_request_tls\", \"profile_rejection\", \"http2_refused_stream\", \"goaway_unprocessed\", \"partial_write\", \"response_header_timeout\", \"connection_reset\", \"decode_reset\", \"interrupted_stream\", \"generic_io\", \"tls_certificate_invalid\", \"request_encoding\"";
+    let cases = [
+        (
+            "[defaults]\npermanent_failures = [\"connect\", \"gremlins\"]\n",
+            "defaults.permanent_failures[1]",
+        ),
+        // An upstream name with dots is quoted, as in every other message.
+        (
+            "[upstreams.\"pay.v2\"]\npermanent_failures = [\"Connect\"]\n",
+            "upstreams.\"pay.v2\".permanent_failures[0]",
+        ),
+    ];
+    for (toml, key) in cases {
+        let message = error_of(toml);
+        let name = if key.ends_with("[0]") {
+            "Connect"
+        } else {
+            "gremlins"
+        };
+        assert_eq!(
+            message,
+            format!("{key}: unknown variant {name:?}, {every_kind}")
+        );
     }
 }

@@ -246,3 +246,20 @@ fn unknown_keys_are_refused_by_name() {
     let message = error_of("[serverr]\nlisten = \"127.0.0.1:1\"");
     assert!(message.contains("serverr"), "{message}");
 }
+
+#[test]
+fn a_url_written_as_a_name_is_redacted() {
+    // A Redis URL set on the wrong variable, or pasted into `mode`.
+    let url = format!("redis://:{PASSWORD}@cache:6379");
+    let expected =
+        "store.mode: unknown variant \"redis://***@cache:6379\", expected \"exact\" or \"leased\"";
+    let from_file = error_of(&format!("[store]\nmode = {url:?}\n"));
+    let environment = HashMap::from([("RETRYD__STORE__MODE".to_string(), url)]);
+    let from_environment = Settings::from_sources("", Some(environment))
+        .unwrap_err()
+        .to_string();
+    for message in [from_file, from_environment] {
+        assert_eq!(message, expected);
+        assert!(!message.contains(PASSWORD), "{message}");
+    }
+}
