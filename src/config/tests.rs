@@ -42,6 +42,28 @@ fn no_file_gives_the_documented_defaults() {
 }
 
 #[test]
+fn what_no_file_says_is_the_default_impl() {
+    // One source per default: serde reads each section's `Default`, and
+    // the store's fallback is the budget's.
+    assert_eq!(Settings::from_toml("").unwrap(), Settings::default());
+    assert_eq!(
+        Config::try_from(Settings::default())
+            .unwrap()
+            .policies
+            .defaults()
+            .bucket
+            .on_unavailable,
+        BucketConfig::default().on_unavailable
+    );
+    // A section that is there but says nothing is its defaults too.
+    let empty_sections = "[server]\n[store]\n[telemetry]\n[limits]\n[auth]\n[defaults]\n";
+    assert_eq!(
+        Settings::from_toml(empty_sections).unwrap(),
+        Settings::default()
+    );
+}
+
+#[test]
 fn the_design_example_parses() {
     let config = config(
         r#"
