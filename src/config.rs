@@ -9,8 +9,9 @@
 //! process environment.
 //!
 //! The module is cut by what each part owns: `settings` the serde types
-//! (what an operator may write, with each default), `loading` the file and
-//! environment layering and the redaction of its errors, and one
+//! (what an operator may write, with each default), `enums` the settings
+//! with a fixed set of names, `loading` the file and environment layering
+//! and the redaction of its errors, and one
 //! validation module per section (`server`, `store`, `telemetry`, `auth`,
 //! `policies`); this root holds the error, the validated [`Config`] and
 //! the order in which sections are checked.

@@ -1,9 +1,12 @@
 //! `[auth]` validated: principals, their API key hashes decoded and their
 //! certificate identities, into the [`Auth`] the edge asks who is calling.
 //!
-//! A credential belongs to one principal: duplicates are refused here as
-//! the server would compare them, since `Auth::new` keeps the last holder
-//! of a credential and a duplicate would silently change who is calling.
+//! A credential belongs to one principal, so duplicates are refused, and
+//! compared as what they mean rather than as text: a key hash by its
+//! decoded bytes, since `Auth::new` keys its map by them and would let the
+//! later holder silently win; a DNS identity case-insensitively, since
+//! RFC 6125 says `OPS.example.com` is `ops.example.com`, and one name must
+//! not stand for two principals.
 
 use std::collections::{HashMap, HashSet};
 
@@ -17,10 +20,8 @@ pub(super) fn auth(settings: &AuthSettings) -> Result<Auth, InvalidConfig> {
     }
     let mut principals = Vec::with_capacity(settings.principals.len());
     let mut names = HashSet::new();
-    // Credentials are compared as the server will compare them: a key by
-    // its decoded bytes (hex digits in either case are one hash), a DNS
-    // name case-insensitively (RFC 6125). Each maps to the index of the
-    // principal that holds it first, for the message.
+    // Each credential, as compared, to the index of the principal that
+    // holds it first, for the message.
     let mut keys = HashMap::new();
     let mut identities = HashMap::new();
     for (index, principal) in settings.principals.iter().enumerate() {
@@ -65,7 +66,12 @@ pub(super) fn auth(settings: &AuthSettings) -> Result<Auth, InvalidConfig> {
                 return Err(invalid(
                     entry_key,
                     format!(
-                        "identities must be non-empty and belong to one principal only: auth.principals[{holder}] already holds {identity:?} (DNS names compare in any case)"
+                        "an identity belongs to one principal only: auth.principals[{holder}] already holds {identity:?}{}",
+                        if identity.contains("://") {
+                            ""
+                        } else {
+                            " (DNS names compare in any case)"
+                        }
                     ),
                 ));
             }
