@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use retryd::config::{Config, Settings, Urls};
+use retryd::config::{Config, Settings, StoreKind, StoreMode, Urls};
 use yaml_rust2::{Yaml, YamlLoader};
 
 /// The service name `retryd health` asks about, and that turns NOT_SERVING
@@ -729,7 +729,8 @@ fn the_redis_url_comes_from_a_secret() {
     let toml = pod_config_toml(&pod, &container);
     let from_file = Settings::from_sources(&toml, Some(HashMap::new())).unwrap();
     assert_eq!(
-        from_file.store.kind, "redis",
+        from_file.store.kind,
+        StoreKind::Redis,
         "the pods share budgets through Redis"
     );
     assert_eq!(
@@ -1027,8 +1028,8 @@ fn the_compose_toml_passes_check_config() {
     let path = deploy_dir().join("compose/retryd.toml");
     let toml = read(&path);
     let settings = Settings::from_sources(&toml, Some(HashMap::new())).unwrap();
-    assert_eq!(settings.store.kind, "redis");
-    assert_eq!(settings.store.mode, "leased");
+    assert_eq!(settings.store.kind, StoreKind::Redis);
+    assert_eq!(settings.store.mode, StoreMode::Leased);
     assert_eq!(
         settings.store.url,
         Some(Urls::One("redis://redis:6379".to_owned()))

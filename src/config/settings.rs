@@ -1,0 +1,308 @@
+//! The configuration file as an operator writes it: serde types whose
+//! every section and key is optional.
+//!
+//! Each default is written once. A section's keys default to its
+//! `Default` impl here (`#[serde(default)]` on the struct reads it, so no
+//! key has a default function besides); a policy's keys are all `Option`,
+//! since an absent key inherits, and their defaults are the engine's
+//! `Policy::default()` and the budget's `BucketConfig::default()`, which
+//! `store.on_unavailable` takes its default from too.
+//!
+//! Nothing here validates beyond what serde's types say (a number is a
+//! number, a name is one of its enum's, an unknown key is refused); what a
+//! value means, and whether it is allowed, is the section modules'
+//! business.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::Deserialize;
+
+use crate::budget::BucketConfig;
+use crate::budget::redis::redact_url;
+
+use super::enums::{
+    ClientAuth, FailureKindName, JitterName, LogFormat, OnUnavailableName, StoreKind, StoreMode,
+};
+
+/// The configuration file as written: every section optional.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    /// `[server]`
+    pub server: ServerSettings,
+    /// `[store]`
+    pub store: StoreSettings,
+    /// `[telemetry]`
+    pub telemetry: TelemetrySettings,
+    /// `[limits]`
+    pub limits: LimitSettings,
+    /// `[auth]`
+    pub auth: AuthSettings,
+    /// `[defaults]`: the policy of every upstream not named below.
+    pub defaults: PolicySettings,
+    /// `[upstreams."name"]`: only what differs from the defaults.
+    pub upstreams: BTreeMap<String, PolicySettings>,
+}
+
+/// `[server]`
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerSettings {
+    /// The gRPC address.
+    pub listen: String,
+    /// The Prometheus `/metrics` address.
+    pub metrics_listen: String,
+    /// How long in-flight calls get to finish on SIGTERM.
+    pub shutdown_grace: String,
+    /// Listen beyond loopback without `[auth]`: refused unless this is set.
+    pub allow_unauthenticated: bool,
+    /// Largest request message accepted, in bytes.
+    pub max_message_bytes: usize,
+    /// Concurrent HTTP/2 streams per connection.
+    pub max_concurrent_streams: u32,
+    /// Requests in progress per connection; more are refused with
+    /// RESOURCE_EXHAUSTED rather than queued. 0 (the default) leaves the
+    /// bound to `max_concurrent_streams`, which HTTP/2 enforces for free.
+    pub max_concurrent_requests: usize,
+    /// Longest a call may take before it is cancelled; `"0s"` (the default)
+    /// sets no timer, since every store operation is already bounded by
+    /// `store.timeout`.
+    pub request_timeout: String,
+    /// Most connections open at once; more are closed as soon as they are
+    /// accepted (and the bound is lowered to fit the process's file limit).
+    pub max_connections: usize,
+    /// Longest a new connection may take to finish its TLS handshake and
+    /// send the HTTP/2 preface before it is closed.
+    pub handshake_timeout: String,
+    /// `[server.tls]`: TLS, and mTLS with a client CA.
+    pub tls: Option<TlsSettings>,
+}
+
+/// `[server.tls]`
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsSettings {
+    /// PEM certificate chain of the server.
+    pub cert_file: String,
+    /// PEM private key of the server.
+    pub key_file: String,
+    /// PEM CA bundle that client certificates must chain to (mTLS).
+    pub client_ca_file: Option<String>,
+    /// With a client CA: `required` (default) or `optional` (callers may
+    /// authenticate with an API key instead). A written `required` needs
+    /// `client_ca_file`; unset, it is `required` when there is a client CA
+    /// and means nothing without one (TLS without mTLS).
+    #[serde(default)]
+    pub client_auth: Option<ClientAuth>,
+}
+
+/// `[auth]`
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuthSettings {
+    /// `[[auth.principals]]`: with at least one, every call must
+    /// authenticate.
+    pub principals: Vec<PrincipalSettings>,
+}
+
+/// `[[auth.principals]]`
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrincipalSettings {
+    /// Name, for logs and audit.
+    pub name: String,
+    /// SHA-256 (hex) of each API key it may present (`retryd hash-key`).
+    #[serde(default)]
+    pub api_keys_sha256: Vec<String>,
+    /// mTLS certificate identities (DNS/URI SAN or CN) it may present.
+    #[serde(default)]
+    pub identities: Vec<String>,
+    /// Upstream patterns it may decide and report for (`*` wildcards).
+    #[serde(default)]
+    pub upstreams: Vec<String>,
+    /// Whether it may call RetryAdmin.
+    #[serde(default)]
+    pub admin: bool,
+}
+
+impl Default for ServerSettings {
+    /// The defaults of `[server]`: the only place they are written.
+    fn default() -> Self {
+        ServerSettings {
+            listen: "127.0.0.1:50051".into(),
+            metrics_listen: "127.0.0.1:9464".into(),
+            shutdown_grace: "10s".into(),
+            allow_unauthenticated: false,
+            max_message_bytes: 64 * 1024,
+            max_concurrent_streams: 128,
+            max_concurrent_requests: 0,
+            request_timeout: "0s".into(),
+            max_connections: 10_000,
+            handshake_timeout: "10s".into(),
+            tls: None,
+        }
+    }
+}
+
+/// One URL or several (Redis Cluster nodes), as written. `Debug` redacts
+/// credentials, like [`RedisUrl`]'s.
+#[derive(Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum Urls {
+    /// `url = "redis://127.0.0.1:6379"`
+    One(String),
+    /// `url = ["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]`
+    Many(Vec<String>),
+}
+
+impl fmt::Debug for Urls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Urls::One(url) => f.debug_tuple("One").field(&redact_url(url)).finish(),
+            Urls::Many(urls) => f
+                .debug_tuple("Many")
+                .field(&urls.iter().map(|url| redact_url(url)).collect::<Vec<_>>())
+                .finish(),
+        }
+    }
+}
+
+/// `[store]`
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoreSettings {
+    /// `memory` or `redis`.
+    pub kind: StoreKind,
+    /// Redis URL(s); several means Redis Cluster.
+    pub url: Option<Urls>,
+    /// `exact` or `leased`.
+    pub mode: StoreMode,
+    /// `local` or `deny`: the default for upstreams that do not say.
+    pub on_unavailable: OnUnavailableName,
+    /// How long a store operation may take before it counts as failed.
+    pub timeout: String,
+    /// Leased mode: tokens taken from Redis per lease, at first and at least.
+    pub lease_tokens: f64,
+    /// Leased mode: the most tokens one lease may grow to.
+    pub max_lease_tokens: f64,
+    /// Leased mode: how long a lease lives before unspent tokens expire.
+    pub lease_ttl: String,
+    /// Prefix of every Redis key, so several deployments can share a Redis.
+    pub key_prefix: String,
+}
+
+impl Default for StoreSettings {
+    /// The defaults of `[store]`: the only place they are written, but for
+    /// `on_unavailable`, which is the budget's own default.
+    fn default() -> Self {
+        StoreSettings {
+            kind: StoreKind::Memory,
+            url: None,
+            mode: StoreMode::Exact,
+            on_unavailable: BucketConfig::default().on_unavailable.into(),
+            timeout: "20ms".into(),
+            lease_tokens: 5.0,
+            max_lease_tokens: 1000.0,
+            lease_ttl: "2s".into(),
+            key_prefix: "retryd".into(),
+        }
+    }
+}
+
+/// `[telemetry]`
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetrySettings {
+    /// OTLP/gRPC collector; none means no exporter runs.
+    pub otlp_endpoint: Option<String>,
+    /// The fraction of decisions whose spans are sampled (0 to 1).
+    pub sampling_ratio: f64,
+    /// `text` or `json`.
+    pub log_format: LogFormat,
+    /// A `tracing` filter, e.g. `info` or `retryd=debug`.
+    pub log_level: String,
+    /// Finished spans waiting for export, at most; beyond it spans are
+    /// dropped (and counted) rather than slowing decisions.
+    pub export_queue: usize,
+}
+
+impl Default for TelemetrySettings {
+    /// The defaults of `[telemetry]`: the only place they are written.
+    fn default() -> Self {
+        TelemetrySettings {
+            otlp_endpoint: None,
+            sampling_ratio: 1.0,
+            log_format: LogFormat::Text,
+            log_level: "info".into(),
+            export_queue: 8192,
+        }
+    }
+}
+
+/// `[limits]`
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitSettings {
+    /// Distinct upstreams whose budgets are tracked; beyond it, decisions
+    /// for new upstreams are refused with RESOURCE_EXHAUSTED.
+    pub max_upstreams: usize,
+}
+
+impl Default for LimitSettings {
+    /// The defaults of `[limits]`: the only place they are written.
+    fn default() -> Self {
+        LimitSettings {
+            max_upstreams: 10_000,
+        }
+    }
+}
+
+/// A policy as written: every key optional, so an upstream names only what
+/// differs from `[defaults]`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicySettings {
+    /// Attempts in all, the first included.
+    pub max_attempts: Option<u32>,
+    /// Least time an attempt needs, e.g. `"50ms"`.
+    pub min_attempt_budget: Option<String>,
+    /// Longest Retry-After waited for.
+    pub max_retry_after: Option<String>,
+    /// Whether 500 is transient for this upstream.
+    pub transient_500: Option<bool>,
+    /// Extra permanent failure kinds, e.g. `["connect"]`.
+    pub permanent_failures: Option<Vec<FailureKindName>>,
+    /// `local` or `deny` while the shared store is unreachable.
+    pub on_unavailable: Option<OnUnavailableName>,
+    /// The retry budget.
+    pub budget: BudgetSettings,
+    /// The backoff.
+    pub backoff: BackoffSettings,
+}
+
+/// `budget = { ... }`
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BudgetSettings {
+    /// Most tokens held.
+    pub capacity: Option<f64>,
+    /// Tokens at creation.
+    pub initial: Option<f64>,
+    /// Tokens per reported real request.
+    pub ratio: Option<f64>,
+    /// Tokens per second regardless of traffic.
+    pub min_per_second: Option<f64>,
+}
+
+/// `backoff = { ... }`
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BackoffSettings {
+    /// First step, e.g. `"50ms"`.
+    pub base: Option<String>,
+    /// Cap, e.g. `"5s"`.
+    pub max: Option<String>,
+    /// `full` or `decorrelated`.
+    pub jitter: Option<JitterName>,
+}
