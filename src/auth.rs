@@ -128,7 +128,7 @@ impl Auth {
                 by_key_hash.insert(hash, Arc::clone(&principal));
             }
             for identity in identities {
-                by_identity.insert(identity, Arc::clone(&principal));
+                by_identity.insert(identity_key(&identity), Arc::clone(&principal));
             }
         }
         Auth {
@@ -185,6 +185,18 @@ pub fn normalize_key(key: &str) -> &str {
     key.trim()
 }
 
+/// How an identity is compared: DNS names and common names in any case (RFC
+/// 6125: DNS names are case-insensitive), URIs (a SPIFFE ID, say) exactly,
+/// since their path is not. Applied to configured identities and to the
+/// certificate's, so that lookup is one exact match.
+pub fn identity_key(identity: &str) -> String {
+    if identity.contains("://") {
+        identity.to_owned()
+    } else {
+        identity.to_ascii_lowercase()
+    }
+}
+
 /// The SHA-256 of an API key, as configured in `api_keys_sha256`: of the
 /// UTF-8 bytes of [`normalize_key`]`(key)`, so surrounding whitespace never
 /// changes the hash. Keys are printable ASCII without spaces, since they
@@ -215,8 +227,8 @@ pub fn certificate_identities(der: &[u8]) -> Vec<String> {
             .general_names
             .iter()
             .filter_map(|name| match name {
-                GeneralName::DNSName(dns) => Some((*dns).to_owned()),
-                GeneralName::URI(uri) => Some((*uri).to_owned()),
+                GeneralName::DNSName(dns) => Some(identity_key(dns)),
+                GeneralName::URI(uri) => Some(identity_key(uri)),
                 _ => None,
             })
             .collect(),
@@ -224,7 +236,7 @@ pub fn certificate_identities(der: &[u8]) -> Vec<String> {
             .subject()
             .iter_common_name()
             .filter_map(|common_name| common_name.as_str().ok())
-            .map(str::to_owned)
+            .map(identity_key)
             .collect(),
         // A malformed or duplicated SAN extension: trust no name in it.
         Err(_) => Vec::new(),
@@ -326,6 +338,24 @@ mod tests {
                 .name,
             "checkout"
         );
+    }
+
+    #[test]
+    fn dns_identities_match_in_any_case_uris_exactly() {
+        let auth = Auth::new(vec![(
+            principal("ops", &["*"], true),
+            vec![],
+            vec!["Ops.Example".into(), "spiffe://Example/Ops".into()],
+        )]);
+        let presented = identity_key("OPS.example");
+        assert_eq!(
+            auth.authenticate(None, [presented.as_str()]).unwrap().name,
+            "ops"
+        );
+        let uri = identity_key("spiffe://Example/Ops");
+        assert!(auth.authenticate(None, [uri.as_str()]).is_ok());
+        let other_case = identity_key("spiffe://example/ops");
+        assert!(auth.authenticate(None, [other_case.as_str()]).is_err());
     }
 
     #[test]

@@ -149,6 +149,14 @@ async fn only_the_verified_leaf_names_the_caller() {
         let by_san = issue(params(&[ADMIN], None), &pki.ca);
         let channel = connect(&server, &pki, &by_san.pem, &by_san.key).await;
         assert_eq!(kill_switch(&channel).await, Code::Ok, "{client_auth}: SAN");
+        // A DNS name compares in any case (RFC 6125).
+        let shouting = issue(params(&[&ADMIN.to_ascii_uppercase()], None), &pki.ca);
+        let channel = connect(&server, &pki, &shouting.pem, &shouting.key).await;
+        assert_eq!(
+            kill_switch(&channel).await,
+            Code::Ok,
+            "{client_auth}: SAN in upper case"
+        );
         let by_cn = issue(params(&[], Some(ADMIN)), &pki.ca);
         let channel = connect(&server, &pki, &by_cn.pem, &by_cn.key).await;
         assert_eq!(kill_switch(&channel).await, Code::Ok, "{client_auth}: CN");

@@ -101,13 +101,8 @@ fn identity_for_comparison(identity: &str) -> String {
 }
 
 fn decode_sha256(hex: &str) -> Option<[u8; 32]> {
-    let hex = hex.trim().to_ascii_lowercase();
-    if hex.len() != 64 {
-        return None;
-    }
     let mut out = [0u8; 32];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
+    // Either case: the hex crate reads both.
+    hex::decode_to_slice(hex.trim(), &mut out).ok()?;
     Some(out)
 }

@@ -22,7 +22,7 @@ use serde::{Deserialize, Deserializer};
 
 use crate::budget::OnUnavailable;
 use crate::budget::redis::RedisMode;
-use crate::engine::{FailureKind, Jitter};
+use crate::engine::{FailureKind, Jitter, VariantArray};
 
 /// How every message for a name that is not accepted begins; `loading`
 /// recognises it to name the key first.
@@ -203,7 +203,10 @@ impl<'de> Deserialize<'de> for FailureKindName {
             .ok_or_else(|| {
                 de::Error::custom(unknown_variant(
                     &name,
-                    &FailureKind::ALL.map(FailureKind::as_str),
+                    &FailureKind::VARIANTS
+                        .iter()
+                        .map(|kind| kind.as_str())
+                        .collect::<Vec<_>>(),
                 ))
             })
     }
