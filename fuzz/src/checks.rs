@@ -424,28 +424,28 @@ fn check_valid_decide_request(request: &pb::DecideRequest, valid: &ValidDecideRe
     check_name("operation", valid.operation);
     assert_eq!(valid.upstream, request.upstream);
     assert_eq!(valid.operation, request.operation);
-    assert!(valid.attempt >= 1, "attempt 0 passed");
-    assert_eq!(valid.attempt, request.attempt);
-    match valid.http_status {
+    assert!(valid.reported.attempt >= 1, "attempt 0 passed");
+    assert_eq!(valid.reported.attempt, request.attempt);
+    match valid.reported.http_status {
         Some(status) => {
             assert!((100..=599).contains(&status), "status {status} passed");
             assert_eq!(u32::from(status), request.http_status);
         }
         None => assert_eq!(request.http_status, 0),
     }
-    if valid.claimed_evidence.is_none() {
+    if valid.reported.claimed_evidence.is_none() {
         assert!(
-            valid.failure.is_some() || valid.http_status.is_some(),
+            valid.reported.failure.is_some() || valid.reported.http_status.is_some(),
             "nothing says what happened, yet validation passed"
         );
     }
-    if valid.claimed_evidence == Some(Evidence::ResponseReceived) {
+    if valid.reported.claimed_evidence == Some(Evidence::ResponseReceived) {
         assert!(
-            valid.http_status.is_some(),
+            valid.reported.http_status.is_some(),
             "RESPONSE_RECEIVED without status"
         );
     }
-    match valid.retry_after {
+    match valid.reported.retry_after {
         Some(raw) => {
             assert!(!raw.is_empty());
             assert!(raw.len() <= validate::MAX_RETRY_AFTER_BYTES);
@@ -456,17 +456,26 @@ fn check_valid_decide_request(request: &pb::DecideRequest, valid: &ValidDecideRe
     check_duration(
         "deadline_remaining",
         request.deadline_remaining.as_ref(),
-        valid.deadline_remaining,
+        valid.reported.deadline_remaining,
     );
     check_duration(
         "previous_backoff",
         request.previous_backoff.as_ref(),
-        valid.previous_backoff,
+        valid.reported.previous_backoff,
     );
-    assert_eq!(valid.max_attempts.unwrap_or(0), request.max_attempts);
-    assert_eq!(valid.first_byte_delivered, request.first_byte_delivered);
-    assert_eq!(valid.runtime_draining, request.runtime_draining);
-    assert_eq!(valid.auth_refresh_attempted, request.auth_refresh_attempted);
+    assert_eq!(
+        valid.reported.max_attempts.unwrap_or(0),
+        request.max_attempts
+    );
+    assert_eq!(
+        valid.reported.first_byte_delivered,
+        request.first_byte_delivered
+    );
+    assert_eq!(valid.reported.runtime_draining, request.runtime_draining);
+    assert_eq!(
+        valid.reported.auth_refresh_attempted,
+        request.auth_refresh_attempted
+    );
     let mut n_nodes = 0;
     check_valid_body(&valid.body, 1, &mut n_nodes);
     assert!(n_nodes <= validate::MAX_BODY_NODES, "{n_nodes} body nodes");

@@ -127,7 +127,7 @@ impl<S: BudgetStore> Service<S> {
         };
         let policy = live.policies.get(valid.upstream);
         // Only an HTTP-date Retry-After reads the wall clock.
-        let now = if valid.retry_after.is_some() {
+        let now = if valid.reported.retry_after.is_some() {
             SystemTime::now()
         } else {
             SystemTime::UNIX_EPOCH
@@ -208,7 +208,7 @@ impl<S: BudgetStore> Service<S> {
             trace_id = begun.span.as_ref().map(|s| &s.trace_id).or(parent.map(|p| &p.trace_id)).map(|id| hex(id)),
             upstream = valid.upstream,
             operation = valid.operation,
-            attempt = valid.attempt,
+            attempt = valid.reported.attempt,
             evidence = decision.effective_evidence.as_str(),
             verdict = decision.verdict.as_str(),
             rule = decision.rule.number(),
@@ -241,10 +241,13 @@ impl<S: BudgetStore> Service<S> {
             (attr::DECISION_ID, Attribute::Text(decision_id.to_owned())),
             (attr::UPSTREAM, Attribute::Text(valid.upstream.to_owned())),
             (attr::OPERATION, Attribute::Text(valid.operation.to_owned())),
-            (attr::ATTEMPT, Attribute::Int(i64::from(valid.attempt))),
+            (
+                attr::ATTEMPT,
+                Attribute::Int(i64::from(valid.reported.attempt)),
+            ),
             (
                 attr::IDEMPOTENCY,
-                Attribute::Static(idempotency_name(valid.idempotency)),
+                Attribute::Static(idempotency_name(valid.reported.idempotency)),
             ),
             (
                 attr::EVIDENCE_EFFECTIVE,
@@ -259,13 +262,13 @@ impl<S: BudgetStore> Service<S> {
             (attr::STORE, Attribute::Static(self.inner.store_label)),
             (attr::CALLER, Attribute::Text(principal.name.clone())),
         ];
-        if let Some(claimed) = valid.claimed_evidence {
+        if let Some(claimed) = valid.reported.claimed_evidence {
             attributes.push((attr::EVIDENCE_CLAIMED, Attribute::Static(claimed.as_str())));
         }
-        if let Some(failure) = valid.failure {
+        if let Some(failure) = valid.reported.failure {
             attributes.push((attr::FAILURE, Attribute::Static(failure.as_str())));
         }
-        if let Some(status) = valid.http_status {
+        if let Some(status) = valid.reported.http_status {
             attributes.push((attr::HTTP_STATUS, Attribute::Int(i64::from(status))));
         }
         match decision.verdict {

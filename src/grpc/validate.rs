@@ -47,33 +47,16 @@ pub struct ValidDecideRequest<'a> {
     pub upstream: &'a str,
     /// The operation, possibly empty.
     pub operation: &'a str,
-    /// Declared idempotency.
-    pub idempotency: Idempotency,
-    /// The body.
+    /// The body, as the engine reads it.
     pub body: Body,
-    /// Attempts so far.
-    pub attempt: u32,
-    /// The caller's claim.
-    pub claimed_evidence: Option<Evidence>,
-    /// The stage failure.
-    pub failure: Option<FailureKind>,
-    /// The status.
-    pub http_status: Option<u16>,
-    /// The raw Retry-After.
-    pub retry_after: Option<&'a str>,
-    /// Remaining deadline.
-    pub deadline_remaining: Option<Duration>,
-    /// First byte delivered.
-    pub first_byte_delivered: bool,
-    /// Runtime draining.
-    pub runtime_draining: bool,
-    /// Credentials already refreshed.
-    pub auth_refresh_attempted: bool,
-    /// Backoff before the failed attempt.
-    pub previous_backoff: Option<Duration>,
-    /// The caller's own limit.
-    pub max_attempts: Option<u32>,
+    /// Everything else the caller reported, in the engine's own terms. Its
+    /// `body`, `budget`, `now` and `jitter` are not the request's: they are
+    /// filled in for each decision by [`ValidDecideRequest::facts`].
+    pub reported: Facts<'a>,
 }
+
+/// What `reported` holds until a decision fills it in.
+static NO_BODY: Body = Body::None;
 
 impl ValidDecideRequest<'_> {
     /// The engine's facts for this request, with the budget as looked at,
@@ -81,22 +64,11 @@ impl ValidDecideRequest<'_> {
     /// jitter draw in `[0, 1)`.
     pub fn facts(&self, budget: BudgetView, now: SystemTime, jitter: f64) -> Facts<'_> {
         Facts {
-            idempotency: self.idempotency,
             body: &self.body,
-            attempt: self.attempt,
-            claimed_evidence: self.claimed_evidence,
-            failure: self.failure,
-            http_status: self.http_status,
-            retry_after: self.retry_after,
-            deadline_remaining: self.deadline_remaining,
-            first_byte_delivered: self.first_byte_delivered,
-            runtime_draining: self.runtime_draining,
-            auth_refresh_attempted: self.auth_refresh_attempted,
-            previous_backoff: self.previous_backoff,
-            max_attempts: self.max_attempts,
             budget,
             now,
             jitter,
+            ..self.reported
         }
     }
 }
@@ -180,19 +152,25 @@ pub fn decide_request(
     Ok(ValidDecideRequest {
         upstream,
         operation,
-        idempotency,
         body,
-        attempt: request.attempt,
-        claimed_evidence,
-        failure,
-        http_status,
-        retry_after,
-        deadline_remaining,
-        first_byte_delivered: request.first_byte_delivered,
-        runtime_draining: request.runtime_draining,
-        auth_refresh_attempted: request.auth_refresh_attempted,
-        previous_backoff,
-        max_attempts: (request.max_attempts > 0).then_some(request.max_attempts),
+        reported: Facts {
+            idempotency,
+            body: &NO_BODY,
+            attempt: request.attempt,
+            claimed_evidence,
+            failure,
+            http_status,
+            retry_after,
+            deadline_remaining,
+            first_byte_delivered: request.first_byte_delivered,
+            runtime_draining: request.runtime_draining,
+            auth_refresh_attempted: request.auth_refresh_attempted,
+            previous_backoff,
+            max_attempts: (request.max_attempts > 0).then_some(request.max_attempts),
+            budget: BudgetView::OPEN,
+            now: SystemTime::UNIX_EPOCH,
+            jitter: 0.0,
+        },
     })
 }
 
