@@ -44,24 +44,32 @@ impl FromStr for Mix {
     }
 }
 
-/// A request retryd answers RETRY: an idempotent call whose connect failed
-/// (proven not sent), with deadline to spare. It spends one token.
-pub(crate) fn retry_template() -> pb::DecideRequest {
+/// What every template shares: a first attempt with 2 s of deadline left,
+/// and a replayable body.
+fn template(operation: &str, idempotency: pb::Idempotency) -> pb::DecideRequest {
     pb::DecideRequest {
-        operation: "PUT /v1/accounts/{id}".into(),
-        idempotency: pb::Idempotency::Idempotent as i32,
+        operation: operation.into(),
+        idempotency: idempotency as i32,
         body: Some(pb::Body {
             kind: pb::BodyKind::Bytes as i32,
             ..pb::Body::default()
         }),
         attempt: 1,
-        evidence: pb::Evidence::NotSent as i32,
-        failure: pb::FailureKind::Connect as i32,
         deadline_remaining: Some(prost_types::Duration {
             seconds: 2,
             nanos: 0,
         }),
         ..pb::DecideRequest::default()
+    }
+}
+
+/// A request retryd answers RETRY: an idempotent call whose connect failed
+/// (proven not sent), with deadline to spare. It spends one token.
+pub(crate) fn retry_template() -> pb::DecideRequest {
+    pb::DecideRequest {
+        evidence: pb::Evidence::NotSent as i32,
+        failure: pb::FailureKind::Connect as i32,
+        ..template("PUT /v1/accounts/{id}", pb::Idempotency::Idempotent)
     }
 }
 
@@ -69,16 +77,10 @@ pub(crate) fn retry_template() -> pb::DecideRequest {
 /// every rule: a safe call that got a 404.
 pub(crate) fn deny_template() -> pb::DecideRequest {
     pb::DecideRequest {
-        operation: "GET /v1/accounts/{id}".into(),
-        idempotency: pb::Idempotency::Safe as i32,
-        attempt: 1,
+        body: None,
         evidence: pb::Evidence::ResponseReceived as i32,
         http_status: 404,
-        deadline_remaining: Some(prost_types::Duration {
-            seconds: 2,
-            nanos: 0,
-        }),
-        ..pb::DecideRequest::default()
+        ..template("GET /v1/accounts/{id}", pb::Idempotency::Safe)
     }
 }
 
@@ -86,20 +88,9 @@ pub(crate) fn deny_template() -> pb::DecideRequest {
 /// with a generic I/O error, so it may have been sent.
 pub(crate) fn ambiguous_template() -> pb::DecideRequest {
     pb::DecideRequest {
-        operation: "POST /v1/charges".into(),
-        idempotency: pb::Idempotency::NonIdempotent as i32,
-        body: Some(pb::Body {
-            kind: pb::BodyKind::Bytes as i32,
-            ..pb::Body::default()
-        }),
-        attempt: 1,
         evidence: pb::Evidence::NotSent as i32,
         failure: pb::FailureKind::GenericIo as i32,
-        deadline_remaining: Some(prost_types::Duration {
-            seconds: 2,
-            nanos: 0,
-        }),
-        ..pb::DecideRequest::default()
+        ..template("POST /v1/charges", pb::Idempotency::NonIdempotent)
     }
 }
 
