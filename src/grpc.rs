@@ -5,7 +5,7 @@
 //! `tonic::Status` in one place, `grpc/status.rs`.
 
 mod admin;
-pub mod connections;
+mod connections;
 mod decider;
 mod report;
 mod status;

@@ -9,7 +9,7 @@
 
 pub mod metrics;
 mod otlp;
-pub mod trace;
+mod trace;
 
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,8 +19,8 @@ use tracing_subscriber::EnvFilter;
 
 use crate::config::{LogFormat, TelemetryConfig};
 
-pub use metrics::{Metrics, serve_metrics};
-pub use trace::{Attribute, SpanStart, TraceContext, Tracer, TracerGuard};
+pub use metrics::{Metrics, StoreOp, serve_metrics};
+pub use trace::{Attribute, SpanStart, TraceContext, Tracer, TracerGuard, hex};
 
 /// The span of one decision.
 pub const SPAN_DECIDE: &str = "retry.decide";

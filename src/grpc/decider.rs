@@ -16,9 +16,9 @@ use crate::budget::{BudgetCheck, BudgetStore, StoreError};
 use crate::engine::{self, BudgetView, Decision, DenyReason, Evidence, Idempotency, Verdict};
 use crate::pb;
 use crate::policy::UpstreamPolicy;
-use crate::telemetry::metrics::StoreOp;
-use crate::telemetry::trace::{SpanStart, hex};
+use crate::telemetry::StoreOp;
 use crate::telemetry::{Attribute, SPAN_DECIDE, TraceContext, attr};
+use crate::telemetry::{SpanStart, hex};
 
 /// How many stream items may be in flight at once. Responses still leave
 /// in request order; the window only lets store round trips overlap.

@@ -13,7 +13,7 @@ use super::{Live, Service, peer_addr, trace_context, validate};
 use crate::auth::Principal;
 use crate::budget::{BucketConfig, BudgetStore};
 use crate::pb;
-use crate::telemetry::metrics::StoreOp;
+use crate::telemetry::StoreOp;
 use crate::telemetry::{Attribute, SPAN_REPORT_TRAFFIC, attr};
 
 /// The method, as refusals name it in the audit log.
