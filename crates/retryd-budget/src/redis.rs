@@ -680,9 +680,12 @@ impl Inner {
         self.origin.elapsed().as_millis() as u64
     }
 
-    /// Every operation answers within twice the timeout.
+    /// The one deadline of a store call: every Redis request the call
+    /// makes (admission, the bucket script, a view before a lease, waiting
+    /// for another task's lease) shares it, so the call answers within the
+    /// timeout however many requests it needs.
     fn deadline(&self) -> Instant {
-        Instant::now() + 2 * self.timeout
+        Instant::now() + self.timeout
     }
 
     fn leasing(&self) -> bool {
@@ -736,9 +739,11 @@ impl Inner {
             Err(_) => {
                 bump(&self.counters.errors, 1);
                 bump(&self.counters.timeouts, 1);
-                // Only a full timeout says Redis is slow; running out of
-                // an operation's remaining time says nothing about it.
-                if limit == full {
+                // A request that had at least half the timeout to answer
+                // says Redis is slow; one sent with only the end of its
+                // call's deadline left (after a slow admission, or a wait
+                // for another task's lease) says little about it.
+                if limit.duration_since(started) >= self.timeout / 2 {
                     self.note(self.circuit.failure());
                 }
                 Err(Failure::Unknown(RedisStoreError::Timeout))
@@ -1127,6 +1132,7 @@ impl Inner {
         self: &Arc<Self>,
         upstream: &str,
         config: &BucketConfig,
+        deadline: Instant,
     ) -> Result<(BudgetCheck, bool), StoreError> {
         let now = Instant::now();
         let state = if self.leasing() {
@@ -1151,7 +1157,7 @@ impl Inner {
             Some(shared) => shared,
             None => {
                 let reply = match self
-                    .run_bucket(&self.scripts.view, upstream, config, &[], self.deadline())
+                    .run_bucket(&self.scripts.view, upstream, config, &[], deadline)
                     .await
                 {
                     Ok(reply) => reply,
@@ -1206,15 +1212,16 @@ impl Inner {
         config: &BucketConfig,
         withdraw: bool,
     ) -> Result<BudgetCheck, StoreError> {
+        let deadline = self.deadline();
         if !withdraw {
-            return Ok(self.view(upstream, config).await?.0);
+            return Ok(self.view(upstream, config, deadline).await?.0);
         }
         if self.leasing() {
-            let (view, _) = self.view(upstream, config).await?;
+            let (view, _) = self.view(upstream, config, deadline).await?;
             if !view.retries_enabled || view.tokens < 1.0 {
                 return Ok(view);
             }
-            return Ok(match self.try_withdraw(upstream, config).await? {
+            return Ok(match self.try_withdraw(upstream, config, deadline).await? {
                 Some(left) => BudgetCheck {
                     tokens: left,
                     retries_enabled: true,
@@ -1228,7 +1235,6 @@ impl Inner {
                 },
             });
         }
-        let deadline = self.deadline();
         let state = match self.admitted(upstream, config, deadline).await {
             Ok(state) => state,
             Err(Ok(failure)) => return self.fallback_check(upstream, config, failure).await,
@@ -1254,8 +1260,8 @@ impl Inner {
         self: &Arc<Self>,
         upstream: &str,
         config: &BucketConfig,
+        deadline: Instant,
     ) -> Result<Option<f64>, StoreError> {
-        let deadline = self.deadline();
         let state = match self.admitted(upstream, config, deadline).await {
             Ok(state) => state,
             Err(Ok(failure)) => return self.fallback_withdraw(upstream, config, failure).await,
@@ -1778,7 +1784,7 @@ impl BudgetStore for RedisBudgetStore {
     ) -> impl Future<Output = Result<BudgetSnapshot, StoreError>> + Send {
         let inner = &self.inner;
         async move {
-            let (check, tracked) = inner.view(upstream, config).await?;
+            let (check, tracked) = inner.view(upstream, config, inner.deadline()).await?;
             Ok(check.into_snapshot(upstream, tracked))
         }
     }
@@ -1797,7 +1803,8 @@ impl BudgetStore for RedisBudgetStore {
         upstream: &str,
         config: &BucketConfig,
     ) -> impl Future<Output = Result<Option<f64>, StoreError>> + Send {
-        self.inner.try_withdraw(upstream, config)
+        let inner = &self.inner;
+        async move { inner.try_withdraw(upstream, config, inner.deadline()).await }
     }
 
     fn admit(
