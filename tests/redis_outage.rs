@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use redis_harness::{RedisCluster, RedisServer};
-use retryd_budget::redis::{RedisConfig, RedisMode};
+use retryd_budget::redis::{Exact, Leased, Mode, RedisConfig, RedisMode};
 use retryd_budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore, StoreError};
 
 const TIMEOUT: Duration = Duration::from_millis(50);
@@ -31,11 +31,11 @@ fn bucket(on_unavailable: OnUnavailable) -> BucketConfig {
     }
 }
 
-async fn store(urls: Vec<String>, mode: RedisMode) -> RedisBudgetStore {
+async fn store<M: Mode>(urls: Vec<String>) -> RedisBudgetStore<M> {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     let config = RedisConfig {
         urls: urls.into_iter().map(Into::into).collect(),
-        mode,
+        mode: M::MODE,
         timeout: TIMEOUT,
         lease_tokens: 5.0,
         max_lease_tokens: 1000.0,
@@ -63,7 +63,7 @@ async fn timed<T>(what: &str, call: impl Future<Output = T>) -> T {
 /// While Redis is unreachable: `local` upstreams answer from the local
 /// bucket, `deny` upstreams answer Unavailable, all in time. Returns how
 /// many local withdrawals were granted and how many requests were reported.
-async fn answers_while_down(store: &RedisBudgetStore, lasting: Duration) -> (u32, u64) {
+async fn answers_while_down<M: Mode>(store: &RedisBudgetStore<M>, lasting: Duration) -> (u32, u64) {
     let local = bucket(OnUnavailable::Local);
     let deny = bucket(OnUnavailable::Deny);
     let (mut granted, mut reported) = (0, 0);
@@ -113,7 +113,7 @@ async fn answers_while_down(store: &RedisBudgetStore, lasting: Duration) -> (u32
 
 /// Waits until a view of a never-seen upstream comes from Redis (a fresh
 /// shared bucket holds `initial`; the local fallback would hold nothing).
-async fn shared_again_within(store: &RedisBudgetStore, limit: Duration) -> Duration {
+async fn shared_again_within<M: Mode>(store: &RedisBudgetStore<M>, limit: Duration) -> Duration {
     let local = bucket(OnUnavailable::Local);
     let started = Instant::now();
     let mut probe = 0;
@@ -134,9 +134,10 @@ async fn shared_again_within(store: &RedisBudgetStore, limit: Duration) -> Durat
     }
 }
 
-async fn killed_and_restarted(mode: RedisMode) {
+async fn killed_and_restarted<M: Mode>() {
+    let mode = M::MODE;
     let mut server = RedisServer::start();
-    let store = store(vec![server.url()], mode).await;
+    let store = store::<M>(vec![server.url()]).await;
     let (local, deny) = (bucket(OnUnavailable::Local), bucket(OnUnavailable::Deny));
     assert!(
         store
@@ -201,18 +202,18 @@ async fn killed_and_restarted(mode: RedisMode) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exact_mode_survives_redis_killed_and_restarted() {
-    killed_and_restarted(RedisMode::Exact).await;
+    killed_and_restarted::<Exact>().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leased_mode_survives_redis_killed_and_restarted() {
-    killed_and_restarted(RedisMode::Leased).await;
+    killed_and_restarted::<Leased>().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_redis_is_an_outage_until_it_answers() {
     let server = RedisServer::start();
-    let store = store(vec![server.url()], RedisMode::Exact).await;
+    let store = store::<Exact>(vec![server.url()]).await;
     let local = bucket(OnUnavailable::Local);
     assert_eq!(
         store.try_withdraw("paused", &local).await.unwrap(),
@@ -234,7 +235,7 @@ async fn a_killed_cluster_node_is_answered_in_time_and_recovers() {
     let mut cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
         .await
         .unwrap();
-    let store = store(cluster.urls(), RedisMode::Exact).await;
+    let store = store::<Exact>(cluster.urls()).await;
     let local = bucket(OnUnavailable::Local);
     let upstreams: Vec<String> = (0..12).map(|index| format!("node-{index}")).collect();
     for upstream in &upstreams {
@@ -349,7 +350,8 @@ impl SlowProxy {
 /// needs two calls (a new upstream's admission, then its check; in leased
 /// mode a view, the admission and a lease) still answers within the one
 /// timeout, from the upstream's fallback, instead of adding the calls up.
-async fn a_slow_redis_is_answered_within_the_timeout(mode: RedisMode) {
+async fn a_slow_redis_is_answered_within_the_timeout<M: Mode>() {
+    let mode = M::MODE;
     const SLOW_TIMEOUT: Duration = Duration::from_millis(500);
     // Below the connection's own 500 ms response timeout, so the first call
     // answers; two of them take 800 ms.
@@ -368,7 +370,7 @@ async fn a_slow_redis_is_answered_within_the_timeout(mode: RedisMode) {
         lease_ttl: Duration::from_secs(2),
         key_prefix: redis_harness::fresh_prefix("slow"),
     };
-    let store = RedisBudgetStore::connect(&config, 1000)
+    let store = RedisBudgetStore::<M>::connect(&config, 1000)
         .await
         .expect("connect to the test Redis through the proxy");
     proxy.delay_replies(REPLY_DELAY);
@@ -400,10 +402,10 @@ async fn a_slow_redis_is_answered_within_the_timeout(mode: RedisMode) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exact_mode_answers_a_slow_redis_within_the_timeout() {
-    a_slow_redis_is_answered_within_the_timeout(RedisMode::Exact).await;
+    a_slow_redis_is_answered_within_the_timeout::<Exact>().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leased_mode_answers_a_slow_redis_within_the_timeout() {
-    a_slow_redis_is_answered_within_the_timeout(RedisMode::Leased).await;
+    a_slow_redis_is_answered_within_the_timeout::<Leased>().await;
 }
