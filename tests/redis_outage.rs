@@ -409,3 +409,64 @@ async fn exact_mode_answers_a_slow_redis_within_the_timeout() {
 async fn leased_mode_answers_a_slow_redis_within_the_timeout() {
     a_slow_redis_is_answered_within_the_timeout::<Leased>().await;
 }
+
+/// Leased mode, one-token leases behind a Redis that answers in 400 ms,
+/// a 1 s timeout: tasks queue for the lease, each acquiring in turn. The
+/// third gets the lock with too little of its deadline left and falls back;
+/// that says nothing about Redis, so a fourth task that came later still
+/// takes a lease within its own deadline instead of inheriting the third's
+/// failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_waiter_out_of_time_does_not_fail_the_next() {
+    let server = RedisServer::start();
+    let proxy = SlowProxy::start(server.port());
+    let config = RedisConfig {
+        urls: vec![proxy.url().into()],
+        mode: RedisMode::Leased,
+        timeout: Duration::from_millis(1000),
+        lease_tokens: 1.0,
+        max_lease_tokens: 1.0,
+        lease_ttl: Duration::from_secs(30),
+        key_prefix: redis_harness::fresh_prefix("queue"),
+    };
+    let store = std::sync::Arc::new(
+        RedisBudgetStore::<Leased>::connect(&config, 1000)
+            .await
+            .expect("connect to the test Redis through the proxy"),
+    );
+    let local = bucket(OnUnavailable::Local);
+    // Admitted, and its first lease spent, while Redis is still quick.
+    assert_eq!(
+        store.try_withdraw("queued", &local).await.unwrap(),
+        Some(49.0)
+    );
+    proxy.delay_replies(Duration::from_millis(400));
+    let withdraw_after = |delay: Duration| {
+        let store = std::sync::Arc::clone(&store);
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            store.try_withdraw("queued", &local).await.unwrap()
+        })
+    };
+    // Three at once: leases at ~400 and ~800 ms; the third has ~200 ms
+    // left for a 400 ms round trip. The fourth starts at 700 ms and gets
+    // the lock at ~1 s with ~700 ms of its own.
+    let first = withdraw_after(Duration::ZERO);
+    let second = withdraw_after(Duration::from_millis(20));
+    let third = withdraw_after(Duration::from_millis(40));
+    let fourth = withdraw_after(Duration::from_millis(700));
+    let answers = [
+        first.await.unwrap(),
+        second.await.unwrap(),
+        third.await.unwrap(),
+        fourth.await.unwrap(),
+    ];
+    let granted = answers.iter().filter(|answer| answer.is_some()).count();
+    assert_eq!(answers[2], None, "the third ran out of time: {answers:?}");
+    assert!(
+        answers[3].is_some(),
+        "the fourth took its own lease: {answers:?}"
+    );
+    assert_eq!(granted, 3, "{answers:?}");
+    assert!(store.is_available(), "{:?}", store.stats());
+}

@@ -390,14 +390,26 @@ impl Core<Leased> {
                 _ => {}
             }
         }
+        // Out of time after waiting: answer from the fallback and leave the
+        // lease, untouched, to the next task, which has time of its own.
+        if Instant::now() >= deadline {
+            return self
+                .fallback_withdraw(upstream, config, Failure::Unknown(RedisStoreError::Timeout))
+                .await;
+        }
         let outcome = self.acquire(upstream, config, state, deadline).await;
         let (code, answer) = match outcome {
             Ok(Some(left)) => (ACQUIRED, Ok(Some(held.left(left, config)))),
             Ok(None) => (EMPTY, Ok(None)),
-            Err(failure) => (
+            // Redis is believed down: the tasks that waited for this answer
+            // take it too rather than each trying in turn.
+            Err(failure) if !self.circuit.is_up() => (
                 FAILED,
                 self.fallback_withdraw(upstream, config, failure).await,
             ),
+            // Redis is up and only this task ran short of its deadline (it
+            // waited long for the lock): the next one tries for itself.
+            Err(failure) => return self.fallback_withdraw(upstream, config, failure).await,
         };
         held.last_acquisition.store(code, Ordering::Release);
         held.acquisitions.fetch_add(1, Ordering::AcqRel);
