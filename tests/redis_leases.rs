@@ -72,7 +72,7 @@ impl Setup {
     }
 
     /// The live leases of `upstream` in Redis, in whole tokens. Members are
-    /// `<lease id>:<units>` (see `src/budget/redis/acquire.lua`).
+    /// `<lease id>:<units>` (see `crates/retryd-budget/src/redis/acquire.lua`).
     async fn leases(
         &self,
         redis: &mut redis::aio::MultiplexedConnection,

@@ -1,7 +1,8 @@
 //! The connection to Redis: one node or a Cluster behind one type (no
 //! `dyn`), opened with the version checked on every node and every script
-//! loaded. It owns nothing of the store's state and neither times requests
-//! out nor retries them: the core does (`shared.rs`).
+//! loaded, within 5 s. It owns nothing of the store's state and, once
+//! connected, neither times requests out nor retries them: the core does
+//! (`shared.rs`).
 
 use std::time::Duration;
 
