@@ -14,8 +14,8 @@ use clap::{Parser, Subcommand};
 use retryd::config::{Config, StoreConfig};
 use retryd::grpc::{self, Reload, Service};
 use retryd::telemetry::{self, Metrics, Tracer};
-use retryd_budget::redis::{RedisMode, redact_url};
-use retryd_budget::{BudgetStore, MemoryBudgetStore, RedisBudgetStore};
+use retryd_budget::redis::{Mode, RedisConfig, RedisMode, redact_url};
+use retryd_budget::{BudgetStore, ExactStore, LeasedStore, MemoryBudgetStore, RedisBudgetStore};
 
 #[derive(Parser)]
 #[command(
@@ -179,26 +179,43 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
                 let store = MemoryBudgetStore::new(config.max_upstreams);
                 run(config, config_path, acceptor, store, "memory").await
             }
-            StoreConfig::Redis(redis) => {
-                let label = match redis.mode {
-                    RedisMode::Exact => "redis-exact",
-                    RedisMode::Leased => "redis-leased",
-                };
-                // `RedisUrl` prints without its credentials.
-                let urls = redis
-                    .urls
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join(", ");
-                let store = RedisBudgetStore::connect(&redis, config.max_upstreams)
-                    .await
-                    .with_context(|| format!("store.url: cannot use Redis at {urls}"))?;
-                tracing::info!(urls, mode = label, "budgets shared through Redis");
-                run(config, config_path, acceptor, store, label).await
-            }
+            // The mode is chosen here, once, as a type: no store operation
+            // asks it again.
+            StoreConfig::Redis(redis) => match redis.mode {
+                RedisMode::Exact => {
+                    let label = "redis-exact";
+                    let store: ExactStore =
+                        connect_redis(&redis, config.max_upstreams, label).await?;
+                    run(config, config_path, acceptor, store, label).await
+                }
+                RedisMode::Leased => {
+                    let label = "redis-leased";
+                    let store: LeasedStore =
+                        connect_redis(&redis, config.max_upstreams, label).await?;
+                    run(config, config_path, acceptor, store, label).await
+                }
+            },
         }
     })
+}
+
+async fn connect_redis<M: Mode>(
+    redis: &RedisConfig,
+    max_upstreams: usize,
+    label: &'static str,
+) -> anyhow::Result<RedisBudgetStore<M>> {
+    // `RedisUrl` prints without its credentials.
+    let urls = redis
+        .urls
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    let store = RedisBudgetStore::<M>::connect(redis, max_upstreams)
+        .await
+        .with_context(|| format!("store.url: cannot use Redis at {urls}"))?;
+    tracing::info!(urls, mode = label, "budgets shared through Redis");
+    Ok(store)
 }
 
 async fn run<S: BudgetStore>(

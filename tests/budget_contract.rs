@@ -9,7 +9,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use redis_harness::{RedisCluster, RedisServer};
-use retryd_budget::redis::{RedisConfig, RedisMode};
+use retryd_budget::redis::{Exact, Leased, Mode, RedisConfig};
 use retryd_budget::{BucketConfig, BudgetStore, MemoryBudgetStore, RedisBudgetStore, StoreError};
 
 fn bucket(capacity: f64, initial: f64, ratio: f64, min_per_second: f64) -> BucketConfig {
@@ -23,10 +23,10 @@ fn bucket(capacity: f64, initial: f64, ratio: f64, min_per_second: f64) -> Bucke
 }
 
 /// A key prefix no other test or store uses.
-async fn redis_store(urls: &[String], mode: RedisMode, max_upstreams: usize) -> RedisBudgetStore {
+async fn redis_store<M: Mode>(urls: &[String], max_upstreams: usize) -> RedisBudgetStore<M> {
     let config = RedisConfig {
         urls: urls.iter().map(|url| url.as_str().into()).collect(),
-        mode,
+        mode: M::MODE,
         // Generous: these tests check answers, not latency, on a busy machine.
         timeout: Duration::from_millis(500),
         lease_tokens: 5.0,
@@ -342,14 +342,14 @@ async fn memory_store_keeps_the_contract() {
 async fn redis_exact_keeps_the_contract() {
     let server = RedisServer::start();
     let urls = [server.url()];
-    contract(|limit| redis_store(&urls, RedisMode::Exact, limit)).await;
+    contract(|limit| redis_store::<Exact>(&urls, limit)).await;
 }
 
 #[tokio::test]
 async fn redis_leased_keeps_the_contract() {
     let server = RedisServer::start();
     let urls = [server.url()];
-    contract(|limit| redis_store(&urls, RedisMode::Leased, limit)).await;
+    contract(|limit| redis_store::<Leased>(&urls, limit)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -358,9 +358,9 @@ async fn redis_cluster_keeps_the_contract_in_both_modes() {
         .await
         .unwrap();
     let urls = cluster.urls();
-    contract(|limit| redis_store(&urls, RedisMode::Exact, limit)).await;
-    contract(|limit| redis_store(&urls, RedisMode::Leased, limit)).await;
+    contract(|limit| redis_store::<Exact>(&urls, limit)).await;
+    contract(|limit| redis_store::<Leased>(&urls, limit)).await;
     // One node's URL is enough: the store sees cluster mode and follows it.
     let one = [urls[1].clone()];
-    contract(|limit| redis_store(&one, RedisMode::Exact, limit)).await;
+    contract(|limit| redis_store::<Exact>(&one, limit)).await;
 }

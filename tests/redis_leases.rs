@@ -11,8 +11,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis_harness::RedisServer;
-use retryd_budget::redis::{RedisConfig, RedisMode};
-use retryd_budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore, UNITS_PER_TOKEN};
+use retryd_budget::redis::{Exact, Leased, Mode, RedisConfig};
+use retryd_budget::{
+    BucketConfig, BudgetStore, LeasedStore, OnUnavailable, RedisBudgetStore, UNITS_PER_TOKEN,
+};
 
 fn bucket(capacity: f64) -> BucketConfig {
     BucketConfig {
@@ -44,10 +46,10 @@ impl Setup {
         }
     }
 
-    async fn store(&self, mode: RedisMode) -> RedisBudgetStore {
+    async fn store<M: Mode>(&self) -> RedisBudgetStore<M> {
         let config = RedisConfig {
             urls: vec![self.url.as_str().into()],
-            mode,
+            mode: M::MODE,
             // Generous: these tests count round trips, not their latency.
             timeout: Duration::from_millis(500),
             lease_tokens: self.lease_tokens,
@@ -70,7 +72,7 @@ impl Setup {
     }
 
     /// The live leases of `upstream` in Redis, in whole tokens. Members are
-    /// `<lease id>:<units>` (see `src/budget/redis/acquire.lua`).
+    /// `<lease id>:<units>` (see `crates/retryd-budget/src/redis/acquire.lua`).
     async fn leases(
         &self,
         redis: &mut redis::aio::MultiplexedConnection,
@@ -99,7 +101,7 @@ impl Setup {
 /// lease, the lease Redis holds is recorded. Returns the sizes in order.
 async fn sizes_while_withdrawing(
     setup: &Setup,
-    store: &RedisBudgetStore,
+    store: &LeasedStore,
     upstream: &str,
     config: &BucketConfig,
     count: usize,
@@ -124,7 +126,7 @@ async fn sizes_while_withdrawing(
 async fn a_busy_upstream_needs_far_fewer_acquisitions_than_withdrawals() {
     let server = RedisServer::start();
     let setup = Setup::new(&server, 1.0);
-    let store = Arc::new(setup.store(RedisMode::Leased).await);
+    let store = Arc::new(setup.store::<Leased>().await);
     let config = bucket(1e9);
     let withdrawals: u64 = 20_000;
     let made = Arc::new(AtomicU64::new(0));
@@ -181,7 +183,7 @@ async fn leases_double_up_to_max_lease_tokens() {
     let server = RedisServer::start();
     let mut setup = Setup::new(&server, 3.0);
     setup.max_lease_tokens = 50.0;
-    let store = setup.store(RedisMode::Leased).await;
+    let store = setup.store::<Leased>().await;
     let sizes = sizes_while_withdrawing(&setup, &store, "doubling", &bucket(1e6), 400).await;
     // 3 + 6 + 12 + 24 + 48 = 93, then 50 at a time: 400 needs 12 leases.
     assert_eq!(sizes, [3, 6, 12, 24, 48, 50, 50, 50, 50, 50, 50, 50]);
@@ -191,7 +193,7 @@ async fn leases_double_up_to_max_lease_tokens() {
 async fn leases_never_hold_more_than_a_quarter_of_a_small_bucket() {
     let server = RedisServer::start();
     let setup = Setup::new(&server, 1.0);
-    let store = setup.store(RedisMode::Leased).await;
+    let store = setup.store::<Leased>().await;
     let config = bucket(400.0);
     let sizes = sizes_while_withdrawing(&setup, &store, "small", &config, 400).await;
     // Capped at 400 / 4 = 100; the last lease is what the bucket had left.
@@ -199,7 +201,7 @@ async fn leases_never_hold_more_than_a_quarter_of_a_small_bucket() {
     assert_eq!(store.try_withdraw("small", &config).await.unwrap(), None);
     // The cap never goes below lease_tokens, what a lease always was.
     let setup = Setup::new(&server, 5.0);
-    let store = setup.store(RedisMode::Leased).await;
+    let store = setup.store::<Leased>().await;
     let sizes = sizes_while_withdrawing(&setup, &store, "tiny", &bucket(8.0), 8).await;
     assert_eq!(sizes, [5, 3]);
 }
@@ -209,7 +211,7 @@ async fn a_lease_returned_with_tokens_left_halves_the_next() {
     let server = RedisServer::start();
     let mut setup = Setup::new(&server, 1.0);
     setup.lease_ttl = Duration::from_millis(200);
-    let store = setup.store(RedisMode::Leased).await;
+    let store = setup.store::<Leased>().await;
     let config = bucket(1e6);
     // 1 + 2 + 4 + 8 + 16 + 32 = 63: the 64th withdrawal takes a lease of 64
     // and leaves 63 of it.
@@ -224,7 +226,7 @@ async fn a_lease_returned_with_tokens_left_halves_the_next() {
     // Nothing was lost on the way: granted + shared = the budget.
     store.shutdown().await;
     assert_eq!(store.stats().forfeited_tokens, 0.0);
-    let observer = setup.store(RedisMode::Exact).await;
+    let observer = setup.store::<Exact>().await;
     let shared = observer.view("quiet", &config).await.unwrap().tokens;
     assert_eq!(shared + 65.0, 1e6);
 }

@@ -1,5 +1,5 @@
-//! Redis outages: killed, paused, or a Cluster node killed. Every call
-//! answers within 2 × the store timeout with the upstream's configured
+//! Redis outages: killed, paused, slow, or a Cluster node killed. Every
+//! call answers within the store timeout with the upstream's configured
 //! fallback (`local`: a local bucket with no initial tokens and no floor;
 //! `deny`: `StoreError::Unavailable`); when Redis returns, shared decisions
 //! resume within a second. No panic, no hang.
@@ -11,12 +11,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use redis_harness::{RedisCluster, RedisServer};
-use retryd_budget::redis::{RedisConfig, RedisMode};
+use retryd_budget::redis::{Exact, Leased, Mode, RedisConfig, RedisMode};
 use retryd_budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore, StoreError};
 
 const TIMEOUT: Duration = Duration::from_millis(50);
-/// The promise is 2 × the timeout; the timer wheel's millisecond
-/// granularity and a busy 2-core machine get a few milliseconds more.
+/// The promise is the timeout; at so short a one, these outage checks
+/// allow twice that, and the timer wheel's millisecond granularity and a
+/// busy 2-core machine a few milliseconds more. The slow-Redis checks
+/// below hold the promise itself, at a longer timeout.
 const ANSWER_WITHIN: Duration = Duration::from_millis(2 * 50 + 15);
 
 fn bucket(on_unavailable: OnUnavailable) -> BucketConfig {
@@ -29,11 +31,11 @@ fn bucket(on_unavailable: OnUnavailable) -> BucketConfig {
     }
 }
 
-async fn store(urls: Vec<String>, mode: RedisMode) -> RedisBudgetStore {
+async fn store<M: Mode>(urls: Vec<String>) -> RedisBudgetStore<M> {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     let config = RedisConfig {
         urls: urls.into_iter().map(Into::into).collect(),
-        mode,
+        mode: M::MODE,
         timeout: TIMEOUT,
         lease_tokens: 5.0,
         max_lease_tokens: 1000.0,
@@ -61,7 +63,7 @@ async fn timed<T>(what: &str, call: impl Future<Output = T>) -> T {
 /// While Redis is unreachable: `local` upstreams answer from the local
 /// bucket, `deny` upstreams answer Unavailable, all in time. Returns how
 /// many local withdrawals were granted and how many requests were reported.
-async fn answers_while_down(store: &RedisBudgetStore, lasting: Duration) -> (u32, u64) {
+async fn answers_while_down<M: Mode>(store: &RedisBudgetStore<M>, lasting: Duration) -> (u32, u64) {
     let local = bucket(OnUnavailable::Local);
     let deny = bucket(OnUnavailable::Deny);
     let (mut granted, mut reported) = (0, 0);
@@ -111,7 +113,7 @@ async fn answers_while_down(store: &RedisBudgetStore, lasting: Duration) -> (u32
 
 /// Waits until a view of a never-seen upstream comes from Redis (a fresh
 /// shared bucket holds `initial`; the local fallback would hold nothing).
-async fn shared_again_within(store: &RedisBudgetStore, limit: Duration) -> Duration {
+async fn shared_again_within<M: Mode>(store: &RedisBudgetStore<M>, limit: Duration) -> Duration {
     let local = bucket(OnUnavailable::Local);
     let started = Instant::now();
     let mut probe = 0;
@@ -132,9 +134,10 @@ async fn shared_again_within(store: &RedisBudgetStore, limit: Duration) -> Durat
     }
 }
 
-async fn killed_and_restarted(mode: RedisMode) {
+async fn killed_and_restarted<M: Mode>() {
+    let mode = M::MODE;
     let mut server = RedisServer::start();
-    let store = store(vec![server.url()], mode).await;
+    let store = store::<M>(vec![server.url()]).await;
     let (local, deny) = (bucket(OnUnavailable::Local), bucket(OnUnavailable::Deny));
     assert!(
         store
@@ -199,18 +202,18 @@ async fn killed_and_restarted(mode: RedisMode) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exact_mode_survives_redis_killed_and_restarted() {
-    killed_and_restarted(RedisMode::Exact).await;
+    killed_and_restarted::<Exact>().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leased_mode_survives_redis_killed_and_restarted() {
-    killed_and_restarted(RedisMode::Leased).await;
+    killed_and_restarted::<Leased>().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_redis_is_an_outage_until_it_answers() {
     let server = RedisServer::start();
-    let store = store(vec![server.url()], RedisMode::Exact).await;
+    let store = store::<Exact>(vec![server.url()]).await;
     let local = bucket(OnUnavailable::Local);
     assert_eq!(
         store.try_withdraw("paused", &local).await.unwrap(),
@@ -232,7 +235,7 @@ async fn a_killed_cluster_node_is_answered_in_time_and_recovers() {
     let mut cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
         .await
         .unwrap();
-    let store = store(cluster.urls(), RedisMode::Exact).await;
+    let store = store::<Exact>(cluster.urls()).await;
     let local = bucket(OnUnavailable::Local);
     let upstreams: Vec<String> = (0..12).map(|index| format!("node-{index}")).collect();
     for upstream in &upstreams {
@@ -268,4 +271,202 @@ async fn a_killed_cluster_node_is_answered_in_time_and_recovers() {
             .await
             .unwrap();
     }
+}
+
+/// A TCP proxy in front of a Redis that holds every reply back by a delay
+/// the test sets (none at first, so that connecting is quick): a slow but
+/// answering Redis, the case where an operation of several calls could
+/// add their timeouts up. Plain threads, so that a busy runtime does not
+/// delay the proxy itself.
+struct SlowProxy {
+    port: u16,
+    delay_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl SlowProxy {
+    fn start(redis_port: u16) -> SlowProxy {
+        use std::io::{Read, Write};
+        use std::net::{TcpListener, TcpStream};
+        use std::sync::Arc;
+        use std::sync::atomic::AtomicU64;
+
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port for the proxy");
+        let port = listener.local_addr().unwrap().port();
+        let delay_ms = Arc::new(AtomicU64::new(0));
+        let delay = Arc::clone(&delay_ms);
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = TcpStream::connect(("127.0.0.1", redis_port)) else {
+                    return;
+                };
+                let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                let (mut to_server, mut from_client) =
+                    (server.try_clone().unwrap(), client.try_clone().unwrap());
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut from_client, &mut to_server);
+                });
+                let (sender, receiver) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
+                let delay = Arc::clone(&delay);
+                let mut from_server = server;
+                std::thread::spawn(move || {
+                    let mut buffer = vec![0u8; 64 * 1024];
+                    while let Ok(read) = from_server.read(&mut buffer) {
+                        if read == 0 {
+                            return;
+                        }
+                        let due =
+                            Instant::now() + Duration::from_millis(delay.load(Ordering::Acquire));
+                        if sender.send((due, buffer[..read].to_vec())).is_err() {
+                            return;
+                        }
+                    }
+                });
+                let mut to_client = client;
+                std::thread::spawn(move || {
+                    for (due, bytes) in receiver {
+                        std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                        if to_client.write_all(&bytes).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        SlowProxy { port, delay_ms }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn delay_replies(&self, delay: Duration) {
+        self.delay_ms
+            .store(delay.as_millis() as u64, Ordering::Release);
+    }
+}
+
+/// A Redis that answers every call in 0.8 × the timeout: a decision that
+/// needs two calls (a new upstream's admission, then its check; in leased
+/// mode a view, the admission and a lease) still answers within the one
+/// timeout, from the upstream's fallback, instead of adding the calls up.
+async fn a_slow_redis_is_answered_within_the_timeout<M: Mode>() {
+    let mode = M::MODE;
+    const SLOW_TIMEOUT: Duration = Duration::from_millis(500);
+    // Below the connection's own 500 ms response timeout, so the first call
+    // answers; two of them take 800 ms.
+    const REPLY_DELAY: Duration = Duration::from_millis(400);
+    // The promise is the timeout; a busy 2-core machine gets 200 ms more,
+    // still short of the 800 ms two calls would take.
+    const WITHIN: Duration = Duration::from_millis(500 + 200);
+    let server = RedisServer::start();
+    let proxy = SlowProxy::start(server.port());
+    let config = RedisConfig {
+        urls: vec![proxy.url().into()],
+        mode,
+        timeout: SLOW_TIMEOUT,
+        lease_tokens: 5.0,
+        max_lease_tokens: 1000.0,
+        lease_ttl: Duration::from_secs(2),
+        key_prefix: redis_harness::fresh_prefix("slow"),
+    };
+    let store = RedisBudgetStore::<M>::connect(&config, 1000)
+        .await
+        .expect("connect to the test Redis through the proxy");
+    proxy.delay_replies(REPLY_DELAY);
+    let (local, deny) = (bucket(OnUnavailable::Local), bucket(OnUnavailable::Deny));
+    for round in 0..3 {
+        let started = Instant::now();
+        let check = store
+            .check(&format!("slow-local-{round}"), &local, true)
+            .await
+            .unwrap();
+        let took = started.elapsed();
+        eprintln!("{mode:?}: a slow check answered in {took:?}");
+        assert!(took <= WITHIN, "{mode:?}: a check took {took:?}");
+        assert!(!check.withdrew, "the local bucket starts empty: {check:?}");
+
+        let started = Instant::now();
+        let check = store
+            .check(&format!("slow-deny-{round}"), &deny, true)
+            .await;
+        let took = started.elapsed();
+        assert!(took <= WITHIN, "{mode:?}: a check took {took:?}");
+        assert!(
+            matches!(check, Err(StoreError::Unavailable(_))),
+            "{check:?}"
+        );
+    }
+    assert!(store.stats().backend_timeouts > 0, "{:?}", store.stats());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_mode_answers_a_slow_redis_within_the_timeout() {
+    a_slow_redis_is_answered_within_the_timeout::<Exact>().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_mode_answers_a_slow_redis_within_the_timeout() {
+    a_slow_redis_is_answered_within_the_timeout::<Leased>().await;
+}
+
+/// Leased mode, one-token leases behind a Redis that answers in 400 ms,
+/// a 1 s timeout: tasks queue for the lease, each acquiring in turn. The
+/// third gets the lock with too little of its deadline left and falls back;
+/// that says nothing about Redis, so a fourth task that came later still
+/// takes a lease within its own deadline instead of inheriting the third's
+/// failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_waiter_out_of_time_does_not_fail_the_next() {
+    let server = RedisServer::start();
+    let proxy = SlowProxy::start(server.port());
+    let config = RedisConfig {
+        urls: vec![proxy.url().into()],
+        mode: RedisMode::Leased,
+        timeout: Duration::from_millis(1000),
+        lease_tokens: 1.0,
+        max_lease_tokens: 1.0,
+        lease_ttl: Duration::from_secs(30),
+        key_prefix: redis_harness::fresh_prefix("queue"),
+    };
+    let store = std::sync::Arc::new(
+        RedisBudgetStore::<Leased>::connect(&config, 1000)
+            .await
+            .expect("connect to the test Redis through the proxy"),
+    );
+    let local = bucket(OnUnavailable::Local);
+    // Admitted, and its first lease spent, while Redis is still quick.
+    assert_eq!(
+        store.try_withdraw("queued", &local).await.unwrap(),
+        Some(49.0)
+    );
+    proxy.delay_replies(Duration::from_millis(400));
+    let withdraw_after = |delay: Duration| {
+        let store = std::sync::Arc::clone(&store);
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            store.try_withdraw("queued", &local).await.unwrap()
+        })
+    };
+    // Three at once: leases at ~400 and ~800 ms; the third has ~200 ms
+    // left for a 400 ms round trip. The fourth starts at 700 ms and gets
+    // the lock at ~1 s with ~700 ms of its own.
+    let first = withdraw_after(Duration::ZERO);
+    let second = withdraw_after(Duration::from_millis(20));
+    let third = withdraw_after(Duration::from_millis(40));
+    let fourth = withdraw_after(Duration::from_millis(700));
+    let answers = [
+        first.await.unwrap(),
+        second.await.unwrap(),
+        third.await.unwrap(),
+        fourth.await.unwrap(),
+    ];
+    let granted = answers.iter().filter(|answer| answer.is_some()).count();
+    assert_eq!(answers[2], None, "the third ran out of time: {answers:?}");
+    assert!(
+        answers[3].is_some(),
+        "the fourth took its own lease: {answers:?}"
+    );
+    assert_eq!(granted, 3, "{answers:?}");
+    assert!(store.is_available(), "{:?}", store.stats());
 }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use redis_harness::{RedisCluster, RedisServer};
-use retryd_budget::redis::{RedisConfig, RedisMode};
+use retryd_budget::redis::{Exact, Leased, Mode, RedisConfig, RedisMode};
 use retryd_budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore};
 
 fn bucket(capacity: f64, initial: f64, ratio: f64, min_per_second: f64) -> BucketConfig {
@@ -26,7 +26,6 @@ fn bucket(capacity: f64, initial: f64, ratio: f64, min_per_second: f64) -> Bucke
 
 struct Setup {
     urls: Vec<String>,
-    mode: RedisMode,
     prefix: String,
     timeout: Duration,
     lease_tokens: f64,
@@ -35,10 +34,9 @@ struct Setup {
 }
 
 impl Setup {
-    fn new(urls: Vec<String>, mode: RedisMode) -> Setup {
+    fn new(urls: Vec<String>) -> Setup {
         Setup {
             urls,
-            mode,
             prefix: redis_harness::fresh_prefix("replicas"),
             timeout: Duration::from_millis(500),
             lease_tokens: 5.0,
@@ -47,10 +45,10 @@ impl Setup {
         }
     }
 
-    async fn replica(&self) -> RedisBudgetStore {
+    async fn replica<M: Mode>(&self) -> RedisBudgetStore<M> {
         let config = RedisConfig {
             urls: self.urls.iter().map(|url| url.as_str().into()).collect(),
-            mode: self.mode,
+            mode: M::MODE,
             timeout: self.timeout,
             lease_tokens: self.lease_tokens,
             max_lease_tokens: self.max_lease_tokens,
@@ -62,7 +60,7 @@ impl Setup {
             .expect("connect to the test Redis")
     }
 
-    async fn replicas(&self, count: usize) -> Vec<Arc<RedisBudgetStore>> {
+    async fn replicas<M: Mode>(&self, count: usize) -> Vec<Arc<RedisBudgetStore<M>>> {
         let mut replicas = Vec::with_capacity(count);
         for _ in 0..count {
             replicas.push(Arc::new(self.replica().await));
@@ -72,8 +70,8 @@ impl Setup {
 }
 
 /// Many tasks on every replica withdraw until `attempts` have been made.
-async fn withdraw_concurrently(
-    replicas: &[Arc<RedisBudgetStore>],
+async fn withdraw_concurrently<M: Mode>(
+    replicas: &[Arc<RedisBudgetStore<M>>],
     upstream: &'static str,
     config: BucketConfig,
     tasks_per_replica: usize,
@@ -109,8 +107,8 @@ async fn withdraw_concurrently(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exact_replicas_grant_exactly_the_budget() {
     let server = RedisServer::start();
-    let setup = Setup::new(vec![server.url()], RedisMode::Exact);
-    let replicas = setup.replicas(3).await;
+    let setup = Setup::new(vec![server.url()]);
+    let replicas = setup.replicas::<Exact>(3).await;
     let config = bucket(300.0, 300.0, 0.0, 0.0);
     let granted = withdraw_concurrently(&replicas, "shared", config, 8, 1200).await;
     for replica in &replicas {
@@ -122,9 +120,9 @@ async fn exact_replicas_grant_exactly_the_budget() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leased_replicas_never_exceed_and_account_for_every_token() {
     let server = RedisServer::start();
-    let mut setup = Setup::new(vec![server.url()], RedisMode::Leased);
+    let mut setup = Setup::new(vec![server.url()]);
     setup.lease_tokens = 7.0;
-    let replicas = setup.replicas(3).await;
+    let replicas = setup.replicas::<Leased>(3).await;
     let config = bucket(300.0, 300.0, 0.0, 0.0);
     let granted = withdraw_concurrently(&replicas, "shared", config, 8, 1200).await;
     assert!(granted <= 300, "granted {granted} > 300");
@@ -140,12 +138,7 @@ async fn leased_replicas_never_exceed_and_account_for_every_token() {
         .iter()
         .map(|replica| replica.stats().forfeited_tokens)
         .sum();
-    let observer = Setup {
-        mode: RedisMode::Exact,
-        ..setup
-    }
-    .replica()
-    .await;
+    let observer = setup.replica::<Exact>().await;
     let shared = observer.view("shared", &config).await.unwrap().tokens;
     assert_eq!(
         granted as f64 + shared + forfeited,
@@ -157,9 +150,12 @@ async fn leased_replicas_never_exceed_and_account_for_every_token() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stranded_lease_tokens_are_usable_elsewhere_within_lease_ttl() {
     let server = RedisServer::start();
-    let mut setup = Setup::new(vec![server.url()], RedisMode::Leased);
+    let mut setup = Setup::new(vec![server.url()]);
     setup.lease_ttl = Duration::from_millis(400);
-    let (busy, idle) = (setup.replica().await, setup.replica().await);
+    let (busy, idle) = (
+        setup.replica::<Leased>().await,
+        setup.replica::<Leased>().await,
+    );
     let config = bucket(5.0, 5.0, 0.0, 0.0);
     // `idle` leases all 5 tokens, spends one and goes quiet.
     assert_eq!(
@@ -195,8 +191,11 @@ async fn the_kill_switch_crosses_replicas() {
     let server = RedisServer::start();
     let config = bucket(10.0, 10.0, 0.0, 0.0);
 
-    let exact = Setup::new(vec![server.url()], RedisMode::Exact);
-    let (one, other) = (exact.replica().await, exact.replica().await);
+    let exact = Setup::new(vec![server.url()]);
+    let (one, other) = (
+        exact.replica::<Exact>().await,
+        exact.replica::<Exact>().await,
+    );
     assert!(
         other
             .view("switched", &config)
@@ -222,8 +221,11 @@ async fn the_kill_switch_crosses_replicas() {
     assert!(one.view("switched", &config).await.unwrap().retries_enabled);
 
     // Leased mode caches the shared reading for at most 100 ms.
-    let leased = Setup::new(vec![server.url()], RedisMode::Leased);
-    let (one, other) = (leased.replica().await, leased.replica().await);
+    let leased = Setup::new(vec![server.url()]);
+    let (one, other) = (
+        leased.replica::<Leased>().await,
+        leased.replica::<Leased>().await,
+    );
     other.try_withdraw("switched", &config).await.unwrap();
     assert!(
         other
@@ -259,13 +261,14 @@ async fn the_kill_switch_crosses_replicas() {
 /// and then put to sleep: whatever answers they fall back to, the fleet
 /// never grants more than initial + ratio × reported + floor × elapsed.
 /// Returns (granted, bound).
-async fn fleet_under_load(mode: RedisMode, stall: bool) -> (f64, f64) {
+async fn fleet_under_load<M: Mode>(stall: bool) -> (f64, f64) {
+    let mode = M::MODE;
     let server = RedisServer::start();
-    let mut setup = Setup::new(vec![server.url()], mode);
+    let mut setup = Setup::new(vec![server.url()]);
     // Short enough that the stalls are outages; when healthy, long enough
     // that a busy test machine does not make one.
     setup.timeout = Duration::from_millis(if stall { 40 } else { 500 });
-    let replicas = setup.replicas(3).await;
+    let replicas = setup.replicas::<M>(3).await;
     let config = bucket(30.0, 10.0, 0.5, 5.0);
     let run_for = Duration::from_millis(1500);
     let granted = Arc::new(AtomicU64::new(0));
@@ -339,13 +342,13 @@ async fn fleet_under_load(mode: RedisMode, stall: bool) -> (f64, f64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exact_invariant_holds_while_redis_stalls() {
-    let (granted, _) = fleet_under_load(RedisMode::Exact, true).await;
+    let (granted, _) = fleet_under_load::<Exact>(true).await;
     assert!(granted > 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leased_invariant_holds_while_redis_stalls() {
-    let (granted, _) = fleet_under_load(RedisMode::Leased, true).await;
+    let (granted, _) = fleet_under_load::<Leased>(true).await;
     assert!(granted > 0.0);
 }
 
@@ -354,17 +357,30 @@ async fn leased_invariant_holds_while_redis_stalls() {
 /// leased also what the three replicas' last leases held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn both_modes_spend_the_budget_when_redis_is_healthy() {
-    for (mode, held) in [(RedisMode::Exact, 0.0), (RedisMode::Leased, 3.0 * 5.0)] {
-        let (granted, bound) = fleet_under_load(mode, false).await;
+    let spends = |mode: RedisMode, held: f64, (granted, bound): (f64, f64)| {
         let slack = held + 5.0 + 0.02 * bound;
         assert!(
             granted >= bound - slack,
             "{mode:?}: granted {granted}, bound {bound}: under-used"
         );
-    }
+    };
+    spends(
+        RedisMode::Exact,
+        0.0,
+        fleet_under_load::<Exact>(false).await,
+    );
+    spends(
+        RedisMode::Leased,
+        3.0 * 5.0,
+        fleet_under_load::<Leased>(false).await,
+    );
 }
 
-async fn survives_lost_scripts(store: &RedisBudgetStore, upstreams: &[String], flush: impl Fn()) {
+async fn survives_lost_scripts<M: Mode>(
+    store: &RedisBudgetStore<M>,
+    upstreams: &[String],
+    flush: impl Fn(),
+) {
     let config = bucket(10.0, 10.0, 0.0, 0.0);
     for upstream in upstreams {
         assert!(
@@ -395,14 +411,12 @@ async fn survives_lost_scripts(store: &RedisBudgetStore, upstreams: &[String], f
 async fn scripts_survive_script_flush_and_restart() {
     let mut server = RedisServer::start();
     let upstreams: Vec<String> = (0..5).map(|index| format!("flushed-{index}")).collect();
-    for mode in [RedisMode::Exact, RedisMode::Leased] {
-        let store = Setup::new(vec![server.url()], mode).replica().await;
-        survives_lost_scripts(&store, &upstreams, || server.flush_scripts()).await;
-    }
+    let exact = Setup::new(vec![server.url()]).replica::<Exact>().await;
+    survives_lost_scripts(&exact, &upstreams, || server.flush_scripts()).await;
+    let leased = Setup::new(vec![server.url()]).replica::<Leased>().await;
+    survives_lost_scripts(&leased, &upstreams, || server.flush_scripts()).await;
 
-    let store = Setup::new(vec![server.url()], RedisMode::Exact)
-        .replica()
-        .await;
+    let store = Setup::new(vec![server.url()]).replica::<Exact>().await;
     let config = bucket(10.0, 10.0, 0.0, 0.0);
     assert_eq!(
         store.try_withdraw("restarted", &config).await.unwrap(),
@@ -431,10 +445,10 @@ async fn cluster_scripts_survive_script_flush() {
         .unwrap();
     // Enough names that every node holds some.
     let upstreams: Vec<String> = (0..12).map(|index| format!("slot-{index}")).collect();
-    for mode in [RedisMode::Exact, RedisMode::Leased] {
-        let store = Setup::new(cluster.urls(), mode).replica().await;
-        survives_lost_scripts(&store, &upstreams, || cluster.flush_scripts()).await;
-    }
+    let exact = Setup::new(cluster.urls()).replica::<Exact>().await;
+    survives_lost_scripts(&exact, &upstreams, || cluster.flush_scripts()).await;
+    let leased = Setup::new(cluster.urls()).replica::<Leased>().await;
+    survives_lost_scripts(&leased, &upstreams, || cluster.flush_scripts()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -442,8 +456,8 @@ async fn cluster_replicas_grant_exactly_the_budget() {
     let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
         .await
         .unwrap();
-    let setup = Setup::new(cluster.urls(), RedisMode::Exact);
-    let replicas = setup.replicas(3).await;
+    let setup = Setup::new(cluster.urls());
+    let replicas = setup.replicas::<Exact>(3).await;
     let config = bucket(200.0, 200.0, 0.0, 0.0);
     let granted = withdraw_concurrently(&replicas, "clustered", config, 8, 800).await;
     assert_eq!(granted, 200);

@@ -317,7 +317,7 @@ async fn a_cluster_node_lost_mid_report_is_reported_with_what_was_applied() {
 #[tokio::test]
 async fn redis_admission_is_all_or_nothing_across_replicas() {
     use retryd_budget::redis::{RedisConfig, RedisMode};
-    use retryd_budget::{BucketConfig, BudgetStore, RedisBudgetStore, StoreError};
+    use retryd_budget::{BucketConfig, BudgetStore, ExactStore, StoreError};
 
     let redis = RedisServer::start();
     let config = RedisConfig {
@@ -329,8 +329,8 @@ async fn redis_admission_is_all_or_nothing_across_replicas() {
         lease_ttl: Duration::from_secs(2),
         key_prefix: support::redis::fresh_prefix("admit"),
     };
-    let one = RedisBudgetStore::connect(&config, 3).await.unwrap();
-    let two = RedisBudgetStore::connect(&config, 3).await.unwrap();
+    let one = ExactStore::connect(&config, 3).await.unwrap();
+    let two = ExactStore::connect(&config, 3).await.unwrap();
     let bucket = BucketConfig {
         capacity: 100.0,
         initial: 10.0,

@@ -2,8 +2,9 @@
 //! of exactly the script the exact-mode store runs once per decision (the
 //! `bucket.lua` prelude plus `check.lua`, withdrawing), with the same keys
 //! and arguments, through the same client (redis-rs, one multiplexed
-//! `ConnectionManager`), against `RedisBudgetStore::check` in exact and in
-//! leased mode (what a decision calls), each from the same number of tasks.
+//! `ConnectionManager`), against `RedisBudgetStore::check` of an
+//! `ExactStore` and a `LeasedStore` (what a decision calls), each from the
+//! same number of tasks.
 //! The three alternate in short slices (`--rounds`), so that load from other
 //! work hits them alike, and the median of the per-round ratios is reported
 //! next to the totals.
@@ -23,12 +24,12 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use hdrhistogram::Histogram;
 use redis::aio::ConnectionManager;
-use retryd_budget::redis::{RedisConfig, RedisMode};
+use retryd_budget::redis::{Exact, Leased, Mode, RedisConfig};
 use retryd_budget::{BucketConfig, BudgetStore, RedisBudgetStore};
 
 const SCRIPT: &str = retryd_budget::redis::CHECK_SOURCE;
 
-/// The store's idle TTL argument (`IDLE_TTL_MS` in `redis.rs`).
+/// The store's idle TTL argument (`IDLE_TTL_MS` in `redis/shared.rs`).
 const IDLE_TTL_MS: u64 = 60_000;
 
 struct Args {
@@ -171,7 +172,8 @@ async fn slice(call: &Call, tasks: usize, length: Duration, tally: Option<&mut T
     rate
 }
 
-async fn store(url: &str, mode: RedisMode) -> Result<RedisBudgetStore, String> {
+async fn store<M: Mode>(url: &str) -> Result<RedisBudgetStore<M>, String> {
+    let mode = M::MODE;
     let config = RedisConfig {
         urls: vec![url.into()],
         mode,
@@ -187,7 +189,7 @@ async fn store(url: &str, mode: RedisMode) -> Result<RedisBudgetStore, String> {
         .map_err(|err| format!("cannot connect the {mode:?} store: {err}"))
 }
 
-fn store_call(store: RedisBudgetStore, config: BucketConfig) -> Call {
+fn store_call<M: Mode>(store: RedisBudgetStore<M>, config: BucketConfig) -> Call {
     Arc::new(move || {
         let store = store.clone();
         Box::pin(async move {
@@ -239,14 +241,8 @@ async fn run(url: String, args: Args) -> Result<(), String> {
     });
     let sides: [(&str, Call); 3] = [
         ("raw", raw),
-        (
-            "exact",
-            store_call(store(&url, RedisMode::Exact).await?, config),
-        ),
-        (
-            "leased",
-            store_call(store(&url, RedisMode::Leased).await?, config),
-        ),
+        ("exact", store_call(store::<Exact>(&url).await?, config)),
+        ("leased", store_call(store::<Leased>(&url).await?, config)),
     ];
     for (_, call) in &sides {
         slice(call, args.tasks, args.warmup / 3, None).await;

@@ -18,7 +18,7 @@ use retryd_engine::BudgetView;
 
 pub use memory::MemoryBudgetStore;
 #[cfg(feature = "redis")]
-pub use redis::{RedisBudgetStore, RedisConfig, RedisMode, RedisUrl};
+pub use redis::{ExactStore, LeasedStore, RedisBudgetStore, RedisConfig, RedisMode, RedisUrl};
 
 /// Tokens are kept as integers of this many units per token, so that stores
 /// can update them with integer atomics (or Redis integers) and never drift.

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use super::url::RedisUrl;
 
-/// How the Redis store behaves.
+/// How the Redis store behaves: which of the two store types the server
+/// builds, [`super::ExactStore`] or [`super::LeasedStore`]. A store's mode
+/// is its type; this value is only for choosing it, and for labels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RedisMode {
     /// Every withdrawal is one atomic script call.
@@ -20,7 +22,8 @@ pub enum RedisMode {
 pub struct RedisConfig {
     /// One URL for a single node, several for a cluster.
     pub urls: Vec<RedisUrl>,
-    /// Exact or leased.
+    /// Exact or leased: the store type to build (`connect` does not read
+    /// it; the type is the mode).
     pub mode: RedisMode,
     /// Per-operation timeout.
     pub timeout: Duration,

@@ -1,0 +1,146 @@
+//! What both stores answer alike, from Redis only: the kill switch (and
+//! this replica's memory of which upstreams are switched off, for outages)
+//! and `list`. Neither has a fallback: while Redis is down they answer
+//! `Unavailable`. Never on the decision path.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError};
+
+use futures::StreamExt;
+use tokio::time::Instant;
+
+use super::Failure;
+use super::index::INF_SCORE;
+use super::shared::{Core, FAN_OUT, Operations, UpstreamState};
+use crate::{BucketConfig, BudgetSnapshot, StoreError, units_to_tokens};
+
+impl<M: Operations> Core<M> {
+    /// Remembers the kill switch a reply showed, for answers during an
+    /// outage (bounded by `max_upstreams`).
+    pub(super) fn note_switch(&self, upstream: &str, enabled: bool) {
+        let known_off = self.is_known_off(upstream);
+        if known_off == enabled {
+            let mut disabled = self
+                .disabled
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            if enabled {
+                disabled.remove(upstream);
+            } else if disabled.len() < self.max_upstreams {
+                disabled.insert(upstream.into());
+            }
+        }
+    }
+
+    pub(super) fn is_known_off(&self, upstream: &str) -> bool {
+        self.disabled
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(upstream)
+    }
+
+    /// [`crate::BudgetStore::set_retries_enabled`], within one deadline.
+    pub(super) async fn set_retries_enabled(
+        self: &Arc<Self>,
+        upstream: &str,
+        config: &BucketConfig,
+        enabled: bool,
+    ) -> Result<bool, StoreError> {
+        let deadline = self.deadline();
+        let state = match self.admitted(upstream, config, deadline).await {
+            Ok(state) => state,
+            Err(Ok(failure)) => return Err(failure.into_error()),
+            Err(Err(refused)) => return Err(refused),
+        };
+        if !enabled {
+            // Mark the index first, so the entry of a switched-off upstream
+            // never lapses while it is off.
+            state.index_score.store(INF_SCORE, Ordering::Release);
+            self.write_index(upstream, &state, INF_SCORE, deadline)
+                .await;
+        }
+        let argument = if enabled { "1" } else { "0" };
+        let reply = self
+            .run_bucket(
+                &self.scripts.set_enabled,
+                upstream,
+                config,
+                &[argument],
+                deadline,
+            )
+            .await
+            .map_err(Failure::into_error)?;
+        self.note_switch(upstream, reply.enabled);
+        state.mode.remember(&reply);
+        if let Some(score) = self.index_update(&state, &reply) {
+            self.write_index(upstream, &state, score, deadline).await;
+        }
+        Ok(reply.result == 1)
+    }
+
+    /// [`crate::BudgetStore::list`]: the index, then every live bucket (32
+    /// reads at a time, each with a timeout of its own), plus what this
+    /// replica holds of each.
+    pub(super) async fn list<F>(
+        self: &Arc<Self>,
+        config_of: F,
+    ) -> Result<Vec<BudgetSnapshot>, StoreError>
+    where
+        F: Fn(&str) -> BucketConfig + Send,
+    {
+        let mut invocation = self.scripts.list.prepare_invoke();
+        invocation.key(self.keys.index());
+        let names: Vec<String> = self
+            .call(self.deadline(), self.connection.invoke(&invocation))
+            .await
+            .map_err(Failure::into_error)?;
+        let wanted: Vec<(String, BucketConfig)> = names
+            .into_iter()
+            .map(|name| {
+                let config = config_of(&name);
+                (name, config)
+            })
+            .collect();
+        let readings: Vec<_> = futures::stream::iter(wanted)
+            .map(|(name, config)| async move {
+                let reply = self
+                    .run_bucket(
+                        &self.scripts.view,
+                        &name,
+                        &config,
+                        &[],
+                        Instant::now() + self.timeout,
+                    )
+                    .await;
+                (name, config, reply)
+            })
+            .buffer_unordered(FAN_OUT)
+            .collect()
+            .await;
+        let now = Instant::now();
+        let mut snapshots = Vec::with_capacity(readings.len());
+        for (name, config, reply) in readings {
+            let reply = reply.map_err(Failure::into_error)?;
+            if !reply.tracked {
+                continue;
+            }
+            let local = self
+                .upstreams
+                .get(name.as_str())
+                .map_or(0, |state| state.mode.local_units(now, &config));
+            snapshots.push(BudgetSnapshot {
+                tokens: units_to_tokens(
+                    reply
+                        .tokens
+                        .saturating_add(local)
+                        .min(config.capacity_units()),
+                ),
+                retries_enabled: reply.enabled,
+                tracked: true,
+                upstream: name,
+            });
+        }
+        snapshots.sort_by(|a, b| a.upstream.cmp(&b.upstream));
+        Ok(snapshots)
+    }
+}

@@ -1,0 +1,205 @@
+//! The background task, supervised: it must never die silently (a panic is
+//! counted, logged and the task restarted) and holds the store only weakly,
+//! so dropping the store ends it. Each round (every `M::TICK`) probes a
+//! Redis believed down, runs the mode's part (leased: flush batched
+//! deposits, retire expired leases, hand them back), and once a second
+//! refreshes the kill-switch cache and forgets upstreams that lapsed and
+//! hold nothing. Nothing here answers a caller.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, PoisonError, Weak};
+use std::time::Duration;
+
+use futures::StreamExt;
+use tokio::time::{Instant, MissedTickBehavior};
+
+use super::leased::{LeaseState, Leased};
+use super::shared::{Core, FAN_OUT, Operations, Upstream, UpstreamState, bump, lock};
+
+/// The kill-switch cache and the local map are tidied this often.
+const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(1);
+
+pub(super) fn spawn_supervised<M: Operations>(store: Weak<Core<M>>) {
+    // The background task must not die silently: if it ever panics, it is
+    // counted, logged and restarted. It holds only a weak reference, so
+    // dropping the store ends it.
+    tokio::spawn(async move {
+        loop {
+            let worker = tokio::spawn(run_background(store.clone()));
+            match worker.await {
+                Err(error) if error.is_panic() => {
+                    let Some(core) = store.upgrade() else { return };
+                    bump(&core.counters.task_restarts, 1);
+                    drop(core);
+                    tracing::error!(
+                        "the Redis budget store's background task panicked; restarting it"
+                    );
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                _ => return,
+            }
+        }
+    });
+}
+
+async fn run_background<M: Operations>(store: Weak<Core<M>>) {
+    let mut interval = tokio::time::interval(M::TICK);
+    interval.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut last_housekeeping = Instant::now();
+    loop {
+        interval.tick().await;
+        let Some(core) = store.upgrade() else { return };
+        if core.closed.load(Ordering::Acquire) {
+            return;
+        }
+        core.background_round(&mut last_housekeeping).await;
+    }
+}
+
+impl<M: Operations> Core<M> {
+    async fn background_round(self: &Arc<Self>, last_housekeeping: &mut Instant) {
+        if !self.circuit.is_up() && self.circuit.claim_probe() {
+            let invocation = self.scripts.probe.prepare_invoke();
+            let _ = self
+                .send(
+                    Instant::now() + self.timeout,
+                    self.connection.invoke::<i64>(&invocation),
+                )
+                .await;
+        }
+        M::round(self).await;
+        if last_housekeeping.elapsed() >= HOUSEKEEPING_INTERVAL {
+            *last_housekeeping = Instant::now();
+            self.housekeeping().await;
+        }
+    }
+
+    async fn housekeeping(self: &Arc<Self>) {
+        if self.circuit.is_up() {
+            let mut command = ::redis::cmd("ZRANGEBYSCORE");
+            command.arg(self.keys.index()).arg("+inf").arg("+inf");
+            if let Ok(names) = self
+                .call(
+                    Instant::now() + self.timeout,
+                    self.connection.query::<Vec<String>>(&command),
+                )
+                .await
+            {
+                let fresh: HashSet<Box<str>> = names
+                    .into_iter()
+                    .take(self.max_upstreams)
+                    .map(String::into_boxed_str)
+                    .collect();
+                *self
+                    .disabled
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner) = fresh;
+            }
+        }
+        // Forget upstreams whose index entry lapsed and that hold nothing.
+        let now_ms = self.now_ms();
+        self.upstreams.retain(|_, state| {
+            state.index_until.load(Ordering::Acquire) > now_ms
+                || Arc::strong_count(state) > 1
+                || state.mode.holds_anything()
+        });
+    }
+}
+
+impl Core<Leased> {
+    /// Flushes batched deposits, retires leases (expired ones, or `all` of
+    /// them at shutdown) and hands their unspent tokens back to Redis.
+    pub(super) async fn settle_leases(self: &Arc<Self>, all: bool) {
+        self.flush_deposits().await;
+        let now = Instant::now();
+        let holding: Vec<(Box<str>, Arc<Upstream<LeaseState>>)> = self
+            .upstreams
+            .iter()
+            .map(|entry| (entry.key().clone(), Arc::clone(entry.value())))
+            .collect();
+        for (upstream, state) in holding {
+            self.retire_lease(&upstream, &state, now, all);
+        }
+        self.return_leases().await;
+    }
+
+    async fn flush_deposits(self: &Arc<Self>) {
+        let due: Vec<(Box<str>, Arc<Upstream<LeaseState>>)> = self
+            .upstreams
+            .iter()
+            .filter(|entry| entry.mode.pending_requests.load(Ordering::Acquire) > 0)
+            .map(|entry| (entry.key().clone(), Arc::clone(entry.value())))
+            .collect();
+        futures::stream::iter(due)
+            .for_each_concurrent(FAN_OUT, |(upstream, state)| async move {
+                self.flush_one(&upstream, &state).await;
+            })
+            .await;
+    }
+
+    async fn flush_one(self: &Arc<Self>, upstream: &str, state: &Arc<Upstream<LeaseState>>) {
+        let held = &state.mode;
+        let requests = held.pending_requests.swap(0, Ordering::AcqRel);
+        if requests == 0 {
+            return;
+        }
+        let config = state.config();
+        let units = config.deposit_units(requests);
+        held.in_flight_units.fetch_add(units, Ordering::AcqRel);
+        let text = units.to_string();
+        let result = self
+            .run_bucket(
+                &self.scripts.deposit,
+                upstream,
+                &config,
+                &[&text],
+                Instant::now() + self.timeout,
+            )
+            .await;
+        match result {
+            Ok(reply) => self.after_write(upstream, state, &reply),
+            Err(failure) => {
+                // Counted inside; nobody waits for this answer.
+                let _ = self
+                    .fallback_deposit(upstream, &config, requests, failure)
+                    .await;
+            }
+        }
+        held.in_flight_units.fetch_sub(units, Ordering::AcqRel);
+    }
+
+    async fn return_leases(self: &Arc<Self>) {
+        let due = std::mem::take(&mut *lock(&self.mode.returns));
+        if due.is_empty() {
+            return;
+        }
+        futures::stream::iter(due)
+            .for_each_concurrent(FAN_OUT, |lease| async move {
+                let unused = lease.units.to_string();
+                let result = self
+                    .run_bucket(
+                        &self.scripts.release,
+                        &lease.upstream,
+                        &lease.config,
+                        &[&lease.member, &unused],
+                        Instant::now() + self.timeout,
+                    )
+                    .await;
+                let credited = match result {
+                    Ok(reply) => {
+                        if let Some(state) = self.upstreams.get(&*lease.upstream) {
+                            state.mode.remember(&reply);
+                        }
+                        (reply.result.max(0) as u64).min(lease.units)
+                    }
+                    Err(_) => 0,
+                };
+                // Whatever was not credited back (the lease had expired in
+                // Redis, the return failed, or capacity capped it) is lost
+                // to the budget: fewer retries, never more.
+                bump(&self.counters.forfeited_units, lease.units - credited);
+            })
+            .await;
+    }
+}

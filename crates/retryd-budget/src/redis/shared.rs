@@ -1,0 +1,351 @@
+//! The core both store types share: the connection, the circuit, the
+//! scripts, the key space, the local fallback store, this replica's map of
+//! the upstreams it knows, the counters; and the one way a request goes to
+//! Redis (`call`: guarded by the circuit, bounded by its store call's
+//! deadline). It also declares what a mode supplies (`Operations`), which
+//! is all that differs between the two stores. It must not hold anything
+//! that only one mode needs: that lives in the mode (`M`, and `M::Upstream`
+//! per upstream).
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::time::Duration;
+
+use ::redis::{RedisResult, Script};
+use dashmap::DashMap;
+use tokio::time::Instant;
+
+use super::circuit::{Circuit, Transition};
+use super::connection::Connection;
+use super::keys::KeySpace;
+use super::replies::Reply;
+use super::scripts::Scripts;
+use super::{Failure, RedisConfig, RedisStoreError, rounds};
+use crate::{
+    BucketConfig, BudgetCheck, MemoryBudgetStore, StoreError, StoreStats, units_to_tokens,
+};
+
+/// A bucket lives at least this long after its last write.
+pub(super) const IDLE_TTL_MS: u64 = 60_000;
+/// Concurrent calls of one background sweep or of `list`.
+pub(super) const FAN_OUT: usize = 32;
+
+/// What a mode supplies to the core, and so the whole of what differs
+/// between an exact and a leased store: its own state (`Self`, and
+/// `Self::Upstream` beside each upstream's index bookkeeping), the four
+/// operations whose answers depend on it, its background round and its
+/// shutdown. Called statically, never asked at run time which mode it is.
+///
+/// Public only in name, so that [`super::Mode`] can require it: this module
+/// is private, so nothing outside the crate can implement or call it.
+pub trait Operations: Sized + Send + Sync + 'static {
+    /// What this mode keeps per upstream.
+    type Upstream: UpstreamState;
+
+    /// How often the background task runs a round.
+    const TICK: Duration;
+
+    /// The mode's own state, from the validated configuration.
+    fn new(config: &RedisConfig) -> Self;
+
+    /// The per-upstream state of an upstream this replica just learnt of.
+    fn upstream(&self) -> Self::Upstream;
+
+    /// [`crate::BudgetStore::view`], with whether the upstream is tracked.
+    fn view(
+        core: &Arc<Core<Self>>,
+        upstream: &str,
+        config: &BucketConfig,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<(BudgetCheck, bool), StoreError>> + Send;
+
+    /// [`crate::BudgetStore::check`].
+    fn check(
+        core: &Arc<Core<Self>>,
+        upstream: &str,
+        config: &BucketConfig,
+        withdraw: bool,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send;
+
+    /// [`crate::BudgetStore::try_withdraw`].
+    fn try_withdraw(
+        core: &Arc<Core<Self>>,
+        upstream: &str,
+        config: &BucketConfig,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<Option<f64>, StoreError>> + Send;
+
+    /// [`crate::BudgetStore::deposit`].
+    fn deposit(
+        core: &Arc<Core<Self>>,
+        upstream: &str,
+        config: &BucketConfig,
+        requests: u64,
+        deadline: Instant,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The mode's part of one background round (after the probe).
+    fn round(core: &Arc<Core<Self>>) -> impl Future<Output = ()> + Send;
+
+    /// [`crate::BudgetStore::shutdown`]: at least stops the background task.
+    fn shutdown(core: &Arc<Core<Self>>) -> impl Future<Output = ()> + Send;
+}
+
+/// What the core asks of a mode's per-upstream state, so that the shared
+/// code (writes, the kill switch, `list`, housekeeping) need not know it.
+pub trait UpstreamState: Send + Sync + 'static {
+    /// Learns from a bucket script's reply (a mode that caches readings).
+    fn remember(&self, reply: &Reply);
+
+    /// Units this replica holds or owes the shared bucket, to add to a
+    /// reading of it.
+    fn local_units(&self, now: Instant, config: &BucketConfig) -> u64;
+
+    /// True while forgetting the upstream would lose budget.
+    fn holds_anything(&self) -> bool;
+}
+
+/// An exact store keeps nothing per upstream beyond the index bookkeeping.
+impl UpstreamState for () {
+    fn remember(&self, _reply: &Reply) {}
+
+    fn local_units(&self, _now: Instant, _config: &BucketConfig) -> u64 {
+        0
+    }
+
+    fn holds_anything(&self) -> bool {
+        false
+    }
+}
+
+/// What this replica knows of one admitted upstream.
+pub(super) struct Upstream<U> {
+    /// Milliseconds since the store's origin until which the index entry is
+    /// known live; 0 before admission.
+    pub(super) index_until: AtomicU64,
+    /// The index score last written or read (server ms, `FAR_SCORE`,
+    /// `INF_SCORE`); 0 if unknown.
+    pub(super) index_score: AtomicU64,
+    /// The bucket parameters last used, for background work.
+    pub(super) config: Mutex<BucketConfig>,
+    /// The mode's own state for this upstream.
+    pub(super) mode: U,
+}
+
+impl<U> Upstream<U> {
+    pub(super) fn new(config: &BucketConfig, mode: U) -> Upstream<U> {
+        Upstream {
+            index_until: AtomicU64::new(0),
+            index_score: AtomicU64::new(0),
+            config: Mutex::new(*config),
+            mode,
+        }
+    }
+
+    pub(super) fn config(&self) -> BucketConfig {
+        *lock(&self.config)
+    }
+}
+
+/// Counters behind [`StoreStats`], both modes'.
+#[derive(Debug, Default)]
+pub(super) struct Counters {
+    pub(super) errors: AtomicU64,
+    pub(super) timeouts: AtomicU64,
+    pub(super) fallbacks: AtomicU64,
+    pub(super) unavailable: AtomicU64,
+    /// Only a leased store forfeits; an exact one reports 0.
+    pub(super) forfeited_units: AtomicU64,
+    pub(super) lost_deposits: AtomicU64,
+    pub(super) task_restarts: AtomicU64,
+}
+
+impl Counters {
+    pub(super) fn restarts(&self) -> u64 {
+        self.task_restarts.load(Ordering::Relaxed)
+    }
+}
+
+pub(super) fn bump(counter: &AtomicU64, by: u64) {
+    counter.fetch_add(by, Ordering::Relaxed);
+}
+
+pub(super) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing panics while holding these locks; if something did, the data
+    // is still a valid value of its type.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The state of one store, generic over its mode. Public only in name, as
+/// [`Operations`] names it; its fields are the `redis` module's.
+pub struct Core<M: Operations> {
+    pub(super) connection: Connection,
+    pub(super) scripts: Scripts,
+    pub(super) keys: KeySpace,
+    pub(super) timeout: Duration,
+    pub(super) max_upstreams: usize,
+    pub(super) circuit: Circuit,
+    pub(super) fallback: MemoryBudgetStore,
+    pub(super) upstreams: DashMap<Box<str>, Arc<Upstream<M::Upstream>>>,
+    /// Upstreams whose retries are known to be off, for outages.
+    pub(super) disabled: RwLock<HashSet<Box<str>>>,
+    pub(super) counters: Counters,
+    pub(super) origin: Instant,
+    /// Set by `shutdown`: the background task ends, and a leased store
+    /// answers as an exact one.
+    pub(super) closed: AtomicBool,
+    pub(super) mode: M,
+}
+
+impl<M: Operations> Core<M> {
+    /// Connects (see [`super::RedisBudgetStore::connect`]) and starts the
+    /// background task.
+    pub(super) async fn connect(
+        config: &RedisConfig,
+        max_upstreams: usize,
+    ) -> Result<Arc<Core<M>>, StoreError> {
+        let (connection, scripts) = Connection::open_with_scripts(config).await?;
+        let core = Arc::new(Core {
+            connection,
+            scripts,
+            keys: KeySpace::new(&config.key_prefix),
+            timeout: config.timeout,
+            max_upstreams,
+            circuit: Circuit::new(),
+            fallback: MemoryBudgetStore::new(max_upstreams),
+            upstreams: DashMap::new(),
+            disabled: RwLock::new(HashSet::new()),
+            counters: Counters::default(),
+            origin: Instant::now(),
+            closed: AtomicBool::new(false),
+            mode: M::new(config),
+        });
+        rounds::spawn_supervised(Arc::downgrade(&core));
+        Ok(core)
+    }
+
+    pub(super) fn stats(&self) -> StoreStats {
+        let counters = &self.counters;
+        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        StoreStats {
+            backend_errors: load(&counters.errors),
+            backend_timeouts: load(&counters.timeouts),
+            outages: self.circuit.times_opened(),
+            fallbacks: load(&counters.fallbacks),
+            unavailable_answers: load(&counters.unavailable),
+            forfeited_tokens: units_to_tokens(load(&counters.forfeited_units)),
+            lost_deposits: load(&counters.lost_deposits),
+        }
+    }
+
+    /// Marks the store shut down, which ends the background task; true
+    /// for the one call that did.
+    pub(super) fn close(&self) -> bool {
+        !self.closed.swap(true, Ordering::AcqRel)
+    }
+
+    pub(super) fn now_ms(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64
+    }
+
+    /// The one deadline of a store call: every Redis request the call
+    /// makes (admission, the bucket script, a view before a lease, waiting
+    /// for another task's lease) shares it, so the call answers within the
+    /// timeout however many requests it needs.
+    pub(super) fn deadline(&self) -> Instant {
+        Instant::now() + self.timeout
+    }
+
+    fn note(&self, transition: Transition) {
+        match transition {
+            Transition::Opened => tracing::warn!(
+                "Redis budget store unreachable; answering from each upstream's on_unavailable policy"
+            ),
+            Transition::Closed => tracing::info!("Redis budget store reachable again"),
+            Transition::None => {}
+        }
+    }
+
+    /// Sends one request, bounded by the timeout and by `deadline`, unless
+    /// the circuit is open and this caller does not hold the next probe.
+    pub(super) async fn call<T>(
+        &self,
+        deadline: Instant,
+        request: impl Future<Output = RedisResult<T>>,
+    ) -> Result<T, Failure> {
+        if !self.circuit.allow() {
+            return Err(Failure::NotSent);
+        }
+        self.send(deadline, request).await
+    }
+
+    /// Sends one request whatever the circuit says (the probe).
+    pub(super) async fn send<T>(
+        &self,
+        deadline: Instant,
+        request: impl Future<Output = RedisResult<T>>,
+    ) -> Result<T, Failure> {
+        let started = Instant::now();
+        let limit = (started + self.timeout).min(deadline);
+        if limit <= started {
+            return Err(Failure::NotSent);
+        }
+        match tokio::time::timeout_at(limit, request).await {
+            Ok(Ok(value)) => {
+                self.note(self.circuit.success());
+                Ok(value)
+            }
+            Ok(Err(error)) => {
+                bump(&self.counters.errors, 1);
+                tracing::debug!(%error, "Redis budget store call failed");
+                self.note(self.circuit.failure());
+                Err(Failure::Unknown(RedisStoreError::Redis(error)))
+            }
+            Err(_) => {
+                bump(&self.counters.errors, 1);
+                bump(&self.counters.timeouts, 1);
+                // A request that had at least half the timeout to answer
+                // says Redis is slow; one sent with only the end of its
+                // call's deadline left (after a slow admission, or a wait
+                // for another task's lease) says little about it.
+                if limit.duration_since(started) >= self.timeout / 2 {
+                    self.note(self.circuit.failure());
+                }
+                Err(Failure::Unknown(RedisStoreError::Timeout))
+            }
+        }
+    }
+
+    /// Runs a bucket script on one upstream's keys.
+    pub(super) async fn run_bucket(
+        &self,
+        script: &Script,
+        upstream: &str,
+        config: &BucketConfig,
+        extra: &[&str],
+        deadline: Instant,
+    ) -> Result<Reply, Failure> {
+        let keys = self.keys.upstream(upstream);
+        let mut invocation = script.prepare_invoke();
+        invocation
+            .key(&keys.bucket)
+            .key(&keys.switch)
+            .key(&keys.leases)
+            .arg(config.capacity_units())
+            .arg(config.initial_units())
+            // The shortest text that reads back as the same double, so the
+            // script's arithmetic is BucketConfig::refill's.
+            .arg(format!("{:?}", config.floor_units_per_nano()))
+            .arg(IDLE_TTL_MS);
+        for argument in extra {
+            invocation.arg(*argument);
+        }
+        let values: Vec<i64> = self
+            .call(deadline, self.connection.invoke(&invocation))
+            .await?;
+        Reply::parse(&values).map_err(Failure::Unknown)
+    }
+}
