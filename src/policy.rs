@@ -25,8 +25,14 @@ pub struct Policies {
 }
 
 impl Policies {
-    /// Policies from the defaults and the upstreams that differ.
-    pub fn new(defaults: UpstreamPolicy, named: HashMap<String, UpstreamPolicy>) -> Self {
+    /// Policies from the defaults and the upstreams that differ. The named
+    /// upstreams' buckets are marked configured (outside the store's
+    /// upstream limit), the defaults' not, whatever the caller passed.
+    pub fn new(mut defaults: UpstreamPolicy, mut named: HashMap<String, UpstreamPolicy>) -> Self {
+        defaults.bucket.configured = false;
+        for policy in named.values_mut() {
+            policy.bucket.configured = true;
+        }
         Policies { defaults, named }
     }
 

@@ -23,6 +23,7 @@ fn bucket(capacity: f64) -> BucketConfig {
         ratio: 0.0,
         min_per_second: 0.0,
         on_unavailable: OnUnavailable::Local,
+        configured: false,
     }
 }
 

@@ -28,6 +28,7 @@ fn bucket(on_unavailable: OnUnavailable) -> BucketConfig {
         ratio: 0.5,
         min_per_second: 0.0,
         on_unavailable,
+        configured: false,
     }
 }
 

@@ -21,6 +21,7 @@ fn bucket(capacity: f64, initial: f64, ratio: f64, min_per_second: f64) -> Bucke
         ratio,
         min_per_second,
         on_unavailable: OnUnavailable::Local,
+        configured: false,
     }
 }
 

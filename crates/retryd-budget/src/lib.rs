@@ -38,6 +38,11 @@ pub struct BucketConfig {
     pub min_per_second: f64,
     /// What a shared store does when it cannot reach its backend.
     pub on_unavailable: OnUnavailable,
+    /// The configuration names this upstream. Named upstreams never count
+    /// against the store's upstream limit, so that a flood of made-up names
+    /// cannot make a configured upstream undecidable; they are bounded by
+    /// the configuration itself.
+    pub configured: bool,
 }
 
 /// What a shared store does for an upstream while its backend (Redis) is
@@ -60,6 +65,7 @@ impl Default for BucketConfig {
             ratio: 0.1,
             min_per_second: 1.0,
             on_unavailable: OnUnavailable::Local,
+            configured: false,
         }
     }
 }

@@ -258,12 +258,16 @@ impl<C: Clock> MemoryBudgetStore<C> {
         let (key, bucket) = match self.buckets.entry(upstream.into()) {
             Entry::Occupied(entry) => (Arc::clone(entry.key()), Arc::clone(entry.get())),
             Entry::Vacant(entry) => {
-                let limit = self.max_upstreams;
-                self.tracked
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                        (n < limit).then_some(n + 1)
-                    })
-                    .map_err(|_| StoreError::TooManyUpstreams { limit })?;
+                // Configured upstreams are outside the limit (see
+                // `BucketConfig::configured`).
+                if !config.configured {
+                    let limit = self.max_upstreams;
+                    self.tracked
+                        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                            (n < limit).then_some(n + 1)
+                        })
+                        .map_err(|_| StoreError::TooManyUpstreams { limit })?;
+                }
                 let key = Arc::clone(entry.key());
                 let bucket = Arc::clone(entry.insert(Arc::new(Bucket::new(config, now))).value());
                 (key, bucket)
@@ -294,9 +298,10 @@ impl<C: Clock> MemoryBudgetStore<C> {
         new.sort_unstable_by(|a, b| a.0.cmp(b.0));
         new.dedup_by(|a, b| a.0 == b.0);
         let limit = self.max_upstreams;
+        let counted = new.iter().filter(|(_, config)| !config.configured).count();
         self.tracked
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                n.checked_add(new.len()).filter(|total| *total <= limit)
+                n.checked_add(counted).filter(|total| *total <= limit)
             })
             .map_err(|_| StoreError::TooManyUpstreams { limit })?;
         // Someone may have created one of these buckets since we looked:
@@ -306,7 +311,8 @@ impl<C: Clock> MemoryBudgetStore<C> {
         let mut unused = 0;
         for (upstream, config) in new {
             match self.buckets.entry(upstream.into()) {
-                Entry::Occupied(_) => unused += 1,
+                Entry::Occupied(_) if !config.configured => unused += 1,
+                Entry::Occupied(_) => {}
                 Entry::Vacant(entry) => {
                     entry.insert(Arc::new(Bucket::new(config, now)));
                 }

@@ -51,7 +51,7 @@ impl<M: Operations> Core<M> {
         invocation
             .key(self.keys.index())
             .arg(upstream)
-            .arg(self.max_upstreams)
+            .arg(self.limit_for(config))
             .arg(INDEX_SLACK_MS);
         let values: Vec<i64> = self
             .call(deadline, self.connection.invoke(&invocation))
@@ -94,12 +94,43 @@ impl<M: Operations> Core<M> {
         }
         asked.sort_unstable_by(|a, b| a.0.cmp(b.0));
         asked.dedup_by(|a, b| a.0 == b.0);
+        // Configured upstreams first, in a call of their own without the
+        // limit: they enter the index (for ListBudgets and expiry) but never
+        // compete with made-up names for room.
+        let (configured, counted): (Vec<_>, Vec<_>) =
+            asked.into_iter().partition(|(_, config)| config.configured);
+        for batch in [configured, counted] {
+            if !batch.is_empty() {
+                self.admit_batch(upstreams, &batch).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The index's limit for an admission of `config`'s upstream: the
+    /// store's, or none for a configured upstream.
+    fn limit_for(&self, config: &BucketConfig) -> u64 {
+        if config.configured {
+            // Beyond any ZCARD; exact in the script's doubles.
+            1 << 52
+        } else {
+            self.max_upstreams as u64
+        }
+    }
+
+    /// One `admit_all` for `asked` (all configured or none), all or none;
+    /// with Redis unreachable, [`Core::admit_locally`] for the whole report.
+    async fn admit_batch(
+        &self,
+        upstreams: &[(&str, &BucketConfig)],
+        asked: &[(&str, &BucketConfig)],
+    ) -> Result<(), StoreError> {
         let mut invocation = self.scripts.admit_all.prepare_invoke();
         invocation
             .key(self.keys.index())
-            .arg(self.max_upstreams)
+            .arg(self.limit_for(asked[0].1))
             .arg(INDEX_SLACK_MS);
-        for (upstream, _) in &asked {
+        for (upstream, _) in asked {
             invocation.arg(*upstream);
         }
         let values: Vec<i64> = match self
