@@ -655,6 +655,18 @@ upstreams = ["payments-*"]
         ),
         "{logs}"
     );
+    // The kill switch's own audit line names its peer plainly too.
+    let switched = logs
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .find(|line| line["message"] == "retries switched off for upstream")
+        .expect("the kill switch is logged");
+    assert!(
+        switched["peer"]
+            .as_str()
+            .is_some_and(|peer| peer.starts_with("127.0.0.1:")),
+        "{switched}"
+    );
     let decide_refusals = refusals
         .iter()
         .filter(|line| line["rpc"] == "/retryd.v1.RetryDecider/Decide")

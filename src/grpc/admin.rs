@@ -227,7 +227,7 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             previous,
             reason,
             principal = principal.name,
-            peer = ?peer,
+            peer = peer.map(|peer| peer.to_string()),
             "retries {} for upstream",
             if message.enabled { "switched on" } else { "switched off" }
         );
