@@ -6,6 +6,10 @@
 //! name, a look-alike, one named only by a later reload) counts as
 //! `_other`. This holds for the budget gauges as for the counters, so no
 //! series ever carries a name a caller chose.
+//!
+//! About 500 lines because the names, the recording and the rendering of
+//! each metric are read together (one place to look for a dashboard); the
+//! histograms, the `/metrics` port and the tests are in `metrics/`.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
