@@ -232,6 +232,10 @@ fn decide_request(request: &Value) -> pb::DecideRequest {
         )),
         previous_backoff: duration(field(request, "previousBackoff", "previous_backoff")),
         max_attempts: uint(field(request, "maxAttempts", "max_attempts")),
+        grpc_status_code: uint(field(request, "grpcStatusCode", "grpc_status_code")),
+        // Present (even empty) when the vector names it: presence matters.
+        grpc_retry_pushback_ms: field(request, "grpcRetryPushbackMs", "grpc_retry_pushback_ms")
+            .map(|value| value.as_str().expect("pushback string").to_string()),
     }
 }
 

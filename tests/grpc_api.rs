@@ -118,6 +118,7 @@ async fn traffic_fills_a_budget_that_decide_spends_exactly() {
                     requests: 20,
                 },
             ],
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -167,6 +168,7 @@ async fn traffic_fills_a_budget_that_decide_spends_exactly() {
                 upstream: "quiet".into(),
                 requests: 1_000,
             }],
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -606,6 +608,7 @@ async fn bad_input_is_refused_by_field_spends_nothing_and_the_server_survives() 
                     requests: 1,
                 },
             ],
+            ..Default::default()
         })
         .await
         .unwrap_err();

@@ -35,6 +35,7 @@ fn report(entries: &[(&str, u64)]) -> pb::ReportTrafficRequest {
                 requests: *requests,
             })
             .collect(),
+        ..Default::default()
     }
 }
 

@@ -75,6 +75,7 @@ async fn call(channel: &Channel, rpc: Rpc, authorization: Option<&str>) -> Code 
             upstream: upstream.into(),
             requests: 100,
         }],
+        ..Default::default()
     };
     let code =
         |result: Result<(), tonic::Status>| result.err().map_or(Code::Ok, |status| status.code());
@@ -412,6 +413,7 @@ async fn limits_refuse_instead_of_queueing_or_crashing() {
                 requests: 1,
             })
             .collect(),
+        ..Default::default()
     };
     let status = client.report_traffic(oversized).await.unwrap_err();
     assert!(

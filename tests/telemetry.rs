@@ -256,6 +256,7 @@ async fn every_decision_is_one_span_in_the_callers_trace() {
                     upstream: "ledger".into(),
                     requests: 7,
                 }],
+                ..Default::default()
             },
             &trace_id,
             PARENT,
@@ -397,6 +398,7 @@ async fn metrics_count_exactly_what_happened() {
                 upstream: "pay".into(),
                 requests: 10,
             }],
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -611,6 +613,7 @@ upstreams = ["payments-*"]
             upstream: "payments-api".into(),
             requests: 10,
         }],
+        ..Default::default()
     };
     decider
         .report_traffic(with_key(traced(report, trace_id, PARENT), CHECKOUT_KEY))

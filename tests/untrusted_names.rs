@@ -50,6 +50,7 @@ async fn gauges_carry_only_configured_upstreams() {
                     requests: 1,
                 })
                 .collect(),
+            ..Default::default()
         })
         .await
         .unwrap();

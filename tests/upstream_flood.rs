@@ -49,6 +49,7 @@ async fn flood_then_decide(server: &Server) {
                 upstream: "payments-api".into(),
                 requests: 100,
             }],
+            ..Default::default()
         })
         .await
         .expect("a configured upstream's traffic is always accepted");

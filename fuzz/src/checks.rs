@@ -324,6 +324,16 @@ fn decide_request(input: &mut Input<'_>) -> pb::DecideRequest {
             255 => input.u32(),
             byte => u32::from(byte % 8),
         },
+        // Mostly unset, so that the HTTP fields stay valid most of the time;
+        // 17 and above are out of range on purpose.
+        grpc_status_code: match input.byte() % 4 {
+            0 => u32::from(input.byte() % 20),
+            _ => 0,
+        },
+        grpc_retry_pushback_ms: match input.byte() % 4 {
+            0 => Some(retry_after_text(input)),
+            _ => None,
+        },
     }
 }
 
@@ -700,7 +710,10 @@ pub fn traffic_report(data: &[u8]) {
                 },
             })
             .collect();
-        pb::ReportTrafficRequest { traffic }
+        pb::ReportTrafficRequest {
+            traffic,
+            ..Default::default()
+        }
     };
     check_traffic_report(&request);
 }
@@ -1135,7 +1148,13 @@ pub fn seeds() -> Vec<Seed> {
         ("empty_upstream", vec![entry("search", 5), entry("", 1)]),
     ] {
         let mut bytes = vec![0];
-        bytes.extend(pb::ReportTrafficRequest { traffic }.encode_to_vec());
+        bytes.extend(
+            pb::ReportTrafficRequest {
+                traffic,
+                ..Default::default()
+            }
+            .encode_to_vec(),
+        );
         seeds.push(Seed {
             target: "traffic_report",
             name: name.into(),

@@ -52,7 +52,10 @@ impl<S: BudgetStore> Service<S> {
                         .tracer
                         .finish(span, SPAN_REPORT_TRAFFIC, attributes, None);
                 }
-                Ok(Response::new(pb::ReportTrafficResponse { accepted }))
+                Ok(Response::new(pb::ReportTrafficResponse {
+                    accepted,
+                    already_applied: 0,
+                }))
             }
             Err(status) => {
                 let peer = peer_addr(&request);

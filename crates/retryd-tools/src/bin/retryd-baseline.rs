@@ -226,6 +226,7 @@ impl RetryDecider for Baseline {
     ) -> Result<Response<pb::ReportTrafficResponse>, Status> {
         Ok(Response::new(pb::ReportTrafficResponse {
             accepted: request.get_ref().traffic.len() as u32,
+            already_applied: 0,
         }))
     }
 }

@@ -274,7 +274,10 @@ async fn drive(
                     })
                     .collect();
                 let ok = decider
-                    .report_traffic(pb::ReportTrafficRequest { traffic })
+                    .report_traffic(pb::ReportTrafficRequest {
+                        traffic,
+                        ..Default::default()
+                    })
                     .await
                     .is_ok();
                 let flipped = admin
