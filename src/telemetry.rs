@@ -67,8 +67,12 @@ pub mod attr {
     pub const DECISION_ID: &str = "retry.decision_id";
     /// The budget store: memory, redis-exact or redis-leased.
     pub const STORE: &str = "retry.store";
-    /// The gRPC status code of a failed call.
+    /// The gRPC status code of a failed call: retryd's own on a refused
+    /// call's span, the reported attempt's on a decision span (which
+    /// describes that attempt, as `http.response.status_code` does).
     pub const GRPC_STATUS: &str = "rpc.grpc.status_code";
+    /// The raw `grpc-retry-pushback-ms` the attempt reported.
+    pub const GRPC_PUSHBACK: &str = "retry.grpc.pushback_ms";
     /// Entries in a traffic report.
     pub const TRAFFIC_ENTRIES: &str = "retry.traffic.entries";
     /// Requests in a traffic report.

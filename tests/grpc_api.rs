@@ -783,3 +783,80 @@ async fn reflection_lists_the_services_for_grpcurl() {
         );
     }
 }
+
+/// An attempt is HTTP or gRPC: naming both, a code outside 1-16, a
+/// pushback without a code or a Retry-After on a gRPC call is
+/// INVALID_ARGUMENT naming the field, and spends nothing.
+#[tokio::test]
+async fn bad_grpc_outcomes_name_the_field_and_spend_nothing() {
+    let server = Server::start("[defaults]\nbudget = { initial = 5.0, min_per_second = 0.0 }\n");
+    let mut client = server.decider().await;
+    let mut admin = server.admin().await;
+    let grpc = |code: u32| pb::DecideRequest {
+        failure: 0,
+        evidence: pb::Evidence::ResponseReceived as i32,
+        grpc_status_code: code,
+        ..retryable("stock")
+    };
+    let cases = [
+        (
+            pb::DecideRequest {
+                http_status: 503,
+                ..grpc(14)
+            },
+            "grpc_status_code",
+        ),
+        (grpc(17), "grpc_status_code"),
+        (grpc(u32::MAX), "grpc_status_code"),
+        (
+            pb::DecideRequest {
+                grpc_retry_pushback_ms: Some("100".into()),
+                http_status: 503,
+                grpc_status_code: 0,
+                ..grpc(0)
+            },
+            "grpc_retry_pushback_ms",
+        ),
+        (
+            pb::DecideRequest {
+                grpc_retry_pushback_ms: Some("1".repeat(257)),
+                ..grpc(8)
+            },
+            "grpc_retry_pushback_ms",
+        ),
+        (
+            pb::DecideRequest {
+                retry_after: "1".into(),
+                ..grpc(14)
+            },
+            "retry_after",
+        ),
+    ];
+    for (request, field) in cases {
+        let status = client.decide(request.clone()).await.unwrap_err();
+        assert_eq!(
+            status.code(),
+            Code::InvalidArgument,
+            "{request:?}: {status:?}"
+        );
+        assert!(
+            status.message().starts_with(field),
+            "{field}: {}",
+            status.message()
+        );
+    }
+    let budget = admin
+        .get_budget(pb::GetBudgetRequest {
+            upstream: "stock".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .budget
+        .unwrap();
+    assert!(!budget.tracked, "an invalid request created no bucket");
+    // A valid gRPC retry spends exactly one token of the five.
+    let granted = client.decide(grpc(14)).await.unwrap().into_inner();
+    assert_eq!(granted.verdict(), pb::Verdict::Retry, "{granted:?}");
+    assert_eq!(granted.tokens_remaining, 4.0);
+}

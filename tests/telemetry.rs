@@ -681,3 +681,77 @@ upstreams = ["payments-*"]
         "{decide_refusals} lines for 50 refusals in {flood_seconds:.1} s:\n{logs}"
     );
 }
+
+/// A gRPC decision's span describes the failed attempt in OpenTelemetry's
+/// terms (`rpc.grpc.status_code`) with the raw pushback beside it, and the
+/// new deny reason is a metric label.
+#[tokio::test]
+async fn grpc_outcomes_on_spans_and_metrics() {
+    let collector = Collector::default();
+    let endpoint = collector.clone().start().await;
+    let server = Server::start(&format!(
+        "[telemetry]\notlp_endpoint = \"http://{endpoint}\"\n[upstreams.\"stock\"]\n"
+    ));
+    let mut client = server.decider().await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let grpc = |code: i32, pushback: Option<&str>| pb::DecideRequest {
+        failure: 0,
+        evidence: pb::Evidence::ResponseReceived as i32,
+        grpc_status_code: code as u32,
+        grpc_retry_pushback_ms: pushback.map(str::to_owned),
+        ..retryable("stock")
+    };
+    let denied = client
+        .decide(traced(
+            grpc(tonic::Code::Unavailable as i32, Some("-1")),
+            trace_id,
+            PARENT,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        denied.deny_reason(),
+        pb::DenyReason::ServerPushback,
+        "{denied:?}"
+    );
+    let granted = client
+        .decide(traced(
+            grpc(tonic::Code::ResourceExhausted as i32, Some("300")),
+            trace_id,
+            PARENT,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(granted.verdict(), pb::Verdict::Retry, "{granted:?}");
+    assert_eq!(support::millis(granted.backoff), 300);
+
+    let spans = collector
+        .wait_for(2, |span| span.name == "retry.decide")
+        .await;
+    assert_eq!(spans.len(), 2, "{spans:?}");
+    let by_id = |id: &str| {
+        spans
+            .iter()
+            .find(|span| text(span, "retry.decision_id") == id)
+            .unwrap_or_else(|| panic!("no span for {id}"))
+    };
+    let span = by_id(&denied.decision_id);
+    assert_eq!(int(span, "rpc.grpc.status_code"), 14);
+    assert_eq!(text(span, "retry.grpc.pushback_ms"), "-1");
+    assert_eq!(text(span, "retry.deny_reason"), "server_pushback");
+    assert!(attribute(span, "http.response.status_code").is_none());
+    let span = by_id(&granted.decision_id);
+    assert_eq!(int(span, "rpc.grpc.status_code"), 8);
+    assert_eq!(text(span, "retry.grpc.pushback_ms"), "300");
+
+    let scrape = server.scrape();
+    assert_eq!(
+        metric(
+            &scrape,
+            "retryd_decisions_total{upstream=\"stock\",verdict=\"deny\",reason=\"server_pushback\"}"
+        ),
+        1.0
+    );
+}

@@ -299,7 +299,7 @@ fn body(input: &mut Input<'_>, depth: usize, n_nodes: &mut usize) -> pb::Body {
 /// A decide request built from the input so that most fields are close to
 /// valid and validation passes often enough to reach the engine.
 fn decide_request(input: &mut Input<'_>) -> pb::DecideRequest {
-    pb::DecideRequest {
+    let mut request = pb::DecideRequest {
         upstream: name(input),
         operation: name(input),
         idempotency: enum_value(input, 5),
@@ -324,17 +324,32 @@ fn decide_request(input: &mut Input<'_>) -> pb::DecideRequest {
             255 => input.u32(),
             byte => u32::from(byte % 8),
         },
-        // Mostly unset, so that the HTTP fields stay valid most of the time;
-        // 17 and above are out of range on purpose.
-        grpc_status_code: match input.byte() % 4 {
-            0 => u32::from(input.byte() % 20),
-            _ => 0,
-        },
-        grpc_retry_pushback_ms: match input.byte() % 4 {
-            0 => Some(retry_after_text(input)),
-            _ => None,
-        },
+        grpc_status_code: 0,
+        grpc_retry_pushback_ms: None,
+    };
+    // Drawn last, so the HTTP fields read the same bytes as before. Mostly
+    // a gRPC code only for a call without an HTTP status (then without a
+    // Retry-After, as a gRPC call has none), so the HTTP paths keep their
+    // share; now and then both, which is invalid. Codes above 16 are out of
+    // range on purpose. An exhausted input reads zeros: they mean "unset".
+    match input.byte() % 16 {
+        1..=3 if request.http_status == 0 => {
+            request.grpc_status_code = u32::from(input.byte() % 20);
+            request.retry_after.clear();
+        }
+        4 => request.grpc_status_code = u32::from(input.byte() % 20),
+        _ => {}
     }
+    // A pushback mostly with a code; rarely without, which is invalid.
+    let pushback = match input.byte() % 16 {
+        1..=6 => request.grpc_status_code != 0,
+        7 => true,
+        _ => false,
+    };
+    if pushback {
+        request.grpc_retry_pushback_ms = Some(retry_after_text(input));
+    }
+    request
 }
 
 // ---------------------------------------------------------------------------
@@ -385,6 +400,8 @@ const DECIDE_FIELDS: &[&str] = &[
     "deadline_remaining",
     "previous_backoff",
     "max_attempts",
+    "grpc_status_code",
+    "grpc_retry_pushback_ms",
 ];
 
 /// An error names a field of the request (its path starts with one of
@@ -443,17 +460,34 @@ fn check_valid_decide_request(request: &pb::DecideRequest, valid: &ValidDecideRe
         }
         None => assert_eq!(request.http_status, 0),
     }
+    match valid.reported.grpc_status {
+        Some(code) => {
+            assert_eq!(code.number(), request.grpc_status_code);
+            assert!(valid.reported.http_status.is_none(), "HTTP and gRPC passed");
+            assert!(valid.reported.retry_after.is_none(), "Retry-After on gRPC");
+        }
+        None => assert_eq!(request.grpc_status_code, 0),
+    }
+    match valid.reported.grpc_pushback {
+        Some(raw) => {
+            assert!(
+                valid.reported.grpc_status.is_some(),
+                "pushback without code"
+            );
+            assert!(raw.len() <= validate::MAX_PUSHBACK_BYTES);
+            assert_eq!(Some(raw), request.grpc_retry_pushback_ms.as_deref());
+        }
+        None => assert!(request.grpc_retry_pushback_ms.is_none()),
+    }
+    let status_known = valid.reported.http_status.is_some() || valid.reported.grpc_status.is_some();
     if valid.reported.claimed_evidence.is_none() {
         assert!(
-            valid.reported.failure.is_some() || valid.reported.http_status.is_some(),
+            valid.reported.failure.is_some() || status_known,
             "nothing says what happened, yet validation passed"
         );
     }
     if valid.reported.claimed_evidence == Some(Evidence::ResponseReceived) {
-        assert!(
-            valid.reported.http_status.is_some(),
-            "RESPONSE_RECEIVED without status"
-        );
+        assert!(status_known, "RESPONSE_RECEIVED without status");
     }
     match valid.reported.retry_after {
         Some(raw) => {
@@ -596,12 +630,16 @@ pub fn check_decision(facts: &Facts<'_>, policy: &Policy, decision: &Decision) {
             "no failure, yet NOT_SENT"
         );
     }
-    if facts.http_status.is_some() {
+    if facts.http_status.is_some() || facts.grpc_pushback.is_some() {
         assert!(
             effective >= Evidence::ResponseReceived,
-            "a status, yet {effective:?}"
+            "a status or a pushback, yet {effective:?}"
         );
     }
+    assert!(
+        facts.http_status.is_none() || facts.grpc_status.is_none(),
+        "validation let both an HTTP status and a gRPC code through"
+    );
 
     // Rules 1 to 7 deny whenever their condition holds.
     match first_forbidding_rule(facts, policy) {
@@ -629,9 +667,16 @@ pub fn check_decision(facts: &Facts<'_>, policy: &Policy, decision: &Decision) {
             refresh_credentials,
         } => {
             assert_eq!(rule, 9, "a retry from rule {rule}");
-            let floor = facts
-                .retry_after
-                .and_then(|raw| engine::parse_retry_after(raw, facts.now));
+            // The server's floor: a valid pushback (gRPC) or Retry-After.
+            let floor = match facts.grpc_pushback.map(engine::parse_pushback) {
+                Some(engine::Pushback::Wait(wait)) => Some(wait),
+                Some(engine::Pushback::DoNotRetry) => {
+                    panic!("a retry despite a do-not-retry pushback: {decision}")
+                }
+                None => facts
+                    .retry_after
+                    .and_then(|raw| engine::parse_retry_after(raw, facts.now)),
+            };
             let ceiling = policy.backoff.max.max(floor.unwrap_or_default());
             assert!(backoff <= ceiling, "backoff {backoff:?} above {ceiling:?}");
             if let Some(floor) = floor {
@@ -653,7 +698,11 @@ pub fn check_decision(facts: &Facts<'_>, policy: &Policy, decision: &Decision) {
                 );
             }
             if refresh_credentials {
-                assert_eq!(facts.http_status, Some(401));
+                assert!(
+                    facts.http_status == Some(401)
+                        || facts.grpc_status == Some(engine::GrpcCode::Unauthenticated),
+                    "a refresh for {decision}"
+                );
                 assert_eq!(facts.idempotency, Idempotency::Safe);
                 assert!(!facts.auth_refresh_attempted, "a second refresh");
             }
@@ -666,7 +715,9 @@ pub fn check_decision(facts: &Facts<'_>, policy: &Policy, decision: &Decision) {
             );
             assert!(rule == 8 || rule == 9, "{decision}");
         }
-        Verdict::Deny(DenyReason::StatusNotRetryable) => assert_eq!(rule, 9),
+        Verdict::Deny(DenyReason::StatusNotRetryable | DenyReason::ServerPushback) => {
+            assert_eq!(rule, 9)
+        }
         Verdict::Deny(DenyReason::Deadline) => assert_eq!(rule, 6),
         Verdict::Deny(_) => assert!(rule <= 7, "{decision}"),
     }
@@ -912,6 +963,8 @@ fn decide_under(policy: &Policy) {
             failure: None,
             http_status: status,
             retry_after,
+            grpc_status: None,
+            grpc_pushback: None,
             deadline_remaining: deadline,
             first_byte_delivered: false,
             runtime_draining: false,

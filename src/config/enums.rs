@@ -22,7 +22,7 @@ use serde::{Deserialize, Deserializer};
 
 use crate::budget::OnUnavailable;
 use crate::budget::redis::RedisMode;
-use crate::engine::{FailureKind, Jitter, VariantArray};
+use crate::engine::{FailureKind, GrpcCode, Jitter, VariantArray};
 
 /// How every message for a name that is not accepted begins; `loading`
 /// recognises it to name the key first.
@@ -194,6 +194,26 @@ pub enum ClientAuth {
 /// are its own list rather than a derive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FailureKindName(pub FailureKind);
+
+/// A gRPC status code named in configuration (`"unavailable"`), as
+/// [`GrpcCode::as_str`] gives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GrpcCodeName(pub GrpcCode);
+
+impl<'de> Deserialize<'de> for GrpcCodeName {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        GrpcCode::from_name(&name).map(GrpcCodeName).ok_or_else(|| {
+            de::Error::custom(unknown_variant(
+                &name,
+                &GrpcCode::VARIANTS
+                    .iter()
+                    .map(|code| code.as_str())
+                    .collect::<Vec<_>>(),
+            ))
+        })
+    }
+}
 
 impl<'de> Deserialize<'de> for FailureKindName {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {

@@ -76,6 +76,9 @@ fn resolve_policy(
     if let Some(transient) = overrides.transient_500 {
         engine.transient_500 = transient;
     }
+    if let Some(names) = &overrides.grpc_retryable_codes {
+        engine.grpc_retryable = names.iter().map(|name| name.0).collect();
+    }
     if let Some(names) = &overrides.permanent_failures {
         engine.permanent_failures = names.iter().map(|name| name.0).collect();
     }

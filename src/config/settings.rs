@@ -22,7 +22,8 @@ use crate::budget::BucketConfig;
 use crate::budget::redis::redact_url;
 
 use super::enums::{
-    ClientAuth, FailureKindName, JitterName, LogFormat, OnUnavailableName, StoreKind, StoreMode,
+    ClientAuth, FailureKindName, GrpcCodeName, JitterName, LogFormat, OnUnavailableName, StoreKind,
+    StoreMode,
 };
 
 /// The configuration file as written: every section optional.
@@ -271,6 +272,9 @@ pub struct PolicySettings {
     pub max_retry_after: Option<String>,
     /// Whether 500 is transient for this upstream.
     pub transient_500: Option<bool>,
+    /// The gRPC codes retried, e.g. `["unavailable", "internal"]`; replaces
+    /// the default list.
+    pub grpc_retryable_codes: Option<Vec<GrpcCodeName>>,
     /// Extra permanent failure kinds, e.g. `["connect"]`.
     pub permanent_failures: Option<Vec<FailureKindName>>,
     /// `local` or `deny` while the shared store is unreachable.

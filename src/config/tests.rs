@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use crate::budget::BucketConfig;
-use crate::engine::Policy;
+use crate::engine::{GrpcCode, Policy};
 
 use super::{Config, InvalidConfig, Settings, StoreConfig, TlsConfig};
 
@@ -448,4 +448,38 @@ fn a_misspelt_failure_kind_is_refused_with_every_kind() {
             format!("{key}: unknown variant {name:?}, {every_kind}")
         );
     }
+}
+
+#[test]
+fn grpc_retryable_codes_are_named_and_validated() {
+    let every_code = "expected one of \"cancelled\", \"unknown\", \"invalid_argument\", \"deadline_exceeded\", \"not_found\", \"already_exists\", \"permission_denied\", \"resource_exhausted\", \"failed_precondition\", \"aborted\", \"out_of_range\", \"unimplemented\", \"internal\", \"unavailable\", \"data_loss\", \"unauthenticated\"";
+    assert_eq!(
+        error_of("[upstreams.stock]\ngrpc_retryable_codes = [\"unavailable\", \"UNAVAILABLE\"]\n"),
+        format!(
+            "upstreams.stock.grpc_retryable_codes[1]: unknown variant \"UNAVAILABLE\", {every_code}"
+        )
+    );
+    let parsed = config(
+        "[defaults]\ngrpc_retryable_codes = [\"unavailable\"]\n\
+         [upstreams.stock]\ngrpc_retryable_codes = [\"unavailable\", \"internal\"]\n",
+    )
+    .unwrap();
+    let stock = parsed.policies.get("stock");
+    assert!(stock.engine.grpc_retryable.contains(GrpcCode::Internal));
+    assert!(
+        !stock
+            .engine
+            .grpc_retryable
+            .contains(GrpcCode::DeadlineExceeded)
+    );
+    let other = parsed.policies.get("other");
+    assert_eq!(
+        other.engine.grpc_retryable.iter().collect::<Vec<_>>(),
+        [GrpcCode::Unavailable]
+    );
+    // Unset: the default list.
+    assert_eq!(
+        config("").unwrap().policies.get("x").engine.grpc_retryable,
+        crate::engine::GrpcCodes::DEFAULT
+    );
 }

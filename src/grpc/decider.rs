@@ -271,6 +271,12 @@ impl<S: BudgetStore> Service<S> {
         if let Some(status) = valid.reported.http_status {
             attributes.push((attr::HTTP_STATUS, Attribute::Int(i64::from(status))));
         }
+        if let Some(code) = valid.reported.grpc_status {
+            attributes.push((attr::GRPC_STATUS, Attribute::Int(i64::from(code.number()))));
+        }
+        if let Some(pushback) = valid.reported.grpc_pushback {
+            attributes.push((attr::GRPC_PUSHBACK, Attribute::Text(pushback.to_owned())));
+        }
         match decision.verdict {
             Verdict::Retry { backoff, .. } => {
                 attributes.push((
@@ -359,6 +365,7 @@ fn deny_reason(reason: DenyReason) -> pb::DenyReason {
         DenyReason::Deadline => pb::DenyReason::Deadline,
         DenyReason::PermanentFailure => pb::DenyReason::PermanentFailure,
         DenyReason::StatusNotRetryable => pb::DenyReason::StatusNotRetryable,
+        DenyReason::ServerPushback => pb::DenyReason::ServerPushback,
     }
 }
 

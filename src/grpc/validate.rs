@@ -3,13 +3,17 @@
 
 use std::time::{Duration, SystemTime};
 
-use crate::engine::{Body, BudgetView, Evidence, Facts, FailureKind, Idempotency, Replayability};
+use crate::engine::{
+    Body, BudgetView, Evidence, Facts, FailureKind, GrpcCode, Idempotency, Replayability,
+};
 use crate::pb;
 
 /// Longest upstream or operation name, in bytes.
 pub const MAX_NAME_BYTES: usize = 256;
 /// Longest Retry-After value, in bytes.
 pub const MAX_RETRY_AFTER_BYTES: usize = 256;
+/// Longest `grpc-retry-pushback-ms` value, in bytes.
+pub const MAX_PUSHBACK_BYTES: usize = 256;
 /// Longest admin reason, in bytes.
 pub const MAX_REASON_BYTES: usize = 1024;
 /// Longest duration accepted in a request.
@@ -116,12 +120,53 @@ pub fn decide_request(
             ));
         }
     };
+    let grpc_status = match request.grpc_status_code {
+        0 => None,
+        number => match GrpcCode::from_number(number) {
+            Some(_) if http_status.is_some() => {
+                return Err(invalid(
+                    "grpc_status_code",
+                    "set together with http_status: an attempt is HTTP or gRPC, not both",
+                ));
+            }
+            Some(code) => Some(code),
+            None => {
+                return Err(invalid(
+                    "grpc_status_code",
+                    format!("must be 0 (none) or a google.rpc.Code from 1 to 16, not {number}"),
+                ));
+            }
+        },
+    };
+    let grpc_pushback = match &request.grpc_retry_pushback_ms {
+        None => None,
+        Some(_) if grpc_status.is_none() => {
+            return Err(invalid(
+                "grpc_retry_pushback_ms",
+                "needs grpc_status_code (a pushback trailer ends a gRPC call)",
+            ));
+        }
+        Some(raw) if raw.len() > MAX_PUSHBACK_BYTES => {
+            return Err(invalid(
+                "grpc_retry_pushback_ms",
+                format!("longer than {MAX_PUSHBACK_BYTES} bytes"),
+            ));
+        }
+        Some(raw) => Some(raw.as_str()),
+    };
+    if grpc_status.is_some() && !request.retry_after.is_empty() {
+        return Err(invalid(
+            "retry_after",
+            "an HTTP header; a gRPC call reports grpc_retry_pushback_ms instead",
+        ));
+    }
     let claimed_evidence = match pb::Evidence::try_from(request.evidence) {
         Ok(pb::Evidence::Unspecified) => {
-            if failure.is_none() && http_status.is_none() {
+            if failure.is_none() && http_status.is_none() && grpc_status.is_none() {
                 return Err(invalid(
                     "evidence",
-                    "required when neither failure nor http_status says what happened",
+                    "required when neither failure, http_status nor grpc_status_code says \
+                     what happened",
                 ));
             }
             None
@@ -129,10 +174,10 @@ pub fn decide_request(
         Ok(pb::Evidence::NotSent) => Some(Evidence::NotSent),
         Ok(pb::Evidence::SentNoResponse) => Some(Evidence::SentNoResponse),
         Ok(pb::Evidence::ResponseReceived) => {
-            if http_status.is_none() {
+            if http_status.is_none() && grpc_status.is_none() {
                 return Err(invalid(
                     "http_status",
-                    "required with EVIDENCE_RESPONSE_RECEIVED",
+                    "required with EVIDENCE_RESPONSE_RECEIVED (or grpc_status_code)",
                 ));
             }
             Some(Evidence::ResponseReceived)
@@ -161,6 +206,8 @@ pub fn decide_request(
             failure,
             http_status,
             retry_after,
+            grpc_status,
+            grpc_pushback,
             deadline_remaining,
             first_byte_delivered: request.first_byte_delivered,
             runtime_draining: request.runtime_draining,

@@ -12,8 +12,8 @@ use std::time::{Duration, SystemTime};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use retryd_engine::{
-    self, Body, BudgetView, Evidence, Facts, FailureKind, Idempotency, Policy, Replayability,
-    Verdict,
+    self, Body, BudgetView, DenyReason, Evidence, Facts, FailureKind, GrpcCode, Idempotency,
+    Policy, Replayability, Verdict,
 };
 
 /// One benchmark case: the facts minus the borrowed body, and the verdict it
@@ -41,6 +41,8 @@ fn base(body: &Body) -> Facts<'_> {
         failure: Some(FailureKind::Connect),
         http_status: None,
         retry_after: None,
+        grpc_status: None,
+        grpc_pushback: None,
         deadline_remaining: Some(Duration::from_secs(2)),
         first_byte_delivered: false,
         runtime_draining: false,
@@ -99,6 +101,43 @@ fn cases() -> Vec<Case> {
                 ..base(body)
             },
             expect: is_retry,
+        },
+        Case {
+            name: "grpc_unavailable",
+            body: Body::Bytes,
+            facts: |body| Facts {
+                claimed_evidence: Some(Evidence::ResponseReceived),
+                failure: None,
+                grpc_status: Some(GrpcCode::Unavailable),
+                ..base(body)
+            },
+            expect: is_retry,
+        },
+        Case {
+            // The slowest gRPC path: the pushback is parsed (twice: the
+            // code's row, then the backoff floor) inside a deadline.
+            name: "grpc_resource_exhausted_pushback",
+            body: Body::Bytes,
+            facts: |body| Facts {
+                claimed_evidence: Some(Evidence::ResponseReceived),
+                failure: None,
+                grpc_status: Some(GrpcCode::ResourceExhausted),
+                grpc_pushback: Some("300"),
+                ..base(body)
+            },
+            expect: is_retry,
+        },
+        Case {
+            name: "grpc_pushback_garbage_denied",
+            body: Body::Bytes,
+            facts: |body| Facts {
+                claimed_evidence: Some(Evidence::ResponseReceived),
+                failure: None,
+                grpc_status: Some(GrpcCode::Unavailable),
+                grpc_pushback: Some("soon"),
+                ..base(body)
+            },
+            expect: |verdict| *verdict == Verdict::Deny(DenyReason::ServerPushback),
         },
         Case {
             name: "retry_401_refresh",

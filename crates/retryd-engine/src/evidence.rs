@@ -137,18 +137,20 @@ impl FailureKind {
 /// claim had to be weakened to get it.
 ///
 /// The result is the latest (weakest) of the claim, what the failure
-/// supports (no failure supports no more than SENT_NO_RESPONSE), and what a
-/// status implies (a status means at least RESPONSE_RECEIVED). An absent
-/// claim is not "weakened": it is derived.
+/// supports (no failure supports no more than SENT_NO_RESPONSE), and what
+/// `answered` implies: something only the server can have sent (an HTTP
+/// status, a gRPC pushback trailer) means at least RESPONSE_RECEIVED. An
+/// absent claim is not "weakened": it is derived.
 pub fn effective_evidence(
     claimed: Option<Evidence>,
     failure: Option<FailureKind>,
-    http_status: Option<u16>,
+    answered: bool,
 ) -> (Evidence, bool) {
     let failure_floor = failure.map_or(Evidence::SentNoResponse, FailureKind::evidence_floor);
-    let status_floor = match http_status {
-        Some(_) => Evidence::ResponseReceived,
-        None => Evidence::NotSent,
+    let status_floor = if answered {
+        Evidence::ResponseReceived
+    } else {
+        Evidence::NotSent
     };
     let derived = failure_floor.max(status_floor);
     match claimed {

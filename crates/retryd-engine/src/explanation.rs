@@ -27,16 +27,25 @@ impl Decision {
                     u64::try_from(backoff.as_millis()).unwrap_or(u64::MAX),
                 );
                 text.push_str("ms: ");
-                match self.http_status {
+                match (self.http_status, self.grpc_status) {
                     _ if refresh_credentials => {
-                        text.push_str("refresh credentials and replay once (rule 9, 401)");
+                        text.push_str("refresh credentials and replay once (rule 9, ");
+                        text.push_str(match self.grpc_status {
+                            Some(_) => "unauthenticated)",
+                            None => "401)",
+                        });
                     }
-                    Some(status) => {
+                    (Some(status), _) => {
                         text.push_str("status ");
                         push_decimal(&mut text, status.into());
                         text.push_str(" is retryable (rule 9)");
                     }
-                    None => {
+                    (None, Some(code)) => {
+                        text.push_str("gRPC status ");
+                        text.push_str(code.as_str());
+                        text.push_str(" is retryable (rule 9)");
+                    }
+                    (None, None) => {
                         text.push_str("evidence ");
                         text.push_str(evidence);
                         text.push_str(" allows another attempt (rule 9)");
@@ -68,18 +77,26 @@ impl Decision {
                     DenyReason::RetriesDisabled => "an operator switched retries off for this upstream",
                     DenyReason::Deadline => "the remaining deadline leaves no room for another attempt",
                     DenyReason::PermanentFailure => "the failure is permanent",
-                    DenyReason::StatusNotRetryable => match self.http_status {
-                        Some(_) => "the status is not retryable for this operation",
-                        None => "the outcome is not retryable for this operation",
+                    DenyReason::StatusNotRetryable => match (self.http_status, self.grpc_status) {
+                        (None, None) => "the outcome is not retryable for this operation",
+                        _ => "the status is not retryable for this operation",
                     },
+                    DenyReason::ServerPushback => {
+                        "the server asked not to retry (grpc-retry-pushback-ms)"
+                    }
                 };
                 text.push_str("deny: ");
                 text.push_str(why);
                 text.push_str(" (rule ");
                 push_decimal(&mut text, self.rule.number().into());
-                if let (DenyReason::StatusNotRetryable, Some(status)) = (reason, self.http_status) {
-                    text.push_str(", status ");
-                    push_decimal(&mut text, status.into());
+                if reason == DenyReason::StatusNotRetryable {
+                    if let Some(status) = self.http_status {
+                        text.push_str(", status ");
+                        push_decimal(&mut text, status.into());
+                    } else if let Some(code) = self.grpc_status {
+                        text.push_str(", gRPC status ");
+                        text.push_str(code.as_str());
+                    }
                 }
                 text.push(')');
             }

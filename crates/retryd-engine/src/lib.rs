@@ -15,6 +15,7 @@ mod backoff;
 mod body;
 mod evidence;
 mod explanation;
+mod grpc;
 mod retry_after;
 #[cfg(test)]
 mod tests;
@@ -24,9 +25,10 @@ use std::time::{Duration, SystemTime};
 pub use backoff::{Backoff, Jitter};
 pub use body::{Body, Replayability};
 pub use evidence::{Evidence, FailureKind, effective_evidence};
+pub use grpc::{GrpcCode, GrpcCodes, Pushback, parse_pushback};
 pub use retry_after::parse_retry_after;
-/// `VARIANTS`, the derived list of every variant of [`DenyReason`] and
-/// [`FailureKind`].
+/// `VARIANTS`, the derived list of every variant of [`DenyReason`],
+/// [`FailureKind`] and [`GrpcCode`].
 pub use strum::VariantArray;
 
 /// How safe it is to execute the operation again, as the caller declares.
@@ -61,6 +63,9 @@ pub struct Policy {
     pub max_retry_after: Duration,
     /// Whether the upstream registers HTTP 500 as transient.
     pub transient_500: bool,
+    /// The gRPC codes this upstream retries (gRFC A6's
+    /// `retryableStatusCodes`); how each is retried is rule 9's.
+    pub grpc_retryable: GrpcCodes,
     /// Failure kinds this upstream treats as permanent, on top of the
     /// built-in ones.
     pub permanent_failures: Vec<FailureKind>,
@@ -76,6 +81,7 @@ impl Default for Policy {
             min_attempt_budget: Duration::from_millis(50),
             max_retry_after: Duration::from_secs(60),
             transient_500: false,
+            grpc_retryable: GrpcCodes::DEFAULT,
             permanent_failures: Vec::new(),
             backoff: Backoff::default(),
         }
@@ -130,6 +136,11 @@ pub struct Facts<'a> {
     pub http_status: Option<u16>,
     /// The raw Retry-After header, if any.
     pub retry_after: Option<&'a str>,
+    /// The gRPC status a gRPC call ended with; never set with `http_status`.
+    /// Unlike an HTTP status it proves no response: libraries make codes up.
+    pub grpc_status: Option<GrpcCode>,
+    /// The raw `grpc-retry-pushback-ms` trailer, if the server sent one.
+    pub grpc_pushback: Option<&'a str>,
     /// Time left before the caller's deadline, if it has one.
     pub deadline_remaining: Option<Duration>,
     /// The response's first byte already reached the application.
@@ -176,6 +187,8 @@ pub enum DenyReason {
     PermanentFailure,
     /// Rule 9.
     StatusNotRetryable,
+    /// Rule 9: a negative or unparseable gRPC pushback (gRFC A6).
+    ServerPushback,
 }
 
 impl DenyReason {
@@ -192,6 +205,7 @@ impl DenyReason {
             DenyReason::Deadline => "deadline",
             DenyReason::PermanentFailure => "permanent_failure",
             DenyReason::StatusNotRetryable => "status_not_retryable",
+            DenyReason::ServerPushback => "server_pushback",
         }
     }
 }
@@ -266,6 +280,8 @@ pub struct Decision {
     pub evidence_adjusted: bool,
     /// The status, for the explanation.
     http_status: Option<u16>,
+    /// The gRPC code, for the explanation.
+    grpc_status: Option<GrpcCode>,
 }
 
 impl Decision {
@@ -289,14 +305,18 @@ impl Decision {
 /// Decides one failed attempt. Rules are checked in the specification's
 /// order and the first that applies decides; see the module docs.
 pub fn decide(facts: &Facts<'_>, policy: &Policy) -> Decision {
+    // An HTTP status or a pushback trailer can only have come from the
+    // server; a gRPC code alone may be the library's own.
+    let answered = facts.http_status.is_some() || facts.grpc_pushback.is_some();
     let (effective, evidence_adjusted) =
-        effective_evidence(facts.claimed_evidence, facts.failure, facts.http_status);
+        effective_evidence(facts.claimed_evidence, facts.failure, answered);
     let answer = |verdict, rule| Decision {
         verdict,
         rule,
         effective_evidence: effective,
         evidence_adjusted,
         http_status: facts.http_status,
+        grpc_status: facts.grpc_status,
     };
     let deny = |reason, rule| answer(Verdict::Deny(reason), rule);
 
@@ -363,14 +383,14 @@ pub fn decide(facts: &Facts<'_>, policy: &Policy) -> Decision {
             None => deny(DenyReason::Deadline, Rule::DEADLINE),
         },
         StatusOutcome::Ambiguous => answer(Verdict::Ambiguous, Rule::STATUS),
-        StatusOutcome::Deny => deny(DenyReason::StatusNotRetryable, Rule::STATUS),
+        StatusOutcome::Deny(reason) => deny(reason, Rule::STATUS),
     }
 }
 
 enum StatusOutcome {
     Retry { refresh_credentials: bool },
     Ambiguous,
-    Deny,
+    Deny(DenyReason),
 }
 
 /// Rule 9: by evidence, then by status.
@@ -389,16 +409,23 @@ fn status_rule(facts: &Facts<'_>, policy: &Policy, effective: Evidence) -> Statu
         }
     };
     match effective {
-        // Proven never received: repeating cannot duplicate anything.
+        // Proven never received: repeating cannot duplicate anything,
+        // whatever code the library made up for it.
         Evidence::NotSent => return retry,
         // Rule 8 already answered the operations that are not idempotent.
-        Evidence::SentNoResponse => return retry,
-        Evidence::PartialResponse => match facts.http_status {
+        // A gRPC code still speaks: the library's own CANCELLED, or the
+        // RESOURCE_EXHAUSTED of an oversized message, is no reason to retry.
+        Evidence::SentNoResponse if facts.grpc_status.is_none() => return retry,
+        Evidence::SentNoResponse => {}
+        Evidence::PartialResponse => match (facts.http_status, facts.grpc_status) {
             // The effect happened and its result was lost on the way.
-            None | Some(200..=399) => return retry_if_idempotent_else_ambiguous(),
-            Some(_) => {}
+            (None, None) | (Some(200..=399), _) => return retry_if_idempotent_else_ambiguous(),
+            _ => {}
         },
         Evidence::ResponseReceived => {}
+    }
+    if let Some(code) = facts.grpc_status {
+        return grpc_rule(code, facts, policy);
     }
     match facts.http_status {
         Some(408) => retry,
@@ -411,7 +438,50 @@ fn status_rule(facts: &Facts<'_>, policy: &Policy, effective: Evidence) -> Statu
         }
         Some(500) if policy.transient_500 && safely_idempotent => retry,
         Some(502..=504) => retry_if_idempotent_else_ambiguous(),
-        _ => StatusOutcome::Deny,
+        _ => StatusOutcome::Deny(DenyReason::StatusNotRetryable),
+    }
+}
+
+/// Rule 9 for a gRPC code: the HTTP table's counterpart, row by row, from
+/// the gRPC status-code guide and gRFC A6.
+fn grpc_rule(code: GrpcCode, facts: &Facts<'_>, policy: &Policy) -> StatusOutcome {
+    let retry = StatusOutcome::Retry {
+        refresh_credentials: false,
+    };
+    let pushback = facts.grpc_pushback.map(parse_pushback);
+    // A6: a negative or unparseable pushback means "do not retry", on any
+    // code, whatever the upstream lists.
+    if pushback == Some(Pushback::DoNotRetry) {
+        return StatusOutcome::Deny(DenyReason::ServerPushback);
+    }
+    if !policy.grpc_retryable.contains(code) {
+        return StatusOutcome::Deny(DenyReason::StatusNotRetryable);
+    }
+    let safely_idempotent = facts.idempotency.is_safely_idempotent();
+    match code {
+        // The server (or a proxy) may have run the call before failing, as
+        // with 502-504; a deadline is a response that never came, as with
+        // SENT_NO_RESPONSE.
+        GrpcCode::Unavailable | GrpcCode::DeadlineExceeded if safely_idempotent => retry,
+        GrpcCode::Unavailable | GrpcCode::DeadlineExceeded => StatusOutcome::Ambiguous,
+        // Like 429 + Retry-After, but only with a pushback: without one the
+        // code is also what a library reports for an oversized message,
+        // which no retry fixes.
+        GrpcCode::ResourceExhausted if pushback.is_some() => retry,
+        GrpcCode::ResourceExhausted => StatusOutcome::Deny(DenyReason::StatusNotRetryable),
+        // Like 401: one refresh-and-replay for calls with no side effects.
+        GrpcCode::Unauthenticated
+            if facts.idempotency == Idempotency::Safe && !facts.auth_refresh_attempted =>
+        {
+            StatusOutcome::Retry {
+                refresh_credentials: true,
+            }
+        }
+        GrpcCode::Unauthenticated => StatusOutcome::Deny(DenyReason::StatusNotRetryable),
+        // INTERNAL, UNKNOWN and any other code the upstream registers: like
+        // a transient 500, only for calls that are safely idempotent.
+        _ if safely_idempotent => retry,
+        _ => StatusOutcome::Deny(DenyReason::StatusNotRetryable),
     }
 }
 
@@ -422,9 +492,13 @@ fn backoff_within_deadline(
     policy: &Policy,
     refresh_credentials: bool,
 ) -> Option<Duration> {
-    let floor = facts
-        .retry_after
-        .and_then(|raw| parse_retry_after(raw, facts.now));
+    // Retry-After (HTTP) or a valid pushback (gRPC): the server's floor.
+    let floor = match facts.grpc_pushback.map(parse_pushback) {
+        Some(Pushback::Wait(wait)) => Some(wait),
+        _ => facts
+            .retry_after
+            .and_then(|raw| parse_retry_after(raw, facts.now)),
+    };
     if let Some(floor) = floor {
         if floor > policy.max_retry_after {
             return None;

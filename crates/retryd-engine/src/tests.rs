@@ -24,6 +24,8 @@ struct Case {
     failure: Option<FailureKind>,
     status: Option<u16>,
     retry_after: Option<&'static str>,
+    grpc: Option<GrpcCode>,
+    pushback: Option<&'static str>,
     deadline: Option<Duration>,
     first_byte_delivered: bool,
     draining: bool,
@@ -45,6 +47,8 @@ fn case() -> Case {
         failure: Some(FailureKind::Connect),
         status: None,
         retry_after: None,
+        grpc: None,
+        pushback: None,
         deadline: None,
         first_byte_delivered: false,
         draining: false,
@@ -64,6 +68,17 @@ impl Case {
         self.status = Some(status);
         self
     }
+    /// A gRPC call that ended with `code`, its status sent by the server.
+    fn grpc(mut self, code: GrpcCode) -> Self {
+        self.failure = None;
+        self.claimed = Some(Evidence::ResponseReceived);
+        self.grpc = Some(code);
+        self
+    }
+    fn pushback(mut self, raw: &'static str) -> Self {
+        self.pushback = Some(raw);
+        self
+    }
     fn idempotency(mut self, idempotency: Idempotency) -> Self {
         self.idempotency = idempotency;
         self
@@ -77,6 +92,8 @@ impl Case {
             failure: self.failure,
             http_status: self.status,
             retry_after: self.retry_after,
+            grpc_status: self.grpc,
+            grpc_pushback: self.pushback,
             deadline_remaining: self.deadline,
             first_byte_delivered: self.first_byte_delivered,
             runtime_draining: self.draining,
@@ -451,6 +468,15 @@ fn evidence_is_never_upgraded() {
             false,
         ),
         (None, None, Some(429), ResponseReceived, false),
+        // Something only a server sends (a pushback trailer) weakens a
+        // NOT_SENT claim even with a failure that would prove it.
+        (
+            Some(NotSent),
+            Some(FailureKind::Connect),
+            Some(14),
+            ResponseReceived,
+            true,
+        ),
         (
             None,
             Some(FailureKind::InterruptedStream),
@@ -461,7 +487,7 @@ fn evidence_is_never_upgraded() {
     ];
     for &(claim, failure, status, effective, adjusted) in rows {
         assert_eq!(
-            effective_evidence(claim, failure, status),
+            effective_evidence(claim, failure, status.is_some()),
             (effective, adjusted),
             "{claim:?} {failure:?} {status:?}"
         );
@@ -597,6 +623,8 @@ fn retry_after_is_a_floor_within_the_deadline() {
         failure: None,
         http_status: Some(429),
         retry_after: Some("Fri, 15 Jan 2027 08:00:03 GMT"),
+        grpc_status: None,
+        grpc_pushback: None,
         deadline_remaining: None,
         first_byte_delivered: false,
         runtime_draining: false,
@@ -672,6 +700,7 @@ fn every_explanation_word_for_word() {
         effective_evidence: Evidence::SentNoResponse,
         evidence_adjusted: adjusted,
         http_status: status,
+        grpc_status: None,
     };
     let retry = |refresh_credentials| Verdict::Retry {
         backoff: Duration::from_micros(1_234_567),
@@ -826,6 +855,15 @@ fn any_case() -> impl Strategy<Value = Case> {
             prop::option::of(prop::sample::select(FailureKind::VARIANTS.to_vec())),
             prop::option::of(prop_oneof![100u16..600, Just(401), Just(429), Just(503)]),
             prop::option::of(prop_oneof![Just("1"), Just("100"), Just("junk")]),
+            prop::option::of(prop::sample::select(GrpcCode::VARIANTS.to_vec())),
+            prop::option::of(prop_oneof![
+                Just("0"),
+                Just("300"),
+                Just("-1"),
+                Just("junk"),
+                Just("99999999")
+            ]),
+            any::<bool>(),
         ),
         (
             prop::option::of((0u64..3000).prop_map(Duration::from_millis)),
@@ -840,24 +878,30 @@ fn any_case() -> impl Strategy<Value = Case> {
             prop::bool::weighted(0.05),
         ),
     )
-        .prop_map(|(a, b)| Case {
-            idempotency: a.0,
-            body: a.1,
-            attempt: a.2,
-            claimed: a.3,
-            failure: a.4,
-            status: a.5,
-            retry_after: a.6,
-            deadline: b.0,
-            first_byte_delivered: b.1,
-            draining: b.2,
-            auth_refreshed: b.3,
-            previous_backoff: b.4,
-            max_attempts: b.5,
-            tokens: b.6,
-            enabled: b.7,
-            unavailable: b.9,
-            jitter: b.8,
+        .prop_map(|(a, b)| {
+            // An HTTP call or a gRPC call, as validation allows: never both.
+            let grpc_call = a.9;
+            Case {
+                idempotency: a.0,
+                body: a.1,
+                attempt: a.2,
+                claimed: a.3,
+                failure: a.4,
+                status: if grpc_call { None } else { a.5 },
+                retry_after: if grpc_call { None } else { a.6 },
+                grpc: if grpc_call { a.7 } else { None },
+                pushback: if grpc_call { a.8 } else { None },
+                deadline: b.0,
+                first_byte_delivered: b.1,
+                draining: b.2,
+                auth_refreshed: b.3,
+                previous_backoff: b.4,
+                max_attempts: b.5,
+                tokens: b.6,
+                enabled: b.7,
+                unavailable: b.9,
+                jitter: b.8,
+            }
         })
 }
 
@@ -950,6 +994,7 @@ proptest! {
         if decision.effective_evidence == Evidence::NotSent {
             prop_assert!(case.failure.is_some_and(|f| f.evidence_floor() == Evidence::NotSent));
             prop_assert!(case.status.is_none());
+            prop_assert!(case.pushback.is_none());
         }
         // Not idempotent and possibly executed: never a retry.
         if case.idempotency == NonIdempotent
@@ -970,7 +1015,14 @@ proptest! {
             policy.backoff.jitter = Jitter::Decorrelated;
         }
         if let Verdict::Retry { backoff, .. } = case.run(&policy).verdict {
-            let floor = case.retry_after.and_then(|raw| parse_retry_after(raw, now()));
+            let floor = match case.pushback.map(parse_pushback) {
+                Some(Pushback::Wait(wait)) => Some(wait),
+                Some(Pushback::DoNotRetry) => {
+                    prop_assert!(false, "a retry despite a do-not-retry pushback");
+                    None
+                }
+                None => case.retry_after.and_then(|raw| parse_retry_after(raw, now())),
+            };
             prop_assert!(backoff <= policy.backoff.max.max(floor.unwrap_or_default()));
             if let Some(floor) = floor {
                 prop_assert!(backoff >= floor);
@@ -981,4 +1033,378 @@ proptest! {
             }
         }
     }
+}
+
+proptest! {
+    /// Rule 8 wins over every gRPC code: a non-idempotent call that may
+    /// have run is AMBIGUOUS whatever code its library reported, unless an
+    /// earlier rule denied it.
+    #[test]
+    fn rule_8_wins_over_every_grpc_code(
+        case in any_case(),
+        code in prop::sample::select(GrpcCode::VARIANTS.to_vec()),
+    ) {
+        let policy = Policy::default();
+        let case = Case {
+            idempotency: NonIdempotent,
+            claimed: Some(Evidence::SentNoResponse),
+            status: None,
+            retry_after: None,
+            pushback: None,
+            grpc: Some(code),
+            ..case
+        };
+        let decision = case.run(&policy);
+        // (A failure like a decode reset weakens the claim past it.)
+        if first_forbidding_rule(&case, &policy).is_none()
+            && decision.effective_evidence == Evidence::SentNoResponse
+        {
+            prop_assert_eq!(decision.verdict, Verdict::Ambiguous, "{}", decision);
+            prop_assert_eq!(decision.rule, Rule::AMBIGUOUS_SEND);
+        }
+    }
+
+    /// Proven never sent is a RETRY whatever the code (rule 0 evidence
+    /// decides first), once rules 1 to 7 let it through.
+    #[test]
+    fn not_sent_retries_whatever_the_code(
+        code in prop::sample::select(GrpcCode::VARIANTS.to_vec()),
+        idempotency in any_idempotency(),
+    ) {
+        let c = Case { grpc: Some(code), idempotency, ..case() };
+        let decision = c.run(&Policy::default());
+        prop_assert!(matches!(decision.verdict, Verdict::Retry { .. }), "{}", decision);
+        prop_assert_eq!(decision.effective_evidence, Evidence::NotSent);
+    }
+}
+
+/// Every row of the gRPC table (README "gRPC outcomes"), with the HTTP row
+/// it mirrors, for a server-sent status (RESPONSE_RECEIVED).
+#[test]
+fn grpc_rows() {
+    use GrpcCode::*;
+    let rows: &[(&str, Case, Expect)] = &[
+        (
+            "unavailable, safe",
+            case().grpc(Unavailable).idempotency(Safe),
+            Expect::Retry,
+        ),
+        (
+            "unavailable, keyed",
+            case().grpc(Unavailable).idempotency(IdempotentWithKey),
+            Expect::Retry,
+        ),
+        (
+            "unavailable, not idempotent",
+            case().grpc(Unavailable).idempotency(NonIdempotent),
+            Expect::Ambiguous,
+        ),
+        (
+            "exhausted with pushback",
+            case().grpc(ResourceExhausted).pushback("300"),
+            Expect::Retry,
+        ),
+        (
+            "exhausted with pushback, not idempotent (as 429)",
+            case()
+                .grpc(ResourceExhausted)
+                .pushback("300")
+                .idempotency(NonIdempotent),
+            Expect::Retry,
+        ),
+        (
+            "exhausted without pushback",
+            case().grpc(ResourceExhausted),
+            Expect::Deny(StatusNotRetryable),
+        ),
+        (
+            "exhausted, pushback 0",
+            case().grpc(ResourceExhausted).pushback("0"),
+            Expect::Retry,
+        ),
+        (
+            "negative pushback",
+            case().grpc(ResourceExhausted).pushback("-1"),
+            Expect::Deny(ServerPushback),
+        ),
+        (
+            "garbage pushback",
+            case().grpc(Unavailable).pushback("soon"),
+            Expect::Deny(ServerPushback),
+        ),
+        (
+            "empty pushback",
+            case().grpc(Unavailable).pushback(""),
+            Expect::Deny(ServerPushback),
+        ),
+        (
+            "fractional pushback",
+            case().grpc(Unavailable).pushback("1.5"),
+            Expect::Deny(ServerPushback),
+        ),
+        (
+            "negative pushback on a denied code",
+            case().grpc(Aborted).pushback("-1"),
+            Expect::Deny(ServerPushback),
+        ),
+        (
+            "valid pushback on a denied code",
+            case().grpc(Aborted).pushback("10"),
+            Expect::Deny(StatusNotRetryable),
+        ),
+        (
+            "deadline, idempotent",
+            case().grpc(DeadlineExceeded),
+            Expect::Retry,
+        ),
+        (
+            "deadline, not idempotent",
+            case().grpc(DeadlineExceeded).idempotency(NonIdempotent),
+            Expect::Ambiguous,
+        ),
+        (
+            "unauthenticated, safe",
+            case().grpc(Unauthenticated).idempotency(Safe),
+            Expect::RetryRefresh,
+        ),
+        (
+            "unauthenticated, idempotent",
+            case().grpc(Unauthenticated),
+            Expect::Deny(StatusNotRetryable),
+        ),
+        (
+            "internal",
+            case().grpc(Internal),
+            Expect::Deny(StatusNotRetryable),
+        ),
+        (
+            "unknown",
+            case().grpc(Unknown),
+            Expect::Deny(StatusNotRetryable),
+        ),
+        (
+            "aborted",
+            case().grpc(Aborted),
+            Expect::Deny(StatusNotRetryable),
+        ),
+        (
+            "cancelled",
+            case().grpc(Cancelled),
+            Expect::Deny(StatusNotRetryable),
+        ),
+        (
+            "invalid argument",
+            case().grpc(InvalidArgument),
+            Expect::Deny(StatusNotRetryable),
+        ),
+        (
+            "unimplemented",
+            case().grpc(Unimplemented),
+            Expect::Deny(StatusNotRetryable),
+        ),
+    ];
+    for (name, c, expect) in rows {
+        check(name, c.clone(), *expect, 9);
+    }
+    let mut c = case().grpc(Unauthenticated).idempotency(Safe);
+    c.auth_refreshed = true;
+    check(
+        "unauthenticated after a refresh",
+        c,
+        Expect::Deny(StatusNotRetryable),
+        9,
+    );
+
+    // INTERNAL and UNKNOWN registered by the upstream: as a transient 500.
+    let registered = Policy {
+        grpc_retryable: GrpcCodes::DEFAULT.with(Internal).with(Unknown),
+        ..Policy::default()
+    };
+    check_with(
+        "internal registered",
+        &registered,
+        case().grpc(Internal),
+        Expect::Retry,
+        9,
+    );
+    check_with(
+        "unknown registered",
+        &registered,
+        case().grpc(Unknown),
+        Expect::Retry,
+        9,
+    );
+    check_with(
+        "internal registered, not idempotent",
+        &registered,
+        case().grpc(Internal).idempotency(NonIdempotent),
+        Expect::Deny(StatusNotRetryable),
+        9,
+    );
+    // An upstream that lists only UNAVAILABLE retries nothing else.
+    let only_unavailable = Policy {
+        grpc_retryable: [Unavailable].into_iter().collect(),
+        ..Policy::default()
+    };
+    check_with(
+        "deadline unlisted",
+        &only_unavailable,
+        case().grpc(DeadlineExceeded),
+        Expect::Deny(StatusNotRetryable),
+        9,
+    );
+    check_with(
+        "unavailable listed",
+        &only_unavailable,
+        case().grpc(Unavailable),
+        Expect::Retry,
+        9,
+    );
+}
+
+/// The evidence rows of a gRPC call: a code alone proves no response.
+#[test]
+fn grpc_evidence() {
+    use Evidence::*;
+    use GrpcCode::*;
+    // Unclaimed, no failure: SENT_NO_RESPONSE, so rule 8 answers for a
+    // call that is not idempotent.
+    let mut c = case().grpc(Unavailable).idempotency(NonIdempotent);
+    c.claimed = None;
+    let decision = c.run(&Policy::default());
+    assert_eq!(decision.effective_evidence, SentNoResponse);
+    assert_eq!(
+        (decision.verdict, decision.rule),
+        (Verdict::Ambiguous, Rule::AMBIGUOUS_SEND)
+    );
+    // A reset after the request was written, on an idempotent call: the code
+    // still speaks (CANCELLED is the caller's own doing).
+    let mut c = case().grpc(Cancelled);
+    c.claimed = Some(SentNoResponse);
+    check(
+        "cancelled after sending",
+        c,
+        Expect::Deny(StatusNotRetryable),
+        9,
+    );
+    let mut c = case().grpc(Unavailable);
+    c.claimed = Some(SentNoResponse);
+    c.failure = Some(FailureKind::ConnectionReset);
+    check("reset after sending", c, Expect::Retry, 9);
+    // A library-made UNAVAILABLE with a proving failure: NOT_SENT, retried
+    // even when not idempotent.
+    let mut c = case().grpc(Unavailable).idempotency(NonIdempotent);
+    c.claimed = Some(NotSent);
+    c.failure = Some(FailureKind::Connect);
+    let decision = c.run(&Policy::default());
+    assert_eq!(decision.effective_evidence, NotSent);
+    assert!(
+        matches!(decision.verdict, Verdict::Retry { .. }),
+        "{decision}"
+    );
+    // A pushback is the server's: a NOT_SENT claim is weakened.
+    let mut c = case().grpc(ResourceExhausted).pushback("100");
+    c.claimed = Some(NotSent);
+    c.failure = Some(FailureKind::Connect);
+    let decision = c.run(&Policy::default());
+    assert_eq!(decision.effective_evidence, ResponseReceived);
+    assert!(decision.evidence_adjusted);
+    // A partial response with a code (a stream that broke): the code decides.
+    let mut c = case().grpc(Internal);
+    c.claimed = Some(PartialResponse);
+    check("partial, internal", c, Expect::Deny(StatusNotRetryable), 9);
+}
+
+/// A valid pushback is a floor on the backoff, inside `max_retry_after`
+/// and the deadline, exactly as Retry-After is.
+#[test]
+fn pushback_is_a_floor_within_the_deadline() {
+    let mut c = case().grpc(GrpcCode::ResourceExhausted).pushback("300");
+    c.jitter = 0.0;
+    assert_eq!(
+        backoff_of(&c, &Policy::default()),
+        Duration::from_millis(300)
+    );
+    c.pushback = Some(" 2000 ");
+    assert_eq!(backoff_of(&c, &Policy::default()), Duration::from_secs(2));
+    c.pushback = Some("61000");
+    check(
+        "pushback above max_retry_after",
+        c.clone(),
+        Expect::Deny(Deadline),
+        6,
+    );
+    c.pushback = Some("99999999999999999999999");
+    check("pushback beyond u64", c.clone(), Expect::Deny(Deadline), 6);
+    c.pushback = Some("300");
+    c.deadline = Some(Duration::from_millis(349));
+    check(
+        "pushback beyond the deadline",
+        c.clone(),
+        Expect::Deny(Deadline),
+        6,
+    );
+    c.deadline = Some(Duration::from_millis(350));
+    assert_eq!(
+        backoff_of(&c, &Policy::default()),
+        Duration::from_millis(300)
+    );
+    // The computed backoff wins when it is longer.
+    let mut c = case().grpc(GrpcCode::Unavailable).pushback("1");
+    c.attempt = 2;
+    c.jitter = 0.999;
+    let computed = Policy::default().backoff.compute(2, None, 0.999);
+    assert!(computed > Duration::from_millis(1));
+    assert_eq!(backoff_of(&c, &Policy::default()), computed);
+}
+
+#[test]
+fn grpc_codes_and_names() {
+    for (index, code) in GrpcCode::VARIANTS.iter().enumerate() {
+        assert_eq!(code.number() as usize, index + 1);
+        assert_eq!(GrpcCode::from_number(code.number()), Some(*code));
+        assert_eq!(GrpcCode::from_name(code.as_str()), Some(*code));
+    }
+    assert_eq!(GrpcCode::from_number(0), None);
+    assert_eq!(GrpcCode::from_number(17), None);
+    assert_eq!(GrpcCode::from_number(u32::MAX), None);
+    assert_eq!(GrpcCode::Unavailable.number(), 14);
+    assert_eq!(GrpcCode::from_name("UNAVAILABLE"), None);
+    let set: GrpcCodes = [GrpcCode::Unauthenticated, GrpcCode::Cancelled]
+        .into_iter()
+        .collect();
+    assert_eq!(
+        set.iter().collect::<Vec<_>>(),
+        [GrpcCode::Cancelled, GrpcCode::Unauthenticated]
+    );
+    assert!(!set.contains(GrpcCode::Unavailable));
+    assert_eq!(parse_pushback("+3"), Pushback::DoNotRetry);
+    assert_eq!(parse_pushback("0x10"), Pushback::DoNotRetry);
+    assert_eq!(
+        parse_pushback("12"),
+        Pushback::Wait(Duration::from_millis(12))
+    );
+}
+
+#[test]
+fn grpc_explanations_word_for_word() {
+    let explain = |c: Case| c.run(&Policy::default()).to_string();
+    let mut c = case().grpc(GrpcCode::Unavailable);
+    c.jitter = 0.0;
+    assert_eq!(
+        explain(c),
+        "retry after 0ms: gRPC status unavailable is retryable (rule 9)"
+    );
+    assert_eq!(
+        explain(case().grpc(GrpcCode::Aborted)),
+        "deny: the status is not retryable for this operation (rule 9, gRPC status aborted)"
+    );
+    assert_eq!(
+        explain(case().grpc(GrpcCode::Unavailable).pushback("-1")),
+        "deny: the server asked not to retry (grpc-retry-pushback-ms) (rule 9)"
+    );
+    assert_eq!(
+        explain(case().grpc(GrpcCode::Unauthenticated).idempotency(Safe)),
+        "retry after 0ms: refresh credentials and replay once (rule 9, unauthenticated)"
+    );
 }

@@ -16,6 +16,8 @@ fn decision(idempotency: Idempotency, evidence: Evidence) -> Decision {
         failure: None,
         http_status: None,
         retry_after: None,
+        grpc_status: None,
+        grpc_pushback: None,
         deadline_remaining: None,
         first_byte_delivered: false,
         runtime_draining: false,
