@@ -6,7 +6,9 @@
 
 mod admin;
 mod connections;
+mod deadline;
 mod decider;
+mod received;
 mod report;
 mod status;
 pub mod validate;
@@ -29,6 +31,7 @@ use crate::pb;
 use crate::policy::Policies;
 use crate::telemetry::{Attribute, Metrics, SpanStart, Throttle, TraceContext, Tracer, attr};
 pub use connections::{Acceptor, Peer};
+pub use received::ReceivedAt;
 
 /// The health-service name that reports the budget store's reachability.
 pub const STORE_HEALTH_SERVICE: &str = "retryd.v1.BudgetStore";

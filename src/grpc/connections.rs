@@ -35,6 +35,7 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
 
+use super::received::{ReceivedAt, TimedTcp};
 use crate::auth::certificate_identities;
 use crate::config::{InvalidConfig, ServerLimits, TlsConfig};
 use crate::telemetry::Throttle;
@@ -64,6 +65,8 @@ pub struct Peer {
     /// [`certificate_identities`]); `None` without TLS or without a client
     /// certificate.
     pub identities: Option<Arc<[String]>>,
+    /// When the kernel received the bytes the connection read last.
+    pub received: ReceivedAt,
 }
 
 impl Peer {
@@ -134,6 +137,7 @@ impl Acceptor {
         // Without it, Nagle's algorithm held a response's last small segment
         // until the caller's delayed ACK: a 40 ms tail on a share of calls.
         stream.set_nodelay(true)?;
+        let (stream, received) = TimedTcp::new(stream);
         let (mut io, identities) = match &self.tls {
             None => (Io::Plain(stream), None),
             Some(tls) => {
@@ -161,6 +165,7 @@ impl Acceptor {
             Peer {
                 remote_addr,
                 identities,
+                received,
             },
         ))
     }
@@ -362,8 +367,8 @@ impl tonic::transport::server::Connected for Connection {
 }
 
 enum Io {
-    Plain(TcpStream),
-    Tls(Box<TlsStream<TcpStream>>),
+    Plain(TimedTcp),
+    Tls(Box<TlsStream<TimedTcp>>),
 }
 
 impl AsyncRead for Io {

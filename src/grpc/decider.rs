@@ -8,9 +8,10 @@ use futures::{FutureExt, Stream, StreamExt};
 use rand::Rng;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::deadline;
 use super::status::store_status;
 use super::validate::ValidDecideRequest;
-use super::{Live, Service, peer_addr, trace_context, validate};
+use super::{Live, Service, peer, peer_addr, trace_context, validate};
 use crate::auth::{Denied, Principal};
 use crate::budget::{BudgetCheck, BudgetStore, StoreError};
 use crate::engine::{self, BudgetView, Decision, DenyReason, Evidence, Idempotency, Verdict};
@@ -293,6 +294,16 @@ impl<S: BudgetStore> Service<S> {
     }
 }
 
+impl<S: BudgetStore> Service<S> {
+    /// `Err(DEADLINE_EXCEEDED)` once a stream's deadline has passed.
+    fn within(&self, deadline: Option<Instant>) -> Result<(), Status> {
+        match deadline {
+            Some(deadline) => deadline::expired(deadline, &self.inner.metrics),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Refuses an upstream the principal may not use.
 pub(super) fn permit(principal: &Principal, upstream: &str, field: &str) -> Result<(), Status> {
     if principal.may_use(upstream) {
@@ -389,6 +400,10 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         // One load of the configuration serves authentication and decision.
         let live = self.live();
         let principal = self.authenticate(&live, &request, RPC_DECIDE)?;
+        let received = peer(&request).and_then(|peer| peer.received.get());
+        if let Some(deadline) = deadline::caller_deadline(request.metadata(), received) {
+            deadline::still_wanted(deadline, &self.inner.metrics).await?;
+        }
         let parent = trace_context(request.metadata());
         let answer = if S::ANSWERS_AT_ONCE {
             self.decide_one_now(&live, principal, request.get_ref(), parent.as_ref())
@@ -412,6 +427,10 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         // The caller authenticates once for the stream; each item is still
         // checked against the upstreams it may use.
         let principal = Arc::clone(self.authenticate(&self.live(), &request, RPC_DECIDE_STREAM)?);
+        // The stream's deadline covers every item: one arriving after it is
+        // answered DEADLINE_EXCEEDED in place, and spends nothing.
+        let received = peer(&request).and_then(|peer| peer.received.get());
+        let deadline = deadline::caller_deadline(request.metadata(), received);
         // Every item's span is a child of the stream's trace context.
         let parent = trace_context(request.metadata()).map(Arc::new);
         let peer = peer_addr(&request);
@@ -438,12 +457,14 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
             // no future per item to box, queue and reorder.
             Box::pin(items.map(move |item| {
                 item.map(|request| {
-                    let answer = service.decide_one_now(
-                        &service.live(),
-                        &principal,
-                        &request,
-                        parent.as_deref(),
-                    );
+                    let answer = service.within(deadline).and_then(|()| {
+                        service.decide_one_now(
+                            &service.live(),
+                            &principal,
+                            &request,
+                            parent.as_deref(),
+                        )
+                    });
                     answered(&service, &principal, answer)
                 })
             }))
@@ -456,14 +477,19 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
                         let principal = Arc::clone(&principal);
                         async move {
                             let request = item?;
-                            let answer = service
-                                .decide_one(
-                                    &service.live(),
-                                    &principal,
-                                    &request,
-                                    parent.as_deref(),
-                                )
-                                .await;
+                            let answer = match service.within(deadline) {
+                                Ok(()) => {
+                                    service
+                                        .decide_one(
+                                            &service.live(),
+                                            &principal,
+                                            &request,
+                                            parent.as_deref(),
+                                        )
+                                        .await
+                                }
+                                Err(status) => Err(status),
+                            };
                             Ok(answered(&service, &principal, answer))
                         }
                     })

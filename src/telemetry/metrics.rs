@@ -71,6 +71,10 @@ pub const METRIC_STORE_FORFEITED: &str = "retryd_store_forfeited_tokens_total";
 pub const METRIC_STORE_LOST_DEPOSITS: &str = "retryd_store_lost_deposits_total";
 /// Counter of configuration reloads, by outcome.
 pub const METRIC_RELOADS: &str = "retryd_config_reloads_total";
+/// Counter of decisions not made because the caller had given up, by
+/// reason (`deadline`: its grpc-timeout passed; `cancelled`: it reset the
+/// call). None spent a token.
+pub const METRIC_EXPIRED: &str = "retryd_expired_requests_total";
 
 /// The label of upstreams the configuration does not name.
 pub const OTHER_UPSTREAM: &str = "_other";
@@ -124,6 +128,26 @@ fn shard_of_this_thread(shards: usize) -> usize {
     MINE.with(|mine| *mine) % shards
 }
 
+/// Why a decision was not made: the caller had given up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, strum::VariantArray)]
+pub enum Expiry {
+    /// Its `grpc-timeout` passed before the decision (answered
+    /// DEADLINE_EXCEEDED).
+    Deadline,
+    /// It reset the call before the decision (nobody to answer).
+    Cancelled,
+}
+
+impl Expiry {
+    /// The `reason` label: an exhaustive match.
+    fn label(self) -> &'static str {
+        match self {
+            Expiry::Deadline => "deadline",
+            Expiry::Cancelled => "cancelled",
+        }
+    }
+}
+
 /// A budget store operation, for the store metrics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, strum::VariantArray)]
 pub enum StoreOp {
@@ -172,6 +196,7 @@ pub struct Metrics {
     /// Spans lost in failed exports.
     pub spans_failed: AtomicU64,
     reloads: [AtomicU64; 2],
+    expired: [AtomicU64; Expiry::VARIANTS.len()],
 }
 
 impl Metrics {
@@ -212,7 +237,13 @@ impl Metrics {
             spans_dropped: AtomicU64::new(0),
             spans_failed: AtomicU64::new(0),
             reloads: Default::default(),
+            expired: Default::default(),
         }
+    }
+
+    /// Counts a decision not made because its caller had given up.
+    pub fn record_expiry(&self, expiry: Expiry) {
+        self.expired[expiry as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a configuration reload, applied or refused.
@@ -331,6 +362,20 @@ impl Metrics {
         for (name, text, counter) in counters {
             help(&mut out, name, "counter", text);
             let _ = writeln!(out, "{name} {}", counter.load(Ordering::Relaxed));
+        }
+        help(
+            &mut out,
+            METRIC_EXPIRED,
+            "counter",
+            "Decisions not made because the caller had given up (deadline passed, or cancelled); none spent.",
+        );
+        for expiry in Expiry::VARIANTS {
+            let _ = writeln!(
+                out,
+                "{METRIC_EXPIRED}{{reason=\"{}\"}} {}",
+                expiry.label(),
+                self.expired[*expiry as usize].load(Ordering::Relaxed)
+            );
         }
         // One token per RETRY: the RETRY decisions, not a counter of its own.
         help(
