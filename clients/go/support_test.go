@@ -149,6 +149,10 @@ func (s *retrydServer) stop() {
 	}
 }
 
+// crash ends retryd with SIGKILL, as a crash would (a SIGTERM waits for
+// open streams to end).
+func (s *retrydServer) crash() { s.kill() }
+
 func (s *retrydServer) freeze() { _ = s.cmd.Process.Signal(syscall.SIGSTOP) }
 func (s *retrydServer) thaw()   { _ = s.cmd.Process.Signal(syscall.SIGCONT) }
 

@@ -351,7 +351,11 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	operation := call.Operation
 	if operation == "" {
-		operation = req.Method + " " + req.URL.EscapedPath()
+		path := req.URL.EscapedPath()
+		if path == "" {
+			path = "/"
+		}
+		operation = req.Method + " " + path
 		if len(operation) > 256 {
 			operation = operation[:256]
 		}
