@@ -19,6 +19,7 @@ type InvalidRequestError struct {
 	Message string
 }
 
+// Error describes the failure in one line.
 func (e *InvalidRequestError) Error() string { return "retryd: invalid request: " + e.Message }
 
 // GRPCStatus makes status.Code(err) answer INVALID_ARGUMENT.
@@ -44,6 +45,7 @@ type UnavailableError struct {
 	Message string
 }
 
+// Error describes the failure in one line.
 func (e *UnavailableError) Error() string {
 	return fmt.Sprintf("retryd: %s: %s", e.Code, e.Message)
 }
@@ -82,6 +84,7 @@ type AmbiguousError struct {
 	Err error
 }
 
+// Error describes the failure in one line.
 func (e *AmbiguousError) Error() string {
 	what := "the request may have taken effect upstream"
 	switch {
@@ -117,6 +120,7 @@ type Error struct {
 	Decisions []Decision
 }
 
+// Error is the attempt's error, with why no further attempt was made.
 func (e *Error) Error() string {
 	if n := len(e.Decisions); n > 0 {
 		last := e.Decisions[n-1]
