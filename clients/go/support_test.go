@@ -153,8 +153,23 @@ func (s *retrydServer) stop() {
 // open streams to end).
 func (s *retrydServer) crash() { s.kill() }
 
-func (s *retrydServer) freeze() { _ = s.cmd.Process.Signal(syscall.SIGSTOP) }
-func (s *retrydServer) thaw()   { _ = s.cmd.Process.Signal(syscall.SIGCONT) }
+// freeze stops retryd with SIGSTOP and waits until the kernel reports it
+// stopped (the signal is delivered asynchronously: a request sent at once
+// could still be answered).
+func (s *retrydServer) freeze() {
+	_ = s.cmd.Process.Signal(syscall.SIGSTOP)
+	stat := fmt.Sprintf("/proc/%d/stat", s.cmd.Process.Pid)
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		data, err := os.ReadFile(stat)
+		// The state follows the parenthesized command name: "pid (comm) T ...".
+		if i := strings.LastIndexByte(string(data), ')'); err == nil && i >= 0 && i+2 < len(data) && data[i+2] == 'T' {
+			return
+		}
+	}
+	s.t.Fatalf("retryd did not stop after SIGSTOP")
+}
+
+func (s *retrydServer) thaw() { _ = s.cmd.Process.Signal(syscall.SIGCONT) }
 
 // closedAddr is a loopback address nothing listens on: a port that was just
 // bound and released, so connecting is refused at once.
