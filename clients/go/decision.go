@@ -1,0 +1,68 @@
+package retryd
+
+import (
+	"math"
+	"strings"
+	"time"
+
+	pb "github.com/retryd/retryd/clients/go/retrydv1"
+)
+
+// Decision is retryd's answer for one failed attempt (or the local rule's,
+// when Fallback is true).
+type Decision struct {
+	// Verdict is RETRY, DENY or AMBIGUOUS.
+	Verdict pb.Verdict
+	// Backoff is how long to wait before the next attempt (RETRY only).
+	Backoff time.Duration
+	// DenyReason says why (DENY only).
+	DenyReason pb.DenyReason
+	// RefreshCredentials asks for fresh credentials before the replay (a
+	// RETRY after a 401 or UNAUTHENTICATED).
+	RefreshCredentials bool
+	// Rule is the step of the decision order that decided, 1 to 9.
+	Rule uint32
+	// EffectiveEvidence is the evidence retryd used, after weakening the
+	// claim to what the failure proves.
+	EffectiveEvidence pb.Evidence
+	// EvidenceAdjusted says whether EffectiveEvidence is weaker than the claim.
+	EvidenceAdjusted bool
+	// DecisionID identifies the decision on retryd's audit span ("" for a
+	// fallback decision).
+	DecisionID string
+	// TokensRemaining is the upstream's budget after the decision (NaN for a
+	// fallback decision).
+	TokensRemaining float64
+	// Explanation is one line for humans.
+	Explanation string
+	// Fallback is true when retryd could not answer and the local rule
+	// decided.
+	Fallback bool
+}
+
+// ShouldRetry reports whether the verdict is RETRY.
+func (d Decision) ShouldRetry() bool { return d.Verdict == pb.Verdict_VERDICT_RETRY }
+
+// IsAmbiguous reports whether the verdict is AMBIGUOUS.
+func (d Decision) IsAmbiguous() bool { return d.Verdict == pb.Verdict_VERDICT_AMBIGUOUS }
+
+func decisionOf(response *pb.DecideResponse) Decision {
+	return Decision{
+		Verdict:            response.GetVerdict(),
+		Backoff:            response.GetBackoff().AsDuration(),
+		DenyReason:         response.GetDenyReason(),
+		RefreshCredentials: response.GetRefreshCredentials(),
+		Rule:               response.GetRule(),
+		EffectiveEvidence:  response.GetEffectiveEvidence(),
+		EvidenceAdjusted:   response.GetEvidenceAdjusted(),
+		DecisionID:         response.GetDecisionId(),
+		TokensRemaining:    response.GetTokensRemaining(),
+		Explanation:        response.GetExplanation(),
+	}
+}
+
+func verdictName(d Decision) string {
+	return strings.TrimPrefix(d.Verdict.String(), "VERDICT_")
+}
+
+var nan = math.NaN()

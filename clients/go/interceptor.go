@@ -1,0 +1,185 @@
+package retryd
+
+import (
+	"context"
+	"time"
+
+	pb "github.com/retryd/retryd/clients/go/retrydv1"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+)
+
+// InterceptorOptions configures [Client.UnaryClientInterceptor]. The zero
+// value is usable.
+type InterceptorOptions struct {
+	// Upstream names the budget and policy, unless the call declares its
+	// own with WithCall; "" means the ClientConn's target.
+	Upstream string
+	// AttemptTimeout bounds each attempt (0: only the context does). An
+	// attempt that runs out of it is SENT_NO_RESPONSE (DEADLINE_EXCEEDED),
+	// retried if the call is safely idempotent, AMBIGUOUS otherwise.
+	AttemptTimeout time.Duration
+	// RefreshCredentials is called before replaying a call that retryd
+	// answered with refresh_credentials (after UNAUTHENTICATED); it returns
+	// the context for the replay (with fresh per-RPC metadata, say). Without
+	// it such a call fails with its UNAUTHENTICATED status.
+	RefreshCredentials func(ctx context.Context) (context.Context, error)
+	// DisableReporting stops counting first attempts on the client's
+	// TrafficReporter.
+	DisableReporting bool
+}
+
+// PushbackTrailer is the trailer of gRFC A6 through which a server asks a
+// client to wait (or not to retry); it is passed to retryd raw.
+const PushbackTrailer = "grpc-retry-pushback-ms"
+
+// UnaryClientInterceptor returns a grpc-go interceptor that retries unary
+// calls under retryd's decisions, like [Transport] does for HTTP:
+//
+//   - a call whose attempt never got a transport stream (a connection that
+//     could not be established, with WaitForReady false) provably never left:
+//     NOT_SENT, CONNECT;
+//   - a status the server sent (its HEADERS arrived) is RESPONSE_RECEIVED,
+//     with its code, and its grpc-retry-pushback-ms trailer passed raw;
+//   - a status grpc-go made up after the request may have been written (a
+//     deadline, a reset) is SENT_NO_RESPONSE with its code.
+//
+// Idempotency is declared with WithCall or WithIdempotency; undeclared, a
+// call is NON_IDEMPOTENT. The request message is replayable (a value plus a
+// deterministic codec). An AMBIGUOUS answer fails the call with an
+// *AmbiguousError, a denial with an *Error wrapping the call's status;
+// status.Code works on both. Backoffs are slept inside the context's
+// deadline, which is passed to retryd with each decision.
+//
+// Switch off grpc-go's own retries on the connection (grpc.WithDisableRetry,
+// and no retryPolicy in the service config): the interceptor would see only
+// their last attempt, and retries would be made that retryd never allowed.
+func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClientInterceptor {
+	return func(ctx context.Context, method string, req, reply interface{}, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, callOpts ...grpc.CallOption) error {
+		call := callOf(ctx)
+		idempotency := call.Idempotency
+		if idempotency == pb.Idempotency_IDEMPOTENCY_UNSPECIFIED {
+			idempotency = pb.Idempotency_IDEMPOTENCY_NON_IDEMPOTENT
+		}
+		upstream := call.Upstream
+		if upstream == "" {
+			upstream = opts.Upstream
+		}
+		if upstream == "" {
+			upstream = cc.Target()
+		}
+		operation := call.Operation
+		if operation == "" {
+			operation = truncate(method, 256)
+		}
+		if !opts.DisableReporting {
+			c.Reporter().Record(upstream, 1)
+		}
+		var decisions []Decision
+		var previousBackoff time.Duration
+		authRefreshed := false
+		attemptCtx := ctx
+		for attempt := 1; ; attempt++ {
+			var header, trailer metadata.MD
+			var p peer.Peer
+			options := append(callOpts[:len(callOpts):len(callOpts)], grpc.Header(&header), grpc.Trailer(&trailer), grpc.Peer(&p))
+			err := invokeAttempt(attemptCtx, opts.AttemptTimeout, method, req, reply, cc, invoker, options)
+			if err == nil {
+				return nil
+			}
+			if ctx.Err() != nil {
+				return &Error{Err: err, Attempts: attempt, Decisions: decisions}
+			}
+			st := status.Convert(err)
+			decideReq := &pb.DecideRequest{
+				Upstream:             upstream,
+				Operation:            operation,
+				Idempotency:          idempotency,
+				Body:                 &pb.Body{Kind: pb.BodyKind_BODY_KIND_ENCODED_VALUE},
+				Attempt:              uint32(attempt),
+				GrpcStatusCode:       uint32(st.Code()),
+				AuthRefreshAttempted: authRefreshed,
+				MaxAttempts:          call.MaxAttempts,
+			}
+			if st.Code() > 16 {
+				decideReq.GrpcStatusCode = uint32(codes.Unknown)
+			}
+			switch {
+			case p.Addr == nil:
+				// No transport stream was ever created for the attempt: the
+				// request never left this process.
+				decideReq.Evidence = pb.Evidence_EVIDENCE_NOT_SENT
+				decideReq.Failure = pb.FailureKind_FAILURE_KIND_CONNECT
+			case header != nil:
+				// The server's HEADERS arrived: the status is the server's.
+				decideReq.Evidence = pb.Evidence_EVIDENCE_RESPONSE_RECEIVED
+				if values := trailer.Get(PushbackTrailer); len(values) > 0 {
+					raw := truncate(values[0], 256)
+					decideReq.GrpcRetryPushbackMs = &raw
+				}
+			default:
+				decideReq.Evidence = pb.Evidence_EVIDENCE_SENT_NO_RESPONSE
+				if st.Code() == codes.DeadlineExceeded {
+					decideReq.Failure = pb.FailureKind_FAILURE_KIND_RESPONSE_HEADER_TIMEOUT
+				} else {
+					decideReq.Failure = pb.FailureKind_FAILURE_KIND_CONNECTION_RESET
+				}
+			}
+			if deadline, ok := ctx.Deadline(); ok {
+				remaining := time.Until(deadline)
+				if remaining < 0 {
+					remaining = 0
+				}
+				decideReq.DeadlineRemaining = durationpb.New(remaining)
+			}
+			if previousBackoff > 0 {
+				decideReq.PreviousBackoff = durationpb.New(previousBackoff)
+			}
+			decision, decideErr := c.Decide(ctx, decideReq)
+			if decideErr != nil {
+				return &Error{Err: decideErr, Attempts: attempt, Decisions: decisions}
+			}
+			decisions = append(decisions, decision)
+			if decision.IsAmbiguous() {
+				return &AmbiguousError{Decision: decision, Decisions: decisions, Attempts: attempt, Err: err}
+			}
+			if !decision.ShouldRetry() || attempt >= maxLoop {
+				return &Error{Err: err, Attempts: attempt, Decisions: decisions}
+			}
+			if decision.RefreshCredentials {
+				if opts.RefreshCredentials == nil {
+					return &Error{Err: err, Attempts: attempt, Decisions: decisions}
+				}
+				refreshed, refreshErr := opts.RefreshCredentials(attemptCtx)
+				if refreshErr != nil {
+					return &Error{Err: refreshErr, Attempts: attempt, Decisions: decisions}
+				}
+				attemptCtx = refreshed
+				authRefreshed = true
+			}
+			previousBackoff = decision.Backoff
+			if decision.Backoff > 0 {
+				timer := time.NewTimer(decision.Backoff)
+				select {
+				case <-timer.C:
+				case <-ctx.Done():
+					timer.Stop()
+					return &Error{Err: status.FromContextError(ctx.Err()).Err(), Attempts: attempt, Decisions: decisions}
+				}
+			}
+		}
+	}
+}
+
+func invokeAttempt(ctx context.Context, timeout time.Duration, method string, req, reply interface{}, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, options []grpc.CallOption) error {
+	if timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, timeout)
+		defer cancel()
+	}
+	return invoker(ctx, method, req, reply, cc, options...)
+}

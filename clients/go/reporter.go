@@ -1,0 +1,254 @@
+package retryd
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"log"
+	"sort"
+	"sync"
+	"time"
+
+	pb "github.com/retryd/retryd/clients/go/retrydv1"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// ReporterOptions configures a [TrafficReporter]. The zero value is usable.
+type ReporterOptions struct {
+	// Interval is how often pending counts are sent (1s when zero).
+	Interval time.Duration
+	// MaxUpstreams bounds the distinct upstreams held while retryd is
+	// unreachable (10000 when zero); counts for more are dropped and counted
+	// in Dropped.
+	MaxUpstreams int
+	// Logger receives the warnings; nil means the standard logger.
+	Logger *log.Logger
+}
+
+// TrafficReporter batches first-attempt counts into ReportTraffic calls.
+//
+// Budgets fill from reported first attempts only ("retries never fund
+// retries"), so call Record once per real request, never for a retry.
+// Record only adds to a counter under a lock; a goroutine sends the counts
+// every Interval, in batches of at most MaxTrafficEntries entries, each with
+// a random report_id.
+//
+// A batch retryd did not take (unreachable, timed out, ABORTED, a partial
+// failure) is re-sent later with the same id and the same entries in the
+// same order, so retryd applies each entry at most once; counts recorded
+// meanwhile wait for the next batch. A batch refused for good
+// (PERMISSION_DENIED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT) is dropped with
+// one warning, and its requests are added to Dropped.
+type TrafficReporter struct {
+	client   *Client
+	interval time.Duration
+	max      int
+	logger   *log.Logger
+
+	mu      sync.Mutex
+	pending map[string]uint64
+	dropped uint64
+
+	sendMu  sync.Mutex                 // one flush at a time
+	unsent  []*pb.ReportTrafficRequest // batches cut but not yet taken, oldest first
+	stop    chan struct{}
+	done    chan struct{}
+	started bool
+}
+
+// NewTrafficReporter returns a reporter sending through client. Call Start
+// to send in the background, or Flush yourself.
+func NewTrafficReporter(client *Client, opts ReporterOptions) *TrafficReporter {
+	r := &TrafficReporter{
+		client:   client,
+		interval: opts.Interval,
+		max:      opts.MaxUpstreams,
+		logger:   opts.Logger,
+		pending:  map[string]uint64{},
+		stop:     make(chan struct{}),
+		done:     make(chan struct{}),
+	}
+	if r.interval <= 0 {
+		r.interval = time.Second
+	}
+	if r.max <= 0 {
+		r.max = 10000
+	}
+	if r.logger == nil {
+		r.logger = log.Default()
+	}
+	return r
+}
+
+// Record counts n first attempts to upstream.
+func (r *TrafficReporter) Record(upstream string, n uint64) {
+	if n == 0 || upstream == "" {
+		return
+	}
+	r.mu.Lock()
+	if _, ok := r.pending[upstream]; ok || len(r.pending) < r.max {
+		r.pending[upstream] += n
+	} else {
+		r.dropped += n
+	}
+	r.mu.Unlock()
+}
+
+// Pending returns the counts not yet sent: those recorded since the last
+// batch was cut plus those of batches retryd has not taken yet.
+func (r *TrafficReporter) Pending() map[string]uint64 {
+	r.sendMu.Lock()
+	defer r.sendMu.Unlock()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	counts := make(map[string]uint64, len(r.pending))
+	for upstream, n := range r.pending {
+		counts[upstream] += n
+	}
+	for _, batch := range r.unsent {
+		for _, entry := range batch.GetTraffic() {
+			counts[entry.GetUpstream()] += entry.GetRequests()
+		}
+	}
+	return counts
+}
+
+// Dropped is the number of requests never reported: over MaxUpstreams, or
+// in a batch retryd refused for good.
+func (r *TrafficReporter) Dropped() uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.dropped
+}
+
+// newReportID is a random UUID (version 4), as the contract suggests.
+func newReportID() string {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		// crypto/rand does not fail on supported platforms; without an id
+		// the report is still valid, only not deduplicated.
+		return ""
+	}
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	h := hex.EncodeToString(b[:])
+	return h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:]
+}
+
+// cut turns the pending counts into batches (in upstream order, so a batch
+// is deterministic) and empties them.
+func (r *TrafficReporter) cut() []*pb.ReportTrafficRequest {
+	r.mu.Lock()
+	counts := r.pending
+	r.pending = map[string]uint64{}
+	r.mu.Unlock()
+	upstreams := make([]string, 0, len(counts))
+	for upstream := range counts {
+		upstreams = append(upstreams, upstream)
+	}
+	sort.Strings(upstreams)
+	var batches []*pb.ReportTrafficRequest
+	for start := 0; start < len(upstreams); start += MaxTrafficEntries {
+		end := start + MaxTrafficEntries
+		if end > len(upstreams) {
+			end = len(upstreams)
+		}
+		batch := &pb.ReportTrafficRequest{ReportId: newReportID()}
+		for _, upstream := range upstreams[start:end] {
+			batch.Traffic = append(batch.Traffic, &pb.UpstreamTraffic{Upstream: upstream, Requests: counts[upstream]})
+		}
+		batches = append(batches, batch)
+	}
+	return batches
+}
+
+// isPermanent says whether retryd refused a report for good: re-sending the
+// same batch would be refused again.
+func isPermanent(code codes.Code) bool {
+	switch code {
+	case codes.PermissionDenied, codes.ResourceExhausted, codes.InvalidArgument:
+		return true
+	}
+	return false
+}
+
+// Flush sends what is pending now: first the batches retryd has not taken
+// yet (same ids), then, once they are all taken, the counts recorded since.
+// It returns the first error of a batch that is kept for a re-send; a batch
+// dropped for good is not an error (it is logged and counted in Dropped).
+func (r *TrafficReporter) Flush(ctx context.Context) error {
+	r.sendMu.Lock()
+	defer r.sendMu.Unlock()
+	// While old batches are unsent, new counts keep accumulating in pending
+	// (bounded by MaxUpstreams) rather than in ever more batches.
+	if len(r.unsent) == 0 {
+		r.unsent = r.cut()
+	}
+	for len(r.unsent) > 0 {
+		batch := r.unsent[0]
+		_, err := r.client.ReportTraffic(ctx, batch)
+		if err != nil {
+			code := status.Code(err)
+			if !isPermanent(code) {
+				r.logger.Printf("retryd: traffic report %s not taken, will re-send it: %v", batch.GetReportId(), err)
+				return err
+			}
+			var requests uint64
+			for _, entry := range batch.GetTraffic() {
+				requests += entry.GetRequests()
+			}
+			r.mu.Lock()
+			r.dropped += requests
+			r.mu.Unlock()
+			r.logger.Printf("retryd: traffic report %s refused (%s), dropping its %d request(s) for %d upstream(s): %v",
+				batch.GetReportId(), code, requests, len(batch.GetTraffic()), err)
+		}
+		r.unsent = r.unsent[1:]
+		if len(r.unsent) == 0 {
+			// Everything old is taken: what was recorded meanwhile goes now.
+			r.unsent = r.cut()
+		}
+	}
+	return nil
+}
+
+// Start sends pending counts every Interval until Close.
+func (r *TrafficReporter) Start() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.started {
+		return
+	}
+	r.started = true
+	go r.run()
+}
+
+func (r *TrafficReporter) run() {
+	defer close(r.done)
+	ticker := time.NewTicker(r.interval)
+	defer ticker.Stop()
+	for {
+		select {
+		case <-r.stop:
+			return
+		case <-ticker.C:
+			ctx, cancel := context.WithTimeout(context.Background(), r.interval+time.Second)
+			_ = r.Flush(ctx) // a failure is logged and kept for the next tick
+			cancel()
+		}
+	}
+}
+
+// Close stops the background goroutine and sends what is left, within ctx.
+func (r *TrafficReporter) Close(ctx context.Context) error {
+	r.mu.Lock()
+	started := r.started
+	r.started = false
+	r.mu.Unlock()
+	if started {
+		close(r.stop)
+		<-r.done
+	}
+	return r.Flush(ctx)
+}

@@ -1,0 +1,609 @@
+package retryd
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptrace"
+	"sync"
+	"time"
+
+	pb "github.com/retryd/retryd/clients/go/retrydv1"
+	"google.golang.org/protobuf/types/known/durationpb"
+)
+
+// DefaultRetryStatuses are the statuses the Transport asks retryd about;
+// any other response is returned as it is.
+var DefaultRetryStatuses = []int{401, 408, 425, 429, 500, 502, 503, 504}
+
+// maxLoop is a hard stop on attempts, whatever retryd or the fallback says.
+const maxLoop = 100
+
+// DefaultErrorBodyLimit is how much of a failed response's body the
+// Transport reads before deciding (so that the connection can be reused,
+// and the body handed back intact when retryd denies a retry).
+const DefaultErrorBodyLimit = 64 << 10
+
+type callKey struct{}
+
+// Call is what a caller declares about one call, through WithCall. The
+// HTTP method never decides idempotency: undeclared, a request is
+// NON_IDEMPOTENT, or IDEMPOTENT_WITH_KEY when it carries an Idempotency-Key
+// header.
+type Call struct {
+	// Idempotency of the operation; IDEMPOTENCY_UNSPECIFIED means undeclared.
+	Idempotency pb.Idempotency
+	// Upstream names the budget and policy; "" means the Transport's, or
+	// else the request's host.
+	Upstream string
+	// Operation is for retryd's audit; "" means "METHOD /path".
+	Operation string
+	// MaxAttempts is the caller's own attempt limit; 0 means retryd's.
+	MaxAttempts uint32
+}
+
+// WithCall returns a context that declares call for the requests (or gRPC
+// calls) made with it.
+func WithCall(ctx context.Context, call Call) context.Context {
+	return context.WithValue(ctx, callKey{}, call)
+}
+
+// WithIdempotency declares the idempotency of the requests made with ctx,
+// keeping whatever else WithCall declared.
+func WithIdempotency(ctx context.Context, idempotency pb.Idempotency) context.Context {
+	call := callOf(ctx)
+	call.Idempotency = idempotency
+	return WithCall(ctx, call)
+}
+
+func callOf(ctx context.Context) Call {
+	call, _ := ctx.Value(callKey{}).(Call)
+	return call
+}
+
+// Transport is an http.RoundTripper that retries under retryd's decisions.
+//
+// Each attempt is traced with net/http/httptrace, and a failure becomes
+// evidence: nothing written, with the stage that failed (DNS, connect, TLS
+// handshake, a pool wait), is NOT_SENT; a request written without a
+// response is SENT_NO_RESPONSE; a response whose body breaks off is
+// PARTIAL_RESPONSE; an I/O error of unknown stage is never NOT_SENT.
+// Responses with a status in RetryStatuses are decided too, with their
+// Retry-After passed raw.
+//
+// The body is replayable when the request has GetBody (http.NewRequest sets
+// it for in-memory bodies); a body without GetBody is one-shot, and retryd
+// denies re-sending it. A failed response's body is read (up to
+// ErrorBodyLimit) and closed before the backoff, which is slept holding no
+// connection and never past the context's deadline; the remaining deadline
+// is passed to retryd with each decision.
+//
+// RoundTrip returns the final response when it succeeds or retryd denies
+// another attempt (Decisions finds the decisions made), an *Error wrapping
+// the last transport error when retryd denies retrying it or the context
+// ends, and an *AmbiguousError on AMBIGUOUS.
+//
+// First attempts are counted on the client's TrafficReporter unless
+// DisableReporting is set. Go's own http.Transport still re-sends, once, a
+// request that it proves was not written to a reused connection that the
+// server had closed, or an idempotent-method request whose connection broke
+// before any response byte; retryd sees neither.
+type Transport struct {
+	// Base sends each attempt; nil means http.DefaultTransport.
+	Base http.RoundTripper
+	// Client is the retryd client; required.
+	Client *Client
+	// Upstream names the budget and policy, unless the call declares its
+	// own; "" means the request's host.
+	Upstream string
+	// RetryStatuses are the statuses decided by retryd; nil means
+	// DefaultRetryStatuses.
+	RetryStatuses []int
+	// AttemptTimeout bounds each attempt (0: only the context does),
+	// reading the returned body included. An attempt that runs out of it is
+	// a failure like any other: a pool wait (POOL_TIMEOUT), a connect
+	// (CONNECT) or a wait for the response headers (RESPONSE_HEADER_TIMEOUT).
+	AttemptTimeout time.Duration
+	// RefreshCredentials is called before replaying a request that retryd
+	// answered with refresh_credentials (after a 401), with the request of
+	// the next attempt, to set fresh credentials on it. Without it such a
+	// 401 is returned as it is.
+	RefreshCredentials func(next *http.Request) error
+	// BufferResponses makes each attempt read a successful response's body
+	// in full (up to MaxBufferedBody bytes) before RoundTrip returns it, so
+	// that a body that breaks off is PARTIAL_RESPONSE and decided by retryd
+	// instead of failing in the caller's read, where no retry is possible.
+	BufferResponses bool
+	// MaxBufferedBody limits BufferResponses (8 MiB when zero); a longer
+	// body is handed over unbuffered after its first MaxBufferedBody bytes.
+	MaxBufferedBody int64
+	// ErrorBodyLimit is how much of a failed response's body is read before
+	// deciding (DefaultErrorBodyLimit when zero).
+	ErrorBodyLimit int64
+	// DisableReporting stops counting first attempts on the client's
+	// TrafficReporter.
+	DisableReporting bool
+}
+
+// decisionsKey marks the request of a returned response with the
+// decisions made for it.
+type decisionsKey struct{}
+
+// Decisions returns the decisions retryd (or the local rule) made for the
+// call that produced resp, in order: none when the first attempt succeeded.
+func Decisions(resp *http.Response) []Decision {
+	if resp == nil || resp.Request == nil {
+		return nil
+	}
+	decisions, _ := resp.Request.Context().Value(decisionsKey{}).([]Decision)
+	return decisions
+}
+
+// attemptTrace records how far one attempt got. The hooks run on the
+// transport's goroutines, hence the lock. The flags are sticky across
+// http.Transport's own internal re-sends: once anything was written, it
+// stays written.
+type attemptTrace struct {
+	mu                sync.Mutex
+	getConn           bool
+	connectStarted    bool
+	connectErr        error
+	dnsErr            error
+	tlsErr            error
+	gotConn           bool
+	wroteHeaders      bool
+	wroteRequest      bool
+	gotFirstByte      bool
+	wroteRequestError error
+}
+
+func (t *attemptTrace) hooks() *httptrace.ClientTrace {
+	return &httptrace.ClientTrace{
+		GetConn: func(string) { t.set(func() { t.getConn = true }) },
+		DNSDone: func(info httptrace.DNSDoneInfo) {
+			t.set(func() {
+				if info.Err != nil {
+					t.dnsErr = info.Err
+				}
+			})
+		},
+		ConnectStart: func(string, string) { t.set(func() { t.connectStarted = true }) },
+		ConnectDone: func(_, _ string, err error) {
+			t.set(func() {
+				if err != nil {
+					t.connectErr = err
+				}
+			})
+		},
+		TLSHandshakeDone: func(_ tls.ConnectionState, err error) {
+			t.set(func() {
+				if err != nil {
+					t.tlsErr = err
+				}
+			})
+		},
+		GotConn:      func(httptrace.GotConnInfo) { t.set(func() { t.gotConn = true }) },
+		WroteHeaders: func() { t.set(func() { t.wroteHeaders = true }) },
+		WroteRequest: func(info httptrace.WroteRequestInfo) {
+			t.set(func() {
+				t.wroteRequest = true
+				if info.Err != nil {
+					t.wroteRequestError = info.Err
+				}
+			})
+		},
+		GotFirstResponseByte: func() { t.set(func() { t.gotFirstByte = true }) },
+	}
+}
+
+func (t *attemptTrace) set(f func()) {
+	t.mu.Lock()
+	f()
+	t.mu.Unlock()
+}
+
+// outcome is how far a failed attempt got, in retryd's terms.
+type outcome struct {
+	evidence   pb.Evidence
+	failure    pb.FailureKind
+	httpStatus int
+	retryAfter string
+}
+
+func isCertificateError(err error) bool {
+	var unknownAuthority x509.UnknownAuthorityError
+	var invalid x509.CertificateInvalidError
+	var hostname x509.HostnameError
+	return errors.As(err, &unknownAuthority) || errors.As(err, &invalid) || errors.As(err, &hostname)
+}
+
+// classifyError says what a RoundTrip error proves, given the trace.
+// attemptTimedOut is true when the attempt's own timeout (not the caller's
+// context) ended it.
+func classifyError(err error, t *attemptTrace, attemptTimedOut bool) outcome {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	sent := outcome{evidence: pb.Evidence_EVIDENCE_SENT_NO_RESPONSE}
+	switch {
+	case t.gotFirstByte:
+		// Bytes came back, but no valid response header: not a response.
+		sent.failure = pb.FailureKind_FAILURE_KIND_GENERIC_IO
+	case t.wroteRequest:
+		if attemptTimedOut || isTimeout(err) {
+			sent.failure = pb.FailureKind_FAILURE_KIND_RESPONSE_HEADER_TIMEOUT
+		} else {
+			sent.failure = pb.FailureKind_FAILURE_KIND_CONNECTION_RESET
+		}
+	case t.wroteHeaders:
+		sent.failure = pb.FailureKind_FAILURE_KIND_PARTIAL_WRITE
+	case t.gotConn:
+		// A connection was handed over: any of the request may be on the
+		// wire, whatever the error says.
+		sent.failure = pb.FailureKind_FAILURE_KIND_GENERIC_IO
+	case t.tlsErr != nil:
+		if isCertificateError(t.tlsErr) || isCertificateError(err) {
+			return outcome{evidence: pb.Evidence_EVIDENCE_NOT_SENT, failure: pb.FailureKind_FAILURE_KIND_TLS_CERTIFICATE_INVALID}
+		}
+		return outcome{evidence: pb.Evidence_EVIDENCE_NOT_SENT, failure: pb.FailureKind_FAILURE_KIND_PRE_REQUEST_TLS}
+	case t.dnsErr != nil:
+		return outcome{evidence: pb.Evidence_EVIDENCE_NOT_SENT, failure: pb.FailureKind_FAILURE_KIND_DNS}
+	case t.connectErr != nil || (t.connectStarted && attemptTimedOut):
+		return outcome{evidence: pb.Evidence_EVIDENCE_NOT_SENT, failure: pb.FailureKind_FAILURE_KIND_CONNECT}
+	case t.getConn && attemptTimedOut:
+		// Waited for a connection (MaxConnsPerHost) and never got one.
+		return outcome{evidence: pb.Evidence_EVIDENCE_NOT_SENT, failure: pb.FailureKind_FAILURE_KIND_POOL_TIMEOUT}
+	case !t.getConn:
+		// Refused before any connection was asked for: the transport's own
+		// checks (scheme, header values, ...). Permanent.
+		return outcome{evidence: pb.Evidence_EVIDENCE_NOT_SENT, failure: pb.FailureKind_FAILURE_KIND_PROFILE_REJECTION}
+	default:
+		sent.failure = pb.FailureKind_FAILURE_KIND_GENERIC_IO
+	}
+	return sent
+}
+
+func isTimeout(err error) bool {
+	var timeout interface{ Timeout() bool }
+	return errors.As(err, &timeout) && timeout.Timeout()
+}
+
+// bodyOf is the request body in the contract's terms.
+func bodyOf(req *http.Request) *pb.Body {
+	switch {
+	case req.Body == nil || req.Body == http.NoBody:
+		return nil
+	case req.GetBody != nil:
+		return &pb.Body{Kind: pb.BodyKind_BODY_KIND_REOPENABLE_SUPPLIER}
+	}
+	return &pb.Body{Kind: pb.BodyKind_BODY_KIND_INPUT_STREAM}
+}
+
+func (t *Transport) base() http.RoundTripper {
+	if t.Base != nil {
+		return t.Base
+	}
+	return http.DefaultTransport
+}
+
+func (t *Transport) isRetryStatus(code int) bool {
+	statuses := t.RetryStatuses
+	if statuses == nil {
+		statuses = DefaultRetryStatuses
+	}
+	for _, s := range statuses {
+		if s == code {
+			return true
+		}
+	}
+	return false
+}
+
+// readPrefix reads up to limit bytes of body; err is the read error, if the
+// body broke off before its end or the limit.
+func readPrefix(body io.Reader, limit int64) (prefix []byte, complete bool, err error) {
+	var buf bytes.Buffer
+	n, err := io.CopyN(&buf, body, limit+1)
+	if err == io.EOF {
+		return buf.Bytes(), true, nil
+	}
+	if err != nil {
+		return buf.Bytes(), false, err
+	}
+	_ = n
+	return buf.Bytes(), false, nil
+}
+
+// replayBody is a body made of an already-read prefix and the rest of the
+// original body.
+type replayBody struct {
+	io.Reader
+	closer io.Closer
+}
+
+func (b replayBody) Close() error { return b.closer.Close() }
+
+// RoundTrip sends req, retrying as retryd decides. See Transport.
+func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if t.Client == nil {
+		closeBody(req)
+		return nil, errors.New("retryd: Transport.Client is nil")
+	}
+	ctx := req.Context()
+	call := callOf(ctx)
+	idempotency := call.Idempotency
+	if idempotency == pb.Idempotency_IDEMPOTENCY_UNSPECIFIED {
+		idempotency = pb.Idempotency_IDEMPOTENCY_NON_IDEMPOTENT
+		if req.Header.Get("Idempotency-Key") != "" {
+			idempotency = pb.Idempotency_IDEMPOTENCY_IDEMPOTENT_WITH_KEY
+		}
+	}
+	upstream := call.Upstream
+	if upstream == "" {
+		upstream = t.Upstream
+	}
+	if upstream == "" {
+		upstream = req.URL.Host
+	}
+	operation := call.Operation
+	if operation == "" {
+		path := req.URL.EscapedPath()
+		if path == "" {
+			path = "/"
+		}
+		operation = req.Method + " " + path
+		if len(operation) > 256 {
+			operation = operation[:256]
+		}
+	}
+	body := bodyOf(req)
+	decideCtx := traceFromRequest(ctx, req.Header)
+	errorBodyLimit := t.ErrorBodyLimit
+	if errorBodyLimit <= 0 {
+		errorBodyLimit = DefaultErrorBodyLimit
+	}
+
+	var decisions []Decision
+	var previousBackoff time.Duration
+	authRefreshed := false
+	next := req
+	for attempt := 1; ; attempt++ {
+		if attempt == 1 && !t.DisableReporting {
+			t.Client.Reporter().Record(upstream, 1)
+		}
+		resp, failed, attemptErr := t.attempt(ctx, next, errorBodyLimit)
+		if attemptErr == nil && failed == nil {
+			return withDecisions(resp, decisions), nil
+		}
+		if ctx.Err() != nil {
+			// The caller's deadline or cancellation ended the call: no time
+			// for another attempt, and nothing to ask.
+			closeResponse(resp)
+			if attemptErr == nil {
+				attemptErr = ctx.Err()
+			}
+			return nil, &Error{Err: attemptErr, Attempts: attempt, Decisions: decisions}
+		}
+		o := failed.outcome
+		decideReq := &pb.DecideRequest{
+			Upstream:             upstream,
+			Operation:            operation,
+			Idempotency:          idempotency,
+			Body:                 body,
+			Attempt:              uint32(attempt),
+			Evidence:             o.evidence,
+			Failure:              o.failure,
+			HttpStatus:           uint32(o.httpStatus),
+			RetryAfter:           truncate(o.retryAfter, 256),
+			AuthRefreshAttempted: authRefreshed,
+			MaxAttempts:          call.MaxAttempts,
+		}
+		if deadline, ok := ctx.Deadline(); ok {
+			remaining := time.Until(deadline)
+			if remaining < 0 {
+				remaining = 0
+			}
+			decideReq.DeadlineRemaining = durationpb.New(remaining)
+		}
+		if previousBackoff > 0 {
+			decideReq.PreviousBackoff = durationpb.New(previousBackoff)
+		}
+		decision, err := t.Client.Decide(decideCtx, decideReq)
+		if err != nil {
+			// An invalid request (a bug, not an outage): say so, with the
+			// attempt's own failure.
+			closeResponse(resp)
+			return nil, fmt.Errorf("retryd: deciding attempt %d (%v): %w", attempt, describe(attemptErr, o), err)
+		}
+		decisions = append(decisions, decision)
+		if decision.IsAmbiguous() {
+			closeResponse(resp)
+			return nil, &AmbiguousError{
+				Decision: decision, Decisions: decisions, Attempts: attempt,
+				StatusCode: o.httpStatus, Body: failed.body, Err: attemptErr,
+			}
+		}
+		retry := decision.ShouldRetry() && attempt < maxLoop
+		var replay *http.Request
+		if retry {
+			replay, err = nextRequest(req, ctx)
+			if err != nil {
+				retry = false // the body cannot be reopened after all
+			}
+		}
+		if retry && decision.RefreshCredentials {
+			if t.RefreshCredentials == nil {
+				retry = false
+			} else if err := t.RefreshCredentials(replay); err != nil {
+				closeResponse(resp)
+				return nil, &Error{Err: err, Attempts: attempt, Decisions: decisions}
+			}
+		}
+		if !retry {
+			closeBody(replay)
+			if attemptErr != nil {
+				return nil, &Error{Err: attemptErr, Attempts: attempt, Decisions: decisions}
+			}
+			return withDecisions(resp, decisions), nil
+		}
+		// Give the connection back (the body was read up to the limit)
+		// before waiting.
+		closeResponse(resp)
+		if decision.RefreshCredentials {
+			authRefreshed = true
+		}
+		previousBackoff = decision.Backoff
+		if decision.Backoff > 0 {
+			timer := time.NewTimer(decision.Backoff)
+			select {
+			case <-timer.C:
+			case <-ctx.Done():
+				timer.Stop()
+				closeBody(replay)
+				return nil, &Error{Err: ctx.Err(), Attempts: attempt, Decisions: decisions}
+			}
+		}
+		next = replay
+	}
+}
+
+// failure is a failed attempt: its outcome and, for a response, the start of
+// its body.
+type failure struct {
+	outcome outcome
+	body    []byte
+}
+
+// attempt sends one attempt. It returns (resp, nil, nil) for a response to
+// hand back as it is; (resp or nil, failure, err) for a failed attempt, where
+// resp is the failed response (its body replaced by what was read, followed
+// by the rest) and err the transport error, if any.
+func (t *Transport) attempt(ctx context.Context, req *http.Request, errorBodyLimit int64) (*http.Response, *failure, error) {
+	attemptCtx := ctx
+	var attemptCancel context.CancelFunc = func() {}
+	if t.AttemptTimeout > 0 {
+		attemptCtx, attemptCancel = context.WithTimeout(ctx, t.AttemptTimeout)
+	}
+	trace := &attemptTrace{}
+	sent := req.WithContext(httptrace.WithClientTrace(attemptCtx, trace.hooks()))
+	resp, err := t.base().RoundTrip(sent)
+	attemptTimedOut := func() bool { return attemptCtx.Err() != nil && ctx.Err() == nil }
+	if err != nil {
+		attemptCancel()
+		return nil, &failure{outcome: classifyError(err, trace, attemptTimedOut())}, err
+	}
+	// The response must stay readable after RoundTrip: the attempt's timeout
+	// is released when the body is closed (or at once if none is set).
+	resp.Body = cancelOnClose{ReadCloser: resp.Body, cancel: attemptCancel}
+	retryAfter := resp.Header.Get("Retry-After")
+	if t.isRetryStatus(resp.StatusCode) {
+		prefix, complete, readErr := readPrefix(resp.Body, errorBodyLimit)
+		if readErr != nil {
+			resp.Body.Close()
+			return nil, &failure{outcome: partialOutcome(resp.StatusCode, retryAfter, readErr, attemptTimedOut()), body: prefix}, readErr
+		}
+		if complete {
+			resp.Body.Close()
+			resp.Body = io.NopCloser(bytes.NewReader(prefix))
+		} else {
+			resp.Body = replayBody{Reader: io.MultiReader(bytes.NewReader(prefix), resp.Body), closer: resp.Body}
+		}
+		return resp, &failure{
+			outcome: outcome{evidence: pb.Evidence_EVIDENCE_RESPONSE_RECEIVED, httpStatus: resp.StatusCode, retryAfter: retryAfter},
+			body:    prefix,
+		}, nil
+	}
+	if t.BufferResponses && req.Method != http.MethodHead {
+		limit := t.MaxBufferedBody
+		if limit <= 0 {
+			limit = 8 << 20
+		}
+		prefix, complete, readErr := readPrefix(resp.Body, limit)
+		if readErr != nil {
+			resp.Body.Close()
+			return nil, &failure{outcome: partialOutcome(resp.StatusCode, retryAfter, readErr, attemptTimedOut())}, readErr
+		}
+		if complete {
+			resp.Body.Close()
+			resp.Body = io.NopCloser(bytes.NewReader(prefix))
+			resp.ContentLength = int64(len(prefix))
+		} else {
+			resp.Body = replayBody{Reader: io.MultiReader(bytes.NewReader(prefix), resp.Body), closer: resp.Body}
+		}
+	}
+	return resp, nil, nil
+}
+
+// partialOutcome is a response whose body broke off.
+func partialOutcome(status int, retryAfter string, err error, attemptTimedOut bool) outcome {
+	failure := pb.FailureKind_FAILURE_KIND_DECODE_RESET
+	if attemptTimedOut || isTimeout(err) {
+		failure = pb.FailureKind_FAILURE_KIND_INTERRUPTED_STREAM
+	}
+	return outcome{evidence: pb.Evidence_EVIDENCE_PARTIAL_RESPONSE, failure: failure, httpStatus: status, retryAfter: retryAfter}
+}
+
+type cancelOnClose struct {
+	io.ReadCloser
+	cancel context.CancelFunc
+}
+
+func (b cancelOnClose) Close() error {
+	err := b.ReadCloser.Close()
+	b.cancel()
+	return err
+}
+
+// nextRequest is a copy of the caller's request for another attempt, with a
+// fresh body.
+func nextRequest(req *http.Request, ctx context.Context) (*http.Request, error) {
+	replay := req.Clone(ctx)
+	if req.Body != nil && req.Body != http.NoBody {
+		if req.GetBody == nil {
+			return nil, errors.New("retryd: one-shot body")
+		}
+		body, err := req.GetBody()
+		if err != nil {
+			return nil, err
+		}
+		replay.Body = body
+	}
+	return replay, nil
+}
+
+func withDecisions(resp *http.Response, decisions []Decision) *http.Response {
+	if len(decisions) > 0 && resp.Request != nil {
+		resp.Request = resp.Request.WithContext(context.WithValue(resp.Request.Context(), decisionsKey{}, decisions))
+	}
+	return resp
+}
+
+func closeResponse(resp *http.Response) {
+	if resp != nil && resp.Body != nil {
+		resp.Body.Close()
+	}
+}
+
+func closeBody(req *http.Request) {
+	if req != nil && req.Body != nil {
+		req.Body.Close()
+	}
+}
+
+func truncate(s string, n int) string {
+	if len(s) > n {
+		return s[:n]
+	}
+	return s
+}
+
+func describe(err error, o outcome) string {
+	if err != nil {
+		return err.Error()
+	}
+	return fmt.Sprintf("HTTP %d", o.httpStatus)
+}
