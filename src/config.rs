@@ -117,6 +117,8 @@ pub struct Config {
     pub telemetry: TelemetryConfig,
     /// Most distinct upstreams tracked.
     pub max_upstreams: usize,
+    /// How traffic report ids are remembered.
+    pub report_ids: ReportIds,
     /// Per-upstream policies.
     pub policies: Policies,
 }
@@ -144,6 +146,7 @@ impl TryFrom<Settings> for Config {
         let store_default = settings.store.on_unavailable.into();
         let telemetry = telemetry::telemetry_config(&settings.telemetry)?;
         let policies = policies::policies(&settings, store_default)?;
+        let report_ids = report_ids(&settings.limits)?;
         Ok(Config {
             listen,
             metrics_listen,
@@ -154,9 +157,38 @@ impl TryFrom<Settings> for Config {
             store,
             telemetry,
             max_upstreams: settings.limits.max_upstreams,
+            report_ids,
             policies,
         })
     }
+}
+
+/// How traffic report ids are remembered (`limits.report_id_window`,
+/// `limits.max_report_ids`): long enough to cover a client's re-sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReportIds {
+    /// How long an id is remembered after its first report.
+    pub window: Duration,
+    /// Most ids the memory store holds (the Redis store expires its keys
+    /// instead).
+    pub max_ids: usize,
+}
+
+fn report_ids(limits: &LimitSettings) -> Result<ReportIds, InvalidConfig> {
+    let window = parse_duration("limits.report_id_window", &limits.report_id_window)?;
+    if window < Duration::from_secs(1) {
+        return Err(invalid(
+            "limits.report_id_window",
+            "must be at least 1s (a client's re-sends must fit in it)",
+        ));
+    }
+    if limits.max_report_ids == 0 {
+        return Err(invalid("limits.max_report_ids", "must be at least 1"));
+    }
+    Ok(ReportIds {
+        window,
+        max_ids: limits.max_report_ids,
+    })
 }
 
 impl Config {

@@ -162,6 +162,10 @@ impl<S: BudgetStore> Service<S> {
                 "limits.max_upstreams",
                 config.max_upstreams != startup.max_upstreams,
             ),
+            (
+                "limits.report_id_window, limits.max_report_ids",
+                config.report_ids != startup.report_ids,
+            ),
         ]
         .into_iter()
         .filter_map(|(key, changed)| changed.then_some(key))

@@ -176,7 +176,8 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
     runtime()?.block_on(async move {
         match config.store.clone() {
             StoreConfig::Memory => {
-                let store = MemoryBudgetStore::new(config.max_upstreams);
+                let store = MemoryBudgetStore::new(config.max_upstreams)
+                    .with_max_report_ids(config.report_ids.max_ids);
                 run(config, config_path, acceptor, store, "memory").await
             }
             // The mode is chosen here, once, as a type: no store operation

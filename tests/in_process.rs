@@ -17,7 +17,8 @@ use retryd::grpc::{self, Acceptor, Reload, Service};
 use retryd::telemetry::{Metrics, Tracer};
 use retryd_budget::memory::{Clock, ManualClock};
 use retryd_budget::{
-    BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, MemoryBudgetStore, StoreError,
+    BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, MemoryBudgetStore, ReportClaim,
+    StoreError,
 };
 use retryd_proto as pb;
 use retryd_proto::retry_decider_client::RetryDeciderClient;
@@ -94,6 +95,9 @@ struct GatedStore {
     inner: Arc<MemoryBudgetStore>,
     gates: Arc<Mutex<HashMap<String, Arc<Semaphore>>>>,
     answered: Arc<AtomicUsize>,
+    /// The next deposit to this upstream fails, as a Redis timeout would
+    /// (without depositing).
+    failing_deposit: Arc<Mutex<Option<String>>>,
 }
 
 impl GatedStore {
@@ -102,7 +106,12 @@ impl GatedStore {
             inner: Arc::new(MemoryBudgetStore::new(100)),
             gates: Arc::default(),
             answered: Arc::default(),
+            failing_deposit: Arc::default(),
         }
+    }
+
+    fn fail_next_deposit(&self, upstream: &str) {
+        *self.failing_deposit.lock().unwrap() = Some(upstream.to_owned());
     }
 
     fn gate(&self, upstream: &str) -> Arc<Semaphore> {
@@ -177,7 +186,34 @@ impl BudgetStore for GatedStore {
         config: &BucketConfig,
         requests: u64,
     ) -> Result<(), StoreError> {
+        let fail = {
+            let mut failing = self.failing_deposit.lock().unwrap();
+            let fail = failing.as_deref() == Some(upstream);
+            if fail {
+                *failing = None;
+            }
+            fail
+        };
+        if fail {
+            return Err(StoreError::Unavailable(
+                "the test failed this deposit".into(),
+            ));
+        }
         self.inner.deposit(upstream, config, requests).await
+    }
+
+    async fn claim_report(
+        &self,
+        id: &str,
+        digest: u64,
+        entries: u32,
+        window: Duration,
+    ) -> Result<ReportClaim, StoreError> {
+        self.inner.claim_report(id, digest, entries, window).await
+    }
+
+    async fn settle_report(&self, id: &str, digest: u64, applied: u32) -> Result<(), StoreError> {
+        self.inner.settle_report(id, digest, applied).await
     }
 
     async fn set_retries_enabled(
@@ -284,4 +320,54 @@ async fn the_floor_refills_as_the_clock_moves_and_no_faster() {
     assert_eq!(retries(20).await, 10);
     let _ = client.decide(retryable("ledger")).await.unwrap();
     assert_eq!(clock.now_nanos(), 3_601_500_000_000);
+}
+
+/// A report with an id whose deposit failed at entry 1 says so; its
+/// re-send applies only what follows entry 1: entry 0 is not counted twice
+/// and entry 1, of unknown outcome in general, is skipped.
+#[tokio::test]
+async fn a_resent_report_resumes_after_a_partial_failure() {
+    let store = GatedStore::new();
+    let server = InProcess::start(
+        "[defaults]\nbudget = { capacity = 100.0, initial = 0.0, ratio = 1.0, min_per_second = 0.0 }\n",
+        store.clone(),
+    )
+    .await;
+    let mut client = server.decider().await;
+    let batch = pb::ReportTrafficRequest {
+        traffic: [("a", 5), ("b", 3), ("c", 2)]
+            .into_iter()
+            .map(|(upstream, requests)| pb::UpstreamTraffic {
+                upstream: upstream.into(),
+                requests,
+            })
+            .collect(),
+        report_id: "9d2b6e1f-partial".into(),
+    };
+    store.fail_next_deposit("b");
+    let status = client.report_traffic(batch.clone()).await.unwrap_err();
+    assert!(status.message().starts_with("traffic[1]: "), "{status:?}");
+    let resent = client
+        .report_traffic(batch.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (resent.accepted, resent.already_applied),
+        (1, 2),
+        "{resent:?}"
+    );
+    let again = client.report_traffic(batch).await.unwrap().into_inner();
+    assert_eq!((again.accepted, again.already_applied), (0, 3), "{again:?}");
+    let config = BucketConfig {
+        capacity: 100.0,
+        initial: 0.0,
+        ratio: 1.0,
+        min_per_second: 0.0,
+        ..BucketConfig::default()
+    };
+    for (upstream, expected) in [("a", 5.0), ("b", 0.0), ("c", 2.0)] {
+        let seen = store.inner.view(upstream, &config).await.unwrap().tokens;
+        assert_eq!(seen, expected, "{upstream}");
+    }
 }

@@ -248,6 +248,10 @@ pub struct LimitSettings {
     /// Distinct upstreams whose budgets are tracked; beyond it, decisions
     /// for new upstreams are refused with RESOURCE_EXHAUSTED.
     pub max_upstreams: usize,
+    /// How long a traffic report id is remembered, e.g. `"10m"`.
+    pub report_id_window: String,
+    /// Most report ids the memory store remembers at once.
+    pub max_report_ids: usize,
 }
 
 impl Default for LimitSettings {
@@ -255,6 +259,8 @@ impl Default for LimitSettings {
     fn default() -> Self {
         LimitSettings {
             max_upstreams: 10_000,
+            report_id_window: "10m".into(),
+            max_report_ids: 100_000,
         }
     }
 }

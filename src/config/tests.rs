@@ -483,3 +483,28 @@ fn grpc_retryable_codes_are_named_and_validated() {
         crate::engine::GrpcCodes::DEFAULT
     );
 }
+
+#[test]
+fn report_id_limits_are_validated() {
+    let parsed = config("").unwrap();
+    assert_eq!(
+        parsed.report_ids.window,
+        std::time::Duration::from_secs(600)
+    );
+    assert_eq!(parsed.report_ids.max_ids, 100_000);
+    assert!(
+        error_of("[limits]\nreport_id_window = \"500ms\"\n")
+            .starts_with("limits.report_id_window: ")
+    );
+    assert!(
+        error_of("[limits]\nreport_id_window = \"soon\"\n")
+            .starts_with("limits.report_id_window: ")
+    );
+    assert!(error_of("[limits]\nmax_report_ids = 0\n").starts_with("limits.max_report_ids: "));
+    let parsed = config("[limits]\nreport_id_window = \"1h\"\nmax_report_ids = 7\n").unwrap();
+    assert_eq!(
+        parsed.report_ids.window,
+        std::time::Duration::from_secs(3600)
+    );
+    assert_eq!(parsed.report_ids.max_ids, 7);
+}

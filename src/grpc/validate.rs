@@ -26,6 +26,8 @@ pub const MAX_BODY_DEPTH: usize = 4;
 pub const MAX_BODY_NODES: usize = 256;
 /// Most entries in one traffic report.
 pub const MAX_TRAFFIC_ENTRIES: usize = 1024;
+/// Longest traffic report id, in bytes.
+pub const MAX_REPORT_ID_BYTES: usize = 128;
 
 /// A request field that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -248,6 +250,28 @@ pub fn traffic_report(
             Ok((upstream, entry.requests))
         })
         .collect()
+}
+
+/// Validates a traffic report's id: `None` when empty (no deduplication),
+/// else 1 to 128 printable ASCII characters (it becomes a Redis key and
+/// appears in logs).
+pub fn report_id(raw: &str) -> Result<Option<&str>, InvalidRequest> {
+    if raw.is_empty() {
+        return Ok(None);
+    }
+    if raw.len() > MAX_REPORT_ID_BYTES {
+        return Err(invalid(
+            "report_id",
+            format!("longer than {MAX_REPORT_ID_BYTES} bytes"),
+        ));
+    }
+    if !raw.bytes().all(|byte| (0x20..0x7f).contains(&byte)) {
+        return Err(invalid(
+            "report_id",
+            "must be printable ASCII (a UUID, for example)",
+        ));
+    }
+    Ok(Some(raw))
 }
 
 /// Validates a required upstream name.

@@ -11,14 +11,17 @@
 pub mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
+pub mod reports;
 
 use std::future::Future;
+use std::time::Duration;
 
 use retryd_engine::BudgetView;
 
 pub use memory::MemoryBudgetStore;
 #[cfg(feature = "redis")]
 pub use redis::{ExactStore, LeasedStore, RedisBudgetStore, RedisConfig, RedisMode, RedisUrl};
+pub use reports::{ReportClaim, ReportLedger};
 
 /// Tokens are kept as integers of this many units per token, so that stores
 /// can update them with integer atomics (or Redis integers) and never drift.
@@ -290,6 +293,31 @@ pub trait BudgetStore: Send + Sync + 'static {
     fn admit(
         &self,
         upstreams: &[(&str, &BucketConfig)],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Claims a traffic report's `id` before its deposits: `entries` is the
+    /// report's length and `digest` a hash of its entries in order (the
+    /// same id with other entries is [`ReportClaim::Conflict`]). The id is
+    /// remembered for `window`, fleet-wide on a shared store. After
+    /// [`ReportClaim::Fresh`] or [`ReportClaim::Applied`] the caller applies
+    /// the rest and calls [`BudgetStore::settle_report`]; see
+    /// [`reports`]. A shared store whose backend is unreachable fails.
+    fn claim_report(
+        &self,
+        id: &str,
+        digest: u64,
+        entries: u32,
+        window: Duration,
+    ) -> impl Future<Output = Result<ReportClaim, StoreError>> + Send;
+
+    /// Settles a claimed report id: its first `applied` entries need no
+    /// applying again (a partial failure at entry i settles i + 1: entry i
+    /// may have landed, so it is never re-applied).
+    fn settle_report(
+        &self,
+        id: &str,
+        digest: u64,
+        applied: u32,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Deposits `ratio × requests` tokens, capped at capacity.

@@ -26,8 +26,8 @@ use dashmap::mapref::entry::Entry;
 use thread_local::ThreadLocal;
 
 use super::{
-    BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, StoreError, UNITS_PER_TOKEN,
-    units_to_tokens,
+    BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, ReportClaim, ReportLedger, StoreError,
+    UNITS_PER_TOKEN, units_to_tokens,
 };
 
 /// A source of monotonic nanoseconds. Injected so tests control time.
@@ -220,8 +220,15 @@ pub struct MemoryBudgetStore<C: Clock = MonotonicClock> {
     near: ThreadLocal<NearBuckets>,
     tracked: AtomicUsize,
     max_upstreams: usize,
+    /// Traffic-report ids seen lately, for idempotent re-sends.
+    reports: ReportLedger,
     clock: C,
 }
+
+/// Report ids a memory store remembers at most, unless told otherwise: at
+/// about 200 bytes each (a 128-byte id at most, its entry and its place in
+/// the expiry queue), 20 MB.
+pub const DEFAULT_MAX_REPORT_IDS: usize = 100_000;
 
 impl MemoryBudgetStore<MonotonicClock> {
     /// A store tracking at most `max_upstreams` distinct upstreams.
@@ -238,8 +245,15 @@ impl<C: Clock> MemoryBudgetStore<C> {
             near: ThreadLocal::new(),
             tracked: AtomicUsize::new(0),
             max_upstreams,
+            reports: ReportLedger::new(DEFAULT_MAX_REPORT_IDS),
             clock,
         }
+    }
+
+    /// The same store, remembering at most `max_ids` traffic-report ids.
+    pub fn with_max_report_ids(mut self, max_ids: usize) -> Self {
+        self.reports = ReportLedger::new(max_ids);
+        self
     }
 
     /// Runs `f` on the upstream's bucket, creating the bucket if needed and
@@ -411,6 +425,28 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
             bucket.refill(config, now, capacity);
             bucket.add(config.deposit_units(requests), capacity);
         }))
+    }
+
+    fn claim_report(
+        &self,
+        id: &str,
+        digest: u64,
+        entries: u32,
+        window: std::time::Duration,
+    ) -> impl Future<Output = Result<ReportClaim, StoreError>> + Send {
+        let window = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX);
+        let now = self.clock.now_nanos();
+        ready(Ok(self.reports.claim(id, digest, entries, now, window)))
+    }
+
+    fn settle_report(
+        &self,
+        id: &str,
+        digest: u64,
+        applied: u32,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self.reports.settle(id, digest, applied);
+        ready(Ok(()))
     }
 
     fn set_retries_enabled(

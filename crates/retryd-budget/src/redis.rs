@@ -21,6 +21,7 @@ mod keys;
 mod leased;
 mod leases;
 mod replies;
+mod reports;
 mod rounds;
 mod scripts;
 mod shared;
@@ -38,6 +39,7 @@ pub use self::leased::Leased;
 pub use self::scripts::CHECK_SOURCE;
 use self::shared::{Core, Operations};
 pub use self::url::{RedisUrl, redact_url};
+use crate::reports::ReportClaim;
 use crate::{BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, StoreError, StoreStats};
 
 /// How a Redis store keeps its budgets: [`Exact`] or [`Leased`], and no
@@ -217,6 +219,33 @@ impl<M: Mode> BudgetStore for RedisBudgetStore<M> {
     ) -> impl Future<Output = Result<Option<f64>, StoreError>> + Send {
         let core = &self.core;
         async move { M::try_withdraw(core, upstream, config, core.deadline()).await }
+    }
+
+    fn claim_report(
+        &self,
+        id: &str,
+        digest: u64,
+        entries: u32,
+        window: std::time::Duration,
+    ) -> impl Future<Output = Result<ReportClaim, StoreError>> + Send {
+        let core = &self.core;
+        async move {
+            core.claim_report(id, digest, entries, window, core.deadline())
+                .await
+        }
+    }
+
+    fn settle_report(
+        &self,
+        id: &str,
+        digest: u64,
+        applied: u32,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let core = &self.core;
+        async move {
+            core.settle_report(id, digest, applied, core.deadline())
+                .await
+        }
     }
 
     fn admit(

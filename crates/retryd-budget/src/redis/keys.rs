@@ -31,17 +31,7 @@ impl KeySpace {
     /// percent-escaped in the name: the tag then always closes where it
     /// should, is never empty, and cannot equal the index's `{index}`.
     pub(super) fn upstream(&self, upstream: &str) -> UpstreamKeys {
-        let mut tag = String::with_capacity(upstream.len() + 8);
-        tag.push_str("{u:");
-        for character in upstream.chars() {
-            match character {
-                '%' => tag.push_str("%25"),
-                '{' => tag.push_str("%7B"),
-                '}' => tag.push_str("%7D"),
-                other => tag.push(other),
-            }
-        }
-        tag.push('}');
+        let tag = tag("u", upstream);
         let prefix = &self.prefix;
         UpstreamKeys {
             bucket: format!("{prefix}:{tag}:bucket"),
@@ -50,10 +40,34 @@ impl KeySpace {
         }
     }
 
+    /// `{prefix}:{r:<id>}:report`: a traffic report id's key, escaped as
+    /// upstream names are (a tag of its own, so any slot).
+    pub(super) fn report(&self, id: &str) -> String {
+        format!("{}:{}:report", self.prefix, tag("r", id))
+    }
+
     /// The sorted set indexing tracked upstreams.
     pub(super) fn index(&self) -> &str {
         &self.index
     }
+}
+
+/// `{<kind>:<name>}` with `%`, `{` and `}` percent-escaped in the name.
+fn tag(kind: &str, name: &str) -> String {
+    let mut tag = String::with_capacity(name.len() + kind.len() + 8);
+    tag.push('{');
+    tag.push_str(kind);
+    tag.push(':');
+    for character in name.chars() {
+        match character {
+            '%' => tag.push_str("%25"),
+            '{' => tag.push_str("%7B"),
+            '}' => tag.push_str("%7D"),
+            other => tag.push(other),
+        }
+    }
+    tag.push('}');
+    tag
 }
 
 /// The hash tag Redis Cluster would hash for `key`: the text between the

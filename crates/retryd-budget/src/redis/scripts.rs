@@ -22,6 +22,7 @@ pub(super) struct Scripts {
     pub(super) admit_all: Script,
     pub(super) list: Script,
     pub(super) probe: Script,
+    pub(super) claim_report: Script,
 }
 
 fn bucket_script(body: &str) -> Script {
@@ -42,11 +43,12 @@ impl Scripts {
             admit_all: Script::new(include_str!("admit_all.lua")),
             list: Script::new(include_str!("list.lua")),
             probe: Script::new(include_str!("probe.lua")),
+            claim_report: Script::new(include_str!("claim_report.lua")),
         }
     }
 
     /// All of them, to load at start-up.
-    pub(super) fn all(&self) -> [&Script; 11] {
+    pub(super) fn all(&self) -> [&Script; 12] {
         [
             &self.view,
             &self.check,
@@ -59,6 +61,7 @@ impl Scripts {
             &self.admit_all,
             &self.list,
             &self.probe,
+            &self.claim_report,
         ]
     }
 }
