@@ -90,6 +90,10 @@ struct Args {
     /// Tokio worker threads of the generator (default: one per core).
     #[arg(long)]
     threads: Option<usize>,
+    /// Send every call (unary) or stream with this gRPC deadline
+    /// (`grpc-timeout`), as clients with a deadline do; none by default.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    grpc_timeout: Option<Duration>,
     /// Write one RETRY-kind request as a gRPC frame (the body h2load sends
     /// with `-d`) to this file, and exit.
     #[arg(long)]
@@ -196,15 +200,27 @@ fn verdict_of(response: &pb::DecideResponse) -> Result<i32, String> {
     }
 }
 
+/// A request with the deadline, if any, in its `grpc-timeout`.
+fn with_deadline<T>(message: T, deadline: Option<Duration>) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    if let Some(deadline) = deadline {
+        request.set_timeout(deadline);
+    }
+    request
+}
+
 async fn unary_sender(
     mut client: RetryDeciderClient<Channel>,
     mut requests: Requests,
     tickets: Tickets,
     window: Window,
+    deadline: Option<Duration>,
 ) -> Tally {
     let mut tally = Tally::new();
     while let Some(sent) = tickets.next().await {
-        let answer = client.decide(requests.next()).await;
+        let answer = client
+            .decide(with_deadline(requests.next(), deadline))
+            .await;
         let done = Instant::now();
         let verdict = answer
             .map_err(|status| format!("{:?}: {}", status.code(), status.message()))
@@ -220,6 +236,7 @@ async fn stream_sender(
     tickets: Tickets,
     window: Window,
     in_flight: usize,
+    deadline: Option<Duration>,
 ) -> Tally {
     let mut tally = Tally::new();
     let credit = Arc::new(Semaphore::new(in_flight));
@@ -239,7 +256,10 @@ async fn stream_sender(
             Some((request, (tickets, requests, credit, sent_tx)))
         },
     );
-    let mut inbound = match client.decide_stream(outbound).await {
+    let mut inbound = match client
+        .decide_stream(with_deadline(outbound, deadline))
+        .await
+    {
         Ok(response) => response.into_inner(),
         Err(status) => {
             tally.error(format!("opening the stream: {status}"));
@@ -320,6 +340,7 @@ async fn run(args: &Args) -> anyhow::Result<(Tally, Duration)> {
                         requests,
                         tickets.clone(),
                         window,
+                        args.grpc_timeout,
                     )));
                 }
             }
@@ -333,6 +354,7 @@ async fn run(args: &Args) -> anyhow::Result<(Tally, Duration)> {
                         tickets.clone(),
                         window,
                         args.concurrency,
+                        args.grpc_timeout,
                     )));
                 }
             }
