@@ -28,7 +28,7 @@ mod telemetry;
 mod tests;
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::auth::Auth;
@@ -39,9 +39,9 @@ pub use self::enums::{
 };
 pub use self::server::{ServerLimits, TlsConfig};
 pub use self::settings::{
-    AuthSettings, BackoffSettings, BudgetSettings, LimitSettings, PolicySettings,
-    PrincipalSettings, ServerSettings, Settings, StoreSettings, TelemetrySettings, TlsSettings,
-    Urls,
+    AuthSettings, BackoffSettings, BudgetSettings, DecisionLogSettings, LimitSettings,
+    PolicySettings, PrincipalSettings, ServerSettings, Settings, StoreSettings, TelemetrySettings,
+    TlsSettings, Urls,
 };
 pub use self::store::StoreConfig;
 pub use self::telemetry::TelemetryConfig;
@@ -119,6 +119,8 @@ pub struct Config {
     pub max_upstreams: usize,
     /// How traffic report ids are remembered.
     pub report_ids: ReportIds,
+    /// Where decisions are logged as JSON lines, if anywhere.
+    pub decision_log: Option<DecisionLogConfig>,
     /// Per-upstream policies.
     pub policies: Policies,
 }
@@ -147,6 +149,8 @@ impl TryFrom<Settings> for Config {
         let telemetry = telemetry::telemetry_config(&settings.telemetry)?;
         let policies = policies::policies(&settings, store_default)?;
         let report_ids = report_ids(&settings.limits)?;
+        let decision_log = decision_log(&settings.decision_log)?;
+        refuse_candidates_off_memory(&store, &policies)?;
         Ok(Config {
             listen,
             metrics_listen,
@@ -158,8 +162,58 @@ impl TryFrom<Settings> for Config {
             telemetry,
             max_upstreams: settings.limits.max_upstreams,
             report_ids,
+            decision_log,
             policies,
         })
+    }
+}
+
+/// `[decision_log]`: where and how many lines may wait.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecisionLogConfig {
+    /// The file lines are appended to.
+    pub path: PathBuf,
+    /// Lines waiting to be written, at most.
+    pub queue: usize,
+}
+
+fn decision_log(
+    settings: &DecisionLogSettings,
+) -> Result<Option<DecisionLogConfig>, InvalidConfig> {
+    let Some(path) = &settings.path else {
+        return Ok(None);
+    };
+    if path.trim().is_empty() {
+        return Err(invalid("decision_log.path", "must name a file"));
+    }
+    if settings.queue == 0 {
+        return Err(invalid("decision_log.queue", "must be at least 1"));
+    }
+    Ok(Some(DecisionLogConfig {
+        path: PathBuf::from(path),
+        queue: settings.queue,
+    }))
+}
+
+/// A candidate's budget lives in this process's memory: on a shared store
+/// each replica would hold a fraction of it, fed by a fraction of the
+/// reports, so its divergence figures would not mean what they say.
+fn refuse_candidates_off_memory(
+    store: &StoreConfig,
+    policies: &Policies,
+) -> Result<(), InvalidConfig> {
+    if matches!(store, StoreConfig::Memory) {
+        return Ok(());
+    }
+    match policies
+        .named()
+        .find(|(_, policy)| policy.candidate.is_some())
+    {
+        Some((name, _)) => Err(invalid(
+            format!("upstreams.{name:?}.candidate"),
+            "needs store.kind = \"memory\": the Redis store holds one budget per upstream, shared by every replica, and a candidate's budget is per process",
+        )),
+        None => Ok(()),
     }
 }
 

@@ -5,6 +5,7 @@
 //! `tonic::Status` in one place, `grpc/status.rs`.
 
 mod admin;
+mod candidate;
 mod connections;
 mod deadline;
 mod decider;
@@ -25,8 +26,9 @@ use tonic::transport::Server;
 use arc_swap::ArcSwap;
 
 use crate::auth::{Auth, Principal};
-use crate::budget::BudgetStore;
+use crate::budget::{BudgetStore, MemoryBudgetStore};
 use crate::config::{Config, InvalidConfig, ServerLimits};
+use crate::decision_log::DecisionLog;
 use crate::pb;
 use crate::policy::Policies;
 use crate::telemetry::{Attribute, Metrics, SpanStart, Throttle, TraceContext, Tracer, attr};
@@ -62,6 +64,11 @@ struct Inner<S> {
     /// Refused calls are logged ten at once, then one a second, with a
     /// count of the others: a caller probing keys must not flood the log.
     refusals: Throttle,
+    /// The candidate policies' budgets, in memory (a candidate needs the
+    /// memory store; `config` refuses one on Redis). Empty without one.
+    candidates: MemoryBudgetStore,
+    /// Every decision and report as a JSON line, if configured.
+    decision_log: Option<DecisionLog>,
 }
 
 /// The reloadable part of the configuration.
@@ -115,8 +122,23 @@ impl<S: BudgetStore> Service<S> {
                 tracer,
                 reload,
                 refusals: Throttle::new(Duration::from_secs(1), 10),
+                candidates: MemoryBudgetStore::new(usize::MAX),
+                decision_log: None,
             }),
         }
+    }
+
+    /// The same service, writing its decisions to `log`. Call before the
+    /// service is cloned or served.
+    pub fn with_decision_log(mut self, mut log: DecisionLog) -> Self {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => {
+                log.count_drops_in(Arc::clone(&inner.metrics));
+                inner.decision_log = Some(log);
+            }
+            None => tracing::error!("the decision log was attached to a service already shared"),
+        }
+        self
     }
 
     /// The policies in force now.

@@ -8,8 +8,11 @@
 
 pub mod auth;
 pub mod config;
+pub mod decision_log;
 pub mod grpc;
 pub mod policy;
+pub mod replay;
+pub mod settle;
 pub mod telemetry;
 
 // The crates this one serves, under the names the code reads best with.

@@ -1,4 +1,4 @@
-//! The `retryd` command: `serve` (the default), `check-config`, `health` and
+//! The `retryd` command: `serve` (the default), `check-config`, `replay`, `health` and
 //! `hash-key`.
 //! Startup wiring only: load and validate configuration, start telemetry,
 //! choose the budget store once, serve until SIGTERM or SIGINT.
@@ -12,6 +12,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use retryd::config::{Config, StoreConfig};
+use retryd::decision_log::DecisionLog;
 use retryd::grpc::{self, Reload, Service};
 use retryd::telemetry::{self, Metrics, Tracer};
 use retryd_budget::redis::{Mode, RedisConfig, RedisMode, redact_url};
@@ -49,6 +50,19 @@ enum Command {
     /// here as by the server; the hash is the SHA-256 of the trimmed key's
     /// UTF-8 bytes, printed as 64 lower-case hex digits.
     HashKey,
+    /// Decide a recorded decision log (`[decision_log]`) again under a
+    /// configuration, budgets included, and print per upstream how it
+    /// would have decided.
+    Replay {
+        /// The configuration to replay under (a candidate, or the live one).
+        #[arg(long, short)]
+        config: PathBuf,
+        /// The decision log, JSON lines.
+        file: PathBuf,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Ask a running retryd's gRPC health service; exit 0 if it is serving.
     Health {
         /// The gRPC address to ask.
@@ -67,6 +81,7 @@ fn main() -> ExitCode {
         Command::CheckConfig { file } => check_config(&file),
         Command::Health { addr, timeout } => health(addr, timeout),
         Command::HashKey => hash_key(),
+        Command::Replay { config, file, json } => replay(&config, &file, json),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -75,6 +90,21 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn replay(config: &std::path::Path, file: &std::path::Path, json: bool) -> anyhow::Result<()> {
+    let config = Config::load(Some(config))?;
+    let log = std::fs::File::open(file)
+        .with_context(|| format!("cannot open the decision log {}", file.display()))?;
+    let replay = retryd::replay::replay(&config, std::io::BufReader::new(log))
+        .map_err(anyhow::Error::msg)
+        .with_context(|| format!("{}", file.display()))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&replay)?);
+    } else {
+        print!("{}", replay.table());
+    }
+    Ok(())
 }
 
 fn check_config(file: &std::path::Path) -> anyhow::Result<()> {
@@ -173,12 +203,25 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
     }
     telemetry::init_logs(&config.telemetry).map_err(anyhow::Error::msg)?;
     let acceptor = grpc::Acceptor::try_new(config.tls.as_ref(), &config.server_limits)?;
+    let decision_log = config
+        .decision_log
+        .as_ref()
+        .map(|log| {
+            DecisionLog::open(&log.path, log.queue)
+                .with_context(|| format!("decision_log.path: cannot open {}", log.path.display()))
+        })
+        .transpose()?;
+    let served = Served {
+        config_path,
+        acceptor,
+        decision_log,
+    };
     runtime()?.block_on(async move {
         match config.store.clone() {
             StoreConfig::Memory => {
                 let store = MemoryBudgetStore::new(config.max_upstreams)
                     .with_max_report_ids(config.report_ids.max_ids);
-                run(config, config_path, acceptor, store, "memory").await
+                run(config, served, store, "memory").await
             }
             // The mode is chosen here, once, as a type: no store operation
             // asks it again.
@@ -187,13 +230,13 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
                     let label = "redis-exact";
                     let store: ExactStore =
                         connect_redis(&redis, config.max_upstreams, label).await?;
-                    run(config, config_path, acceptor, store, label).await
+                    run(config, served, store, label).await
                 }
                 RedisMode::Leased => {
                     let label = "redis-leased";
                     let store: LeasedStore =
                         connect_redis(&redis, config.max_upstreams, label).await?;
-                    run(config, config_path, acceptor, store, label).await
+                    run(config, served, store, label).await
                 }
             },
         }
@@ -219,13 +262,24 @@ async fn connect_redis<M: Mode>(
     Ok(store)
 }
 
-async fn run<S: BudgetStore>(
-    config: Config,
+/// What `serve` prepared before any port is bound.
+struct Served {
     config_path: Option<PathBuf>,
     acceptor: grpc::Acceptor,
+    decision_log: Option<DecisionLog>,
+}
+
+async fn run<S: BudgetStore>(
+    config: Config,
+    served: Served,
     store: S,
     store_label: &'static str,
 ) -> anyhow::Result<()> {
+    let Served {
+        config_path,
+        acceptor,
+        decision_log,
+    } = served;
     let grpc_listener = grpc::bind(config.listen)
         .await
         .with_context(|| format!("server.listen: cannot bind {}", config.listen))?;
@@ -270,6 +324,10 @@ async fn run<S: BudgetStore>(
         Arc::clone(&metrics),
         tracer,
     );
+    let service = match decision_log {
+        Some(log) => service.with_decision_log(log),
+        None => service,
+    };
     tokio::spawn(reload_on_sighup(service.clone()));
     let store_for_shutdown = service.clone();
 

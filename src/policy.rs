@@ -14,6 +14,22 @@ pub struct UpstreamPolicy {
     pub engine: Policy,
     /// The retry budget's parameters.
     pub bucket: BucketConfig,
+    /// False in shadow mode: decisions are answered as not enforced (the
+    /// budget they spend and are paid into is then only a shadow of one).
+    pub enforce: bool,
+    /// A policy evaluated beside this one, on a budget of its own.
+    pub candidate: Option<Box<CandidatePolicy>>,
+}
+
+/// A candidate policy: decided on every decision of its upstream beside
+/// the live one, with its own budget fed by the same reports, never
+/// answered.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CandidatePolicy {
+    /// The candidate's rules.
+    pub engine: Policy,
+    /// The candidate's budget.
+    pub bucket: BucketConfig,
 }
 
 /// The policy of every upstream: the named ones, and the defaults for all
@@ -30,8 +46,12 @@ impl Policies {
     /// upstream limit), the defaults' not, whatever the caller passed.
     pub fn new(mut defaults: UpstreamPolicy, mut named: HashMap<String, UpstreamPolicy>) -> Self {
         defaults.bucket.configured = false;
+        defaults.candidate = None;
         for policy in named.values_mut() {
             policy.bucket.configured = true;
+            if let Some(candidate) = &mut policy.candidate {
+                candidate.bucket.configured = true;
+            }
         }
         Policies { defaults, named }
     }
@@ -60,6 +80,8 @@ impl Default for Policies {
             UpstreamPolicy {
                 engine: Policy::default(),
                 bucket: BucketConfig::default(),
+                enforce: true,
+                candidate: None,
             },
             HashMap::new(),
         )

@@ -71,6 +71,16 @@ pub mod attr {
     /// call's span, the reported attempt's on a decision span (which
     /// describes that attempt, as `http.response.status_code` does).
     pub const GRPC_STATUS: &str = "rpc.grpc.status_code";
+    /// False on a shadow decision (the upstream's `enforce = false`).
+    pub const ENFORCED: &str = "retry.enforced";
+    /// The candidate policy's verdict.
+    pub const CANDIDATE_VERDICT: &str = "retry.candidate.verdict";
+    /// The candidate policy's deny reason.
+    pub const CANDIDATE_DENY_REASON: &str = "retry.candidate.deny_reason";
+    /// The rule that decided for the candidate.
+    pub const CANDIDATE_RULE: &str = "retry.candidate.rule";
+    /// Tokens left in the candidate's budget.
+    pub const CANDIDATE_TOKENS_REMAINING: &str = "retry.candidate.tokens_remaining";
     /// The raw `grpc-retry-pushback-ms` the attempt reported.
     pub const GRPC_PUSHBACK: &str = "retry.grpc.pushback_ms";
     /// Entries in a traffic report.

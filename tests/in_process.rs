@@ -371,3 +371,86 @@ async fn a_resent_report_resumes_after_a_partial_failure() {
         assert_eq!(seen, expected, "{upstream}");
     }
 }
+
+/// One step of a scripted sequence: a decision of some kind, or a report.
+#[derive(Clone, Debug)]
+enum Step {
+    Retryable,
+    NotFound,
+    Payment,
+    Report(u64),
+}
+
+fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    prop_oneof![
+        4 => Just(Step::Retryable),
+        1 => Just(Step::NotFound),
+        1 => Just(Step::Payment),
+        2 => (0u64..20).prop_map(Step::Report),
+    ]
+}
+
+/// Runs `steps` against a server with `toml` and returns each live answer
+/// (verdict, reason, rule, tokens): the jittered backoff aside, all of it.
+async fn live_answers(toml: &str, steps: &[Step]) -> Vec<(i32, i32, u32, f64)> {
+    let server = InProcess::start(toml, MemoryBudgetStore::new(100)).await;
+    let mut client = server.decider().await;
+    let mut answers = Vec::new();
+    for step in steps {
+        let request = match step {
+            Step::Retryable => retryable("pay"),
+            Step::NotFound => pb::DecideRequest {
+                failure: 0,
+                http_status: 404,
+                ..retryable("pay")
+            },
+            Step::Payment => pb::DecideRequest {
+                idempotency: pb::Idempotency::NonIdempotent as i32,
+                failure: pb::FailureKind::ConnectionReset as i32,
+                ..retryable("pay")
+            },
+            Step::Report(requests) => {
+                client
+                    .report_traffic(pb::ReportTrafficRequest {
+                        traffic: vec![pb::UpstreamTraffic {
+                            upstream: "pay".into(),
+                            requests: *requests,
+                        }],
+                        ..Default::default()
+                    })
+                    .await
+                    .unwrap();
+                continue;
+            }
+        };
+        let answer = client.decide(request).await.unwrap().into_inner();
+        answers.push((
+            answer.verdict,
+            answer.deny_reason,
+            answer.rule,
+            answer.tokens_remaining,
+        ));
+    }
+    answers
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+
+    /// A candidate policy never changes a live answer: the same sequence
+    /// of decisions and reports gets the same answers with and without it
+    /// (no floor, so that the two runs' timing cannot differ).
+    #[test]
+    fn a_candidate_never_changes_a_live_answer(steps in proptest::collection::vec(step(), 1..40)) {
+        let live = "[upstreams.pay]\nbudget = { capacity = 10.0, initial = 3.0, ratio = 0.2, min_per_second = 0.0 }\n";
+        let with_candidate = format!(
+            "{live}candidate = {{ max_attempts = 2, budget = {{ initial = 0.0, ratio = 1.0 }}, transient_500 = true }}\n"
+        );
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let (without, with) = runtime.block_on(async {
+            (live_answers(live, &steps).await, live_answers(&with_candidate, &steps).await)
+        });
+        proptest::prop_assert_eq!(without, with);
+    }
+}

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 
 use crate::budget::{BucketConfig, OnUnavailable};
 use crate::engine::Policy;
-use crate::policy::{Policies, UpstreamPolicy};
+use crate::policy::{CandidatePolicy, Policies, UpstreamPolicy};
 
 use super::{InvalidConfig, PolicySettings, Settings, invalid, parse_duration};
 
@@ -35,7 +35,15 @@ pub(super) fn policies(
             on_unavailable: store_default,
             ..BucketConfig::default()
         },
+        enforce: true,
+        candidate: None,
     };
+    if settings.defaults.candidate.is_some() {
+        return Err(invalid(
+            "defaults.candidate",
+            "a candidate policy is set per upstream ([upstreams.\"name\".candidate]), where its divergence is measured",
+        ));
+    }
     let defaults = resolve_policy("defaults", &base, &settings.defaults)?;
     let mut named = HashMap::with_capacity(settings.upstreams.len());
     for (upstream, overrides) in &settings.upstreams {
@@ -43,12 +51,42 @@ pub(super) fn policies(
         if upstream.is_empty() || upstream.len() > 256 {
             return Err(invalid(key, "an upstream name must be 1 to 256 bytes"));
         }
-        named.insert(
-            upstream.clone(),
-            resolve_policy(&key, &defaults, overrides)?,
-        );
+        let mut policy = resolve_policy(&key, &defaults, overrides)?;
+        if let Some(candidate) = &overrides.candidate {
+            policy.candidate = Some(Box::new(resolve_candidate(
+                &format!("{key}.candidate"),
+                &policy,
+                candidate,
+            )?));
+        }
+        named.insert(upstream.clone(), policy);
     }
     Ok(Policies::new(defaults, named))
+}
+
+/// A candidate: the live policy with what `overrides` names changed.
+fn resolve_candidate(
+    section: &str,
+    live: &UpstreamPolicy,
+    overrides: &PolicySettings,
+) -> Result<CandidatePolicy, InvalidConfig> {
+    for (name, set) in [
+        ("enforce", overrides.enforce.is_some()),
+        ("candidate", overrides.candidate.is_some()),
+        ("on_unavailable", overrides.on_unavailable.is_some()),
+    ] {
+        if set {
+            return Err(invalid(
+                format!("{section}.{name}"),
+                "not a key of a candidate policy (a candidate is never enforced and has no store outage of its own)",
+            ));
+        }
+    }
+    let resolved = resolve_policy(section, live, overrides)?;
+    Ok(CandidatePolicy {
+        engine: resolved.engine,
+        bucket: resolved.bucket,
+    })
 }
 
 /// Applies `overrides` on top of `base`, validating every value.
@@ -85,6 +123,7 @@ fn resolve_policy(
     if let Some(on_unavailable) = overrides.on_unavailable {
         bucket.on_unavailable = on_unavailable.into();
     }
+    let enforce = overrides.enforce.unwrap_or(base.enforce);
 
     let budget = &overrides.budget;
     let non_negative = |name: &str, value: Option<f64>, target: &mut f64| {
@@ -141,5 +180,10 @@ fn resolve_policy(
     if engine.backoff.base > engine.backoff.max {
         return Err(invalid(key("backoff.base"), "must not exceed backoff.max"));
     }
-    Ok(UpstreamPolicy { engine, bucket })
+    Ok(UpstreamPolicy {
+        engine,
+        bucket,
+        enforce,
+        candidate: None,
+    })
 }

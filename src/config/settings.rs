@@ -40,6 +40,8 @@ pub struct Settings {
     pub limits: LimitSettings,
     /// `[auth]`
     pub auth: AuthSettings,
+    /// `[decision_log]`
+    pub decision_log: DecisionLogSettings,
     /// `[defaults]`: the policy of every upstream not named below.
     pub defaults: PolicySettings,
     /// `[upstreams."name"]`: only what differs from the defaults.
@@ -241,6 +243,27 @@ impl Default for TelemetrySettings {
     }
 }
 
+/// `[decision_log]`: every decision and report as a JSON line, for
+/// `retryd replay`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DecisionLogSettings {
+    /// The file lines are appended to; none means no log.
+    pub path: Option<String>,
+    /// Lines waiting to be written, at most; beyond it lines are dropped
+    /// (and counted) rather than slowing decisions.
+    pub queue: usize,
+}
+
+impl Default for DecisionLogSettings {
+    fn default() -> Self {
+        DecisionLogSettings {
+            path: None,
+            queue: 65_536,
+        }
+    }
+}
+
 /// `[limits]`
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -285,6 +308,12 @@ pub struct PolicySettings {
     pub permanent_failures: Option<Vec<FailureKindName>>,
     /// `local` or `deny` while the shared store is unreachable.
     pub on_unavailable: Option<OnUnavailableName>,
+    /// False: decide and count, on a shadow budget, but tell callers the
+    /// decision is not enforced.
+    pub enforce: Option<bool>,
+    /// A policy evaluated beside this one on every decision (any of these
+    /// keys, except `enforce` and `candidate`), never enforced.
+    pub candidate: Option<Box<PolicySettings>>,
     /// The retry budget.
     pub budget: BudgetSettings,
     /// The backoff.

@@ -189,11 +189,21 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             validate::reason("reason", &message.reason)?;
             permit(&principal, upstream)?;
             let policy = live.policies.get(upstream);
-            self.inner
+            let previous = self
+                .inner
                 .store
                 .set_retries_enabled(upstream, &policy.bucket, message.enabled)
                 .await
-                .map_err(store_status)
+                .map_err(store_status)?;
+            // A candidate sees the kill switch as the live policy does, so
+            // that the switch is not counted as the candidate's divergence.
+            if let Some(candidate) = &policy.candidate {
+                self.set_candidate_enabled(upstream, candidate, message.enabled);
+            }
+            if let Some(log) = &self.inner.decision_log {
+                log.retries_enabled(upstream, message.enabled);
+            }
+            Ok(previous)
         };
         let describe = |previous: &bool, principal: &Principal| {
             vec![

@@ -8,15 +8,17 @@ use futures::{FutureExt, Stream, StreamExt};
 use rand::Rng;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::candidate as shadow;
 use super::deadline;
 use super::status::store_status;
 use super::validate::ValidDecideRequest;
 use super::{Live, Service, peer, peer_addr, trace_context, validate};
 use crate::auth::{Denied, Principal};
 use crate::budget::{BudgetCheck, BudgetStore, StoreError};
-use crate::engine::{self, BudgetView, Decision, DenyReason, Evidence, Idempotency, Verdict};
+use crate::engine::{self, BudgetView, Decision, DenyReason, Evidence, Verdict};
 use crate::pb;
 use crate::policy::UpstreamPolicy;
+use crate::settle::Settled;
 use crate::telemetry::StoreOp;
 use crate::telemetry::{Attribute, SPAN_DECIDE, TraceContext, attr};
 use crate::telemetry::{SpanStart, hex};
@@ -160,44 +162,44 @@ impl<S: BudgetStore> Service<S> {
         checked: Result<BudgetCheck, StoreError>,
         parent: Option<&TraceContext>,
     ) -> Result<pb::DecideResponse, Status> {
-        let budget = match checked {
-            Ok(check) if check.withdrew => Ok((begun.hoped, check.tokens)),
-            Ok(check) => Err(BudgetView::from(&check)),
+        let valid = &begun.valid;
+        let settled = Settled {
+            hoped: begun.hoped,
+            withdraw: begun.withdraw,
+        };
+        let facts = valid.facts(BudgetView::OPEN, begun.now, begun.jitter);
+        let (decision, tokens_remaining) = match checked {
+            Ok(check) => settled.on(&check, &facts, &begun.policy.engine),
             // The store already fell back to a local bucket if the policy
             // allows; this error means the policy is to deny. A withdrawal
             // whose outcome is unknown is not a RETRY either.
-            Err(StoreError::Unavailable(_)) => Err(BudgetView {
-                tokens: 0.0,
-                retries_enabled: true,
-                unavailable: true,
-            }),
+            Err(StoreError::Unavailable(_)) => settled.on_view(
+                BudgetView {
+                    tokens: 0.0,
+                    retries_enabled: true,
+                    unavailable: true,
+                },
+                &facts,
+                &begun.policy.engine,
+            ),
             Err(other) => {
                 let status = store_status(other);
                 self.finish_failed(begun.span, SPAN_DECIDE, &status);
                 return Err(status);
             }
         };
-        let valid = &begun.valid;
-        let (decision, tokens_remaining) = match budget {
-            Ok(spent) => spent,
-            // Allowed, and nothing to spend: the hoped decision stands.
-            Err(view) if view.allows() && !begun.withdraw => (begun.hoped, view.tokens),
-            // The engine decides again on what was read (pure, no I/O).
-            Err(view) => {
-                let facts = valid.facts(view, begun.now, begun.jitter);
-                let decision = engine::decide(&facts, &begun.policy.engine);
-                match decision.verdict {
-                    // The read allowed a retry but no token came with it:
-                    // someone else took the last one in between (leased
-                    // mode's read is a cached reading).
-                    Verdict::Retry { .. } => (
-                        decision.into_budget_denial(DenyReason::BudgetExhausted),
-                        0.0,
-                    ),
-                    _ => (decision, view.tokens),
-                }
-            }
-        };
+        let upstream_policy = begun.policy;
+        let candidate = upstream_policy
+            .candidate
+            .as_deref()
+            .map(|candidate| self.decide_candidate(valid.upstream, &facts, candidate));
+        let shadow = !upstream_policy.enforce;
+        self.inner.metrics.record_policy_checks(
+            valid.upstream,
+            &decision,
+            candidate.as_ref().map(|(decision, _)| decision),
+            shadow,
+        );
 
         let decision_id = hex(&rand::rng().random::<[u8; 16]>());
         self.inner
@@ -216,18 +218,33 @@ impl<S: BudgetStore> Service<S> {
             "decided"
         );
         if let Some(span) = begun.span {
-            let attributes = self.decision_attributes(
+            let mut attributes = self.decision_attributes(
                 begun.principal,
                 valid,
                 &decision,
                 tokens_remaining,
                 &decision_id,
             );
+            shadow::attributes(&mut attributes, shadow, candidate.as_ref());
             self.inner
                 .tracer
                 .finish(span, SPAN_DECIDE, attributes, None);
         }
-        Ok(response(&decision, decision_id, tokens_remaining))
+        if let Some(log) = &self.inner.decision_log {
+            log.decision(
+                &begun.principal.name,
+                valid.upstream,
+                valid.operation,
+                &facts,
+                &decision,
+                tokens_remaining,
+                shadow,
+                &decision_id,
+            );
+        }
+        let mut answer = response(&decision, decision_id, tokens_remaining);
+        answer.shadow = shadow;
+        Ok(answer)
     }
 
     fn decision_attributes(
@@ -248,7 +265,9 @@ impl<S: BudgetStore> Service<S> {
             ),
             (
                 attr::IDEMPOTENCY,
-                Attribute::Static(idempotency_name(valid.reported.idempotency)),
+                Attribute::Static(crate::decision_log::idempotency_name(
+                    valid.reported.idempotency,
+                )),
             ),
             (
                 attr::EVIDENCE_EFFECTIVE,
@@ -317,15 +336,6 @@ pub(super) fn permit(principal: &Principal, upstream: &str, field: &str) -> Resu
     }
 }
 
-fn idempotency_name(idempotency: Idempotency) -> &'static str {
-    match idempotency {
-        Idempotency::Safe => "safe",
-        Idempotency::Idempotent => "idempotent",
-        Idempotency::IdempotentWithKey => "idempotent_with_key",
-        Idempotency::NonIdempotent => "non_idempotent",
-    }
-}
-
 fn response(decision: &Decision, decision_id: String, tokens_remaining: f64) -> pb::DecideResponse {
     let (verdict, backoff, deny_reason, refresh_credentials) = match decision.verdict {
         Verdict::Retry {
@@ -361,6 +371,7 @@ fn response(decision: &Decision, decision_id: String, tokens_remaining: f64) -> 
         tokens_remaining,
         explanation: decision.explanation(),
         error: None,
+        shadow: false,
     }
 }
 

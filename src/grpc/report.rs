@@ -192,6 +192,12 @@ impl<S: BudgetStore> Service<S> {
                 )
             })?;
             self.inner.metrics.record_deposit(requests);
+            if let Some(candidate) = &live.policies.get(upstream).candidate {
+                self.deposit_candidate(upstream, candidate, requests);
+            }
+            if let Some(log) = &self.inner.decision_log {
+                log.report(upstream, requests);
+            }
         }
         Ok(())
     }

@@ -17,11 +17,14 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 mod histogram;
+mod policy_checks;
 mod server;
 #[cfg(test)]
 mod tests;
 
 use self::histogram::Histogram;
+use self::policy_checks::PolicyChecks;
+pub use self::policy_checks::{METRIC_CANDIDATE_DECISIONS, METRIC_SHADOW_DECISIONS};
 pub use self::server::serve_metrics;
 
 use crate::budget::{BudgetSnapshot, StoreStats};
@@ -50,6 +53,8 @@ pub const METRIC_STORE_ERRORS: &str = "retryd_store_errors_total";
 pub const METRIC_SPANS_EXPORTED: &str = "retryd_spans_exported_total";
 /// Counter of spans dropped because the export queue was full.
 pub const METRIC_SPANS_DROPPED: &str = "retryd_spans_dropped_total";
+/// Counter of decision log lines dropped because its queue was full.
+pub const METRIC_DECISION_LOG_DROPPED: &str = "retryd_decision_log_dropped_total";
 /// Counter of spans lost in failed exports.
 pub const METRIC_SPANS_FAILED: &str = "retryd_spans_export_failed_total";
 
@@ -195,8 +200,11 @@ pub struct Metrics {
     pub spans_dropped: AtomicU64,
     /// Spans lost in failed exports.
     pub spans_failed: AtomicU64,
+    /// Decision log lines dropped because its queue was full.
+    pub decision_log_dropped: AtomicU64,
     reloads: [AtomicU64; 2],
     expired: [AtomicU64; Expiry::VARIANTS.len()],
+    policy_checks: PolicyChecks,
 }
 
 impl Metrics {
@@ -226,6 +234,7 @@ impl Metrics {
                 latency: Histogram::default(),
             })
             .collect();
+        let labels_len = labels.len();
         Metrics {
             labels,
             index,
@@ -236,8 +245,25 @@ impl Metrics {
             spans_exported: AtomicU64::new(0),
             spans_dropped: AtomicU64::new(0),
             spans_failed: AtomicU64::new(0),
+            decision_log_dropped: AtomicU64::new(0),
             reloads: Default::default(),
             expired: Default::default(),
+            policy_checks: PolicyChecks::new(labels_len),
+        }
+    }
+
+    /// Counts a shadow decision and a candidate's verdict beside the live
+    /// one. Nothing for an upstream with neither (a branch, no lookup).
+    pub fn record_policy_checks(
+        &self,
+        upstream: &str,
+        live: &Decision,
+        candidate: Option<&Decision>,
+        shadow: bool,
+    ) {
+        if shadow || candidate.is_some() {
+            self.policy_checks
+                .record(self.row(upstream), live, candidate, shadow);
         }
     }
 
@@ -358,6 +384,11 @@ impl Metrics {
                 "Spans lost in failed OTLP exports.",
                 &self.spans_failed,
             ),
+            (
+                METRIC_DECISION_LOG_DROPPED,
+                "Decision log lines dropped because its queue was full.",
+                &self.decision_log_dropped,
+            ),
         ];
         for (name, text, counter) in counters {
             help(&mut out, name, "counter", text);
@@ -377,6 +408,7 @@ impl Metrics {
                 self.expired[*expiry as usize].load(Ordering::Relaxed)
             );
         }
+        self.policy_checks.render(&mut out, &self.labels);
         // One token per RETRY: the RETRY decisions, not a counter of its own.
         help(
             &mut out,

@@ -149,6 +149,7 @@ fn canned(
         tokens_remaining: 99_999_999.0,
         explanation: explanation.into(),
         error: None,
+        shadow: false,
     }
 }
 

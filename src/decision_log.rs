@@ -1,0 +1,393 @@
+//! The decision log: every decision, traffic report and kill-switch flip
+//! as one JSON line, in the order retryd made them, holding every fact a
+//! decision used (the jitter draw and the clock included), so that
+//! `retryd replay` can decide them again under another configuration.
+//!
+//! The format is a contract (README, "The decision log"): one object per
+//! line, `"kind"` first, fields named as below, version 1. Readers ignore
+//! fields they do not know; a new field is added, never changed.
+//!
+//! Writing never slows a decision: lines go through a bounded queue to a
+//! thread of their own; when it is full, a line is dropped and counted
+//! (`retryd_decision_log_dropped_total`) and the log says so.
+
+use std::fs::OpenOptions;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, SyncSender, TrySendError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::budget::memory::{Clock, MonotonicClock};
+use crate::engine::{
+    Body, Decision, Evidence, Facts, FailureKind, GrpcCode, Idempotency, Replayability, Verdict,
+};
+use crate::telemetry::Metrics;
+
+/// The format's version, on every line.
+pub const VERSION: u32 = 1;
+
+/// One line of the log.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Line {
+    /// A decision (boxed: it is by far the largest line).
+    Decision(Box<DecisionLine>),
+    /// A traffic report's entry, deposited.
+    Report(ReportLine),
+    /// An operator switched retries on or off.
+    RetriesEnabled(SwitchLine),
+}
+
+/// A decision: its facts, its draw, and what was answered.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DecisionLine {
+    /// The format's version.
+    pub v: u32,
+    /// Monotonic nanoseconds on the memory store's clock (any origin): what
+    /// budget refills count.
+    pub clock_ns: u64,
+    /// Wall time, milliseconds since the Unix epoch, for people.
+    pub unix_ms: u64,
+    /// The decision id answered.
+    pub decision_id: String,
+    /// The calling principal.
+    pub principal: String,
+    /// The upstream.
+    pub upstream: String,
+    /// The operation, possibly empty.
+    pub operation: String,
+    /// `safe`, `idempotent`, `idempotent_with_key`, `non_idempotent`.
+    pub idempotency: String,
+    /// The body's replayability: `replayable`, `reopenable`, `one_shot`.
+    pub replayability: String,
+    /// Attempts so far, the failed one included.
+    pub attempt: u32,
+    /// The claimed evidence, if any (`not_sent`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evidence: Option<String>,
+    /// The failure kind, if any (`connect`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
+    /// The HTTP status, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http_status: Option<u16>,
+    /// The raw Retry-After, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after: Option<String>,
+    /// The gRPC code number, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpc_status: Option<u32>,
+    /// The raw gRPC pushback, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpc_pushback: Option<String>,
+    /// The caller's deadline left, in nanoseconds, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_remaining_ns: Option<u64>,
+    /// The response's first byte reached the application.
+    pub first_byte_delivered: bool,
+    /// The caller's runtime is draining.
+    pub runtime_draining: bool,
+    /// Credentials were already refreshed.
+    pub auth_refresh_attempted: bool,
+    /// The backoff before the failed attempt, in nanoseconds, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_backoff_ns: Option<u64>,
+    /// The caller's own attempt limit, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_attempts: Option<u32>,
+    /// The wall clock the decision read (Unix nanoseconds), which only an
+    /// HTTP-date Retry-After uses.
+    pub now_unix_ns: u64,
+    /// The uniform draw in [0, 1) for the backoff jitter.
+    pub jitter: f64,
+    /// `retry`, `deny` or `ambiguous`.
+    pub verdict: String,
+    /// For a DENY: the reason (`budget_exhausted`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deny_reason: Option<String>,
+    /// The rule that decided, 1 to 9.
+    pub rule: u8,
+    /// For a RETRY: the backoff, in nanoseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backoff_ns: Option<u64>,
+    /// Tokens left in the upstream's budget after the decision.
+    pub tokens_remaining: f64,
+    /// The decision was answered as not enforced.
+    pub shadow: bool,
+}
+
+/// One deposited entry of a traffic report.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReportLine {
+    /// The format's version.
+    pub v: u32,
+    /// As in [`DecisionLine::clock_ns`].
+    pub clock_ns: u64,
+    /// Wall time, milliseconds since the Unix epoch.
+    pub unix_ms: u64,
+    /// The upstream.
+    pub upstream: String,
+    /// First attempts reported.
+    pub requests: u64,
+}
+
+/// A kill-switch flip.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SwitchLine {
+    /// The format's version.
+    pub v: u32,
+    /// As in [`DecisionLine::clock_ns`].
+    pub clock_ns: u64,
+    /// Wall time, milliseconds since the Unix epoch.
+    pub unix_ms: u64,
+    /// The upstream.
+    pub upstream: String,
+    /// Retries are now switched on.
+    pub enabled: bool,
+}
+
+/// The writer side: a bounded queue to a thread that appends to the file.
+#[derive(Debug)]
+pub struct DecisionLog {
+    lines: SyncSender<String>,
+    clock: MonotonicClock,
+    dropped: AtomicU64,
+    /// Where drops are counted for `/metrics`, once attached to a service.
+    metrics: Option<Arc<Metrics>>,
+}
+
+impl DecisionLog {
+    /// Opens `path` for appending (created if missing) and starts the
+    /// writer thread, with room for `queue` lines.
+    pub fn open(path: &Path, queue: usize) -> std::io::Result<DecisionLog> {
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        let (lines, receiver) = mpsc::sync_channel::<String>(queue.max(1));
+        std::thread::Builder::new()
+            .name("retryd-decision-log".into())
+            .spawn(move || {
+                let mut out = BufWriter::new(file);
+                // Blocks for the first line, writes what else is queued,
+                // then flushes: lines reach the file within a batch.
+                while let Ok(line) = receiver.recv() {
+                    let mut ok = writeln!(out, "{line}").is_ok();
+                    while let Ok(line) = receiver.try_recv() {
+                        ok &= writeln!(out, "{line}").is_ok();
+                    }
+                    if !(ok && out.flush().is_ok()) {
+                        tracing::warn!("cannot write the decision log");
+                    }
+                }
+            })?;
+        Ok(DecisionLog {
+            lines,
+            clock: MonotonicClock::default(),
+            dropped: AtomicU64::new(0),
+            metrics: None,
+        })
+    }
+
+    /// Counts drops in `metrics` too.
+    pub fn count_drops_in(&mut self, metrics: Arc<Metrics>) {
+        self.metrics = Some(metrics);
+    }
+
+    /// Lines dropped because the queue was full.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    fn stamp(&self) -> (u64, u64) {
+        let unix_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| since.as_millis() as u64);
+        (self.clock.now_nanos(), unix_ms)
+    }
+
+    fn send(&self, line: &Line) {
+        let Ok(text) = serde_json::to_string(line) else {
+            return;
+        };
+        match self.lines.try_send(text) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                if let Some(metrics) = &self.metrics {
+                    metrics.decision_log_dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                if self.dropped.fetch_add(1, Ordering::Relaxed) == 0 {
+                    tracing::warn!(
+                        "the decision log cannot keep up: dropping lines (counted in retryd_decision_log_dropped_total)"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Logs a decision made on `facts` (its budget view and draw are the
+    /// live decision's).
+    #[allow(clippy::too_many_arguments)]
+    pub fn decision(
+        &self,
+        principal: &str,
+        upstream: &str,
+        operation: &str,
+        facts: &Facts<'_>,
+        decision: &Decision,
+        tokens_remaining: f64,
+        shadow: bool,
+        decision_id: &str,
+    ) {
+        let (clock_ns, unix_ms) = self.stamp();
+        let nanos = |duration: Duration| u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+        let (deny_reason, backoff_ns) = match decision.verdict {
+            Verdict::Deny(reason) => (Some(reason.as_str().to_owned()), None),
+            Verdict::Retry { backoff, .. } => (None, Some(nanos(backoff))),
+            Verdict::Ambiguous => (None, None),
+        };
+        self.send(&Line::Decision(Box::new(DecisionLine {
+            v: VERSION,
+            clock_ns,
+            unix_ms,
+            decision_id: decision_id.to_owned(),
+            principal: principal.to_owned(),
+            upstream: upstream.to_owned(),
+            operation: operation.to_owned(),
+            idempotency: idempotency_name(facts.idempotency).to_owned(),
+            replayability: replayability_name(facts.body.replayability()).to_owned(),
+            attempt: facts.attempt,
+            evidence: facts.claimed_evidence.map(|e| e.as_str().to_owned()),
+            failure: facts.failure.map(|f| f.as_str().to_owned()),
+            http_status: facts.http_status,
+            retry_after: facts.retry_after.map(str::to_owned),
+            grpc_status: facts.grpc_status.map(GrpcCode::number),
+            grpc_pushback: facts.grpc_pushback.map(str::to_owned),
+            deadline_remaining_ns: facts.deadline_remaining.map(nanos),
+            first_byte_delivered: facts.first_byte_delivered,
+            runtime_draining: facts.runtime_draining,
+            auth_refresh_attempted: facts.auth_refresh_attempted,
+            previous_backoff_ns: facts.previous_backoff.map(nanos),
+            max_attempts: facts.max_attempts,
+            now_unix_ns: facts.now.duration_since(UNIX_EPOCH).map_or(0, nanos),
+            jitter: facts.jitter,
+            verdict: decision.verdict.as_str().to_owned(),
+            deny_reason,
+            rule: decision.rule.number(),
+            backoff_ns,
+            tokens_remaining,
+            shadow,
+        })));
+    }
+
+    /// Logs one deposited entry of a traffic report.
+    pub fn report(&self, upstream: &str, requests: u64) {
+        let (clock_ns, unix_ms) = self.stamp();
+        self.send(&Line::Report(ReportLine {
+            v: VERSION,
+            clock_ns,
+            unix_ms,
+            upstream: upstream.to_owned(),
+            requests,
+        }));
+    }
+
+    /// Logs a kill-switch flip.
+    pub fn retries_enabled(&self, upstream: &str, enabled: bool) {
+        let (clock_ns, unix_ms) = self.stamp();
+        self.send(&Line::RetriesEnabled(SwitchLine {
+            v: VERSION,
+            clock_ns,
+            unix_ms,
+            upstream: upstream.to_owned(),
+            enabled,
+        }));
+    }
+}
+
+/// The facts of a logged decision, in the engine's terms, to decide again.
+/// `body` is the body of the logged replayability (the engine reads no
+/// more of it). `None` names the field that does not read.
+pub fn facts_of<'a>(line: &'a DecisionLine, body: &'a Body) -> Result<Facts<'a>, &'static str> {
+    let nanos = Duration::from_nanos;
+    Ok(Facts {
+        idempotency: idempotency_of(&line.idempotency).ok_or("idempotency")?,
+        body,
+        attempt: line.attempt,
+        claimed_evidence: match &line.evidence {
+            None => None,
+            Some(name) => Some(evidence_of(name).ok_or("evidence")?),
+        },
+        failure: match &line.failure {
+            None => None,
+            Some(name) => Some(FailureKind::from_name(name).ok_or("failure")?),
+        },
+        http_status: line.http_status,
+        retry_after: line.retry_after.as_deref(),
+        grpc_status: match line.grpc_status {
+            None => None,
+            Some(number) => Some(GrpcCode::from_number(number).ok_or("grpc_status")?),
+        },
+        grpc_pushback: line.grpc_pushback.as_deref(),
+        deadline_remaining: line.deadline_remaining_ns.map(nanos),
+        first_byte_delivered: line.first_byte_delivered,
+        runtime_draining: line.runtime_draining,
+        auth_refresh_attempted: line.auth_refresh_attempted,
+        previous_backoff: line.previous_backoff_ns.map(nanos),
+        max_attempts: line.max_attempts,
+        budget: crate::engine::BudgetView::OPEN,
+        now: UNIX_EPOCH + nanos(line.now_unix_ns),
+        jitter: line.jitter,
+    })
+}
+
+/// A body of the given replayability, as the engine reads it.
+pub fn body_of(replayability: &str) -> Option<Body> {
+    Some(match replayability {
+        "replayable" => Body::Bytes,
+        "reopenable" => Body::ReopenableSupplier,
+        "one_shot" => Body::InputStream,
+        _ => return None,
+    })
+}
+
+fn replayability_name(replayability: Replayability) -> &'static str {
+    match replayability {
+        Replayability::Replayable => "replayable",
+        Replayability::Reopenable => "reopenable",
+        Replayability::OneShot => "one_shot",
+    }
+}
+
+/// The name of an idempotency in logs and spans.
+pub fn idempotency_name(idempotency: Idempotency) -> &'static str {
+    match idempotency {
+        Idempotency::Safe => "safe",
+        Idempotency::Idempotent => "idempotent",
+        Idempotency::IdempotentWithKey => "idempotent_with_key",
+        Idempotency::NonIdempotent => "non_idempotent",
+    }
+}
+
+fn idempotency_of(name: &str) -> Option<Idempotency> {
+    [
+        Idempotency::Safe,
+        Idempotency::Idempotent,
+        Idempotency::IdempotentWithKey,
+        Idempotency::NonIdempotent,
+    ]
+    .into_iter()
+    .find(|idempotency| idempotency_name(*idempotency) == name)
+}
+
+fn evidence_of(name: &str) -> Option<Evidence> {
+    [
+        Evidence::NotSent,
+        Evidence::SentNoResponse,
+        Evidence::ResponseReceived,
+        Evidence::PartialResponse,
+    ]
+    .into_iter()
+    .find(|evidence| evidence.as_str() == name)
+}

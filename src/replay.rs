@@ -1,0 +1,217 @@
+//! `retryd replay`: decides a recorded decision log again under another
+//! configuration, budgets included, in the order the log has them.
+//!
+//! Budgets are simulated on the memory store's own arithmetic with a clock
+//! set to each line's `clock_ns`: every upstream's bucket starts from its
+//! initial tokens at its first line, takes the logged reports' deposits and
+//! the floor over the logged time, and pays the replayed RETRYs. Replayed
+//! against the configuration that recorded it (one replica on the memory
+//! store, the log on from its start), a log gives back the recorded
+//! verdicts; against a candidate, what the candidate would have answered.
+
+use std::collections::BTreeMap;
+use std::io::BufRead;
+
+use futures::FutureExt;
+use serde::Serialize;
+
+use crate::budget::memory::ManualClock;
+use crate::budget::{BudgetStore, MemoryBudgetStore};
+use crate::config::Config;
+use crate::decision_log::{DecisionLine, Line, body_of, facts_of};
+use crate::engine::{BudgetView, Decision, Verdict};
+use crate::settle::Settled;
+
+/// What the replay found for one upstream.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct UpstreamReplay {
+    /// Decisions replayed.
+    pub decisions: u64,
+    /// Real requests reported (deposited).
+    pub reported: u64,
+    /// Recorded verdicts: retry, deny, ambiguous.
+    pub recorded: Verdicts,
+    /// Replayed verdicts.
+    pub replayed: Verdicts,
+    /// Decisions whose replayed verdict or deny reason differs.
+    pub changed: u64,
+    /// Recorded RETRYs the replay denied for the budget.
+    pub retries_now_budget_denials: u64,
+    /// Replayed denials by reason.
+    pub replayed_denials: BTreeMap<String, u64>,
+}
+
+/// Counts by verdict.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Verdicts {
+    /// RETRY.
+    pub retry: u64,
+    /// DENY.
+    pub deny: u64,
+    /// AMBIGUOUS.
+    pub ambiguous: u64,
+}
+
+impl Verdicts {
+    fn count(&mut self, verdict: &str) {
+        match verdict {
+            "retry" => self.retry += 1,
+            "deny" => self.deny += 1,
+            _ => self.ambiguous += 1,
+        }
+    }
+}
+
+/// A replay: per upstream, in name order.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Replay {
+    /// Lines read.
+    pub lines: u64,
+    /// Per upstream.
+    pub upstreams: BTreeMap<String, UpstreamReplay>,
+}
+
+/// Replays `log` under `config`. An unreadable line is an error naming its
+/// number.
+pub fn replay(config: &Config, log: impl BufRead) -> Result<Replay, String> {
+    let clock = ManualClock::default();
+    let store = MemoryBudgetStore::with_clock(usize::MAX, clock.clone());
+    let mut replay = Replay::default();
+    let mut last_clock: Option<u64> = None;
+    for (index, text) in log.lines().enumerate() {
+        let number = index + 1;
+        let text = text.map_err(|error| format!("line {number}: {error}"))?;
+        if text.trim().is_empty() {
+            continue;
+        }
+        let line: Line =
+            serde_json::from_str(&text).map_err(|error| format!("line {number}: {error}"))?;
+        replay.lines += 1;
+        let clock_ns = match &line {
+            Line::Decision(line) => line.clock_ns,
+            Line::Report(line) => line.clock_ns,
+            Line::RetriesEnabled(line) => line.clock_ns,
+        };
+        // Moves the simulated clock to the line's time (never back).
+        if let Some(last) = last_clock {
+            clock.advance(clock_ns.saturating_sub(last));
+        }
+        last_clock = Some(last_clock.map_or(clock_ns, |last| last.max(clock_ns)));
+        match line {
+            Line::Report(report) => {
+                let policy = config.policies.get(&report.upstream);
+                let _ = store
+                    .deposit(&report.upstream, &policy.bucket, report.requests)
+                    .now_or_never();
+                replay
+                    .upstreams
+                    .entry(report.upstream)
+                    .or_default()
+                    .reported += report.requests;
+            }
+            Line::RetriesEnabled(switch) => {
+                let policy = config.policies.get(&switch.upstream);
+                let _ = store
+                    .set_retries_enabled(&switch.upstream, &policy.bucket, switch.enabled)
+                    .now_or_never();
+            }
+            Line::Decision(recorded) => {
+                let decision = decide_again(config, &store, &recorded)
+                    .map_err(|field| format!("line {number}: {field} does not read"))?;
+                tally(
+                    replay
+                        .upstreams
+                        .entry(recorded.upstream.clone())
+                        .or_default(),
+                    &recorded,
+                    &decision,
+                );
+            }
+        }
+    }
+    Ok(replay)
+}
+
+fn decide_again(
+    config: &Config,
+    store: &MemoryBudgetStore<ManualClock>,
+    recorded: &DecisionLine,
+) -> Result<Decision, &'static str> {
+    let body = body_of(&recorded.replayability).ok_or("replayability")?;
+    let facts = facts_of(recorded, &body)?;
+    let policy = config.policies.get(&recorded.upstream);
+    let settled = Settled::hope(&facts, &policy.engine);
+    let checked = store
+        .check(&recorded.upstream, &policy.bucket, settled.withdraw)
+        .now_or_never();
+    Ok(match checked {
+        Some(Ok(check)) => settled.on(&check, &facts, &policy.engine).0,
+        _ => {
+            settled
+                .on_view(
+                    BudgetView {
+                        tokens: 0.0,
+                        retries_enabled: true,
+                        unavailable: true,
+                    },
+                    &facts,
+                    &policy.engine,
+                )
+                .0
+        }
+    })
+}
+
+fn tally(upstream: &mut UpstreamReplay, recorded: &DecisionLine, replayed: &Decision) {
+    upstream.decisions += 1;
+    upstream.recorded.count(&recorded.verdict);
+    upstream.replayed.count(replayed.verdict.as_str());
+    let replayed_reason = match replayed.verdict {
+        Verdict::Deny(reason) => Some(reason.as_str()),
+        _ => None,
+    };
+    if replayed.verdict.as_str() != recorded.verdict
+        || replayed_reason != recorded.deny_reason.as_deref()
+    {
+        upstream.changed += 1;
+    }
+    if let Some(reason) = replayed_reason {
+        *upstream
+            .replayed_denials
+            .entry(reason.to_owned())
+            .or_default() += 1;
+        if recorded.verdict == "retry" && matches!(reason, "budget_exhausted") {
+            upstream.retries_now_budget_denials += 1;
+        }
+    }
+}
+
+impl Replay {
+    /// The replay as a table, one row per upstream.
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "{:<24} {:>9} {:>9} {:>15} {:>15} {:>8} {:>12}\n",
+            "upstream",
+            "decisions",
+            "reported",
+            "recorded r/d/a",
+            "replayed r/d/a",
+            "changed",
+            "retry→budget"
+        );
+        for (name, upstream) in &self.upstreams {
+            let triple = |v: &Verdicts| format!("{}/{}/{}", v.retry, v.deny, v.ambiguous);
+            out.push_str(&format!(
+                "{:<24} {:>9} {:>9} {:>15} {:>15} {:>8} {:>12}\n",
+                name,
+                upstream.decisions,
+                upstream.reported,
+                triple(&upstream.recorded),
+                triple(&upstream.replayed),
+                upstream.changed,
+                upstream.retries_now_budget_denials
+            ));
+        }
+        out
+    }
+}

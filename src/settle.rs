@@ -1,0 +1,78 @@
+//! Settling a decision on what the budget said. The service decides first
+//! as if the budget allowed (`hoped`), asks the store once (withdrawing a
+//! token only if `hoped` is a RETRY), then settles on the answer: the same
+//! code for the live policy, for a candidate policy and for `retryd
+//! replay`, so that all three decide alike.
+
+use crate::budget::BudgetCheck;
+use crate::engine::{self, BudgetView, Decision, DenyReason, Facts, Verdict};
+
+/// A decision before the store call.
+#[derive(Clone, Copy, Debug)]
+pub struct Settled {
+    /// The decision as if the budget allowed.
+    pub hoped: Decision,
+    /// `hoped` is a RETRY: the store call is asked to withdraw.
+    pub withdraw: bool,
+}
+
+impl Settled {
+    /// Decides `facts` (their budget is ignored) as if the budget allowed.
+    pub fn hope(facts: &Facts<'_>, policy: &engine::Policy) -> Settled {
+        let hoped = engine::decide(
+            &Facts {
+                budget: BudgetView::OPEN,
+                ..*facts
+            },
+            policy,
+        );
+        Settled {
+            hoped,
+            withdraw: matches!(hoped.verdict, Verdict::Retry { .. }),
+        }
+    }
+
+    /// The decision and the tokens left, given what the store answered.
+    pub fn on(
+        &self,
+        check: &BudgetCheck,
+        facts: &Facts<'_>,
+        policy: &engine::Policy,
+    ) -> (Decision, f64) {
+        if check.withdrew {
+            return (self.hoped, check.tokens);
+        }
+        self.on_view(BudgetView::from(check), facts, policy)
+    }
+
+    /// The decision on a budget that was read but spent nothing.
+    pub fn on_view(
+        &self,
+        view: BudgetView,
+        facts: &Facts<'_>,
+        policy: &engine::Policy,
+    ) -> (Decision, f64) {
+        // Allowed, and nothing to spend: the hoped decision stands.
+        if view.allows() && !self.withdraw {
+            return (self.hoped, view.tokens);
+        }
+        // The engine decides again on what was read (pure, no I/O).
+        let decision = engine::decide(
+            &Facts {
+                budget: view,
+                ..*facts
+            },
+            policy,
+        );
+        match decision.verdict {
+            // The read allowed a retry but no token came with it: someone
+            // else took the last one in between (leased mode's read is a
+            // cached reading).
+            Verdict::Retry { .. } => (
+                decision.into_budget_denial(DenyReason::BudgetExhausted),
+                0.0,
+            ),
+            _ => (decision, view.tokens),
+        }
+    }
+}
