@@ -58,6 +58,10 @@ budget = { capacity = 100.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
 [upstreams."py-dedup"]
 budget = { capacity = 100.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
 
+# Never filled: every retry is BUDGET_EXHAUSTED.
+[upstreams."py-drained"]
+budget = { capacity = 10.0, initial = 0.0, ratio = 0.0, min_per_second = 0.0 }
+
 [upstreams."py-dedup-direct"]
 budget = { capacity = 100.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
 """

@@ -173,7 +173,7 @@ def test_remaining_deadline_shrinks_on_each_decision() -> None:
 
 def test_the_decision_is_on_the_returned_response(admin: Client) -> None:
     with ScriptedServer(respond(503)) as origin, httpx.Client() as http:
-        response = request_with_retries(http, admin, "GET", origin.url, upstream="py-empty",
+        response = request_with_retries(http, admin, "GET", origin.url, upstream="py-drained",
                                         idempotency=Idempotency.SAFE, reporter=None)
     assert response.status_code == 503
     decision = response.extensions[DECISION_EXTENSION]
@@ -196,7 +196,7 @@ def test_a_response_returned_without_asking_says_so(admin: Client) -> None:
 
 def test_the_decision_is_on_a_raised_error(admin: Client) -> None:
     with httpx.Client() as http, pytest.raises(httpx.ConnectError) as raised:
-        request_with_retries(http, admin, "GET", f"http://127.0.0.1:{closed_port()}/", upstream="py-empty",
+        request_with_retries(http, admin, "GET", f"http://127.0.0.1:{closed_port()}/", upstream="py-drained",
                              idempotency=Idempotency.SAFE, reporter=None)
     decision = decision_of(raised.value)
     assert decision is not None and decision.deny_reason is DenyReason.BUDGET_EXHAUSTED
@@ -303,6 +303,7 @@ AUTH_CONFIG = f"""
 [server]
 listen = "127.0.0.1:0"
 metrics_listen = "127.0.0.1:0"
+shutdown_grace = "1s"
 
 [limits]
 max_upstreams = 2
@@ -363,6 +364,7 @@ class HoldingProxy:
         self._listener.bind(("127.0.0.1", 0))
         self._listener.listen(4)
         self.target = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -372,6 +374,7 @@ class HoldingProxy:
             except OSError:
                 return
             upstream = socket.create_connection(self.upstream)
+            self._sockets += [client, upstream]
             threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
 
@@ -387,6 +390,12 @@ class HoldingProxy:
     def close(self) -> None:
         self.released.set()
         self._listener.close()
+        for sock in self._sockets:  # retryd would wait out its shutdown grace for them
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
 
 
 def test_a_report_resent_after_a_lost_answer_deposits_once(server: Server, admin: Client) -> None:

@@ -57,7 +57,7 @@ import inspect
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional, Union, cast
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union, cast
 
 import grpc
 import grpc.aio
@@ -193,7 +193,13 @@ def _attach(error: BaseException, outcome: GrpcOutcome, decision: Optional[Decis
             add_note(f"retryd: {decision.verdict.name} (rule {decision.rule}): {decision.explanation}")
 
 
-class AmbiguousRpcError(AmbiguousExecutionError, grpc.RpcError, grpc.Call, grpc.Future[Any]):
+if TYPE_CHECKING:  # the stubs make Future generic; grpcio's class is not
+    _Future = grpc.Future[Any]
+else:
+    _Future = grpc.Future
+
+
+class AmbiguousRpcError(AmbiguousExecutionError, grpc.RpcError, grpc.Call, _Future):
     """AMBIGUOUS from a sync interceptor: the call may have taken effect.
 
     Both an :class:`~retryd.AmbiguousExecutionError` (``.decision``) and the
