@@ -526,3 +526,44 @@ def test_async_pushback_minus_one_is_not_retried(server: Server) -> None:
         assert len(origin.calls) == 1
     decision = decision_of(error)
     assert decision is not None and decision.deny_reason is DenyReason.SERVER_PUSHBACK
+
+
+def test_each_decision_is_told_the_time_left() -> None:
+    """A stand-in retryd that always says RETRY after 200 ms records what it is told."""
+    from concurrent import futures
+
+    from retryd.v1 import retryd_pb2 as pb
+    from retryd.v1 import retryd_pb2_grpc as pb_grpc
+
+    seen: list[pb.DecideRequest] = []
+
+    class Decider(pb_grpc.RetryDeciderServicer):  # type: ignore[misc]
+        def Decide(self, request: pb.DecideRequest, context: grpc.ServicerContext) -> pb.DecideResponse:
+            seen.append(request)
+            return pb.DecideResponse(verdict=pb.VERDICT_RETRY, rule=9, decision_id="fake",
+                                     backoff={"nanos": 200_000_000})
+
+    decider = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_RetryDeciderServicer_to_server(Decider(), decider)
+    port = decider.add_insecure_port("127.0.0.1:0")
+    decider.start()
+    trailers = [("grpc-retry-pushback-ms", "150")]
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=5, fallback=None) as fake, \
+                scripted(abort(grpc.StatusCode.UNAVAILABLE, "busy", trailers)) as origin:
+            interceptor = RetryInterceptor(fake, upstream="u", idempotency=Idempotency.SAFE, reporter=None)
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError):
+                stub(origin.target, interceptor)(b"x", timeout=1.0)
+            elapsed = time.monotonic() - started
+    finally:
+        decider.stop(grace=None)
+    assert elapsed < 1.6, elapsed
+    left = [r.deadline_remaining.seconds + r.deadline_remaining.nanos / 1e9 for r in seen]
+    assert len(left) >= 3 and left[0] <= 1.0
+    assert all(later < earlier for earlier, later in zip(left, left[1:]))
+    first = seen[0]
+    assert (first.grpc_status_code, first.grpc_retry_pushback_ms, first.evidence) == (
+        UNAVAILABLE, "150", Evidence.RESPONSE_RECEIVED)
+    assert first.HasField("grpc_retry_pushback_ms") and first.operation == METHOD
+    assert first.body.kind == 2  # ENCODED_VALUE: a message and a deterministic codec

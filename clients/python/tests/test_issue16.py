@@ -211,11 +211,12 @@ budget = { capacity = 2.0, initial = 2.0, ratio = 0.0, min_per_second = 0.0 }
 
 
 def _handled(server: Server) -> float:
-    """Requests retryd has dealt with: decisions, plus any deadline-rejected ones."""
+    """Decide calls retryd has dealt with: decisions made, plus those it did not
+    make because the caller had given up (its grpc-timeout passed, or it reset
+    the call), which retryd counts in retryd_expired_requests_total."""
     total = 0.0
     for name, value in metrics(server).items():
-        metric = name.split("{", 1)[0]
-        if metric == "retryd_decisions_total" or ("deadline" in metric and metric.endswith("_total")):
+        if name.split("{", 1)[0] in ("retryd_decisions_total", "retryd_expired_requests_total"):
             total += value
     return total
 

@@ -3,9 +3,10 @@
 Both clients put a short timeout on every decision (``timeout``, 200 ms by
 default, further bounded by the caller's own remaining deadline), attach the
 active OpenTelemetry trace context, and fall back to the conservative local
-rule of :mod:`retryd.fallback` when retryd cannot answer in time. An invalid
-request is never hidden by the fallback: it raises
-:class:`~retryd.errors.InvalidRequestError`.
+rule of :mod:`retryd.fallback` when retryd cannot answer in time (logging
+one warning per outage, not one per decision). An invalid request is never
+hidden by the fallback: it raises :class:`~retryd.errors.InvalidRequestError`.
+Each client owns one traffic reporter (``reporter``), closed with it.
 """
 
 from __future__ import annotations

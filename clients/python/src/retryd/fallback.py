@@ -253,11 +253,11 @@ def local_decide(
     floor = pushback if pushback is not None else parse_retry_after(retry_after)
     if floor is not None:
         if floor > policy.max_retry_after:
-            return deny(DenyReason.DEADLINE, 6, "Retry-After exceeds the local maximum")
+            return deny(DenyReason.DEADLINE, 6, "Retry-After or pushback exceeds the local maximum")
         backoff = max(backoff, floor)
     if deadline_remaining is not None:
         room = deadline_remaining - policy.min_attempt_budget
         if floor is not None and floor > room:
-            return deny(DenyReason.DEADLINE, 6, "Retry-After does not fit the deadline")
+            return deny(DenyReason.DEADLINE, 6, "Retry-After or pushback does not fit the deadline")
         backoff = max(0.0, min(backoff, room))
     return answer(Verdict.RETRY, DenyReason.UNSPECIFIED, 9, f"retry {effective.name}", backoff, refresh)
