@@ -20,7 +20,7 @@ import grpc
 import httpx
 import pytest
 
-from scripted_http import ScriptedServer, closed_port, hang, respond
+from scripted_http import ScriptedServer, closed_port, hang, respond, trickle
 from support import CLIENT_TEST_CONFIG, Server, metrics, start_server, stop_server, wait_for
 from retryd import (
     AsyncClient,
@@ -136,6 +136,22 @@ def test_async_deadline_bounds_an_attempt_against_a_hanging_server(server: Serve
             elapsed = asyncio.run(main())
         finally:
             release.set()
+    assert 1.0 <= elapsed < 2.0, elapsed
+
+
+def test_async_deadline_cuts_a_trickling_server(server: Server) -> None:
+    """Each read gets a byte in time, so only a cut of the whole attempt can stop it."""
+
+    async def main(url: str) -> float:
+        async with AsyncClient(server.grpc, timeout=5, fallback=None) as aretryd, httpx.AsyncClient() as http:
+            started = time.monotonic()
+            with pytest.raises(httpx.ReadTimeout):
+                await arequest_with_retries(http, aretryd, "GET", url, upstream="py-e2e-trickle",
+                                            idempotency=Idempotency.SAFE, deadline=1.0, reporter=None)
+            return time.monotonic() - started
+
+    with ScriptedServer(trickle()) as origin:
+        elapsed = asyncio.run(main(origin.url))
     assert 1.0 <= elapsed < 2.0, elapsed
 
 
@@ -296,6 +312,40 @@ def test_the_client_reporter_keeps_the_id_across_its_interval(flaky: tuple[str, 
     with Client(target, timeout=1, report_interval=0.05) as client:
         client.reporter.record("a", 2)
         wait_for(lambda: len(servicer.reports) >= 2, what="the re-send")
+    assert servicer.reports[0] == servicer.reports[1]
+
+
+def test_a_batch_not_delivered_within_the_resend_window_is_dropped(
+    flaky: tuple[str, FlakyReports], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Re-sent after retryd forgot its id, a batch could be counted twice: dropped instead."""
+    target, servicer = flaky
+    with Client(target, timeout=1) as client, caplog.at_level(logging.WARNING, logger="retryd"):
+        reporter = TrafficReporter(client, resend_window=0.0)
+        reporter.record("a", 5)
+        assert reporter.flush() is False
+        reporter.record("b", 1)
+        assert reporter.flush() is True
+    assert (reporter.dropped_batches, reporter.dropped_requests) == (1, 5)
+    assert [entries for _, entries in servicer.reports] == [[("a", 5)], [("b", 1)]]
+    assert sum("dropped" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_async_reporter_keeps_the_id_and_drops_on_permanent_errors(flaky: tuple[str, FlakyReports]) -> None:
+    target, servicer = flaky
+
+    async def main() -> None:
+        async with AsyncClient(target, timeout=1) as aclient:
+            reporter = aclient.reporter
+            reporter.record("a", 2)
+            assert await reporter.flush() is False
+            assert await reporter.flush() is True
+            servicer.fail_with, servicer.failures = grpc.StatusCode.PERMISSION_DENIED, 10
+            reporter.record("b", 3)
+            assert await reporter.flush() is True
+            assert (reporter.dropped_batches, reporter.dropped_requests) == (1, 3)
+
+    asyncio.run(main())
     assert servicer.reports[0] == servicer.reports[1]
 
 
