@@ -2,8 +2,9 @@
 on 127.0.0.1 (for the grpcio pinned in constraints.txt), and retryd-governed
 retries against gRPC servers of the tests' own and a real retryd.
 
-Tests that need retryd's gRPC rules (a RESPONSE_RECEIVED with a gRPC code
-and no HTTP status) need a server with /work/bin/GRPC_READY."""
+Tests marked "Needs retryd's gRPC rules" send a RESPONSE_RECEIVED with a
+gRPC code and no HTTP status, which only a retryd with issue 15's rule 9
+for gRPC codes decides (an older one rejects it as INVALID_ARGUMENT)."""
 
 from __future__ import annotations
 
@@ -332,7 +333,7 @@ def test_a_hung_call_is_bounded_by_its_deadline_and_each_attempt(retryd: Client)
 
 
 def test_server_unavailable_is_retried_for_a_safe_call(retryd: Client) -> None:
-    """Needs GRPC_READY."""
+    """Needs retryd's gRPC rules."""
     interceptor = RetryInterceptor(retryd, upstream="py-grpc-503", idempotency={METHOD: Idempotency.SAFE})
     with scripted(abort(grpc.StatusCode.UNAVAILABLE), ok(b"stock")) as server:
         assert stub(server.target, interceptor)(b"x", timeout=5) == b"stock"
@@ -340,7 +341,7 @@ def test_server_unavailable_is_retried_for_a_safe_call(retryd: Client) -> None:
 
 
 def test_pushback_300_is_honoured(retryd: Client) -> None:
-    """Needs GRPC_READY. The gap between the two attempts the server saw is measured."""
+    """Needs retryd's gRPC rules. The gap between the two attempts the server saw is measured."""
     trailers = [("grpc-retry-pushback-ms", "300")]
     interceptor = RetryInterceptor(retryd, upstream="py-grpc-pushback", idempotency=Idempotency.IDEMPOTENT)
     with scripted(abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "quota", trailers), ok()) as server:
@@ -351,7 +352,7 @@ def test_pushback_300_is_honoured(retryd: Client) -> None:
 
 
 def test_pushback_minus_one_is_not_retried(retryd: Client) -> None:
-    """Needs GRPC_READY."""
+    """Needs retryd's gRPC rules."""
     trailers = [("grpc-retry-pushback-ms", "-1")]
     interceptor = RetryInterceptor(retryd, upstream="py-grpc-pushback", idempotency=Idempotency.SAFE)
     with scripted(abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "go away", trailers), ok()) as server:
@@ -363,7 +364,7 @@ def test_pushback_minus_one_is_not_retried(retryd: Client) -> None:
 
 
 def test_unauthenticated_refreshes_once(retryd: Client) -> None:
-    """Needs GRPC_READY."""
+    """Needs retryd's gRPC rules."""
     refreshed: list[bool] = []
 
     def refresh() -> list[tuple[str, str]]:
@@ -385,7 +386,7 @@ def test_unauthenticated_refreshes_once(retryd: Client) -> None:
 
 
 def test_non_idempotent_unavailable_after_the_server_read_it_is_ambiguous(retryd: Client) -> None:
-    """Needs GRPC_READY."""
+    """Needs retryd's gRPC rules."""
     interceptor = RetryInterceptor(retryd, upstream="py-grpc-charge", idempotency=Idempotency.NON_IDEMPOTENT)
     with scripted(abort(grpc.StatusCode.UNAVAILABLE, "lost the ledger"), ok()) as server:
         with pytest.raises(AmbiguousRpcError) as raised:
@@ -492,7 +493,7 @@ def test_async_hung_call_is_bounded(server: Server) -> None:
 
 
 def test_async_unavailable_then_ok(server: Server) -> None:
-    """Needs GRPC_READY."""
+    """Needs retryd's gRPC rules."""
     with scripted(abort(grpc.StatusCode.UNAVAILABLE), ok(b"stock")) as origin:
         result = run_async(origin.target,
                            lambda c: AsyncRetryInterceptor(c, upstream="py-grpc-async", idempotency=Idempotency.SAFE),
@@ -501,7 +502,7 @@ def test_async_unavailable_then_ok(server: Server) -> None:
 
 
 def test_async_non_idempotent_is_ambiguous(server: Server) -> None:
-    """Needs GRPC_READY."""
+    """Needs retryd's gRPC rules."""
     async def main(target: str) -> None:
         async with AsyncClient(server.grpc, timeout=5, fallback=None) as aretryd:
             interceptor = AsyncRetryInterceptor(aretryd, upstream="py-grpc-async",
@@ -517,7 +518,7 @@ def test_async_non_idempotent_is_ambiguous(server: Server) -> None:
 
 
 def test_async_pushback_minus_one_is_not_retried(server: Server) -> None:
-    """Needs GRPC_READY."""
+    """Needs retryd's gRPC rules."""
     trailers = [("grpc-retry-pushback-ms", "-1")]
     with scripted(abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no", trailers), ok()) as origin:
         error = run_async(origin.target,

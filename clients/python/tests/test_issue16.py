@@ -237,14 +237,28 @@ def _handled(server: Server) -> float:
     return total
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (Linux /proc)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            return False
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 def test_a_decision_the_client_gave_up_on_spends_nothing(tmp_path: Path) -> None:
-    """Needs /work/bin/DEADLINE_READY: retryd must check grpc-timeout before its store call."""
+    """retryd must check the caller's grpc-timeout before its store call (issue 16, finding 6)."""
     frozen = start_server(FROZEN_CONFIG, tmp_path)
     try:
         with Client(frozen.grpc, timeout=0.2) as client:
             assert client.get_budget("py-frozen").tokens == 2.0  # connected, and the budget is full
             handled_before = _handled(frozen)
             frozen.process.send_signal(signal.SIGSTOP)
+            # The signal is delivered asynchronously: a request retryd still
+            # decided before every thread stopped would rightly spend.
+            wait_for(lambda: _stopped(frozen.process.pid), what="every retryd thread to stop")
             try:
                 for _ in range(3):
                     started = time.monotonic()
@@ -450,7 +464,7 @@ class HoldingProxy:
 
 
 def test_a_report_resent_after_a_lost_answer_deposits_once(server: Server, admin: Client) -> None:
-    """Needs /work/bin/REPORT_ID_READY: retryd applies a report id at most once."""
+    """retryd applies a report id at most once (issue 16, finding 7)."""
     proxy = HoldingProxy(server.grpc)
     try:
         with Client(proxy.target, timeout=0.2) as client:
@@ -470,7 +484,7 @@ def test_a_report_resent_after_a_lost_answer_deposits_once(server: Server, admin
 
 
 def test_report_batch_with_an_id_is_applied_once(admin: Client) -> None:
-    """Needs /work/bin/REPORT_ID_READY."""
+    """retryd applies a report id at most once, and says so in already_applied."""
     first = admin.report_batch([("py-dedup-direct", 4)], report_id="py-test-report-1")
     again = admin.report_batch([("py-dedup-direct", 4)], report_id="py-test-report-1")
     assert (first.accepted, first.already_applied) == (1, 0)
