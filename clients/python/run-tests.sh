@@ -19,7 +19,7 @@ fi
 # A regular (not editable) install: the tests exercise the built package.
 # A clean build tree, so that no stale module from an earlier build is packed.
 rm -rf build src/*.egg-info
-.venv/bin/python -m pip install --quiet ".[test]"
+.venv/bin/python -m pip install --quiet -c constraints.txt ".[test]"
 echo "== mypy --strict (retryd package)"
 (cd "$here/tests" && ../.venv/bin/python -m mypy -p retryd)
 echo "== pytest"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from typing import Callable, Optional
 
 Action = Callable[[socket.socket, bytes], None]
@@ -61,6 +62,21 @@ def truncated_body(status: int = 200, hang: Optional[threading.Event] = None) ->
 def hang(until: threading.Event) -> Action:
     def action(conn: socket.socket, request: bytes) -> None:
         until.wait(10)
+
+    return action
+
+
+def trickle(interval: float = 0.1, limit: float = 5.0) -> Action:
+    """A status line sent one byte per ``interval``: every read gets a byte in time."""
+
+    def action(conn: socket.socket, request: bytes) -> None:
+        line = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n" + b"X-Pad: " + b"a" * 200
+        give_up = time.monotonic() + limit
+        for byte in line:
+            if time.monotonic() > give_up:
+                return
+            conn.sendall(bytes([byte]))
+            time.sleep(interval)
 
     return action
 

@@ -8,13 +8,18 @@ import queue
 import signal
 import subprocess
 import threading
+import time
+import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-VECTORS = REPO / "conformance" / "decisions.json"
+# RETRYD_CONFORMANCE points at another copy of the vectors (a newer one in
+# a sibling checkout, say); by default, this repository's.
+VECTORS = Path(os.environ.get("RETRYD_CONFORMANCE") or REPO / "conformance" / "decisions.json")
 
 # Fast backoffs so that end-to-end retry tests sleep milliseconds.
 CLIENT_TEST_CONFIG = """
@@ -36,6 +41,29 @@ min_attempt_budget = "300ms"
 
 [upstreams."py-empty"]
 budget = { capacity = 10.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
+
+# Budgets that start empty and fill only from reported traffic (issue 16).
+[upstreams."py-fill"]
+budget = { capacity = 100.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
+
+[upstreams."py-fill-async"]
+budget = { capacity = 100.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
+
+[upstreams."py-fill-grpc"]
+budget = { capacity = 100.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
+
+[upstreams."py-opt-out"]
+budget = { capacity = 100.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
+
+[upstreams."py-dedup"]
+budget = { capacity = 100.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
+
+# Never filled: every retry is BUDGET_EXHAUSTED.
+[upstreams."py-drained"]
+budget = { capacity = 10.0, initial = 0.0, ratio = 0.0, min_per_second = 0.0 }
+
+[upstreams."py-dedup-direct"]
+budget = { capacity = 100.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
 """
 
 
@@ -81,6 +109,27 @@ def start_server(config: str, directory: Path) -> Server:
         log = (directory / "retryd.stderr").read_text(errors="replace")[-4000:]
         pytest.fail(f"retryd did not start ({error!r}); stderr:\n{log}")
     return Server(grpc=addresses["grpc"], metrics=addresses["metrics"], process=process)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 5.0, what: str = "the condition") -> None:
+    """Polls ``condition`` until it holds; fails the test after ``timeout`` seconds."""
+    give_up = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > give_up:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def metrics(server: Server) -> dict[str, float]:
+    """retryd's Prometheus samples, by full sample name (labels included)."""
+    with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
 
 
 def stop_server(server: Server) -> None:

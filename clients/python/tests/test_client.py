@@ -27,6 +27,7 @@ from retryd import (
     InvalidRequestError,
     LocalPolicy,
     Replayability,
+    ReportResult,
     RetrydUnavailableError,
     TrafficReporter,
     Verdict,
@@ -70,8 +71,17 @@ def test_effective_evidence_agrees_with_every_vector() -> None:
             Evidence[request.get("evidence", "EVIDENCE_UNSPECIFIED").removeprefix("EVIDENCE_")],
             FailureKind[request.get("failure", "FAILURE_KIND_UNSPECIFIED").removeprefix("FAILURE_KIND_")],
             request.get("httpStatus", 0),
+            request.get("grpcRetryPushbackMs"),
         )
         assert "EVIDENCE_" + got.name == case["expect"]["effective_evidence"], case["name"]
+
+
+def test_grpc_codes_match_grpcio() -> None:
+    from retryd import GrpcCode
+
+    assert {code.name: code.value for code in GrpcCode} == {
+        status.name: status.value[0] for status in grpc.StatusCode if status != grpc.StatusCode.OK
+    }
 
 
 def test_body_replayability_table() -> None:
@@ -422,9 +432,9 @@ def test_reporter_thread_is_stopped_by_close() -> None:
     sent: list[dict[str, int]] = []
 
     class Recorder:
-        def report_traffic(self, counts: dict[str, int]) -> int:
-            sent.append(dict(counts))
-            return len(counts)
+        def report_batch(self, traffic: Any, *, report_id: str = "") -> ReportResult:
+            sent.append(dict(traffic))
+            return ReportResult(len(traffic))
 
     reporter = TrafficReporter(Recorder(), interval=60).start()
     reporter.record("a")

@@ -77,6 +77,9 @@ def decide_kwargs(request: dict[str, Any]) -> dict[str, Any]:
         auth_refresh_attempted=request.get("authRefreshAttempted", False),
         previous_backoff=seconds(request.get("previousBackoff")),
         max_attempts=request.get("maxAttempts", 0),
+        grpc_status_code=request.get("grpcStatusCode", 0),
+        # Presence matters: "" is a garbage pushback, absent is none at all.
+        grpc_retry_pushback_ms=request.get("grpcRetryPushbackMs"),
     )
 
 

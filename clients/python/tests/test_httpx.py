@@ -37,6 +37,7 @@ from retryd import (
     FailureKind,
     Idempotency,
     Replayability,
+    ReportResult,
     TrafficReporter,
 )
 from retryd.httpx import (
@@ -317,8 +318,8 @@ def test_deadline_covers_the_whole_call(retryd: Client) -> None:
 
 def test_only_first_attempts_are_reported(retryd: Client) -> None:
     class Recorder:
-        def report_traffic(self, counts: dict[str, int]) -> int:
-            return len(counts)
+        def report_batch(self, traffic: Any, *, report_id: str = "") -> ReportResult:
+            return ReportResult(len(traffic))
 
     reporter = TrafficReporter(Recorder())
     with ScriptedServer(respond(503), respond(200)) as server, httpx.Client() as http:

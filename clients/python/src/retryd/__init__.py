@@ -23,6 +23,7 @@ from ._types import (
     DenyReason,
     Evidence,
     FailureKind,
+    GrpcCode,
     Idempotency,
     Replayability,
     Verdict,
@@ -30,11 +31,12 @@ from ._types import (
 from .client import AsyncClient, Client
 from .errors import AmbiguousExecutionError, InvalidRequestError, RetrydError, RetrydUnavailableError
 from .fallback import DEFAULT_LOCAL_POLICY, LocalPolicy, effective_evidence, local_decide
-from .reporter import TrafficReporter
+from .reporter import AsyncTrafficReporter, ReportResult, TrafficReporter
 
 __all__ = [
     "AmbiguousExecutionError",
     "AsyncClient",
+    "AsyncTrafficReporter",
     "Body",
     "BodyKind",
     "Budget",
@@ -44,10 +46,12 @@ __all__ = [
     "DenyReason",
     "Evidence",
     "FailureKind",
+    "GrpcCode",
     "Idempotency",
     "InvalidRequestError",
     "LocalPolicy",
     "Replayability",
+    "ReportResult",
     "RetrydError",
     "RetrydUnavailableError",
     "TrafficReporter",

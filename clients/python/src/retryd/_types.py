@@ -105,12 +105,40 @@ class DenyReason(enum.IntEnum):
     STATUS_NOT_RETRYABLE = 8
     RETRIES_DISABLED = 9
     BUDGET_UNAVAILABLE = 10
+    SERVER_PUSHBACK = 11
+
+
+class GrpcCode(enum.IntEnum):
+    """The gRPC status codes of ``google.rpc.Code`` other than OK, by wire number.
+
+    ``grpc.StatusCode`` carries the same numbers (``StatusCode.UNAVAILABLE.value[0]``
+    is 14); this enum exists so that a decision can name a code without
+    importing grpcio.
+    """
+
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
 
 
 #: An enum value, or a raw number passed through unchanged.
 IdempotencyLike = Union[Idempotency, int]
 EvidenceLike = Union[Evidence, int]
 FailureKindLike = Union[FailureKind, int]
+GrpcCodeLike = Union[GrpcCode, int]
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,16 @@
 Both clients put a short timeout on every decision (``timeout``, 200 ms by
 default, further bounded by the caller's own remaining deadline), attach the
 active OpenTelemetry trace context, and fall back to the conservative local
-rule of :mod:`retryd.fallback` when retryd cannot answer in time. An invalid
-request is never hidden by the fallback: it raises
-:class:`~retryd.errors.InvalidRequestError`.
+rule of :mod:`retryd.fallback` when retryd cannot answer in time (logging
+one warning per outage, not one per decision). An invalid request is never
+hidden by the fallback: it raises :class:`~retryd.errors.InvalidRequestError`.
+Each client owns one traffic reporter (``reporter``), closed with it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -28,11 +30,13 @@ from ._types import (
     EvidenceLike,
     FailureKind,
     FailureKindLike,
+    GrpcCodeLike,
     IdempotencyLike,
     Verdict,
 )
 from .errors import InvalidRequestError, RetrydError, RetrydUnavailableError
 from .fallback import DEFAULT_LOCAL_POLICY, LocalPolicy, local_decide
+from .reporter import MAX_TRAFFIC_ENTRIES, AsyncTrafficReporter, ReportResult, TrafficReporter
 from .tracing import trace_metadata
 from .v1 import retryd_pb2 as pb
 from .v1 import retryd_pb2_grpc as pb_grpc
@@ -59,10 +63,6 @@ def _channel_options(options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]
     merged = dict(DEFAULT_CHANNEL_OPTIONS)
     merged.update(dict(options))
     return list(merged.items())
-
-
-#: The most entries one ReportTraffic call may carry.
-MAX_TRAFFIC_ENTRIES = 1024
 
 
 def _seconds(value: Optional[Seconds]) -> Optional[float]:
@@ -129,6 +129,15 @@ def _budget(message: pb.Budget) -> Budget:
     )
 
 
+def _report_request(traffic: Sequence[tuple[str, int]], report_id: str) -> pb.ReportTrafficRequest:
+    if len(traffic) > MAX_TRAFFIC_ENTRIES:
+        raise ValueError(f"traffic: at most {MAX_TRAFFIC_ENTRIES} entries per report, got {len(traffic)}")
+    return pb.ReportTrafficRequest(
+        traffic=[pb.UpstreamTraffic(upstream=upstream, requests=n) for upstream, n in traffic],
+        report_id=report_id,
+    )
+
+
 def _traffic_requests(
     counts: Union[Mapping[str, int], Iterable[tuple[str, int]]],
 ) -> list[pb.ReportTrafficRequest]:
@@ -153,6 +162,15 @@ class _Base:
         self.timeout = timeout
         self.fallback = fallback
         self._metadata = list(metadata)
+        self._outage_lock = threading.Lock()
+        self._in_outage = False
+
+    def _reachable(self) -> None:
+        if self._in_outage:
+            with self._outage_lock:
+                if self._in_outage:
+                    self._in_outage = False
+                    log.info("retryd reachable again at %s; deciding with retryd", getattr(self, "target", "?"))
 
     def _call_metadata(self) -> list[tuple[str, str]]:
         return self._metadata + trace_metadata()
@@ -180,7 +198,12 @@ class _Base:
             runtime_draining=args["runtime_draining"],
             auth_refresh_attempted=args["auth_refresh_attempted"],
             max_attempts=args["max_attempts"],
+            grpc_status_code=int(args["grpc_status_code"]),
         )
+        if args["grpc_retry_pushback_ms"] is not None:
+            # Presence matters: an empty value is garbage (DENY SERVER_PUSHBACK),
+            # an absent one is no pushback at all.
+            request.grpc_retry_pushback_ms = args["grpc_retry_pushback_ms"]
         if args["body"] is not None:
             request.body.CopyFrom(_body_message(args["body"]))
         deadline = _duration(args["deadline_remaining"])
@@ -198,7 +221,16 @@ class _Base:
             raise InvalidRequestError(details) from None
         if self.fallback is None:
             raise RetrydUnavailableError(f"retryd: {code.name}: {details}", code) from error
-        log.warning("retryd unavailable (%s: %s); deciding with the local rule", code.name, details)
+        with self._outage_lock:
+            first = not self._in_outage
+            self._in_outage = True
+        # One warning per outage (a busy caller decides thousands of times a
+        # second); the rest of the outage is logged at debug level.
+        if first:
+            log.warning("retryd unavailable (%s: %s); deciding with the local rule until it answers again",
+                        code.name, details)
+        else:
+            log.debug("retryd still unavailable (%s: %s); local rule", code.name, details)
         if not args["upstream"]:
             raise InvalidRequestError("upstream: required")
         if int(args["idempotency"]) == 0:
@@ -219,6 +251,8 @@ class _Base:
             runtime_draining=args["runtime_draining"],
             auth_refresh_attempted=args["auth_refresh_attempted"],
             max_attempts=args["max_attempts"],
+            grpc_status_code=int(args["grpc_status_code"]),
+            grpc_retry_pushback_ms=args["grpc_retry_pushback_ms"],
             reason=f"retryd unreachable ({code.name})",
         )
 
@@ -246,6 +280,8 @@ def _args(
     auth_refresh_attempted: bool,
     previous_backoff: Optional[Seconds],
     max_attempts: int,
+    grpc_status_code: GrpcCodeLike,
+    grpc_retry_pushback_ms: Optional[str],
 ) -> dict[str, Any]:
     return dict(
         upstream=upstream,
@@ -263,6 +299,8 @@ def _args(
         auth_refresh_attempted=auth_refresh_attempted,
         previous_backoff=previous_backoff,
         max_attempts=max_attempts,
+        grpc_status_code=grpc_status_code,
+        grpc_retry_pushback_ms=grpc_retry_pushback_ms,
     )
 
 
@@ -275,6 +313,11 @@ class Client(_Base):
     :class:`RetrydUnavailableError` instead). ``credentials`` switches to
     TLS; ``metadata`` is sent with every call (for example an authorization
     header).
+
+    The client owns one :class:`~retryd.reporter.TrafficReporter`
+    (:attr:`reporter`, started on first use, sending every
+    ``report_interval`` seconds) that the adapters count first attempts on;
+    :meth:`close` stops it and sends what is left.
     """
 
     def __init__(
@@ -286,9 +329,13 @@ class Client(_Base):
         credentials: Optional[grpc.ChannelCredentials] = None,
         metadata: Sequence[tuple[str, str]] = (),
         options: Sequence[tuple[str, Any]] = (),
+        report_interval: float = 1.0,
     ) -> None:
         super().__init__(timeout=timeout, fallback=fallback, metadata=metadata)
         self.target = target
+        self.report_interval = report_interval
+        self._reporter: Optional[TrafficReporter] = None
+        self._reporter_lock = threading.Lock()
         if credentials is None:
             self._channel = grpc.insecure_channel(target, options=_channel_options(options))
         else:
@@ -314,16 +361,22 @@ class Client(_Base):
         auth_refresh_attempted: bool = False,
         previous_backoff: Optional[Seconds] = None,
         max_attempts: int = 0,
+        grpc_status_code: GrpcCodeLike = 0,
+        grpc_retry_pushback_ms: Optional[str] = None,
         timeout: Optional[float] = None,
     ) -> Decision:
         """Asks retryd whether the failed ``attempt`` (1 = the first) may be retried.
 
         Every argument is the DecideRequest field of the same name; see
         proto/retryd/v1/retryd.proto. Durations are seconds or timedeltas.
+        For a gRPC call, ``grpc_status_code`` is the code's number (or a
+        :class:`~retryd.GrpcCode`) and ``grpc_retry_pushback_ms`` the raw
+        trailer value, None when the server sent none.
         """
         args = _args(upstream, idempotency, attempt, operation, evidence, failure, http_status,
                      retry_after, deadline_remaining, body, first_byte_delivered, runtime_draining,
-                     auth_refresh_attempted, previous_backoff, max_attempts)
+                     auth_refresh_attempted, previous_backoff, max_attempts, grpc_status_code,
+                     grpc_retry_pushback_ms)
         request = self._request(args)
         try:
             response = self._decider.Decide(
@@ -333,10 +386,40 @@ class Client(_Base):
             )
         except grpc.RpcError as error:
             return self._on_error(error, args)
+        self._reachable()
         return _decision(response)
 
+    @property
+    def reporter(self) -> TrafficReporter:
+        """This client's traffic reporter, started on first use and closed with the client."""
+        with self._reporter_lock:
+            if self._reporter is None:
+                self._reporter = TrafficReporter(self, interval=self.report_interval).start()
+            return self._reporter
+
+    def report_batch(self, traffic: Sequence[tuple[str, int]], *, report_id: str = "") -> ReportResult:
+        """Sends one report of at most 1024 ``(upstream, requests)`` entries.
+
+        With a ``report_id``, re-sending the same entries with the same id is
+        safe: retryd applies each entry at most once (see ReportTrafficRequest
+        in the proto). Raises :class:`RetrydUnavailableError` (with ``.code``)
+        or :class:`InvalidRequestError` when the report fails.
+        """
+        request = _report_request(traffic, report_id)
+        try:
+            response = self._decider.ReportTraffic(
+                request, timeout=max(self.timeout, 1.0), metadata=self._call_metadata()
+            )
+        except grpc.RpcError as error:
+            raise self._unavailable(error) from error
+        return ReportResult(accepted=response.accepted, already_applied=response.already_applied)
+
     def report_traffic(self, counts: Union[Mapping[str, int], Iterable[tuple[str, int]]]) -> int:
-        """Reports real (first-attempt) requests per upstream; returns the entries accepted."""
+        """Reports real (first-attempt) requests per upstream now; returns the entries accepted.
+
+        Without a report id: a failed call may or may not have been applied.
+        :attr:`reporter` batches, retries and deduplicates for you.
+        """
         accepted = 0
         for request in _traffic_requests(counts):
             try:
@@ -382,6 +465,11 @@ class Client(_Base):
         return bool(response.previous)
 
     def close(self) -> None:
+        """Stops the reporter, sending what it holds (one try), and closes the channel."""
+        with self._reporter_lock:
+            reporter, self._reporter = self._reporter, None
+        if reporter is not None:
+            reporter.close()
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -392,7 +480,11 @@ class Client(_Base):
 
 
 class AsyncClient(_Base):
-    """The asyncio twin of :class:`Client` (grpc.aio). Create it inside a running loop."""
+    """The asyncio twin of :class:`Client` (grpc.aio). Create it inside a running loop.
+
+    Its :attr:`reporter` is an :class:`~retryd.reporter.AsyncTrafficReporter`,
+    stopped and flushed by :meth:`close`.
+    """
 
     def __init__(
         self,
@@ -403,9 +495,12 @@ class AsyncClient(_Base):
         credentials: Optional[grpc.ChannelCredentials] = None,
         metadata: Sequence[tuple[str, str]] = (),
         options: Sequence[tuple[str, Any]] = (),
+        report_interval: float = 1.0,
     ) -> None:
         super().__init__(timeout=timeout, fallback=fallback, metadata=metadata)
         self.target = target
+        self.report_interval = report_interval
+        self._reporter: Optional[AsyncTrafficReporter] = None
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=_channel_options(options))
         else:
@@ -431,12 +526,15 @@ class AsyncClient(_Base):
         auth_refresh_attempted: bool = False,
         previous_backoff: Optional[Seconds] = None,
         max_attempts: int = 0,
+        grpc_status_code: GrpcCodeLike = 0,
+        grpc_retry_pushback_ms: Optional[str] = None,
         timeout: Optional[float] = None,
     ) -> Decision:
         """See :meth:`Client.decide`."""
         args = _args(upstream, idempotency, attempt, operation, evidence, failure, http_status,
                      retry_after, deadline_remaining, body, first_byte_delivered, runtime_draining,
-                     auth_refresh_attempted, previous_backoff, max_attempts)
+                     auth_refresh_attempted, previous_backoff, max_attempts, grpc_status_code,
+                     grpc_retry_pushback_ms)
         request = self._request(args)
         try:
             response = await self._decider.Decide(
@@ -446,7 +544,26 @@ class AsyncClient(_Base):
             )
         except grpc.RpcError as error:
             return self._on_error(error, args)
+        self._reachable()
         return _decision(response)
+
+    @property
+    def reporter(self) -> AsyncTrafficReporter:
+        """This client's traffic reporter (a task of the running loop), closed with the client."""
+        if self._reporter is None:
+            self._reporter = AsyncTrafficReporter(self, interval=self.report_interval)
+        return self._reporter
+
+    async def report_batch(self, traffic: Sequence[tuple[str, int]], *, report_id: str = "") -> ReportResult:
+        """See :meth:`Client.report_batch`."""
+        request = _report_request(traffic, report_id)
+        try:
+            response = await self._decider.ReportTraffic(
+                request, timeout=max(self.timeout, 1.0), metadata=self._call_metadata()
+            )
+        except grpc.RpcError as error:
+            raise self._unavailable(error) from error
+        return ReportResult(accepted=response.accepted, already_applied=response.already_applied)
 
     async def report_traffic(self, counts: Union[Mapping[str, int], Iterable[tuple[str, int]]]) -> int:
         """See :meth:`Client.report_traffic`."""
@@ -473,6 +590,10 @@ class AsyncClient(_Base):
         return _budget(response.budget)
 
     async def close(self) -> None:
+        """Stops the reporter, sending what it holds (one try), and closes the channel."""
+        reporter, self._reporter = self._reporter, None
+        if reporter is not None:
+            await reporter.aclose()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:

@@ -16,9 +16,15 @@ the local rule only ever allows less than retryd would:
   2xx/3xx response, and on 408, 425 (first attempt), 429, 502, 503 and 504;
   401 is retried once with ``refresh_credentials`` for SAFE calls; 500 never
   (the policy that could register it as transient lives in retryd);
+- a gRPC code (``grpc_status_code``) is read like its HTTP neighbour:
+  UNAVAILABLE and DEADLINE_EXCEEDED like 503 (retried if safely idempotent,
+  else AMBIGUOUS), RESOURCE_EXHAUSTED like 429 but only with a valid
+  ``grpc-retry-pushback-ms``, UNAUTHENTICATED like 401, every other code
+  DENY; a negative or unparseable pushback is DENY SERVER_PUSHBACK (gRFC A6);
 - the backoff is full jitter from ``base`` capped at ``max_backoff``,
-  floored by Retry-After (a Retry-After above ``max_retry_after`` or that
-  does not fit the deadline is DENY DEADLINE), shortened to fit the deadline.
+  floored by Retry-After or the pushback (one above ``max_retry_after`` or
+  that does not fit the deadline is DENY DEADLINE), shortened to fit the
+  deadline.
 
 Evidence is weakened exactly as retryd does (``effective_evidence``).
 """
@@ -34,7 +40,17 @@ import time
 from dataclasses import dataclass
 from typing import Optional, TypeVar, Union
 
-from ._types import Body, Decision, DenyReason, Evidence, FailureKind, Idempotency, Replayability, Verdict
+from ._types import (
+    Body,
+    Decision,
+    DenyReason,
+    Evidence,
+    FailureKind,
+    GrpcCode,
+    Idempotency,
+    Replayability,
+    Verdict,
+)
 
 _NOT_SENT_PROOF = {
     FailureKind.DNS,
@@ -68,12 +84,18 @@ DEFAULT_LOCAL_POLICY = LocalPolicy()
 
 
 def effective_evidence(
-    evidence: Union[Evidence, int], failure: Union[FailureKind, int], http_status: int
+    evidence: Union[Evidence, int],
+    failure: Union[FailureKind, int],
+    http_status: int,
+    grpc_retry_pushback_ms: Optional[str] = None,
 ) -> Evidence:
     """The evidence retryd would use: the claim, never stronger than what proves it.
 
     The effective evidence is the strongest of the claim (unspecified counts
-    as NOT_SENT), the failure's floor and the status's floor.
+    as NOT_SENT), the failure's floor and the answer's floor: only the server
+    can have sent an HTTP status or a pushback trailer, so either means at
+    least RESPONSE_RECEIVED. A gRPC code alone does not (a gRPC library makes
+    up DEADLINE_EXCEEDED or UNAVAILABLE by itself).
     """
     claim = Evidence.NOT_SENT if int(evidence) == 0 else _as(Evidence, evidence, Evidence.SENT_NO_RESPONSE)
     if int(failure) in _NOT_SENT_PROOF:
@@ -82,7 +104,8 @@ def effective_evidence(
         failure_floor = Evidence.PARTIAL_RESPONSE
     else:
         failure_floor = Evidence.SENT_NO_RESPONSE
-    status_floor = Evidence.RESPONSE_RECEIVED if http_status else Evidence.NOT_SENT
+    answered = bool(http_status) or grpc_retry_pushback_ms is not None
+    status_floor = Evidence.RESPONSE_RECEIVED if answered else Evidence.NOT_SENT
     return Evidence(max(claim, failure_floor, status_floor))
 
 
@@ -102,6 +125,19 @@ def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Opti
     if parsed.tzinfo is None:  # the asctime form carries no zone: it is GMT
         parsed = parsed.replace(tzinfo=datetime.timezone.utc)
     return max(0.0, parsed.timestamp() - (time.time() if now is None else now))
+
+
+def parse_pushback(value: str) -> Optional[float]:
+    """Seconds from a raw ``grpc-retry-pushback-ms`` value; None means "do not retry".
+
+    gRFC A6 defines only a non-negative decimal integer of milliseconds;
+    anything else (negative, empty, garbage) asks the client not to retry.
+    Spaces and tabs around the digits are forgiven, as retryd forgives them.
+    """
+    digits = value.strip(" \t")
+    if not digits or not digits.isascii() or not digits.isdigit():
+        return None
+    return int(digits) / 1000.0
 
 
 _E = TypeVar("_E", bound=enum.IntEnum)
@@ -129,11 +165,13 @@ def local_decide(
     runtime_draining: bool = False,
     auth_refresh_attempted: bool = False,
     max_attempts: int = 0,
+    grpc_status_code: int = 0,
+    grpc_retry_pushback_ms: Optional[str] = None,
     reason: str = "retryd unreachable",
     rng: Optional[random.Random] = None,
 ) -> Decision:
     """Decides one failed attempt without retryd; see the module docstring."""
-    effective = effective_evidence(evidence, failure, http_status)
+    effective = effective_evidence(evidence, failure, http_status, grpc_retry_pushback_ms)
     claimed = int(evidence) != 0
     idem = _as(Idempotency, idempotency, Idempotency.NON_IDEMPOTENT)
     safe = isinstance(idem, Idempotency) and idem.is_safely_idempotent
@@ -175,8 +213,23 @@ def local_decide(
                       "the request may have been sent and is not idempotent")
 
     refresh = False
+    code = int(grpc_status_code)
+    pushback = None if grpc_retry_pushback_ms is None else parse_pushback(grpc_retry_pushback_ms)
+    if grpc_retry_pushback_ms is not None and pushback is None:
+        return deny(DenyReason.SERVER_PUSHBACK, 9, "the server asked not to retry (grpc-retry-pushback-ms)")
     if effective in (Evidence.NOT_SENT, Evidence.SENT_NO_RESPONSE):
         verdict = Verdict.RETRY
+    elif code:
+        if code in (GrpcCode.UNAVAILABLE, GrpcCode.DEADLINE_EXCEEDED):
+            verdict = Verdict.RETRY if safe else Verdict.AMBIGUOUS
+        elif not safe:
+            verdict = Verdict.DENY
+        elif code == GrpcCode.RESOURCE_EXHAUSTED and pushback is not None:
+            verdict = Verdict.RETRY
+        elif code == GrpcCode.UNAUTHENTICATED and idem == Idempotency.SAFE and not auth_refresh_attempted:
+            verdict, refresh = Verdict.RETRY, True
+        else:
+            verdict = Verdict.DENY
     elif effective == Evidence.PARTIAL_RESPONSE and (http_status == 0 or 200 <= http_status < 400):
         verdict = Verdict.RETRY if safe else Verdict.AMBIGUOUS
     elif http_status in (502, 503, 504):
@@ -192,18 +245,19 @@ def local_decide(
     if verdict == Verdict.AMBIGUOUS:
         return answer(verdict, DenyReason.UNSPECIFIED, 9, "the request may have taken effect")
     if verdict == Verdict.DENY:
-        return deny(DenyReason.STATUS_NOT_RETRYABLE, 9, f"status {http_status} is not retried locally")
+        what = f"gRPC code {code}" if code else f"status {http_status}"
+        return deny(DenyReason.STATUS_NOT_RETRYABLE, 9, f"{what} is not retried locally")
 
     rng = rng or random.Random()
     backoff = 0.0 if refresh else rng.uniform(0, min(policy.max_backoff, policy.base * 2 ** (attempt - 1)))
-    floor = parse_retry_after(retry_after)
+    floor = pushback if pushback is not None else parse_retry_after(retry_after)
     if floor is not None:
         if floor > policy.max_retry_after:
-            return deny(DenyReason.DEADLINE, 6, "Retry-After exceeds the local maximum")
+            return deny(DenyReason.DEADLINE, 6, "Retry-After or pushback exceeds the local maximum")
         backoff = max(backoff, floor)
     if deadline_remaining is not None:
         room = deadline_remaining - policy.min_attempt_budget
         if floor is not None and floor > room:
-            return deny(DenyReason.DEADLINE, 6, "Retry-After does not fit the deadline")
+            return deny(DenyReason.DEADLINE, 6, "Retry-After or pushback does not fit the deadline")
         backoff = max(0.0, min(backoff, room))
     return answer(Verdict.RETRY, DenyReason.UNSPECIFIED, 9, f"retry {effective.name}", backoff, refresh)

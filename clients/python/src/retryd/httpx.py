@@ -34,7 +34,10 @@ Retries: :func:`request_with_retries` (and :func:`arequest_with_retries` for
 ``httpx.AsyncClient``) send a request, ask retryd after each failure, close
 the failed response (returning its connection to the pool) and only then
 sleep the backoff, so no connection is held while waiting. First attempts
-are counted on an optional :class:`~retryd.reporter.TrafficReporter`.
+are counted on the client's :class:`~retryd.reporter.TrafficReporter`
+(``retryd.reporter``) unless ``reporter=None``. The caller's ``deadline``
+bounds every phase of every attempt and every backoff; the decision about
+a returned response is in ``response.extensions["retryd.decision"]``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import ssl
 import time
 from collections.abc import AsyncIterable, Awaitable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, TypeVar, Union, cast
 
 import httpx
 
@@ -210,6 +213,52 @@ def _split(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return build, send
 
 
+#: The key of ``response.extensions`` holding the decision retryd made about
+#: that response (None when the response was returned without asking).
+DECISION_EXTENSION = "retryd.decision"
+#: The key of ``response.extensions`` holding every decision of the call, in order.
+DECISIONS_EXTENSION = "retryd.decisions"
+#: The key of ``response.extensions`` holding the number of attempts made.
+ATTEMPTS_EXTENSION = "retryd.attempts"
+
+
+class _UseClientReporter:
+    """The default of ``reporter=``: the retryd client's own reporter."""
+
+    def __repr__(self) -> str:
+        return "CLIENT_REPORTER"
+
+
+#: ``reporter=CLIENT_REPORTER`` (the default) counts first attempts on
+#: ``retryd.reporter``; ``reporter=None`` opts out.
+CLIENT_REPORTER: Any = _UseClientReporter()
+
+
+class _Records(Protocol):
+    def record(self, upstream: str, requests: int = 1) -> None: ...
+
+
+def decision_of(outcome: Union[httpx.Response, BaseException]) -> Optional[Decision]:
+    """The decision retryd made about a returned response or a raised error, if any."""
+    if isinstance(outcome, httpx.Response):
+        decision = outcome.extensions.get(DECISION_EXTENSION)
+    else:
+        decision = getattr(outcome, "decision", None) or getattr(outcome, "retryd_decision", None)
+    return decision if isinstance(decision, Decision) else None
+
+
+def _capped(timeout: httpx.Timeout, remaining: Optional[float]) -> httpx.Timeout:
+    """Every phase of an attempt waits at most what is left of the deadline."""
+    if remaining is None:
+        return timeout
+
+    def cap(value: Optional[float]) -> float:
+        return remaining if value is None else min(value, remaining)
+
+    return httpx.Timeout(connect=cap(timeout.connect), read=cap(timeout.read), write=cap(timeout.write),
+                         pool=cap(timeout.pool))
+
+
 class _Loop:
     """The state of one call across attempts, shared by the sync and async loops."""
 
@@ -222,43 +271,90 @@ class _Loop:
         body: Optional[Body],
         deadline: Optional[Seconds],
         max_attempts: int,
+        reporter: Optional[_Records],
     ) -> None:
         self.upstream = upstream
         self.idempotency = idempotency
         self.operation = operation
         self.body = body
         self.max_attempts = max_attempts
+        self.reporter = reporter
         seconds = _seconds(deadline)
+        if seconds is not None and seconds < 0:
+            raise ValueError(f"deadline: must not be negative, got {seconds!r}")
         self.deadline_at = None if seconds is None else time.monotonic() + seconds
         self.attempt = 0
         self.previous_backoff: Optional[float] = None
         self.auth_refresh_attempted = False
+        self.decisions: list[Decision] = []
+
+    def remaining(self) -> Optional[float]:
+        return None if self.deadline_at is None else max(0.0, self.deadline_at - time.monotonic())
+
+    def begin(self, build: dict[str, Any], default_timeout: httpx.Timeout) -> dict[str, Any]:
+        """Counts the attempt (the first one on the reporter) and bounds its timeouts."""
+        self.attempt += 1
+        if self.attempt == 1 and self.reporter is not None:
+            self.reporter.record(self.upstream)
+        given = build.get("timeout", httpx.USE_CLIENT_DEFAULT)
+        base = default_timeout if given is httpx.USE_CLIENT_DEFAULT else httpx.Timeout(given)
+        return {**build, "timeout": _capped(base, self.remaining())}
 
     def decide_kwargs(self, outcome: Outcome) -> dict[str, Any]:
-        remaining = None if self.deadline_at is None else max(0.0, self.deadline_at - time.monotonic())
         return dict(
             upstream=self.upstream,
             idempotency=self.idempotency,
             attempt=self.attempt,
             operation=self.operation,
             body=self.body,
-            deadline_remaining=remaining,
+            deadline_remaining=self.remaining(),
             auth_refresh_attempted=self.auth_refresh_attempted,
             previous_backoff=self.previous_backoff,
             max_attempts=self.max_attempts,
             **outcome.decide_kwargs(),
         )
 
-    def after_retry(self, decision: Decision) -> None:
+    def decided(self, decision: Decision) -> None:
+        self.decisions.append(decision)
+
+    def finish(self, response: httpx.Response, decision: Optional[Decision]) -> httpx.Response:
+        response.extensions[DECISION_EXTENSION] = decision
+        response.extensions[DECISIONS_EXTENSION] = tuple(self.decisions)
+        response.extensions[ATTEMPTS_EXTENSION] = self.attempt
+        return response
+
+    def fail(self, error: BaseException, decision: Decision) -> BaseException:
+        _note(error, decision)
+        try:
+            error.retryd_decision = decision  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type with __slots__
+            pass
+        return error
+
+    def backoff(self, decision: Decision) -> float:
+        """The wait before the next attempt: the decision's, never past the deadline."""
         self.previous_backoff = decision.backoff or None
         if decision.refresh_credentials:
             self.auth_refresh_attempted = True
+        remaining = self.remaining()
+        return decision.backoff if remaining is None else min(decision.backoff, remaining)
+
+    def out_of_time(self) -> bool:
+        remaining = self.remaining()
+        return remaining is not None and remaining <= 0
 
 
 def _note(exc: BaseException, decision: Decision) -> None:
     add_note = getattr(exc, "add_note", None)
     if add_note is not None:
         add_note(f"retryd: {decision.verdict.name} (rule {decision.rule}): {decision.explanation}")
+
+
+def _reporter_for(retryd: Union[Client, AsyncClient], reporter: Any) -> Optional[_Records]:
+    if reporter is CLIENT_REPORTER:
+        chosen: _Records = retryd.reporter
+        return chosen
+    return cast(Optional[_Records], reporter)
 
 
 def request_with_retries(
@@ -274,7 +370,7 @@ def request_with_retries(
     deadline: Optional[Seconds] = None,
     max_attempts: int = 0,
     retry_statuses: frozenset[int] = DEFAULT_RETRY_STATUSES,
-    reporter: Optional[TrafficReporter] = None,
+    reporter: Optional[TrafficReporter] = CLIENT_REPORTER,
     on_refresh_credentials: Optional[Callable[[], None]] = None,
     sleep: Callable[[float], None] = time.sleep,
     **kwargs: Any,
@@ -284,15 +380,28 @@ def request_with_retries(
     ``kwargs`` are those of ``httpx.Client.request``. ``idempotency`` is
     required: the method alone never decides. ``body`` overrides the
     replayability derived from ``content``/``data``/``files``/``json``.
-    ``deadline`` (seconds) covers the whole call, retries included.
+
+    ``deadline`` (seconds) covers the whole call: every connect, write, read
+    and pool wait of every attempt is bounded by what is left of it (below
+    the client's own timeouts), every backoff too, and retryd is told the
+    remaining time on each decision.
+
+    The first attempt is counted on ``retryd.reporter`` (the client's own
+    traffic reporter), so the upstream's budget fills from real traffic;
+    pass ``reporter=None`` if you report traffic some other way, or a
+    reporter of your own.
 
     Returns the final response (read in full) when it succeeds, when retryd
     denies a retry of an error response, or when the status is not in
-    ``retry_statuses``. Re-raises the last transport error when retryd denies
-    retrying it. Raises :class:`~retryd.errors.AmbiguousExecutionError` when
-    retryd answers AMBIGUOUS. After a 401 retryd may ask to refresh
-    credentials: ``on_refresh_credentials`` is called before the replay (if
-    it is not given, the 401 response is returned).
+    ``retry_statuses``; ``response.extensions["retryd.decision"]`` is the
+    decision about that response (None if retryd was not asked), and
+    :func:`decision_of` reads it. Re-raises the last transport error when
+    retryd denies retrying it (the decision is in its notes and in
+    ``decision_of(error)``). Raises
+    :class:`~retryd.errors.AmbiguousExecutionError` when retryd answers
+    AMBIGUOUS. After a 401 retryd may ask to refresh credentials:
+    ``on_refresh_credentials`` is called before the replay (if it is not
+    given, the 401 response is returned).
     """
     build, send = _split(kwargs)
     loop = _Loop(
@@ -302,12 +411,10 @@ def request_with_retries(
         body=body if body is not None else body_of(**{k: build.get(k) for k in ("content", "data", "files", "json")}),
         deadline=deadline,
         max_attempts=max_attempts,
+        reporter=_reporter_for(retryd, reporter),
     )
     while True:
-        loop.attempt += 1
-        if loop.attempt == 1 and reporter is not None:
-            reporter.record(upstream)
-        request = http.build_request(method, url, **build)
+        request = http.build_request(method, url, **loop.begin(build, http.timeout))
         response: Optional[httpx.Response] = None
         error: Optional[BaseException] = None
         try:
@@ -322,11 +429,14 @@ def request_with_retries(
                 error, outcome = exc, classify_exception(exc, response=response)
             else:
                 if response.status_code not in retry_statuses:
-                    return response
+                    return loop.finish(response, None)
                 outcome = classify_response(response)
 
         decision = retryd.decide(**loop.decide_kwargs(outcome))
+        loop.decided(decision)
         if decision.verdict == Verdict.AMBIGUOUS:
+            if response is not None:
+                loop.finish(response, decision)
             raise AmbiguousExecutionError(decision, response) from error
         retry = decision.should_retry and loop.attempt < _MAX_LOOP
         if retry and decision.refresh_credentials:
@@ -334,17 +444,18 @@ def request_with_retries(
                 retry = False
             else:
                 on_refresh_credentials()
+        if retry:
+            if response is not None:
+                response.close()  # give the connection back before waiting
+            wait = loop.backoff(decision)
+            if wait > 0:
+                sleep(wait)
+            retry = not loop.out_of_time()
         if not retry:
             if error is not None:
-                _note(error, decision)
-                raise error
+                raise loop.fail(error, decision)
             assert response is not None
-            return response
-        if response is not None:
-            response.close()  # give the connection back before waiting
-        loop.after_retry(decision)
-        if decision.backoff > 0:
-            sleep(decision.backoff)
+            return loop.finish(response, decision)
 
 
 async def arequest_with_retries(
@@ -360,12 +471,17 @@ async def arequest_with_retries(
     deadline: Optional[Seconds] = None,
     max_attempts: int = 0,
     retry_statuses: frozenset[int] = DEFAULT_RETRY_STATUSES,
-    reporter: Optional[TrafficReporter] = None,
+    reporter: Optional[_Records] = CLIENT_REPORTER,
     on_refresh_credentials: Optional[Callable[[], Union[None, Awaitable[None]]]] = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     **kwargs: Any,
 ) -> httpx.Response:
-    """The asyncio twin of :func:`request_with_retries`."""
+    """The asyncio twin of :func:`request_with_retries`.
+
+    Here the deadline also cuts an attempt as a whole (a server trickling
+    bytes cannot stretch it): an attempt still running when the deadline
+    passes fails as a read timeout, before or after the response headers.
+    """
     build, send = _split(kwargs)
     content = build.get("content")
     loop = _Loop(
@@ -378,31 +494,32 @@ async def arequest_with_retries(
         ),
         deadline=deadline,
         max_attempts=max_attempts,
+        reporter=_reporter_for(retryd, reporter),
     )
     while True:
-        loop.attempt += 1
-        if loop.attempt == 1 and reporter is not None:
-            reporter.record(upstream)
-        request = http.build_request(method, url, **build)
+        request = http.build_request(method, url, **loop.begin(build, http.timeout))
         response: Optional[httpx.Response] = None
         error: Optional[BaseException] = None
         try:
-            response = await http.send(request, stream=True, **send)
+            response = await _within(loop.remaining(), http.send(request, stream=True, **send), request)
         except httpx.TransportError as exc:
             error, outcome = exc, classify_exception(exc)
         else:
             try:
-                await response.aread()
+                await _within(loop.remaining(), response.aread(), request)
             except (httpx.TransportError, httpx.DecodingError) as exc:
                 await response.aclose()
                 error, outcome = exc, classify_exception(exc, response=response)
             else:
                 if response.status_code not in retry_statuses:
-                    return response
+                    return loop.finish(response, None)
                 outcome = classify_response(response)
 
         decision = await retryd.decide(**loop.decide_kwargs(outcome))
+        loop.decided(decision)
         if decision.verdict == Verdict.AMBIGUOUS:
+            if response is not None:
+                loop.finish(response, decision)
             raise AmbiguousExecutionError(decision, response) from error
         retry = decision.should_retry and loop.attempt < _MAX_LOOP
         if retry and decision.refresh_credentials:
@@ -412,25 +529,49 @@ async def arequest_with_retries(
                 result = on_refresh_credentials()
                 if inspect.isawaitable(result):
                     await result
+        if retry:
+            if response is not None:
+                await response.aclose()
+            wait = loop.backoff(decision)
+            if wait > 0:
+                await sleep(wait)
+            retry = not loop.out_of_time()
         if not retry:
             if error is not None:
-                _note(error, decision)
-                raise error
+                raise loop.fail(error, decision)
             assert response is not None
-            return response
-        if response is not None:
-            await response.aclose()
-        loop.after_retry(decision)
-        if decision.backoff > 0:
-            await sleep(decision.backoff)
+            return loop.finish(response, decision)
+
+
+#: Added to the remaining deadline before an async attempt is cut, so that
+#: httpx's own (equal) timeouts fire first and name the phase that hung.
+_CUT_GRACE = 0.05
+
+_T = TypeVar("_T")
+
+
+async def _within(remaining: Optional[float], awaitable: Awaitable[_T], request: httpx.Request) -> _T:
+    if remaining is None:
+        return await awaitable
+    try:
+        return await asyncio.wait_for(awaitable, remaining + _CUT_GRACE)
+    except asyncio.TimeoutError:
+        # Cut by the caller's deadline: the request may have been written, so
+        # this is a read timeout, never proof of NOT_SENT.
+        raise httpx.ReadTimeout("the call's deadline passed during the attempt", request=request) from None
 
 
 __all__ = [
+    "ATTEMPTS_EXTENSION",
+    "CLIENT_REPORTER",
+    "DECISIONS_EXTENSION",
+    "DECISION_EXTENSION",
     "DEFAULT_RETRY_STATUSES",
     "Outcome",
     "arequest_with_retries",
     "body_of",
     "classify_exception",
     "classify_response",
+    "decision_of",
     "request_with_retries",
 ]

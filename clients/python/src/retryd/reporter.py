@@ -1,90 +1,242 @@
-"""A background reporter that batches real-traffic counts into ReportTraffic.
+"""Background reporters that batch real-traffic counts into ReportTraffic.
 
 Budgets fill from reported first attempts only ("retries never fund
-retries"), so call :meth:`TrafficReporter.record` once per real request, never
-for a retry. ``record`` only adds to an in-memory counter under a lock; a
-daemon thread sends the counts every ``interval`` seconds, in batches of at
-most 1024 entries. Counts that could not be sent are kept and sent with the
-next batch, up to ``max_upstreams`` distinct upstreams (beyond that new
-upstreams are dropped and counted in ``dropped``).
+retries"), so call ``record`` once per real request, never for a retry. The
+adapters (:mod:`retryd.httpx`, :mod:`retryd.grpc`) do it for you through the
+client's own reporter (``Client.reporter``), which the client flushes and
+stops when it is closed.
+
+``record`` only adds to an in-memory counter under a lock. Every
+``interval`` seconds the counts become *batches* of at most 1024 entries,
+each with a fresh ``report_id`` (a random UUID), and are sent:
+
+- a batch that fails for a reason that may pass (retryd unreachable, a
+  timeout, ABORTED) is kept and re-sent, with the same id and the same
+  entries in the same order, so retryd applies each entry at most once even
+  if the failed call had in fact been applied (``already_applied`` in the
+  answer). New counts wait meanwhile, still merged per upstream, so memory
+  stays bounded by ``max_upstreams``;
+- a batch that fails for a reason re-sending cannot fix (PERMISSION_DENIED,
+  RESOURCE_EXHAUSTED, INVALID_ARGUMENT) is dropped with one warning, and
+  its requests are counted in ``dropped_requests``;
+- a batch not delivered within ``resend_window`` seconds (5 minutes, less
+  than retryd's 10-minute ``limits.report_id_window``) is dropped and
+  counted too: re-sent after retryd forgot its id, it could be counted twice,
+  and losing it only means fewer retries.
+
+``dropped_requests`` also counts requests to upstreams beyond
+``max_upstreams`` distinct ones. ``dropped_batches`` counts dropped batches.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from typing import Optional, Protocol
+import time
+import uuid
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
 
-from .errors import RetrydError
+from .errors import InvalidRequestError, RetrydError
 
 log = logging.getLogger("retryd")
 
+#: The most entries one ReportTraffic call may carry.
+MAX_TRAFFIC_ENTRIES = 1024
 
-class _Reports(Protocol):
-    def report_traffic(self, counts: dict[str, int]) -> int: ...
+#: gRPC codes for which re-sending the same report cannot succeed.
+PERMANENT_REPORT_CODES = frozenset({"PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"})
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    """What retryd did with one report: entries applied now, and entries an
+    earlier call with the same ``report_id`` had already applied."""
+
+    accepted: int
+    already_applied: int = 0
+
+
+class _SendsReports(Protocol):
+    def report_batch(self, traffic: Sequence[tuple[str, int]], *, report_id: str = "") -> ReportResult: ...
+
+
+class _SendsReportsAsync(Protocol):
+    def report_batch(
+        self, traffic: Sequence[tuple[str, int]], *, report_id: str = ""
+    ) -> Awaitable[ReportResult]: ...
+
+
+@dataclass
+class Batch:
+    """One report as sent, and as re-sent: the id and the entries never change."""
+
+    report_id: str
+    entries: tuple[tuple[str, int], ...]
+    created: float = field(default_factory=time.monotonic)
+
+    @property
+    def requests(self) -> int:
+        return sum(n for _, n in self.entries)
+
+
+def is_permanent(error: BaseException) -> bool:
+    """Whether re-sending the same report after ``error`` is pointless."""
+    if isinstance(error, InvalidRequestError):
+        return True
+    code: Any = getattr(error, "code", None)
+    return getattr(code, "name", None) in PERMANENT_REPORT_CODES
+
+
+class _Book:
+    """The counts and batches, shared by the thread and asyncio reporters.
+
+    Only the sender that holds the send lock touches ``unsent``; ``pending``
+    is guarded by ``lock`` because ``record`` runs on any thread.
+    """
+
+    def __init__(self, max_upstreams: int, resend_window: float) -> None:
+        self.max_upstreams = max_upstreams
+        self.resend_window = resend_window
+        self.dropped_requests = 0
+        self.dropped_batches = 0
+        self.lock = threading.Lock()
+        self.pending: dict[str, int] = {}
+        self.unsent: list[Batch] = []
+        self.failing = False
+
+    def record(self, upstream: str, requests: int) -> None:
+        if requests <= 0:
+            return
+        with self.lock:
+            if upstream in self.pending or len(self.pending) < self.max_upstreams:
+                self.pending[upstream] = self.pending.get(upstream, 0) + requests
+            else:
+                self.dropped_requests += requests
+
+    def snapshot(self) -> dict[str, int]:
+        with self.lock:
+            counts = dict(self.pending)
+        for batch in self.unsent:
+            for upstream, n in batch.entries:
+                counts[upstream] = counts.get(upstream, 0) + n
+        return counts
+
+    def next_batch(self) -> Optional[Batch]:
+        """The batch to send next: the oldest unsent one, else fresh counts."""
+        now = time.monotonic()
+        while self.unsent and now - self.unsent[0].created > self.resend_window:
+            stale = self.unsent.pop(0)
+            self._drop(stale, f"not delivered within {self.resend_window:.0f}s")
+        if not self.unsent:
+            with self.lock:
+                if not self.pending:
+                    return None
+                entries = list(self.pending.items())
+                self.pending = {}
+            for start in range(0, len(entries), MAX_TRAFFIC_ENTRIES):
+                chunk = tuple(entries[start : start + MAX_TRAFFIC_ENTRIES])
+                self.unsent.append(Batch(report_id=uuid.uuid4().hex, entries=chunk, created=now))
+        return self.unsent[0]
+
+    def sent(self, batch: Batch) -> None:
+        self.unsent.remove(batch)
+        if self.failing:
+            self.failing = False
+            log.info("retryd: traffic reports are delivered again")
+
+    def failed(self, batch: Batch, error: BaseException) -> bool:
+        """Handles a failed send; True if the batch is kept for a re-send."""
+        if is_permanent(error):
+            self.unsent.remove(batch)
+            self._drop(batch, str(error))
+            return False
+        if not self.failing:
+            # One warning per outage: the thread retries every interval.
+            self.failing = True
+            log.warning("retryd: traffic report failed, will re-send it with the same id: %s", error)
+        return True
+
+    def _drop(self, batch: Batch, why: str) -> None:
+        self.dropped_batches += 1
+        self.dropped_requests += batch.requests
+        log.warning("retryd: dropped a traffic report of %d requests (id %s): %s",
+                    batch.requests, batch.report_id, why)
 
 
 class TrafficReporter:
     """Batches ``ReportTraffic`` calls on a background thread.
 
     Use it as a context manager, or call :meth:`start` and :meth:`close`
-    (which sends what is left). ``client`` is a :class:`retryd.Client`.
+    (which sends what is left). ``client`` is a :class:`retryd.Client`;
+    ``Client.reporter`` is one already started and owned by the client.
     """
 
-    def __init__(self, client: _Reports, *, interval: float = 1.0, max_upstreams: int = 10_000) -> None:
+    def __init__(
+        self,
+        client: _SendsReports,
+        *,
+        interval: float = 1.0,
+        max_upstreams: int = 10_000,
+        resend_window: float = 300.0,
+    ) -> None:
+        if interval <= 0:
+            raise ValueError(f"interval: must be positive, got {interval!r}")
         self._client = client
         self.interval = interval
-        self.max_upstreams = max_upstreams
-        self.dropped = 0
-        self._pending: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._book = _Book(max_upstreams, resend_window)
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
+    @property
+    def dropped_requests(self) -> int:
+        """Requests never reported: beyond ``max_upstreams``, or in a dropped batch."""
+        return self._book.dropped_requests
+
+    @property
+    def dropped_batches(self) -> int:
+        """Batches dropped after a permanent error or past ``resend_window``."""
+        return self._book.dropped_batches
+
+    @property
+    def dropped(self) -> int:
+        """The former name of :attr:`dropped_requests`."""
+        return self._book.dropped_requests
+
     def record(self, upstream: str, requests: int = 1) -> None:
         """Counts ``requests`` real (first-attempt) requests to ``upstream``."""
-        if requests <= 0:
-            return
-        with self._lock:
-            if upstream in self._pending or len(self._pending) < self.max_upstreams:
-                self._pending[upstream] = self._pending.get(upstream, 0) + requests
-            else:
-                self.dropped += requests
+        self._book.record(upstream, requests)
 
     def pending(self) -> dict[str, int]:
-        """A copy of the counts not yet sent."""
-        with self._lock:
-            return dict(self._pending)
+        """The counts not yet delivered (unsent batches included), per upstream."""
+        with self._send_lock:
+            return self._book.snapshot()
 
     def flush(self) -> bool:
-        """Sends the pending counts now; returns False (keeping them) if retryd failed."""
+        """Sends everything pending now; False if something is kept for a re-send."""
         with self._send_lock:
-            with self._lock:
-                batch, self._pending = self._pending, {}
-            if not batch:
-                return True
-            try:
-                self._client.report_traffic(batch)
-            except RetrydError as error:
-                log.warning("retryd: traffic report failed, will retry: %s", error)
-                with self._lock:
-                    for upstream, n in batch.items():
-                        if upstream in self._pending or len(self._pending) < self.max_upstreams:
-                            self._pending[upstream] = self._pending.get(upstream, 0) + n
-                        else:
-                            self.dropped += n
-                return False
+            while (batch := self._book.next_batch()) is not None:
+                try:
+                    self._client.report_batch(batch.entries, report_id=batch.report_id)
+                except RetrydError as error:
+                    if self._book.failed(batch, error):
+                        return False
+                else:
+                    self._book.sent(batch)
             return True
 
     def start(self) -> TrafficReporter:
         if self._thread is None:
+            self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="retryd-traffic-reporter", daemon=True)
             self._thread.start()
         return self
 
     def close(self) -> None:
-        """Stops the thread and sends what is left."""
+        """Stops the thread and sends what is left (one try)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -100,3 +252,100 @@ class TrafficReporter:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class AsyncTrafficReporter:
+    """The asyncio twin of :class:`TrafficReporter`: a task instead of a thread.
+
+    ``record`` may be called from any thread; the sending task starts on the
+    first ``record`` made inside a running event loop (or on :meth:`start`),
+    and :meth:`aclose` stops it and sends what is left.
+    """
+
+    def __init__(
+        self,
+        client: _SendsReportsAsync,
+        *,
+        interval: float = 1.0,
+        max_upstreams: int = 10_000,
+        resend_window: float = 300.0,
+    ) -> None:
+        if interval <= 0:
+            raise ValueError(f"interval: must be positive, got {interval!r}")
+        self._client = client
+        self.interval = interval
+        self._book = _Book(max_upstreams, resend_window)
+        self._send_lock: Optional[asyncio.Lock] = None
+        self._task: Optional[asyncio.Task[None]] = None
+        self._closed = False
+
+    @property
+    def dropped_requests(self) -> int:
+        """See :attr:`TrafficReporter.dropped_requests`."""
+        return self._book.dropped_requests
+
+    @property
+    def dropped_batches(self) -> int:
+        """See :attr:`TrafficReporter.dropped_batches`."""
+        return self._book.dropped_batches
+
+    def record(self, upstream: str, requests: int = 1) -> None:
+        """Counts ``requests`` real (first-attempt) requests to ``upstream``."""
+        self._book.record(upstream, requests)
+        if self._task is None and not self._closed:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return  # no loop on this thread: the next record or flush sends it
+            self.start()
+
+    def pending(self) -> dict[str, int]:
+        """The counts not yet delivered (unsent batches included), per upstream."""
+        return self._book.snapshot()
+
+    def _lock(self) -> asyncio.Lock:
+        if self._send_lock is None:
+            self._send_lock = asyncio.Lock()
+        return self._send_lock
+
+    async def flush(self) -> bool:
+        """Sends everything pending now; False if something is kept for a re-send."""
+        async with self._lock():
+            while (batch := self._book.next_batch()) is not None:
+                try:
+                    await self._client.report_batch(batch.entries, report_id=batch.report_id)
+                except RetrydError as error:
+                    if self._book.failed(batch, error):
+                        return False
+                else:
+                    self._book.sent(batch)
+            return True
+
+    def start(self) -> AsyncTrafficReporter:
+        """Starts the sending task in the running loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="retryd-traffic-reporter")
+        return self
+
+    async def aclose(self) -> None:
+        """Stops the task and sends what is left (one try)."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        await self.flush()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.flush()
+
+    async def __aenter__(self) -> AsyncTrafficReporter:
+        return self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -1,0 +1,589 @@
+"""grpcio interceptors: honest evidence from failed gRPC calls, and retryd-governed retries.
+
+Classification (what each grpcio outcome proves; checked against the real
+failures on 127.0.0.1 by tests/test_grpc.py, for the grpcio version pinned
+in constraints.txt):
+
+================================================  ==================  =========================
+grpcio outcome                                    evidence            failure
+================================================  ==================  =========================
+UNAVAILABLE "failed to connect to all addresses"  NOT_SENT            CONNECT (PRE_REQUEST_TLS
+  (no connection was ever ready: refused, reset                         when the TLS handshake
+  or garbage before the HTTP/2 handshake)                               failed)
+a status with a ``grpc-retry-pushback-ms``        RESPONSE_RECEIVED   (code, raw pushback)
+  trailer (only the server sends it)
+DEADLINE_EXCEEDED                                 SENT_NO_RESPONSE    RESPONSE_HEADER_TIMEOUT
+CANCELLED                                         SENT_NO_RESPONSE    GENERIC_IO
+a transport break after the channel was ready     SENT_NO_RESPONSE    CONNECTION_RESET
+  ("Stream removed", "Socket closed", "Connection
+  reset", "Broken pipe", GOAWAY, RST_STREAM)
+"Exception serializing request!", "Sent message   SENT_NO_RESPONSE    REQUEST_ENCODING
+  larger than max"                                                    (permanent)
+"Exception deserializing response!", "Received    RESPONSE_RECEIVED   (code)
+  message larger than max" (the response came)
+any other status (the server's own)               RESPONSE_RECEIVED   (code)
+================================================  ==================  =========================
+
+The status code is always sent as ``grpc_status_code``. A deadline is never
+taken for NOT_SENT, even when the channel was never ready: grpcio does not
+say so, and the claim is never made without proof. grpcio 1.85 no longer
+says in ``debug_error_string`` whether a status came from the peer, so the
+library's own statuses are recognised by the words above; the test suite
+pins them, and fails on a grpcio whose words changed. On a response stream
+that already delivered messages (``messages_received`` > 0) the call is
+``first_byte_delivered``, and a transport break is PARTIAL_RESPONSE.
+
+Interceptors: :class:`RetryInterceptor` (``grpc.intercept_channel``) and
+:class:`AsyncRetryInterceptor` (``grpc.aio.insecure_channel(...,
+interceptors=[...])``) run a unary-unary call, ask retryd after each
+failure, sleep the backoff with no call in flight, and try again, within
+the call's deadline (its ``timeout=``), which bounds every attempt and every
+backoff and is passed to retryd on each decision. The first attempt is
+counted on the retryd client's reporter. With ``retries=False`` they only
+classify: the error raised carries ``retryd_outcome``.
+
+Switch off grpcio's own retries for the channels retryd governs: give no
+``retryPolicy`` in the channel's service config (``grpc.service_config``)
+and pass ``("grpc.service_config_disable_resolution", 1)`` so that a
+resolver cannot supply one; two retry loops multiply attempts and spend
+budgets twice. grpcio's transparent retries of RPCs that never left the
+client are fine and stay on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union, cast
+
+import grpc
+import grpc.aio
+
+from ._types import Body, Decision, Evidence, FailureKind, Idempotency, IdempotencyLike, Verdict
+from .client import AsyncClient, Client, Seconds, _seconds
+from .errors import AmbiguousExecutionError
+
+#: The trailer of gRFC A6, passed to retryd raw.
+PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
+
+#: A hard stop, whatever retryd or the fallback says.
+_MAX_LOOP = 100
+
+_NOT_READY = "failed to connect to all addresses"
+_TRANSPORT_BREAKS = (
+    "stream removed",
+    "socket closed",
+    "connection reset",
+    "broken pipe",
+    "goaway",
+    "rst_stream",
+    "connection closed",
+    "transport closed",
+    "endpoint closing",
+    "keepalive watchdog",
+)
+_ENCODING = ("exception serializing request", "sent message larger than max")
+_DECODING = ("exception deserializing response", "received message larger than max")
+
+
+@dataclass(frozen=True)
+class GrpcOutcome:
+    """What happened to one gRPC attempt, in retryd's terms."""
+
+    evidence: Evidence
+    failure: FailureKind
+    grpc_status_code: int
+    grpc_retry_pushback_ms: Optional[str] = None
+    first_byte_delivered: bool = False
+
+    def decide_kwargs(self) -> dict[str, Any]:
+        """The matching keyword arguments of :meth:`retryd.Client.decide`."""
+        return {
+            "evidence": self.evidence,
+            "failure": self.failure,
+            "grpc_status_code": self.grpc_status_code,
+            "grpc_retry_pushback_ms": self.grpc_retry_pushback_ms,
+            "first_byte_delivered": self.first_byte_delivered,
+        }
+
+
+def _code_number(code: Optional[grpc.StatusCode]) -> int:
+    if code is None:
+        return 2  # UNKNOWN: grpcio gave no code at all
+    number = code.value[0]
+    return int(number)
+
+
+def _pushback(trailers: Any) -> Optional[str]:
+    for key, value in trailers or ():
+        if key.lower() == PUSHBACK_TRAILER:
+            return value if isinstance(value, str) else bytes(value).decode("latin-1")
+    return None
+
+
+def classify_rpc_error(error: grpc.RpcError, *, messages_received: int = 0) -> GrpcOutcome:
+    """What a failed grpcio call proves; see the module table.
+
+    ``error`` is a sync ``grpc.RpcError`` that is also a ``grpc.Call`` (what
+    grpcio raises) or a ``grpc.aio.AioRpcError``. ``messages_received`` is
+    how many response messages a streaming call had already delivered.
+    """
+    call = cast(grpc.Call, error)
+    code = call.code()
+    number = _code_number(code)
+    details = (call.details() or "").lower()
+    delivered = messages_received > 0
+    pushback = _pushback(call.trailing_metadata())
+
+    def outcome(evidence: Evidence, failure: FailureKind = FailureKind.UNSPECIFIED) -> GrpcOutcome:
+        return GrpcOutcome(evidence, failure, number, pushback, delivered)
+
+    if pushback is not None:
+        return outcome(Evidence.RESPONSE_RECEIVED)
+    if code == grpc.StatusCode.UNAVAILABLE and _NOT_READY in details and not delivered:
+        # grpcio's picker failed the call because no connection ever became
+        # ready: no stream was opened, so the request never left.
+        if "certificate_verify_failed" in details:
+            return outcome(Evidence.NOT_SENT, FailureKind.TLS_CERTIFICATE_INVALID)
+        if "handshake" in details or "ssl" in details or "tls" in details:
+            return outcome(Evidence.NOT_SENT, FailureKind.PRE_REQUEST_TLS)
+        return outcome(Evidence.NOT_SENT, FailureKind.CONNECT)
+    if any(marker in details for marker in _ENCODING):
+        return outcome(Evidence.SENT_NO_RESPONSE, FailureKind.REQUEST_ENCODING)
+    if any(marker in details for marker in _DECODING):
+        return outcome(Evidence.RESPONSE_RECEIVED)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        if delivered:
+            return outcome(Evidence.PARTIAL_RESPONSE, FailureKind.INTERRUPTED_STREAM)
+        return outcome(Evidence.SENT_NO_RESPONSE, FailureKind.RESPONSE_HEADER_TIMEOUT)
+    if any(marker in details for marker in _TRANSPORT_BREAKS) or code == grpc.StatusCode.CANCELLED:
+        if delivered:
+            return outcome(Evidence.PARTIAL_RESPONSE, FailureKind.INTERRUPTED_STREAM)
+        if code == grpc.StatusCode.CANCELLED:
+            return outcome(Evidence.SENT_NO_RESPONSE, FailureKind.GENERIC_IO)
+        return outcome(Evidence.SENT_NO_RESPONSE, FailureKind.CONNECTION_RESET)
+    return outcome(Evidence.RESPONSE_RECEIVED)
+
+
+def decision_of(error: BaseException) -> Optional[Decision]:
+    """The decision retryd made about a failed call raised by an interceptor, if any."""
+    decision = getattr(error, "decision", None) or getattr(error, "retryd_decision", None)
+    return decision if isinstance(decision, Decision) else None
+
+
+def outcome_of(error: BaseException) -> Optional[GrpcOutcome]:
+    """The classification an interceptor attached to a failed call, if any."""
+    outcome = getattr(error, "retryd_outcome", None)
+    return outcome if isinstance(outcome, GrpcOutcome) else None
+
+
+def _attach(error: BaseException, outcome: GrpcOutcome, decision: Optional[Decision]) -> None:
+    try:
+        error.retryd_outcome = outcome  # type: ignore[attr-defined]
+        if decision is not None:
+            error.retryd_decision = decision  # type: ignore[attr-defined]
+    except AttributeError:  # an error type with __slots__
+        return
+    if decision is not None:
+        add_note = getattr(error, "add_note", None)
+        if add_note is not None:
+            add_note(f"retryd: {decision.verdict.name} (rule {decision.rule}): {decision.explanation}")
+
+
+if TYPE_CHECKING:  # the stubs make Future generic; grpcio's class is not
+    _Future = grpc.Future[Any]
+else:
+    _Future = grpc.Future
+
+
+class AmbiguousRpcError(AmbiguousExecutionError, grpc.RpcError, grpc.Call, _Future):
+    """AMBIGUOUS from a sync interceptor: the call may have taken effect.
+
+    Both an :class:`~retryd.AmbiguousExecutionError` (``.decision``) and the
+    failed call (``code()``, ``details()``, ``trailing_metadata()``, and
+    ``__cause__``), so ``except grpc.RpcError`` still sees it.
+    """
+
+    def __init__(self, decision: Decision, call: grpc.RpcError) -> None:
+        AmbiguousExecutionError.__init__(self, decision, None)
+        self.call = call
+        self.__cause__ = call
+
+    def _call(self) -> Any:
+        return self.call
+
+    def code(self) -> grpc.StatusCode:
+        return cast(grpc.StatusCode, self._call().code())
+
+    def details(self) -> str:
+        return cast(str, self._call().details() or "")
+
+    def initial_metadata(self) -> Any:
+        return self._call().initial_metadata()
+
+    def trailing_metadata(self) -> Any:
+        return self._call().trailing_metadata()
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float:
+        return 0.0
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: Any) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def running(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        raise self
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[Exception]:
+        return self
+
+    def traceback(self, timeout: Optional[float] = None) -> Any:
+        return self.__traceback__
+
+    def add_done_callback(self, fn: Any) -> None:
+        fn(self)
+
+
+class AmbiguousAioRpcError(AmbiguousExecutionError, grpc.aio.AioRpcError):
+    """AMBIGUOUS from the asyncio interceptor; an ``AioRpcError`` too."""
+
+    def __init__(self, decision: Decision, call: grpc.aio.AioRpcError) -> None:
+        grpc.aio.AioRpcError.__init__(self, call.code(), call.initial_metadata(), call.trailing_metadata(),
+                                      call.details(), call.debug_error_string())
+        self.decision = decision
+        self.response = None
+        self.__cause__ = call
+
+    def __str__(self) -> str:
+        return f"ambiguous execution: {self.decision.explanation or 'request may have taken effect'}"
+
+
+#: How an interceptor learns each method's idempotency: one value for every
+#: method, a mapping by full method name ("/pkg.Service/Method"; a method
+#: not in it is NON_IDEMPOTENT), or a function of the method name.
+IdempotencyRule = Union[IdempotencyLike, Mapping[str, IdempotencyLike], Callable[[str], IdempotencyLike]]
+
+#: A refresh callback may return metadata entries that replace the call's
+#: entries of the same keys on the replay (a new ``authorization``, say).
+RefreshResult = Optional[Sequence[tuple[str, str]]]
+
+
+class _UseClientReporter:
+    def __repr__(self) -> str:
+        return "CLIENT_REPORTER"
+
+
+#: ``reporter=CLIENT_REPORTER`` (the default) counts first attempts on the
+#: retryd client's reporter; ``reporter=None`` opts out.
+CLIENT_REPORTER: Any = _UseClientReporter()
+
+
+def _method_name(method: Union[str, bytes]) -> str:
+    return method.decode() if isinstance(method, bytes) else method
+
+
+def _merge(metadata: Any, replace: Sequence[tuple[str, str]]) -> list[tuple[str, Any]]:
+    keys = {key.lower() for key, _ in replace}
+    kept = [(key, value) for key, value in (metadata or ()) if key.lower() not in keys]
+    return kept + list(replace)
+
+
+class _Policy:
+    """What both interceptors share: configuration and the per-call loop state."""
+
+    def __init__(
+        self,
+        retryd: Union[Client, AsyncClient],
+        *,
+        upstream: str,
+        idempotency: IdempotencyRule,
+        retries: bool,
+        deadline: Optional[Seconds],
+        attempt_timeout: Optional[Seconds],
+        max_attempts: int,
+        body: Optional[Body],
+        reporter: Any,
+    ) -> None:
+        if not upstream:
+            raise ValueError("upstream: required")
+        self.retryd = retryd
+        self.upstream = upstream
+        self.idempotency = idempotency
+        self.retries = retries
+        self.deadline = _seconds(deadline)
+        self.attempt_timeout = _seconds(attempt_timeout)
+        if self.attempt_timeout is not None and self.attempt_timeout <= 0:
+            raise ValueError(f"attempt_timeout: must be positive, got {self.attempt_timeout!r}")
+        self.max_attempts = max_attempts
+        self.body = body
+        self._reporter = reporter
+
+    def idempotency_of(self, method: str) -> IdempotencyLike:
+        rule = self.idempotency
+        if isinstance(rule, Mapping):
+            return rule.get(method, Idempotency.NON_IDEMPOTENT)
+        if callable(rule):
+            return rule(method)
+        return rule
+
+    def record_first_attempt(self) -> None:
+        reporter = self.retryd.reporter if self._reporter is CLIENT_REPORTER else self._reporter
+        if reporter is not None:
+            reporter.record(self.upstream)
+
+
+class _Call:
+    """One intercepted call across its attempts."""
+
+    def __init__(self, policy: _Policy, method: str, timeout: Optional[float]) -> None:
+        self.policy = policy
+        self.method = method
+        self.idempotency = policy.idempotency_of(method)
+        total = timeout if timeout is not None else policy.deadline
+        self.deadline_at = None if total is None else time.monotonic() + total
+        self.attempt = 0
+        self.previous_backoff: Optional[float] = None
+        self.auth_refresh_attempted = False
+
+    def remaining(self) -> Optional[float]:
+        return None if self.deadline_at is None else max(0.0, self.deadline_at - time.monotonic())
+
+    def begin(self) -> Optional[float]:
+        """Counts the attempt; returns its timeout (the rest of the deadline, or less)."""
+        self.attempt += 1
+        if self.attempt == 1 and self.policy.retries:
+            self.policy.record_first_attempt()
+        remaining = self.remaining()
+        limit = self.policy.attempt_timeout
+        if limit is None:
+            return remaining
+        return limit if remaining is None else min(limit, remaining)
+
+    def decide_kwargs(self, outcome: GrpcOutcome) -> dict[str, Any]:
+        return dict(
+            upstream=self.policy.upstream,
+            idempotency=self.idempotency,
+            attempt=self.attempt,
+            operation=self.method,
+            body=self.policy.body,
+            deadline_remaining=self.remaining(),
+            auth_refresh_attempted=self.auth_refresh_attempted,
+            previous_backoff=self.previous_backoff,
+            max_attempts=self.policy.max_attempts,
+            **outcome.decide_kwargs(),
+        )
+
+    def retrying(self, decision: Decision) -> bool:
+        return decision.should_retry and self.attempt < _MAX_LOOP
+
+    def backoff(self, decision: Decision) -> float:
+        self.previous_backoff = decision.backoff or None
+        if decision.refresh_credentials:
+            self.auth_refresh_attempted = True
+        remaining = self.remaining()
+        return decision.backoff if remaining is None else min(decision.backoff, remaining)
+
+    def out_of_time(self) -> bool:
+        remaining = self.remaining()
+        return remaining is not None and remaining <= 0
+
+
+class _Details(NamedTuple):
+    method: str
+    timeout: Optional[float]
+    metadata: Any
+    credentials: Optional[grpc.CallCredentials]
+    wait_for_ready: Optional[bool]
+    compression: Any
+
+
+class _SyncDetails(_Details, grpc.ClientCallDetails):
+    """grpc.ClientCallDetails is abstract; grpcio reads these attributes."""
+
+
+class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
+    """A grpcio unary-unary client interceptor governed by retryd.
+
+    ``retryd`` is a :class:`retryd.Client`; ``upstream`` names the budget;
+    ``idempotency`` says, per method, how safe a replay is (required: see
+    :data:`IdempotencyRule`). ``deadline`` (seconds) is used for calls made
+    without ``timeout=``; ``attempt_timeout`` bounds each attempt, so that a
+    hung attempt leaves time for another. ``on_refresh_credentials`` is
+    called before the one replay retryd allows after UNAUTHENTICATED; it may
+    return metadata entries to replace on the replay. ``retries=False``
+    only classifies. A unary request is a message with a deterministic
+    codec, so ``body`` defaults to ENCODED_VALUE (replayable).
+
+    A denied call raises grpcio's own error, carrying ``retryd_decision``
+    and ``retryd_outcome`` (see :func:`decision_of`); AMBIGUOUS raises
+    :class:`AmbiguousRpcError`. ``.future()`` calls block until the last
+    attempt is over.
+    """
+
+    def __init__(
+        self,
+        retryd: Client,
+        *,
+        upstream: str,
+        idempotency: IdempotencyRule,
+        retries: bool = True,
+        deadline: Optional[Seconds] = None,
+        attempt_timeout: Optional[Seconds] = None,
+        max_attempts: int = 0,
+        body: Optional[Body] = Body.encoded_value(),
+        reporter: Any = CLIENT_REPORTER,
+        on_refresh_credentials: Optional[Callable[[], RefreshResult]] = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._policy = _Policy(retryd, upstream=upstream, idempotency=idempotency, retries=retries,
+                               deadline=deadline, attempt_timeout=attempt_timeout, max_attempts=max_attempts,
+                               body=body, reporter=reporter)
+        self._retryd = retryd
+        self._refresh = on_refresh_credentials
+        self._sleep = sleep
+
+    def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        state = _Call(self._policy, _method_name(client_call_details.method), client_call_details.timeout)
+        metadata = client_call_details.metadata
+        while True:
+            details = _SyncDetails(
+                client_call_details.method,
+                state.begin(),
+                metadata,
+                client_call_details.credentials,
+                client_call_details.wait_for_ready,
+                getattr(client_call_details, "compression", None),
+            )
+            outcome = continuation(details, request)
+            error = outcome.exception()
+            if error is None or not isinstance(error, grpc.RpcError):
+                return outcome  # a response, or a failure that is no RPC's (passed through)
+            classified = classify_rpc_error(error)
+            if not self._policy.retries:
+                _attach(error, classified, None)
+                return outcome
+            decision = self._retryd.decide(**state.decide_kwargs(classified))
+            _attach(error, classified, decision)
+            if decision.verdict == Verdict.AMBIGUOUS:
+                return AmbiguousRpcError(decision, error)
+            retry = state.retrying(decision)
+            if retry and decision.refresh_credentials:
+                if self._refresh is None:
+                    retry = False
+                else:
+                    replace = self._refresh()
+                    if replace:
+                        metadata = _merge(metadata, replace)
+            if retry:
+                wait = state.backoff(decision)
+                if wait > 0:
+                    self._sleep(wait)  # no call is in flight while waiting
+                retry = not state.out_of_time()
+            if not retry:
+                return outcome
+
+
+class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
+    """The asyncio twin of :class:`RetryInterceptor`, for ``grpc.aio`` channels.
+
+    ``retryd`` is a :class:`retryd.AsyncClient`. AMBIGUOUS raises
+    :class:`AmbiguousAioRpcError`; a denied call raises grpcio's
+    ``AioRpcError`` with ``retryd_decision`` and ``retryd_outcome``.
+    ``on_refresh_credentials`` may be a coroutine function.
+    """
+
+    def __init__(
+        self,
+        retryd: AsyncClient,
+        *,
+        upstream: str,
+        idempotency: IdempotencyRule,
+        retries: bool = True,
+        deadline: Optional[Seconds] = None,
+        attempt_timeout: Optional[Seconds] = None,
+        max_attempts: int = 0,
+        body: Optional[Body] = Body.encoded_value(),
+        reporter: Any = CLIENT_REPORTER,
+        on_refresh_credentials: Optional[Callable[[], Union[RefreshResult, Awaitable[RefreshResult]]]] = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self._policy = _Policy(retryd, upstream=upstream, idempotency=idempotency, retries=retries,
+                               deadline=deadline, attempt_timeout=attempt_timeout, max_attempts=max_attempts,
+                               body=body, reporter=reporter)
+        self._retryd = retryd
+        self._refresh = on_refresh_credentials
+        self._sleep = sleep
+
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        state = _Call(self._policy, _method_name(client_call_details.method), client_call_details.timeout)
+        metadata = client_call_details.metadata
+        while True:
+            details = grpc.aio.ClientCallDetails(
+                client_call_details.method,
+                state.begin(),
+                metadata,
+                client_call_details.credentials,
+                client_call_details.wait_for_ready,
+            )
+            call = await continuation(details, request)
+            try:
+                await call
+            except grpc.aio.AioRpcError as error:
+                classified = classify_rpc_error(error)
+                if not self._policy.retries:
+                    _attach(error, classified, None)
+                    raise
+                decision = await self._retryd.decide(**state.decide_kwargs(classified))
+                _attach(error, classified, decision)
+                if decision.verdict == Verdict.AMBIGUOUS:
+                    raise AmbiguousAioRpcError(decision, error) from error
+                retry = state.retrying(decision)
+                if retry and decision.refresh_credentials:
+                    if self._refresh is None:
+                        retry = False
+                    else:
+                        result = self._refresh()
+                        replace = await result if inspect.isawaitable(result) else result
+                        if replace:
+                            metadata = grpc.aio.Metadata(*_merge(metadata, replace))
+                if retry:
+                    wait = state.backoff(decision)
+                    if wait > 0:
+                        await self._sleep(wait)
+                    retry = not state.out_of_time()
+                if not retry:
+                    raise
+            else:
+                return call
+
+
+__all__ = [
+    "AmbiguousAioRpcError",
+    "AmbiguousRpcError",
+    "AsyncRetryInterceptor",
+    "CLIENT_REPORTER",
+    "GrpcOutcome",
+    "IdempotencyRule",
+    "PUSHBACK_TRAILER",
+    "RetryInterceptor",
+    "classify_rpc_error",
+    "decision_of",
+    "outcome_of",
+]
