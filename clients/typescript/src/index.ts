@@ -11,8 +11,8 @@
  * With fetch, `fetchWithRetries` does the whole loop.
  */
 export { RetrydClient, DEFAULT_CHANNEL_OPTIONS, MAX_TRAFFIC_ENTRIES, toDecideRequest, type ClientOptions, type CallOptions } from './client';
-export { AmbiguousExecutionError, InvalidRequestError, RetrydError, RetrydUnavailableError } from './errors';
-export { DEFAULT_LOCAL_POLICY, effectiveEvidence, localDecide, parseRetryAfter, type LocalPolicy } from './fallback';
+export { AmbiguousExecutionError, decisionOf, InvalidRequestError, RetrydError, RetrydUnavailableError } from './errors';
+export { DEFAULT_LOCAL_POLICY, effectiveEvidence, localDecide, parsePushback, parseRetryAfter, type LocalPolicy } from './fallback';
 export {
   bodyOf,
   classifyFetchError,
@@ -22,7 +22,7 @@ export {
   type FetchRetryOptions,
   type Outcome,
 } from './fetch';
-export { TrafficReporter, type TrafficReporterOptions, type TrafficSink } from './reporter';
+export { TrafficReporter, type Logger, type ReportResult, type TrafficReporterOptions, type TrafficSink } from './reporter';
 export { traceMetadata } from './tracing';
 export {
   ENUM_VALUES,

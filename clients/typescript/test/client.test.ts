@@ -57,6 +57,7 @@ test('effectiveEvidence agrees with every vector', () => {
       strip(vector.request.evidence, 'EVIDENCE_') as Evidence | undefined,
       strip(vector.request.failure, 'FAILURE_KIND_') as FailureKind | undefined,
       vector.request.httpStatus as number | undefined,
+      vector.request.grpcRetryPushbackMs as string | undefined,
     );
     assert.equal(`EVIDENCE_${got}`, vector.expect.effective_evidence, vector.name);
   }
@@ -365,7 +366,7 @@ describe('against a fake retryd', () => {
       });
       assert.deepEqual(fake.requests.at(-1), {
         upstream: 'u', operation: 'PUT /x', idempotency: 'IDEMPOTENCY_IDEMPOTENT_WITH_KEY', attempt: 2, maxAttempts: 4,
-        evidence: 'EVIDENCE_SENT_NO_RESPONSE', failure: 'FAILURE_KIND_PARTIAL_WRITE', httpStatus: 0, retryAfter: '3',
+        evidence: 'EVIDENCE_SENT_NO_RESPONSE', failure: 'FAILURE_KIND_PARTIAL_WRITE', httpStatus: 0, grpcStatusCode: 0, retryAfter: '3',
         deadlineRemaining: { seconds: 1, nanos: 500_000_000 }, previousBackoff: { seconds: 0, nanos: 250_000_000 },
         body: {
           kind: 'BODY_KIND_MULTIPART', declared: 'REPLAYABILITY_UNSPECIFIED',
@@ -383,6 +384,27 @@ describe('against a fake retryd', () => {
       assert.ok(fake.deadlines.at(-1)! > 1600 && fake.deadlines.at(-1)! <= 2100, String(fake.deadlines.at(-1)));
     } finally {
       client.close();
+    }
+  });
+
+  test('the gRPC code and the raw pushback reach the server, presence included', async () => {
+    const client = new RetrydClient(fake.target, { timeoutMs: 2000, fallback: null, reporting: false });
+    try {
+      const grpcCall = { upstream: 'u', idempotency: 'SAFE', attempt: 1, evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 8 } as const;
+      await client.decide({ ...grpcCall, grpcRetryPushbackMs: '300' });
+      assert.equal(fake.requests.at(-1)!.grpcStatusCode, 8);
+      assert.equal(fake.requests.at(-1)!.grpcRetryPushbackMs, '300');
+      // An empty trailer is a trailer: sent as '', not left out.
+      await client.decide({ ...grpcCall, grpcRetryPushbackMs: '' });
+      assert.equal(fake.requests.at(-1)!.grpcRetryPushbackMs, '');
+      assert.equal(fake.requests.at(-1)!._grpcRetryPushbackMs, 'grpcRetryPushbackMs');
+      for (const absent of [undefined, null]) {
+        await client.decide({ ...grpcCall, grpcRetryPushbackMs: absent });
+        assert.equal(fake.requests.at(-1)!.grpcRetryPushbackMs, undefined);
+        assert.equal(fake.requests.at(-1)!._grpcRetryPushbackMs, undefined);
+      }
+    } finally {
+      await client.close();
     }
   });
 

@@ -60,6 +60,9 @@ function decideInput(request: Record<string, unknown>): DecideInput {
     authRefreshAttempted: request.authRefreshAttempted as boolean | undefined,
     previousBackoffMs: ms(request.previousBackoff),
     maxAttempts: request.maxAttempts as number | undefined,
+    grpcStatusCode: request.grpcStatusCode as number | undefined,
+    // Presence matters: an absent trailer and an empty one are different cases.
+    grpcRetryPushbackMs: 'grpcRetryPushbackMs' in request ? (request.grpcRetryPushbackMs as string) : undefined,
   };
 }
 

@@ -350,7 +350,7 @@ describe('fetchWithRetries through retryd', () => {
   });
 
   test('only first attempts are reported', async () => {
-    const reporter = new TrafficReporter({ reportTraffic: async (counts) => Object.keys(counts).length });
+    const reporter = new TrafficReporter({ sendTrafficReport: async (traffic) => ({ accepted: traffic.length, alreadyApplied: 0 }) });
     await withServer([respond(503), respond(200)], async (server) => {
       await fetchWithRetries(client, server.url, {}, { upstream: 'ts-e2e-report', idempotency: 'SAFE', reporter, sleep });
     });
