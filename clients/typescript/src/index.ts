@@ -8,7 +8,8 @@
  * if (decision.verdict === 'RETRY') await sleep(decision.backoffMs);
  * ```
  *
- * With fetch, `fetchWithRetries` does the whole loop.
+ * With fetch, `fetchWithRetries` does the whole loop; with @grpc/grpc-js,
+ * `retryingInterceptor`.
  */
 export { RetrydClient, DEFAULT_CHANNEL_OPTIONS, MAX_TRAFFIC_ENTRIES, toDecideRequest, type ClientOptions, type CallOptions } from './client';
 export { AmbiguousExecutionError, decisionOf, InvalidRequestError, RetrydError, RetrydUnavailableError } from './errors';
@@ -22,6 +23,15 @@ export {
   type FetchRetryOptions,
   type Outcome,
 } from './fetch';
+export {
+  classifyGrpcStatus,
+  classifyingInterceptor,
+  grpcOutcomeOf,
+  retryingInterceptor,
+  type AttemptSeen,
+  type GrpcOutcome,
+  type GrpcRetryOptions,
+} from './grpc';
 export { TrafficReporter, type Logger, type ReportResult, type TrafficReporterOptions, type TrafficSink } from './reporter';
 export { traceMetadata } from './tracing';
 export {

@@ -333,7 +333,7 @@ test('decisions a frozen retryd answers late spend nothing, and a new outage war
     assert.equal((await admin.getBudget('ts-frozen')).tokens, 2);
     assert.equal((await frozen.decide({ ...input, upstream: 'ts-warm' })).fallback, false); // connected
     for (let outage = 1; outage <= 2; outage++) {
-      server.signal('SIGSTOP');
+      await server.freeze();
       try {
         for (let i = 0; i < 3; i++) {
           const started = performance.now();

@@ -55,6 +55,8 @@ export interface Retryd {
   metrics: string;
   /** Sends a signal to the process (SIGSTOP freezes it, SIGCONT thaws it). */
   signal(signal: NodeJS.Signals): void;
+  /** SIGSTOP, then waits until the kernel reports the process stopped (delivery is asynchronous). */
+  freeze(): Promise<void>;
   stop(): Promise<void>;
 }
 
@@ -96,6 +98,11 @@ export async function startRetryd(config: string): Promise<Retryd> {
     metrics: addresses.metrics,
     signal: (signal) => {
       child.kill(signal);
+    },
+    freeze: async () => {
+      child.kill('SIGSTOP');
+      // /proc/<pid>/stat: "pid (comm) S ...", state T once stopped.
+      await waitFor('retryd to stop', () => /\) T /.test(fs.readFileSync(`/proc/${child.pid}/stat`, 'utf8')));
     },
     stop: () =>
       new Promise<void>((resolve) => {
