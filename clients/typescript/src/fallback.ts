@@ -15,8 +15,8 @@
  * - a safely idempotent call is retried on SENT_NO_RESPONSE, a partial
  *   2xx/3xx response, and 408, 425 (first attempt), 429, 502, 503, 504; a 401
  *   once with `refreshCredentials` for SAFE calls; 500 never;
- * - for a gRPC status the server sent (RESPONSE_RECEIVED with a
- *   `grpcStatusCode`): a negative or unparseable pushback is DENY
+ * - for a gRPC code on anything but proven NOT_SENT (a code speaks even
+ *   when no response came, as in retryd): a negative or unparseable pushback is DENY
  *   SERVER_PUSHBACK; UNAVAILABLE and DEADLINE_EXCEEDED are retried for a
  *   safely idempotent call (AMBIGUOUS otherwise), RESOURCE_EXHAUSTED only
  *   with a valid pushback, UNAUTHENTICATED once with `refreshCredentials`
@@ -117,13 +117,15 @@ export function parseRetryAfter(value: string | null | undefined, now: number = 
 }
 
 /**
- * A `grpc-retry-pushback-ms` value as gRFC A6 reads it: a non-negative
- * decimal integer is milliseconds; anything else (negative, garbage) means
- * "do not retry" (`'stop'`); absent is null.
+ * A `grpc-retry-pushback-ms` value as gRFC A6 reads it (and retryd, which
+ * also allows surrounding spaces and tabs): a non-negative decimal integer
+ * is milliseconds; anything else (negative, empty, garbage) means "do not
+ * retry" (`'stop'`); absent is null.
  */
 export function parsePushback(value: string | null | undefined): number | 'stop' | null {
   if (value === undefined || value === null) return null;
-  return /^\d+$/.test(value) ? Number(value) : 'stop';
+  const digits = value.replace(/^[ \t]+|[ \t]+$/g, '');
+  return /^\d+$/.test(digits) ? Number(digits) : 'stop';
 }
 
 /** google.rpc.Code numbers the local rule treats specially. */
@@ -176,7 +178,10 @@ export function localDecide(
   const pushback = parsePushback(input.grpcRetryPushbackMs);
   let verdict: Verdict;
   let refresh = false;
-  if (effective === 'NOT_SENT' || effective === 'SENT_NO_RESPONSE') verdict = 'RETRY';
+  if (effective === 'NOT_SENT') verdict = 'RETRY';
+  // A gRPC code speaks even without a response (as in retryd): the library's
+  // own CANCELLED or oversized-message RESOURCE_EXHAUSTED is no reason to retry.
+  else if (effective === 'SENT_NO_RESPONSE' && code === 0) verdict = 'RETRY';
   else if (code !== 0) {
     if (pushback === 'stop') return answer('DENY', 'SERVER_PUSHBACK', 9, 'the server asked not to retry (grpc-retry-pushback-ms)');
     if (code === GRPC.UNAVAILABLE || code === GRPC.DEADLINE_EXCEEDED) verdict = safe ? 'RETRY' : 'AMBIGUOUS';

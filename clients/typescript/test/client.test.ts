@@ -242,6 +242,31 @@ const LOCAL_CASES: [Partial<DecideInput>, string, number][] = [
   [{ idempotency: 'SAFE', httpStatus: 429, retryAfter: '120' }, 'DENY', 6],
 ];
 
+test('the local rule for gRPC codes never allows more than retryd would', () => {
+  const grpcCases: [Partial<DecideInput>, string, string | null][] = [
+    [{ idempotency: 'NON_IDEMPOTENT', failure: 'CONNECT', grpcStatusCode: 14 }, 'RETRY', null],
+    [{ idempotency: 'SAFE', evidence: 'SENT_NO_RESPONSE', failure: 'CONNECTION_RESET', grpcStatusCode: 14 }, 'RETRY', null],
+    [{ idempotency: 'SAFE', evidence: 'SENT_NO_RESPONSE', failure: 'CONNECTION_RESET', grpcStatusCode: 1 }, 'DENY', 'STATUS_NOT_RETRYABLE'],
+    [{ idempotency: 'SAFE', evidence: 'SENT_NO_RESPONSE', grpcStatusCode: 8 }, 'DENY', 'STATUS_NOT_RETRYABLE'],
+    [{ idempotency: 'NON_IDEMPOTENT', evidence: 'SENT_NO_RESPONSE', grpcStatusCode: 4 }, 'AMBIGUOUS', null],
+    [{ idempotency: 'NON_IDEMPOTENT', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 14 }, 'AMBIGUOUS', null],
+    [{ idempotency: 'SAFE', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 8 }, 'DENY', 'STATUS_NOT_RETRYABLE'],
+    [{ idempotency: 'SAFE', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 8, grpcRetryPushbackMs: ' 300\t' }, 'RETRY', null],
+    [{ idempotency: 'SAFE', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 14, grpcRetryPushbackMs: '-1' }, 'DENY', 'SERVER_PUSHBACK'],
+    [{ idempotency: 'SAFE', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 14, grpcRetryPushbackMs: '' }, 'DENY', 'SERVER_PUSHBACK'],
+    [{ idempotency: 'SAFE', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 13 }, 'DENY', 'STATUS_NOT_RETRYABLE'],
+    [{ idempotency: 'SAFE', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 16 }, 'RETRY', null],
+    [{ idempotency: 'SAFE', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 16, authRefreshAttempted: true }, 'DENY', 'STATUS_NOT_RETRYABLE'],
+  ];
+  for (const [input, verdict, reason] of grpcCases) {
+    const decision = localDecide({ upstream: 'u', attempt: 1, ...input } as DecideInput);
+    assert.deepEqual([decision.verdict, decision.denyReason], [verdict, reason], JSON.stringify(input));
+  }
+  const pushback = localDecide({ upstream: 'u', idempotency: 'SAFE', attempt: 1, evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 8, grpcRetryPushbackMs: '700' });
+  assert.equal(pushback.backoffMs, 700);
+  assert.equal(localDecide({ upstream: 'u', idempotency: 'SAFE', attempt: 1, grpcStatusCode: 14, grpcRetryPushbackMs: '5' }).effectiveEvidence, 'RESPONSE_RECEIVED');
+});
+
 test('parseRetryAfter', () => {
   const now = Date.UTC(2026, 0, 1);
   assert.equal(parseRetryAfter('7', now), 7000);
