@@ -226,12 +226,22 @@ export interface FetchRetryOptions {
   onRefreshCredentials?: (init: RequestInit) => RequestInit | void | Promise<RequestInit | void>;
   /** The fetch to use (default globalThis.fetch). */
   fetch?: typeof fetch;
-  /** How to wait the backoff (default a timer). */
-  sleep?: (ms: number) => Promise<void>;
+  /** How to wait the backoff (default a timer, ended early by an abort of init.signal). */
+  sleep?: (ms: number, signal?: AbortSignal) => Promise<void>;
 }
 
 const MAX_LOOP = 100;
-const defaultSleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms));
+/** A timer that an abort of the caller's signal ends early (the next attempt then rethrows the abort). */
+const defaultSleep = (ms: number, signal?: AbortSignal): Promise<void> =>
+  new Promise((resolve) => {
+    const timer = setTimeout(done, ms);
+    signal?.addEventListener('abort', done, { once: true });
+    function done(): void {
+      clearTimeout(timer);
+      signal?.removeEventListener('abort', done);
+      resolve();
+    }
+  });
 
 function operationOf(input: string | URL | Request, init: RequestInit): string {
   const method = (init.method ?? (input instanceof Request ? input.method : 'GET')).toUpperCase();
@@ -367,6 +377,7 @@ export async function fetchWithRetries(
     // retryd already fits the backoff into the deadline; the local clamp
     // covers a clock that moved on while the decision travelled.
     const backoffMs = Math.min(decision.backoffMs, remaining() ?? Infinity);
-    if (backoffMs > 0) await sleep(backoffMs);
+    if (backoffMs > 0) await sleep(backoffMs, currentInit.signal ?? undefined);
+    if (currentInit.signal?.aborted) throw currentInit.signal.reason;
   }
 }

@@ -229,17 +229,24 @@ export function classifyingInterceptor(onOutcome?: (outcome: GrpcOutcome, status
 export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOptions): grpc.Interceptor {
   return (options, nextCall) => {
     const method = options.method_definition;
-    if (method.requestStream || method.responseStream) return classifyingInterceptor()(options, nextCall);
+    const reporter = settings.reporter === false ? null : (settings.reporter ?? retryd.reporter);
+    if (method.requestStream || method.responseStream) {
+      // Real traffic all the same; only never retried.
+      reporter?.record(settings.upstream);
+      return classifyingInterceptor()(options, nextCall);
+    }
     const path = method.path;
     const idempotency = typeof settings.idempotency === 'function' ? settings.idempotency(path) : settings.idempotency;
-    const reporter = settings.reporter === false ? null : (settings.reporter ?? retryd.reporter);
     const deadlineAt = deadlineMsOf(options.deadline);
     const remaining = (): number | undefined => (deadlineAt === Infinity ? undefined : Math.max(0, deadlineAt - Date.now()));
 
     let downstream: grpc.InterceptingListener;
     let metadata: grpc.Metadata;
     let message: unknown;
+    /** The attempt in flight (undefined for the first, which the InterceptingCall's own next() reaches). */
     let current: ReturnType<grpc.NextCall> | undefined;
+    /** Whether an attempt is running; otherwise the call is deciding or backing off. */
+    let inFlight = false;
     let backoffTimer: NodeJS.Timeout | undefined;
     let cancelled = false;
     let finished = false;
@@ -270,6 +277,7 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
         },
         onReceiveStatus(status) {
           current = undefined;
+          inFlight = false;
           if (status.code === grpc.status.OK || cancelled) return finish(status, headers, response);
           void afterFailure(attempt, status, classifyGrpcStatus(status, seen)).then(
             (retry) => {
@@ -329,6 +337,7 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
     const startAttempt = (attempt: number): void => {
       const call = nextCall(options);
       current = call;
+      inFlight = true;
       call.start(metadata, attemptListener(attempt));
       call.sendMessage(message);
       call.halfClose();
@@ -341,6 +350,7 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
         metadata = received.clone(); // kept for replays; the first attempt sends the original
         reporter?.record(settings.upstream);
         current = undefined;
+        inFlight = true;
         next(received, attemptListener(1));
       },
       sendMessage(received, next) {
@@ -350,12 +360,15 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
       cancel(next) {
         cancelled = true;
         next();
-        if (backoffTimer !== undefined) {
-          clearTimeout(backoffTimer);
-          backoffTimer = undefined;
-          finish({ code: grpc.status.CANCELLED, details: 'Cancelled on client', metadata: new grpc.Metadata() });
+        if (inFlight) {
+          // The attempt ends with CANCELLED, which is handed on as it is.
+          current?.cancelWithStatus(grpc.status.CANCELLED, 'Cancelled on client');
+          return;
         }
-        current?.cancelWithStatus(grpc.status.CANCELLED, 'Cancelled on client');
+        // Waiting for retryd or for the backoff: nothing to cancel but the wait.
+        clearTimeout(backoffTimer);
+        backoffTimer = undefined;
+        finish({ code: grpc.status.CANCELLED, details: 'Cancelled on client', metadata: new grpc.Metadata() });
       },
     });
   };

@@ -426,6 +426,33 @@ describe('retryingInterceptor through retryd', { timeout: 60_000 }, () => {
     }
   });
 
+  test('a cancel while retryd is deciding ends the call at once', async () => {
+    // A frozen retryd keeps the decision pending for the decider's 5 s timeout.
+    const server = await StockServer.start([fail(grpc.status.UNAVAILABLE), ok]);
+    const stock = client(server.target, retryingInterceptor(decider, { upstream: 'ts-grpc', idempotency: 'SAFE' }));
+    let call: grpc.ClientUnaryCall | undefined;
+    try {
+      await retryd.freeze();
+      const started = performance.now();
+      const error = await new Promise<grpc.ServiceError | null>((resolve) => {
+        call = stock.Reserve(Buffer.from('sku-7'), { deadline: Date.now() + 10_000 }, (failure) => resolve(failure));
+        const poll = setInterval(() => {
+          if (server.received.length === 1) {
+            clearInterval(poll);
+            setTimeout(() => call!.cancel(), 100);
+          }
+        }, 10);
+      });
+      assert.equal(error?.code, grpc.status.CANCELLED);
+      assert.ok(performance.now() - started < 2000, `${performance.now() - started} ms`);
+      assert.equal(server.received.length, 1);
+    } finally {
+      retryd.signal('SIGCONT');
+      stock.close();
+      server.close();
+    }
+  });
+
   test('first attempts are counted as traffic, retries are not', async () => {
     const own = new RetrydClient(retryd.grpc, { timeoutMs: 5000, fallback: null, reporting: { intervalMs: 3_600_000 } });
     const server = await StockServer.start([fail(grpc.status.UNAVAILABLE), ok]);
@@ -435,6 +462,9 @@ describe('retryingInterceptor through retryd', { timeout: 60_000 }, () => {
       assert.equal((await reserve(stock)).error, null);
       assert.equal(server.received.length, 3);
       assert.deepEqual(own.reporter?.pending(), { 'ts-grpc-report': 2 });
+      // A streaming call is real traffic too, though never retried.
+      await new Promise<void>((resolve) => stock.Watch(Buffer.from('sku-7'), { deadline: Date.now() + 5000 }).on('end', resolve).resume());
+      assert.deepEqual(own.reporter?.pending(), { 'ts-grpc-report': 3 });
     } finally {
       stock.close();
       server.close();
