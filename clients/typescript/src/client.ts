@@ -63,6 +63,12 @@ export interface ClientOptions {
 export interface CallOptions {
   /** Overrides the client's timeoutMs for this call. */
   timeoutMs?: number;
+  /**
+   * Whether `deadlineRemainingMs` also bounds the wait for retryd (default
+   * true: no answer is worth more than what is left). False for a deadline
+   * that is only data, as in the conformance vectors.
+   */
+  boundByDeadline?: boolean;
 }
 
 // ------------------------------------------------------------------ mapping
@@ -202,7 +208,7 @@ export class RetrydClient {
   /** Asks retryd whether the failed attempt may be retried. */
   async decide(input: DecideInput, options: CallOptions = {}): Promise<Decision> {
     let timeoutMs = options.timeoutMs ?? this.timeoutMs;
-    if (input.deadlineRemainingMs !== undefined) {
+    if (input.deadlineRemainingMs !== undefined && options.boundByDeadline !== false) {
       // Waiting longer than the caller has left is pointless, but leave
       // retryd a few milliseconds to say DENY DEADLINE itself.
       timeoutMs = Math.min(timeoutMs, Math.max(input.deadlineRemainingMs, MIN_CALL_TIMEOUT_MS));
