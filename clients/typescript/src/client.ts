@@ -19,11 +19,11 @@ import type { UpstreamTraffic } from './generated/retryd/v1/UpstreamTraffic';
 import { InvalidRequestError, RetrydUnavailableError } from './errors';
 import { DEFAULT_LOCAL_POLICY, localDecide, type LocalPolicy } from './fallback';
 import { proto } from './proto';
+import { MAX_TRAFFIC_ENTRIES, TrafficReporter, type Logger, type ReportResult, type TrafficReporterOptions } from './reporter';
 import { traceMetadata } from './tracing';
 import type { Body, Budget, DecideInput, Decision, DenyReason, Evidence, Verdict } from './types';
 
-/** The most entries one ReportTraffic call may carry. */
-export const MAX_TRAFFIC_ENTRIES = 1024;
+export { MAX_TRAFFIC_ENTRIES };
 
 /**
  * Channel options the client starts from: reconnect quickly after retryd
@@ -49,12 +49,26 @@ export interface ClientOptions {
   metadata?: Record<string, string>;
   /** Extra gRPC channel options. */
   channelOptions?: grpc.ChannelOptions;
+  /**
+   * The client's traffic reporter (`client.reporter`), which the adapters
+   * count first attempts into: its options, or false for none (then budgets
+   * fill only from what you report yourself, and the per-second floor).
+   */
+  reporting?: TrafficReporterOptions | false;
+  /** Where warnings go (default: console): one per retryd outage, and the reporter's. */
+  logger?: Logger;
 }
 
 /** A decision call's own options. */
 export interface CallOptions {
   /** Overrides the client's timeoutMs for this call. */
   timeoutMs?: number;
+  /**
+   * Whether `deadlineRemainingMs` also bounds the wait for retryd (default
+   * true: no answer is worth more than what is left). False for a deadline
+   * that is only data, as in the conformance vectors.
+   */
+  boundByDeadline?: boolean;
 }
 
 // ------------------------------------------------------------------ mapping
@@ -107,6 +121,11 @@ export function toDecideRequest(input: DecideInput): DecideRequest {
     authRefreshAttempted: input.authRefreshAttempted ?? false,
     previousBackoff: toDuration(input.previousBackoffMs),
     maxAttempts: input.maxAttempts ?? 0,
+    grpcStatusCode: input.grpcStatusCode ?? 0,
+    // An optional field: present only when the server sent the trailer.
+    ...(input.grpcRetryPushbackMs === undefined || input.grpcRetryPushbackMs === null
+      ? {}
+      : { grpcRetryPushbackMs: input.grpcRetryPushbackMs }),
   };
 }
 
@@ -157,6 +176,15 @@ type Unary<Req, Res> = (
 export class RetrydClient {
   readonly timeoutMs: number;
   readonly fallback: LocalPolicy | null;
+  /**
+   * Counts real traffic and sends it to this retryd; null when created with
+   * `reporting: false`. fetchWithRetries and the gRPC interceptor record
+   * their first attempts here unless told otherwise; close() flushes it.
+   */
+  readonly reporter: TrafficReporter | null;
+  private readonly logger: Logger;
+  /** Whether the last decision fell back because retryd could not answer. */
+  private inOutage = false;
   private readonly decider: RetryDeciderClient;
   private readonly admin: RetryAdminClient;
   private readonly metadata: Record<string, string>;
@@ -166,18 +194,21 @@ export class RetrydClient {
     this.timeoutMs = options.timeoutMs ?? 200;
     this.fallback = options.fallback === undefined ? DEFAULT_LOCAL_POLICY : options.fallback;
     this.metadata = options.metadata ?? {};
+    this.logger = options.logger ?? console;
     const credentials = options.credentials ?? grpc.credentials.createInsecure();
     const v1 = proto().retryd.v1;
     const channelOptions = { ...DEFAULT_CHANNEL_OPTIONS, ...options.channelOptions };
     this.decider = new v1.RetryDecider(target, credentials, channelOptions);
     // The admin client shares the decider's channel.
     this.admin = new v1.RetryAdmin(target, credentials, { ...channelOptions, channelOverride: this.decider.getChannel() });
+    this.reporter =
+      options.reporting === false ? null : new TrafficReporter(this, { logger: this.logger, ...options.reporting }).start();
   }
 
   /** Asks retryd whether the failed attempt may be retried. */
   async decide(input: DecideInput, options: CallOptions = {}): Promise<Decision> {
     let timeoutMs = options.timeoutMs ?? this.timeoutMs;
-    if (input.deadlineRemainingMs !== undefined) {
+    if (input.deadlineRemainingMs !== undefined && options.boundByDeadline !== false) {
       // Waiting longer than the caller has left is pointless, but leave
       // retryd a few milliseconds to say DENY DEADLINE itself.
       timeoutMs = Math.min(timeoutMs, Math.max(input.deadlineRemainingMs, MIN_CALL_TIMEOUT_MS));
@@ -188,10 +219,14 @@ export class RetrydClient {
         toDecideRequest(input),
         timeoutMs,
       );
+      this.answered();
       return toDecision(response);
     } catch (error) {
       if (!isServiceError(error)) throw error;
-      if (error.code === grpc.status.INVALID_ARGUMENT) throw new InvalidRequestError(error.details);
+      if (error.code === grpc.status.INVALID_ARGUMENT) {
+        this.answered();
+        throw new InvalidRequestError(error.details);
+      }
       const codeName = grpc.status[error.code] ?? String(error.code);
       if (this.fallback === null) {
         throw new RetrydUnavailableError(`retryd: ${codeName}: ${error.details}`, error.code);
@@ -199,8 +234,32 @@ export class RetrydClient {
       if (!input.upstream) throw new InvalidRequestError('upstream: required');
       if (!input.idempotency) throw new InvalidRequestError('idempotency: required');
       if (!(input.attempt >= 1)) throw new InvalidRequestError('attempt: must be at least 1');
+      if (!this.inOutage) {
+        // One warning per outage: a busy caller decides thousands of times a
+        // second, and a line per decision would bury everything else.
+        this.inOutage = true;
+        this.logger.warn(
+          `retryd at ${this.target} did not answer (${codeName}: ${error.details}); deciding by the local rule until it answers again`,
+        );
+      }
       return localDecide(input, this.fallback, `retryd unreachable (${codeName})`);
     }
+  }
+
+  /**
+   * One ReportTraffic call: at most MAX_TRAFFIC_ENTRIES entries, with a
+   * report id (1 to 128 printable ASCII characters; '' for none) that makes
+   * re-sending the same entries safe. What TrafficReporter uses.
+   */
+  async sendTrafficReport(traffic: [string, number][], reportId: string): Promise<ReportResult> {
+    if (traffic.length > MAX_TRAFFIC_ENTRIES) {
+      throw new InvalidRequestError(`traffic: at most ${MAX_TRAFFIC_ENTRIES} entries per report, got ${traffic.length}`);
+    }
+    const response = await this.adminCall(
+      this.decider.ReportTraffic.bind(this.decider) as Unary<unknown, { accepted: number; alreadyApplied: number }>,
+      { traffic: traffic.map(([upstream, requests]) => ({ upstream, requests })), reportId },
+    );
+    return { accepted: response.accepted, alreadyApplied: response.alreadyApplied };
   }
 
   /** Reports real (first-attempt) requests per upstream; resolves to the entries accepted. */
@@ -245,8 +304,20 @@ export class RetrydClient {
     return response.previous;
   }
 
-  close(): void {
-    this.decider.close();
+  /** Flushes the reporter (bounded by one report call's timeout each batch), then closes the channel. */
+  async close(): Promise<void> {
+    try {
+      await this.reporter?.close();
+    } finally {
+      this.decider.close();
+    }
+  }
+
+  private answered(): void {
+    if (this.inOutage) {
+      this.inOutage = false;
+      this.logger.info?.(`retryd at ${this.target} answers again`);
+    }
   }
 
   private async adminCall<Res>(method: Unary<unknown, Res>, request: unknown): Promise<Res> {

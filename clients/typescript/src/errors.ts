@@ -49,3 +49,46 @@ export class AmbiguousExecutionError extends RetrydError {
     super(`ambiguous execution: ${decision.explanation || 'the request may have taken effect'}`, options);
   }
 }
+
+/**
+ * Where the adapters leave their last decision: keyed by the returned
+ * Response, the thrown error, or a gRPC error's metadata object (grpc-js
+ * builds the ServiceError with the very Metadata instance the interceptor
+ * saw, so that object identifies the call's outcome).
+ */
+const DECISIONS = new WeakMap<object, Decision>();
+
+/** Records `decision` as the outcome's last decision (see decisionOf). */
+export function attachDecision(outcome: unknown, decision: Decision): void {
+  if (outcome === null || typeof outcome !== 'object') return;
+  DECISIONS.set(outcome, decision);
+  if (!(outcome instanceof Response)) {
+    try {
+      Object.defineProperty(outcome, 'retrydDecision', { value: decision, configurable: true, enumerable: false });
+    } catch {
+      // A frozen error still has its decision in the map.
+    }
+  }
+}
+
+/**
+ * The last retryd decision behind an outcome of fetchWithRetries or of the
+ * gRPC interceptor: pass the Response it resolved to, or the error it
+ * rejected with (an AmbiguousExecutionError, a fetch error, a gRPC
+ * ServiceError). Undefined when no attempt failed, so nothing was decided.
+ *
+ * ```ts
+ * const response = await fetchWithRetries(retryd, url, {}, { upstream: 'catalog', idempotency: 'SAFE' });
+ * const decision = decisionOf(response);
+ * if (decision?.verdict === 'DENY') log.warn({ reason: decision.denyReason, id: decision.decisionId }, decision.explanation);
+ * ```
+ */
+export function decisionOf(outcome: unknown): Decision | undefined {
+  if (outcome === null || typeof outcome !== 'object') return undefined;
+  const direct = DECISIONS.get(outcome);
+  if (direct !== undefined) return direct;
+  if (outcome instanceof AmbiguousExecutionError) return outcome.decision;
+  const metadata = (outcome as { metadata?: unknown }).metadata;
+  if (metadata !== null && typeof metadata === 'object') return DECISIONS.get(metadata);
+  return undefined;
+}

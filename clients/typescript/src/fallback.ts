@@ -15,9 +15,16 @@
  * - a safely idempotent call is retried on SENT_NO_RESPONSE, a partial
  *   2xx/3xx response, and 408, 425 (first attempt), 429, 502, 503, 504; a 401
  *   once with `refreshCredentials` for SAFE calls; 500 never;
+ * - for a gRPC code on anything but proven NOT_SENT (a code speaks even
+ *   when no response came, as in retryd): a negative or unparseable pushback is DENY
+ *   SERVER_PUSHBACK; UNAVAILABLE and DEADLINE_EXCEEDED are retried for a
+ *   safely idempotent call (AMBIGUOUS otherwise), RESOURCE_EXHAUSTED only
+ *   with a valid pushback, UNAUTHENTICATED once with `refreshCredentials`
+ *   for SAFE calls; every other code (INTERNAL and UNKNOWN included) is DENY;
  * - the backoff is full jitter from `baseMs` capped at `maxBackoffMs`,
- *   floored by Retry-After (one above `maxRetryAfterMs`, or that does not
- *   fit the deadline, is DENY DEADLINE) and shortened to fit the deadline.
+ *   floored by Retry-After or the gRPC pushback (one above
+ *   `maxRetryAfterMs`, or that does not fit the deadline, is DENY DEADLINE)
+ *   and shortened to fit the deadline.
  *
  * Evidence is weakened exactly as retryd does (`effectiveEvidence`).
  */
@@ -60,12 +67,15 @@ const ORDER: Evidence[] = ['NOT_SENT', 'SENT_NO_RESPONSE', 'RESPONSE_RECEIVED', 
 
 /**
  * The evidence retryd would use: the strongest of the claim (none counts as
- * NOT_SENT), the failure's floor and the status's floor.
+ * NOT_SENT), the failure's floor and the status's floor. An HTTP status or a
+ * gRPC pushback trailer proves a response (RESPONSE_RECEIVED); a gRPC code
+ * alone does not, since gRPC libraries make codes up themselves.
  */
 export function effectiveEvidence(
   evidence: Evidence | number | undefined,
   failure: FailureKind | number | undefined,
   httpStatus: number | undefined,
+  grpcRetryPushbackMs?: string | null,
 ): Evidence {
   let claimRank = 0;
   if (typeof evidence === 'string') claimRank = Math.max(0, ORDER.indexOf(evidence));
@@ -73,7 +83,7 @@ export function effectiveEvidence(
   let failureFloor = 1;
   if (failure !== undefined && NOT_SENT_PROOF.has(failure)) failureFloor = 0;
   else if (failure !== undefined && PARTIAL.has(failure)) failureFloor = 3;
-  const statusFloor = httpStatus ? 2 : 0;
+  const statusFloor = httpStatus || (grpcRetryPushbackMs !== undefined && grpcRetryPushbackMs !== null) ? 2 : 0;
   return ORDER[Math.max(claimRank, failureFloor, statusFloor)] as Evidence;
 }
 
@@ -106,6 +116,21 @@ export function parseRetryAfter(value: string | null | undefined, now: number = 
   return at === null ? null : Math.max(0, at - now);
 }
 
+/**
+ * A `grpc-retry-pushback-ms` value as gRFC A6 reads it (and retryd, which
+ * also allows surrounding spaces and tabs): a non-negative decimal integer
+ * is milliseconds; anything else (negative, empty, garbage) means "do not
+ * retry" (`'stop'`); absent is null.
+ */
+export function parsePushback(value: string | null | undefined): number | 'stop' | null {
+  if (value === undefined || value === null) return null;
+  const digits = value.replace(/^[ \t]+|[ \t]+$/g, '');
+  return /^\d+$/.test(digits) ? Number(digits) : 'stop';
+}
+
+/** google.rpc.Code numbers the local rule treats specially. */
+const GRPC = { DEADLINE_EXCEEDED: 4, RESOURCE_EXHAUSTED: 8, UNAVAILABLE: 14, UNAUTHENTICATED: 16 } as const;
+
 /** Decides one failed attempt without retryd; see the module comment. */
 export function localDecide(
   input: DecideInput,
@@ -113,7 +138,7 @@ export function localDecide(
   reason = 'retryd unreachable',
   random: () => number = Math.random,
 ): Decision {
-  const effective = effectiveEvidence(input.evidence, input.failure, input.httpStatus);
+  const effective = effectiveEvidence(input.evidence, input.failure, input.httpStatus, input.grpcRetryPushbackMs);
   const claimed = input.evidence !== undefined && input.evidence !== 0;
   const safe = isSafelyIdempotent(input.idempotency);
   const status = input.httpStatus ?? 0;
@@ -149,9 +174,24 @@ export function localDecide(
     return answer('AMBIGUOUS', null, 8, 'the request may have been sent and is not idempotent');
   }
 
+  const code = input.grpcStatusCode ?? 0;
+  const pushback = parsePushback(input.grpcRetryPushbackMs);
   let verdict: Verdict;
   let refresh = false;
-  if (effective === 'NOT_SENT' || effective === 'SENT_NO_RESPONSE') verdict = 'RETRY';
+  if (effective === 'NOT_SENT') verdict = 'RETRY';
+  // A gRPC code speaks even without a response (as in retryd): the library's
+  // own CANCELLED or oversized-message RESOURCE_EXHAUSTED is no reason to retry.
+  else if (effective === 'SENT_NO_RESPONSE' && code === 0) verdict = 'RETRY';
+  else if (code !== 0) {
+    if (pushback === 'stop') return answer('DENY', 'SERVER_PUSHBACK', 9, 'the server asked not to retry (grpc-retry-pushback-ms)');
+    if (code === GRPC.UNAVAILABLE || code === GRPC.DEADLINE_EXCEEDED) verdict = safe ? 'RETRY' : 'AMBIGUOUS';
+    else if (!safe) verdict = 'DENY';
+    else if (code === GRPC.RESOURCE_EXHAUSTED && pushback !== null) verdict = 'RETRY';
+    else if (code === GRPC.UNAUTHENTICATED && input.idempotency === 'SAFE' && !input.authRefreshAttempted) {
+      verdict = 'RETRY';
+      refresh = true;
+    } else verdict = 'DENY';
+  }
   else if (effective === 'PARTIAL_RESPONSE' && (status === 0 || (status >= 200 && status < 400))) verdict = safe ? 'RETRY' : 'AMBIGUOUS';
   else if (status === 502 || status === 503 || status === 504) verdict = safe ? 'RETRY' : 'AMBIGUOUS';
   else if (!safe) verdict = 'DENY';
@@ -161,10 +201,12 @@ export function localDecide(
     refresh = true;
   } else verdict = 'DENY';
   if (verdict === 'AMBIGUOUS') return answer('AMBIGUOUS', null, 9, 'the request may have taken effect');
-  if (verdict === 'DENY') return answer('DENY', 'STATUS_NOT_RETRYABLE', 9, `status ${status} is not retried locally`);
+  if (verdict === 'DENY') {
+    return answer('DENY', 'STATUS_NOT_RETRYABLE', 9, code !== 0 ? `gRPC code ${code} is not retried locally` : `status ${status} is not retried locally`);
+  }
 
   let backoffMs = refresh ? 0 : random() * Math.min(policy.maxBackoffMs, policy.baseMs * 2 ** (input.attempt - 1));
-  const floor = parseRetryAfter(input.retryAfter);
+  const floor = typeof pushback === 'number' ? pushback : parseRetryAfter(input.retryAfter);
   if (floor !== null) {
     if (floor > policy.maxRetryAfterMs) return answer('DENY', 'DEADLINE', 6, 'Retry-After exceeds the local maximum');
     backoffMs = Math.max(backoffMs, floor);

@@ -14,8 +14,11 @@
  * | certificate errors (CERT_*, *_SELF_SIGNED_*,               | NOT_SENT          | TLS_CERTIFICATE_INVALID |
  * |   UNABLE_TO_VERIFY_LEAF_SIGNATURE, ERR_TLS_CERT_ALTNAME_…) |                   |                         |
  * | other TLS errors (ERR_SSL_*, ERR_TLS_*, EPROTO)            | NOT_SENT          | PRE_REQUEST_TLS         |
- * | unknown scheme, invalid URL, UND_ERR_INVALID_ARG,          | NOT_SENT          | PROFILE_REJECTION       |
- * |   UND_ERR_NOT_SUPPORTED                                    |                   |                         |
+ * | a TypeError other than "fetch failed": thrown while the    | SENT_NO_RESPONSE  | REQUEST_ENCODING        |
+ * |   Request was built (invalid URL, header, method, body),   |  (never left; the |  (permanent)            |
+ * |   before any connection                                    |  kind can't prove |                         |
+ * |                                                            |  it, so no claim) |                         |
+ * | unknown scheme, UND_ERR_INVALID_ARG, UND_ERR_NOT_SUPPORTED | NOT_SENT          | PROFILE_REJECTION       |
  * | HTTP/2 REFUSED_STREAM                                      | NOT_SENT          | HTTP2_REFUSED_STREAM    |
  * | EPIPE                                                      | SENT_NO_RESPONSE  | PARTIAL_WRITE           |
  * | UND_ERR_HEADERS_TIMEOUT, our attempt timeout before headers| SENT_NO_RESPONSE  | RESPONSE_HEADER_TIMEOUT |
@@ -29,12 +32,16 @@
  * A headers timeout never proves NOT_SENT: the request was written and the
  * upstream may be executing it.
  *
- * fetchWithRetries() sends a request, asks retryd after each failure, cancels
- * the failed response's body (releasing its connection) and only then waits
- * the backoff, so no connection is held while waiting.
+ * fetchWithRetries() builds the Request itself, so that anything the
+ * Request constructor refuses is known never to have left (a request-encoding
+ * failure: permanent, nothing retried, no budget spent). It sends the
+ * request, asks retryd after each failure, cancels the failed response's
+ * body (releasing its connection) and only then waits the backoff, so no
+ * connection is held while waiting. The caller's deadline bounds every
+ * attempt (headers and body) and every backoff.
  */
 import type { RetrydClient } from './client';
-import { AmbiguousExecutionError } from './errors';
+import { AmbiguousExecutionError, attachDecision } from './errors';
 import type { TrafficReporter } from './reporter';
 import type { Body, Decision, Evidence, FailureKind, Idempotency } from './types';
 
@@ -110,6 +117,7 @@ const some = (codes: Set<string>, test: (code: string) => boolean): boolean => [
  * the error came while reading the body of a response whose headers arrived.
  */
 export function classifyFetchError(error: unknown, response?: Response): Outcome {
+  if (response === undefined && isBuildError(error)) return REQUEST_ENCODING;
   const { codes, syscalls, names, text } = facts(error);
   const timedOut = codes.has('UND_ERR_BODY_TIMEOUT') || codes.has('UND_ERR_HEADERS_TIMEOUT') || names.has('TimeoutError');
   if (response !== undefined) {
@@ -129,7 +137,7 @@ export function classifyFetchError(error: unknown, response?: Response): Outcome
   if (some(codes, (code) => code.startsWith('ERR_SSL_') || code.startsWith('ERR_TLS_') || code === 'EPROTO')) {
     return { evidence: 'NOT_SENT', failure: 'PRE_REQUEST_TLS' };
   }
-  if (some(codes, (code) => PROFILE.has(code)) || /unknown scheme|invalid url|failed to parse url/i.test(text)) {
+  if (some(codes, (code) => PROFILE.has(code)) || /unknown scheme/i.test(text)) {
     return { evidence: 'NOT_SENT', failure: 'PROFILE_REJECTION' };
   }
   if (/REFUSED_STREAM/.test(text)) return { evidence: 'NOT_SENT', failure: 'HTTP2_REFUSED_STREAM' };
@@ -140,6 +148,25 @@ export function classifyFetchError(error: unknown, response?: Response): Outcome
   }
   if (codes.has('UND_ERR_REQ_CONTENT_LENGTH_MISMATCH')) return { evidence: 'SENT_NO_RESPONSE', failure: 'REQUEST_ENCODING' };
   return { evidence: 'SENT_NO_RESPONSE', failure: 'GENERIC_IO' };
+}
+
+/**
+ * What a Request that could not even be built proves. It never left, but
+ * FAILURE_KIND_REQUEST_ENCODING cannot support a NOT_SENT claim (a streamed
+ * body can fail after its headers were sent), so none is made; the kind is
+ * permanent, so retryd denies at rule 7 and spends nothing.
+ */
+const REQUEST_ENCODING: Outcome = Object.freeze({ evidence: 'SENT_NO_RESPONSE', failure: 'REQUEST_ENCODING' });
+
+/**
+ * Whether fetch rejected before any network activity: undici wraps every
+ * network error as TypeError("fetch failed"), while the Request constructor
+ * (invalid URL, header name or value, method, a GET with a body, a stream
+ * without `duplex`) throws its own TypeError first. The messages browsers
+ * use for network errors are excluded, for fetch implementations like theirs.
+ */
+function isBuildError(error: unknown): boolean {
+  return error instanceof TypeError && !/fetch failed|failed to fetch|networkerror|load failed/i.test(error.message);
 }
 
 /** A response that arrived: its status and Retry-After. */
@@ -175,26 +202,46 @@ export interface FetchRetryOptions {
   operation?: string;
   /** Overrides the replayability derived from init.body. */
   body?: Body;
-  /** The whole call's deadline in ms, retries and backoffs included. */
+  /**
+   * The whole call's deadline in ms: every attempt (headers and body) is
+   * aborted when it runs out, every backoff ends by then, and what remains is
+   * passed to retryd with each decision.
+   */
   deadlineMs?: number;
   /** The caller's own attempt limit (the lower of this and the policy's applies). */
   maxAttempts?: number;
   /** Statuses to ask retryd about (default DEFAULT_RETRY_STATUSES). */
   retryStatuses?: ReadonlySet<number>;
-  /** Abort an attempt (headers and body) that takes longer than this, in ms. */
+  /**
+   * Abort an attempt (headers and body) that takes longer than this, in ms.
+   * A response that is returned was read whole within it and stays readable.
+   */
   attemptTimeoutMs?: number;
-  /** Counts the first attempt (only) as real traffic. */
-  reporter?: TrafficReporter;
+  /**
+   * Where the first attempt (only) is counted as real traffic: by default
+   * the client's own reporter (`retryd.reporter`); false counts nothing.
+   */
+  reporter?: TrafficReporter | false;
   /** Called before replaying after a 401 when retryd says refresh; may return a new init (e.g. new headers). */
   onRefreshCredentials?: (init: RequestInit) => RequestInit | void | Promise<RequestInit | void>;
   /** The fetch to use (default globalThis.fetch). */
   fetch?: typeof fetch;
-  /** How to wait the backoff (default a timer). */
-  sleep?: (ms: number) => Promise<void>;
+  /** How to wait the backoff (default a timer, ended early by an abort of init.signal). */
+  sleep?: (ms: number, signal?: AbortSignal) => Promise<void>;
 }
 
 const MAX_LOOP = 100;
-const defaultSleep = (ms: number): Promise<void> => new Promise((resolve) => setTimeout(resolve, ms));
+/** A timer that an abort of the caller's signal ends early (the next attempt then rethrows the abort). */
+const defaultSleep = (ms: number, signal?: AbortSignal): Promise<void> =>
+  new Promise((resolve) => {
+    const timer = setTimeout(done, ms);
+    signal?.addEventListener('abort', done, { once: true });
+    function done(): void {
+      clearTimeout(timer);
+      signal?.removeEventListener('abort', done);
+      resolve();
+    }
+  });
 
 function operationOf(input: string | URL | Request, init: RequestInit): string {
   const method = (init.method ?? (input instanceof Request ? input.method : 'GET')).toUpperCase();
@@ -212,9 +259,10 @@ function operationOf(input: string | URL | Request, init: RequestInit): string {
  * Resolves to the final response when it succeeds, when its status is not in
  * `retryStatuses`, or when retryd denies retrying it (its body is still
  * readable). Rejects with the last fetch error when retryd denies retrying
- * it (the decision is on `error.retrydDecision`), and with
- * AmbiguousExecutionError when retryd answers AMBIGUOUS. An abort through
- * `init.signal` is rethrown at once.
+ * it, and with AmbiguousExecutionError when retryd answers AMBIGUOUS. An
+ * abort through `init.signal` is rethrown at once. `decisionOf(response)` or
+ * `decisionOf(error)` gives the last decision (undefined when no attempt
+ * failed); errors also carry it as `error.retrydDecision`.
  */
 export async function fetchWithRetries(
   retryd: RetrydClient,
@@ -225,60 +273,92 @@ export async function fetchWithRetries(
   const fetchImpl = options.fetch ?? globalThis.fetch;
   const sleep = options.sleep ?? defaultSleep;
   const retryStatuses = options.retryStatuses ?? DEFAULT_RETRY_STATUSES;
+  const reporter = options.reporter === false ? null : (options.reporter ?? retryd.reporter);
   const body = options.body ?? (input instanceof Request && input.body !== null ? { kind: 'BYTES' } : bodyOf(init.body));
   const operation = options.operation ?? operationOf(input, init);
   const deadlineAt = options.deadlineMs === undefined ? undefined : performance.now() + options.deadlineMs;
+  const remaining = (): number | undefined => (deadlineAt === undefined ? undefined : Math.max(0, deadlineAt - performance.now()));
   let currentInit = init;
   let previousBackoffMs: number | undefined;
   let authRefreshAttempted = false;
+  let decision: Decision | undefined;
+  const settle = (response: Response): Response => {
+    if (decision !== undefined) attachDecision(response, decision);
+    return response;
+  };
 
   for (let attempt = 1; ; attempt++) {
-    if (attempt === 1) options.reporter?.record(options.upstream);
+    if (attempt === 1) reporter?.record(options.upstream);
     const userSignal = currentInit.signal ?? undefined;
-    const signals = [userSignal, options.attemptTimeoutMs === undefined ? undefined : AbortSignal.timeout(options.attemptTimeoutMs)].filter(
-      (signal): signal is AbortSignal => signal !== undefined,
-    );
-    const signal = signals.length === 0 ? undefined : signals.length === 1 ? signals[0] : AbortSignal.any(signals);
+    // One timer per attempt, for the attempt timeout and the deadline alike,
+    // cleared once the body has been read: a returned response must not be
+    // aborted later (undici errors a body whose signal fires, even a
+    // buffered one).
+    const limits = [options.attemptTimeoutMs, remaining()].filter((ms): ms is number => ms !== undefined);
+    const attemptLimitMs = limits.length === 0 ? undefined : Math.min(...limits);
+    const attemptController = new AbortController();
+    const timer =
+      attemptLimitMs === undefined
+        ? undefined
+        : setTimeout(
+            () => attemptController.abort(new DOMException(`the attempt ran out of time (${Math.round(attemptLimitMs)} ms)`, 'TimeoutError')),
+            attemptLimitMs,
+          );
+    const signal = userSignal === undefined ? attemptController.signal : AbortSignal.any([userSignal, attemptController.signal]);
 
     let response: Response | undefined;
     let failure: unknown;
-    let outcome: Outcome;
+    let outcome: Outcome | undefined;
     try {
-      response = await fetchImpl(input instanceof Request ? input.clone() : input, { ...currentInit, signal });
-    } catch (error) {
-      if (userSignal?.aborted) throw error;
-      failure = error;
-    }
-    if (response === undefined) {
-      outcome = classifyFetchError(failure);
-    } else {
+      let request: Request | undefined;
       try {
-        // Read the whole body (through a clone, so the response stays readable).
-        await response.clone().arrayBuffer();
-        if (!retryStatuses.has(response.status)) return response;
-        outcome = classifyResponse(response);
+        request = new Request(input instanceof Request ? input.clone() : input, { ...currentInit, signal });
       } catch (error) {
-        if (userSignal?.aborted) throw error;
+        // Refused while building the request: it never left this process.
         failure = error;
-        outcome = classifyFetchError(error, response);
+        outcome = REQUEST_ENCODING;
       }
+      if (request !== undefined) {
+        try {
+          response = await fetchImpl(request);
+        } catch (error) {
+          if (userSignal?.aborted) throw error;
+          failure = error;
+          outcome = classifyFetchError(error);
+        }
+      }
+      if (response !== undefined) {
+        try {
+          // Read the whole body (through a clone, so the response stays readable).
+          await response.clone().arrayBuffer();
+          if (!retryStatuses.has(response.status)) return settle(response);
+          outcome = classifyResponse(response);
+        } catch (error) {
+          if (userSignal?.aborted) throw error;
+          failure = error;
+          outcome = classifyFetchError(error, response);
+        }
+      }
+    } finally {
+      clearTimeout(timer);
     }
 
-    const remaining = deadlineAt === undefined ? undefined : Math.max(0, deadlineAt - performance.now());
-    const decision = await retryd.decide({
+    decision = await retryd.decide({
       upstream: options.upstream,
       idempotency: options.idempotency,
       attempt,
       operation,
       body,
-      deadlineRemainingMs: remaining,
+      deadlineRemainingMs: remaining(),
       authRefreshAttempted,
       previousBackoffMs,
       maxAttempts: options.maxAttempts,
-      ...outcome,
+      ...outcome!,
     });
     if (decision.verdict === 'AMBIGUOUS') {
-      throw new AmbiguousExecutionError(decision, response, { cause: failure });
+      const ambiguous = new AmbiguousExecutionError(decision, response, { cause: failure });
+      attachDecision(ambiguous, decision);
+      throw ambiguous;
     }
     let retry = decision.verdict === 'RETRY' && attempt < MAX_LOOP;
     if (retry && decision.refreshCredentials) {
@@ -286,24 +366,18 @@ export async function fetchWithRetries(
       else currentInit = (await options.onRefreshCredentials(currentInit)) ?? currentInit;
     }
     if (!retry) {
-      if (response !== undefined && failure === undefined) return response;
-      throw withDecision(failure, decision);
+      if (response !== undefined && failure === undefined) return settle(response);
+      attachDecision(failure, decision);
+      throw failure;
     }
     if (decision.refreshCredentials) authRefreshAttempted = true;
     // Release the connection before waiting.
     await response?.body?.cancel().catch(() => undefined);
     previousBackoffMs = decision.backoffMs || undefined;
-    if (decision.backoffMs > 0) await sleep(decision.backoffMs);
+    // retryd already fits the backoff into the deadline; the local clamp
+    // covers a clock that moved on while the decision travelled.
+    const backoffMs = Math.min(decision.backoffMs, remaining() ?? Infinity);
+    if (backoffMs > 0) await sleep(backoffMs, currentInit.signal ?? undefined);
+    if (currentInit.signal?.aborted) throw currentInit.signal.reason;
   }
-}
-
-function withDecision(error: unknown, decision: Decision): unknown {
-  if (error !== null && typeof error === 'object') {
-    try {
-      Object.defineProperty(error, 'retrydDecision', { value: decision, configurable: true, enumerable: false });
-    } catch {
-      // A frozen error is rethrown as it is.
-    }
-  }
-  return error;
 }

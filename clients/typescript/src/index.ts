@@ -8,11 +8,12 @@
  * if (decision.verdict === 'RETRY') await sleep(decision.backoffMs);
  * ```
  *
- * With fetch, `fetchWithRetries` does the whole loop.
+ * With fetch, `fetchWithRetries` does the whole loop; with @grpc/grpc-js,
+ * `retryingInterceptor`.
  */
 export { RetrydClient, DEFAULT_CHANNEL_OPTIONS, MAX_TRAFFIC_ENTRIES, toDecideRequest, type ClientOptions, type CallOptions } from './client';
-export { AmbiguousExecutionError, InvalidRequestError, RetrydError, RetrydUnavailableError } from './errors';
-export { DEFAULT_LOCAL_POLICY, effectiveEvidence, localDecide, parseRetryAfter, type LocalPolicy } from './fallback';
+export { AmbiguousExecutionError, decisionOf, InvalidRequestError, RetrydError, RetrydUnavailableError } from './errors';
+export { DEFAULT_LOCAL_POLICY, effectiveEvidence, localDecide, parsePushback, parseRetryAfter, type LocalPolicy } from './fallback';
 export {
   bodyOf,
   classifyFetchError,
@@ -22,7 +23,16 @@ export {
   type FetchRetryOptions,
   type Outcome,
 } from './fetch';
-export { TrafficReporter, type TrafficReporterOptions, type TrafficSink } from './reporter';
+export {
+  classifyGrpcStatus,
+  classifyingInterceptor,
+  grpcOutcomeOf,
+  retryingInterceptor,
+  type AttemptSeen,
+  type GrpcOutcome,
+  type GrpcRetryOptions,
+} from './grpc';
+export { TrafficReporter, type Logger, type ReportResult, type TrafficReporterOptions, type TrafficSink } from './reporter';
 export { traceMetadata } from './tracing';
 export {
   ENUM_VALUES,

@@ -85,6 +85,19 @@ export interface DecideInput {
   previousBackoffMs?: number;
   /** The caller's own attempt limit; 0 or absent = the policy's. */
   maxAttempts?: number;
+  /**
+   * For a gRPC call: the status code the attempt ended with (1 CANCELLED to
+   * 16 UNAUTHENTICATED); 0 or absent for none. Never together with
+   * httpStatus. A code alone does not prove a response arrived: say so in
+   * `evidence` (RESPONSE_RECEIVED for a status the server sent).
+   */
+  grpcStatusCode?: number;
+  /**
+   * The raw `grpc-retry-pushback-ms` trailer, exactly as received.
+   * Presence matters: undefined or null means the server sent none, while
+   * any string (even "" or "-1") is sent as it is.
+   */
+  grpcRetryPushbackMs?: string | null;
 }
 
 /** retryd's answer. `fallback` is true when the local rule decided because retryd could not. */

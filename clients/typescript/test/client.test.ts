@@ -57,6 +57,7 @@ test('effectiveEvidence agrees with every vector', () => {
       strip(vector.request.evidence, 'EVIDENCE_') as Evidence | undefined,
       strip(vector.request.failure, 'FAILURE_KIND_') as FailureKind | undefined,
       vector.request.httpStatus as number | undefined,
+      vector.request.grpcRetryPushbackMs as string | undefined,
     );
     assert.equal(`EVIDENCE_${got}`, vector.expect.effective_evidence, vector.name);
   }
@@ -241,6 +242,31 @@ const LOCAL_CASES: [Partial<DecideInput>, string, number][] = [
   [{ idempotency: 'SAFE', httpStatus: 429, retryAfter: '120' }, 'DENY', 6],
 ];
 
+test('the local rule for gRPC codes never allows more than retryd would', () => {
+  const grpcCases: [Partial<DecideInput>, string, string | null][] = [
+    [{ idempotency: 'NON_IDEMPOTENT', failure: 'CONNECT', grpcStatusCode: 14 }, 'RETRY', null],
+    [{ idempotency: 'SAFE', evidence: 'SENT_NO_RESPONSE', failure: 'CONNECTION_RESET', grpcStatusCode: 14 }, 'RETRY', null],
+    [{ idempotency: 'SAFE', evidence: 'SENT_NO_RESPONSE', failure: 'CONNECTION_RESET', grpcStatusCode: 1 }, 'DENY', 'STATUS_NOT_RETRYABLE'],
+    [{ idempotency: 'SAFE', evidence: 'SENT_NO_RESPONSE', grpcStatusCode: 8 }, 'DENY', 'STATUS_NOT_RETRYABLE'],
+    [{ idempotency: 'NON_IDEMPOTENT', evidence: 'SENT_NO_RESPONSE', grpcStatusCode: 4 }, 'AMBIGUOUS', null],
+    [{ idempotency: 'NON_IDEMPOTENT', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 14 }, 'AMBIGUOUS', null],
+    [{ idempotency: 'SAFE', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 8 }, 'DENY', 'STATUS_NOT_RETRYABLE'],
+    [{ idempotency: 'SAFE', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 8, grpcRetryPushbackMs: ' 300\t' }, 'RETRY', null],
+    [{ idempotency: 'SAFE', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 14, grpcRetryPushbackMs: '-1' }, 'DENY', 'SERVER_PUSHBACK'],
+    [{ idempotency: 'SAFE', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 14, grpcRetryPushbackMs: '' }, 'DENY', 'SERVER_PUSHBACK'],
+    [{ idempotency: 'SAFE', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 13 }, 'DENY', 'STATUS_NOT_RETRYABLE'],
+    [{ idempotency: 'SAFE', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 16 }, 'RETRY', null],
+    [{ idempotency: 'SAFE', evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 16, authRefreshAttempted: true }, 'DENY', 'STATUS_NOT_RETRYABLE'],
+  ];
+  for (const [input, verdict, reason] of grpcCases) {
+    const decision = localDecide({ upstream: 'u', attempt: 1, ...input } as DecideInput);
+    assert.deepEqual([decision.verdict, decision.denyReason], [verdict, reason], JSON.stringify(input));
+  }
+  const pushback = localDecide({ upstream: 'u', idempotency: 'SAFE', attempt: 1, evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 8, grpcRetryPushbackMs: '700' });
+  assert.equal(pushback.backoffMs, 700);
+  assert.equal(localDecide({ upstream: 'u', idempotency: 'SAFE', attempt: 1, grpcStatusCode: 14, grpcRetryPushbackMs: '5' }).effectiveEvidence, 'RESPONSE_RECEIVED');
+});
+
 test('parseRetryAfter', () => {
   const now = Date.UTC(2026, 0, 1);
   assert.equal(parseRetryAfter('7', now), 7000);
@@ -365,7 +391,7 @@ describe('against a fake retryd', () => {
       });
       assert.deepEqual(fake.requests.at(-1), {
         upstream: 'u', operation: 'PUT /x', idempotency: 'IDEMPOTENCY_IDEMPOTENT_WITH_KEY', attempt: 2, maxAttempts: 4,
-        evidence: 'EVIDENCE_SENT_NO_RESPONSE', failure: 'FAILURE_KIND_PARTIAL_WRITE', httpStatus: 0, retryAfter: '3',
+        evidence: 'EVIDENCE_SENT_NO_RESPONSE', failure: 'FAILURE_KIND_PARTIAL_WRITE', httpStatus: 0, grpcStatusCode: 0, retryAfter: '3',
         deadlineRemaining: { seconds: 1, nanos: 500_000_000 }, previousBackoff: { seconds: 0, nanos: 250_000_000 },
         body: {
           kind: 'BODY_KIND_MULTIPART', declared: 'REPLAYABILITY_UNSPECIFIED',
@@ -383,6 +409,27 @@ describe('against a fake retryd', () => {
       assert.ok(fake.deadlines.at(-1)! > 1600 && fake.deadlines.at(-1)! <= 2100, String(fake.deadlines.at(-1)));
     } finally {
       client.close();
+    }
+  });
+
+  test('the gRPC code and the raw pushback reach the server, presence included', async () => {
+    const client = new RetrydClient(fake.target, { timeoutMs: 2000, fallback: null, reporting: false });
+    try {
+      const grpcCall = { upstream: 'u', idempotency: 'SAFE', attempt: 1, evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 8 } as const;
+      await client.decide({ ...grpcCall, grpcRetryPushbackMs: '300' });
+      assert.equal(fake.requests.at(-1)!.grpcStatusCode, 8);
+      assert.equal(fake.requests.at(-1)!.grpcRetryPushbackMs, '300');
+      // An empty trailer is a trailer: sent as '', not left out.
+      await client.decide({ ...grpcCall, grpcRetryPushbackMs: '' });
+      assert.equal(fake.requests.at(-1)!.grpcRetryPushbackMs, '');
+      assert.equal(fake.requests.at(-1)!._grpcRetryPushbackMs, 'grpcRetryPushbackMs');
+      for (const absent of [undefined, null]) {
+        await client.decide({ ...grpcCall, grpcRetryPushbackMs: absent });
+        assert.equal(fake.requests.at(-1)!.grpcRetryPushbackMs, undefined);
+        assert.equal(fake.requests.at(-1)!._grpcRetryPushbackMs, undefined);
+      }
+    } finally {
+      await client.close();
     }
   });
 

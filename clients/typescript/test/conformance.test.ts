@@ -60,6 +60,9 @@ function decideInput(request: Record<string, unknown>): DecideInput {
     authRefreshAttempted: request.authRefreshAttempted as boolean | undefined,
     previousBackoffMs: ms(request.previousBackoff),
     maxAttempts: request.maxAttempts as number | undefined,
+    grpcStatusCode: request.grpcStatusCode as number | undefined,
+    // Presence matters: an absent trailer and an empty one are different cases.
+    grpcRetryPushbackMs: 'grpcRetryPushbackMs' in request ? (request.grpcRetryPushbackMs as string) : undefined,
   };
 }
 
@@ -92,7 +95,7 @@ describe('conformance vectors', () => {
       const input = decideInput(vector.request);
       if (vector.expect_error) {
         assert.equal(vector.expect_error.code, 'INVALID_ARGUMENT');
-        await assert.rejects(client.decide(input), (error: unknown) => {
+        await assert.rejects(client.decide(input, { boundByDeadline: false }), (error: unknown) => {
           assert.ok(error instanceof InvalidRequestError, String(error));
           assert.ok(error.message.startsWith(vector.expect_error!.field), error.message);
           return true;
@@ -100,7 +103,9 @@ describe('conformance vectors', () => {
         return;
       }
       const expect = vector.expect!;
-      const decision = await client.decide(input);
+      // A vector's deadline is data, not this runner's: on a busy machine a
+      // 10 ms deadline must not bound the wait for the answer.
+      const decision = await client.decide(input, { boundByDeadline: false });
       const got: Record<string, unknown> = {
         verdict: `VERDICT_${decision.verdict}`,
         deny_reason: decision.denyReason === null ? undefined : `DENY_REASON_${decision.denyReason}`,

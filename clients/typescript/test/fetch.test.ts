@@ -349,8 +349,21 @@ describe('fetchWithRetries through retryd', () => {
     });
   });
 
+  test('a caller abort during the backoff is rethrown without waiting it out', async () => {
+    await withServer([respond(429, '', { 'retry-after': '5' }), respond(200)], async (server) => {
+      const controller = new AbortController();
+      const started = performance.now();
+      const pending = fetchWithRetries(client, server.url, { signal: controller.signal }, { upstream: 'ts-e2e-abort-backoff', idempotency: 'SAFE' });
+      while (server.requests.length === 0) await new Promise((resolve) => setTimeout(resolve, 10));
+      setTimeout(() => controller.abort(), 100);
+      await assert.rejects(pending, (error: unknown) => (error as Error).name === 'AbortError');
+      assert.ok(performance.now() - started < 2000);
+      assert.equal(server.requests.length, 1);
+    });
+  });
+
   test('only first attempts are reported', async () => {
-    const reporter = new TrafficReporter({ reportTraffic: async (counts) => Object.keys(counts).length });
+    const reporter = new TrafficReporter({ sendTrafficReport: async (traffic) => ({ accepted: traffic.length, alreadyApplied: 0 }) });
     await withServer([respond(503), respond(200)], async (server) => {
       await fetchWithRetries(client, server.url, {}, { upstream: 'ts-e2e-report', idempotency: 'SAFE', reporter, sleep });
     });

@@ -7,7 +7,8 @@ import * as path from 'node:path';
 import * as readline from 'node:readline';
 
 export const REPO = path.resolve(__dirname, '..', '..', '..', '..');
-export const VECTORS = path.join(REPO, 'conformance', 'decisions.json');
+/** The conformance vectors: the repository's, or $RETRYD_VECTORS (e.g. a newer copy). */
+export const VECTORS = process.env.RETRYD_VECTORS || path.join(REPO, 'conformance', 'decisions.json');
 
 /** Fast backoffs, so that end-to-end retry tests sleep milliseconds. */
 export const CLIENT_TEST_CONFIG = `
@@ -29,11 +30,33 @@ min_attempt_budget = "300ms"
 
 [upstreams."ts-empty"]
 budget = { capacity = 10.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
+
+# Budgets that only reported traffic fills, one token per request: what a
+# test finds there is exactly what was reported.
+[upstreams."ts-report-default"]
+budget = { capacity = 100.0, initial = 0.0, ratio = 1.0, min_per_second = 0.0 }
+
+[upstreams."ts-report-optout"]
+budget = { capacity = 100.0, initial = 0.0, ratio = 1.0, min_per_second = 0.0 }
+
+[upstreams."ts-dedup"]
+budget = { capacity = 100.0, initial = 0.0, ratio = 1.0, min_per_second = 0.0 }
+
+# Budgets without refill, so that a spent token shows.
+[upstreams."ts-encoding"]
+budget = { capacity = 10.0, initial = 10.0, ratio = 0.0, min_per_second = 0.0 }
+
+[upstreams."ts-frozen"]
+budget = { capacity = 2.0, initial = 2.0, ratio = 0.0, min_per_second = 0.0 }
 `;
 
 export interface Retryd {
   grpc: string;
   metrics: string;
+  /** Sends a signal to the process (SIGSTOP freezes it, SIGCONT thaws it). */
+  signal(signal: NodeJS.Signals): void;
+  /** SIGSTOP, then waits until the kernel reports the process stopped (delivery is asynchronous). */
+  freeze(): Promise<void>;
   stop(): Promise<void>;
 }
 
@@ -73,9 +96,18 @@ export async function startRetryd(config: string): Promise<Retryd> {
   return {
     grpc: addresses.grpc,
     metrics: addresses.metrics,
+    signal: (signal) => {
+      child.kill(signal);
+    },
+    freeze: async () => {
+      child.kill('SIGSTOP');
+      // /proc/<pid>/stat: "pid (comm) S ...", state T once stopped.
+      await waitFor('retryd to stop', () => /\) T /.test(fs.readFileSync(`/proc/${child.pid}/stat`, 'utf8')));
+    },
     stop: () =>
       new Promise<void>((resolve) => {
         if (child.exitCode !== null) return resolve();
+        child.kill('SIGCONT'); // a frozen process would keep SIGTERM pending
         const kill = setTimeout(() => child.kill('SIGKILL'), 10_000);
         child.once('exit', () => {
           clearTimeout(kill);
@@ -187,4 +219,77 @@ export async function closedPort(): Promise<number> {
   const { port } = probe.address() as net.AddressInfo;
   await new Promise<void>((resolve) => probe.close(() => resolve()));
   return port;
+}
+
+/**
+ * A TCP proxy to a loopback port that can lose answers: with
+ * `dropResponses`, bytes from the server are discarded (the request still
+ * arrives and is acted on; the caller never hears back), and `cut()` closes
+ * every proxied connection, as a network failure would.
+ */
+export class LossyProxy {
+  dropResponses = false;
+  port = 0;
+  private readonly server: net.Server;
+  private readonly sockets = new Set<net.Socket>();
+
+  private constructor(private readonly targetPort: number) {
+    this.server = net.createServer((client) => {
+      const upstream = net.connect(this.targetPort, '127.0.0.1');
+      for (const socket of [client, upstream]) {
+        this.sockets.add(socket);
+        socket.on('error', () => undefined);
+        socket.on('close', () => {
+          this.sockets.delete(socket);
+          client.destroy();
+          upstream.destroy();
+        });
+      }
+      client.on('data', (chunk) => upstream.write(chunk));
+      upstream.on('data', (chunk) => {
+        if (!this.dropResponses) client.write(chunk);
+      });
+    });
+  }
+
+  static async start(target: string): Promise<LossyProxy> {
+    const proxy = new LossyProxy(Number(target.slice(target.lastIndexOf(':') + 1)));
+    await new Promise<void>((resolve) => proxy.server.listen(0, '127.0.0.1', resolve));
+    proxy.port = (proxy.server.address() as net.AddressInfo).port;
+    return proxy;
+  }
+
+  get target(): string {
+    return `127.0.0.1:${this.port}`;
+  }
+
+  cut(): void {
+    for (const socket of this.sockets) socket.destroy();
+  }
+
+  async close(): Promise<void> {
+    this.cut();
+    await new Promise<void>((resolve) => this.server.close(() => resolve()));
+  }
+}
+
+/** A logger that keeps what it was given. */
+export class CapturingLogger {
+  readonly warnings: string[] = [];
+  readonly infos: string[] = [];
+  warn(message: string): void {
+    this.warnings.push(message);
+  }
+  info(message: string): void {
+    this.infos.push(message);
+  }
+}
+
+/** Polls `probe` until it returns true, failing after `timeoutMs`. */
+export async function waitFor(what: string, probe: () => boolean | Promise<boolean>, timeoutMs = 5000): Promise<void> {
+  const giveUp = Date.now() + timeoutMs;
+  while (!(await probe())) {
+    if (Date.now() > giveUp) throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}`);
+    await new Promise((resolve) => setTimeout(resolve, 20));
+  }
 }

@@ -1,0 +1,474 @@
+/** The @grpc/grpc-js interceptors: classification of real failures on
+ * 127.0.0.1 (grpc-js 1.14.7, as pinned in package-lock.json), and
+ * retryd-governed retries against a real retryd and real gRPC servers of the
+ * test's own that count the calls they receive. */
+import { strict as assert } from 'node:assert';
+import * as http2 from 'node:http2';
+import * as net from 'node:net';
+import { after, before, describe, test } from 'node:test';
+import * as grpc from '@grpc/grpc-js';
+import {
+  classifyingInterceptor,
+  decisionOf,
+  grpcOutcomeOf,
+  retryingInterceptor,
+  RetrydClient,
+  type GrpcOutcome,
+  type GrpcRetryOptions,
+} from '../src';
+import { CLIENT_TEST_CONFIG, closedPort, startRetryd, type Retryd } from './support';
+
+// ------------------------------------------------------------------ a service of our own
+
+const bytes = { serialize: (value: Buffer) => value, deserialize: (value: Buffer) => value };
+const STOCK = {
+  Reserve: {
+    path: '/inventory.v1.Stock/Reserve',
+    requestStream: false,
+    responseStream: false,
+    requestSerialize: bytes.serialize,
+    requestDeserialize: bytes.deserialize,
+    responseSerialize: bytes.serialize,
+    responseDeserialize: bytes.deserialize,
+  },
+  Watch: {
+    path: '/inventory.v1.Stock/Watch',
+    requestStream: false,
+    responseStream: true,
+    requestSerialize: bytes.serialize,
+    requestDeserialize: bytes.deserialize,
+    responseSerialize: bytes.serialize,
+    responseDeserialize: bytes.deserialize,
+  },
+} as const;
+const StockClient = grpc.makeGenericClientConstructor(STOCK, 'Stock');
+type Stock = grpc.Client & {
+  Reserve(request: Buffer, options: grpc.CallOptions, callback: grpc.requestCallback<Buffer>): grpc.ClientUnaryCall;
+  Reserve(request: Buffer, metadata: grpc.Metadata, options: grpc.CallOptions, callback: grpc.requestCallback<Buffer>): grpc.ClientUnaryCall;
+  Watch(request: Buffer, options: grpc.CallOptions): grpc.ClientReadableStream<Buffer>;
+};
+
+type Unary = (call: grpc.ServerUnaryCall<Buffer, Buffer>, callback: grpc.sendUnaryData<Buffer>) => void;
+
+/** Answers the n-th Reserve call with script[n] (the last entry repeats); counts calls and when they came. */
+class StockServer {
+  readonly received: { at: number; metadata: grpc.Metadata }[] = [];
+  private readonly server = new grpc.Server();
+  port = 0;
+  constructor(private readonly script: Unary[], watch?: (call: grpc.ServerWritableStream<Buffer, Buffer>) => void) {
+    this.server.addService(STOCK, {
+      Reserve: (call: grpc.ServerUnaryCall<Buffer, Buffer>, callback: grpc.sendUnaryData<Buffer>) => {
+        const index = Math.min(this.received.length, this.script.length - 1);
+        this.received.push({ at: performance.now(), metadata: call.metadata });
+        this.script[index]!(call, callback);
+      },
+      Watch: watch ?? ((call: grpc.ServerWritableStream<Buffer, Buffer>) => call.end()),
+    });
+  }
+  static async start(script: Unary[], watch?: (call: grpc.ServerWritableStream<Buffer, Buffer>) => void): Promise<StockServer> {
+    const server = new StockServer(script, watch);
+    server.port = await new Promise<number>((resolve, reject) =>
+      server.server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (error, port) => (error ? reject(error) : resolve(port))),
+    );
+    return server;
+  }
+  get target(): string {
+    return `127.0.0.1:${this.port}`;
+  }
+  close(): void {
+    this.server.forceShutdown();
+  }
+}
+
+const ok: Unary = (call, callback) => callback(null, Buffer.from(`reserved ${call.request.toString()}`));
+const fail =
+  (code: grpc.status, details = 'failed', trailers: Record<string, string> = {}): Unary =>
+  (_call, callback) => {
+    const metadata = new grpc.Metadata();
+    for (const [key, value] of Object.entries(trailers)) metadata.set(key, value);
+    callback({ code, details, metadata });
+  };
+const never: Unary = () => undefined;
+
+/**
+ * Listens on a loopback port for failures a gRPC server would not produce;
+ * `close()` also ends the connections, which would otherwise keep the test
+ * process alive.
+ */
+async function listen(server: net.Server | http2.Http2Server): Promise<{ port: number; close(): void }> {
+  const sockets = new Set<net.Socket>();
+  server.on('connection', (socket: net.Socket) => {
+    sockets.add(socket);
+    socket.on('close', () => sockets.delete(socket));
+  });
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+  return {
+    port: (server.address() as net.AddressInfo).port,
+    close: () => {
+      server.close();
+      for (const socket of sockets) socket.destroy();
+    },
+  };
+}
+
+function client(target: string, interceptor: grpc.Interceptor): Stock {
+  return new StockClient(target, grpc.credentials.createInsecure(), { interceptors: [interceptor] }) as unknown as Stock;
+}
+
+interface Result {
+  error: grpc.ServiceError | null;
+  value?: Buffer;
+  ms: number;
+}
+
+function reserve(stock: Stock, deadlineMs = 5000, metadata = new grpc.Metadata()): Promise<Result> {
+  const started = performance.now();
+  return new Promise((resolve) => {
+    stock.Reserve(Buffer.from('sku-7'), metadata, { deadline: Date.now() + deadlineMs }, (error, value) =>
+      resolve({ error: error ?? null, value, ms: performance.now() - started }),
+    );
+  });
+}
+
+/** The outcome the classifying interceptor reports for one Reserve call. */
+async function classifyReserve(target: string, deadlineMs = 5000): Promise<GrpcOutcome> {
+  const outcomes: GrpcOutcome[] = [];
+  const stock = client(target, classifyingInterceptor((outcome) => outcomes.push(outcome)));
+  try {
+    const { error } = await reserve(stock, deadlineMs);
+    assert.ok(error, 'the call must fail');
+    assert.equal(outcomes.length, 1);
+    assert.deepEqual(grpcOutcomeOf(error), outcomes[0], 'the outcome is reachable from the error');
+    return outcomes[0]!;
+  } finally {
+    stock.close();
+  }
+}
+
+// ------------------------------------------------------------------ classification of real failures
+
+describe('classification of real gRPC failures', { timeout: 60_000 }, () => {
+  test('a refused port proves NOT_SENT', async () => {
+    const port = await closedPort();
+    assert.deepEqual(await classifyReserve(`127.0.0.1:${port}`), { evidence: 'NOT_SENT', failure: 'CONNECT', grpcStatusCode: 14, firstByteDelivered: false });
+  });
+
+  test('a channel that never became ready proves NOT_SENT', async () => {
+    // Accepts the TCP connection and never speaks HTTP/2.
+    const silent = await listen(net.createServer((socket) => socket.on('error', () => undefined)));
+    try {
+      assert.deepEqual(await classifyReserve(`127.0.0.1:${silent.port}`, 500), { evidence: 'NOT_SENT', failure: 'CONNECT', grpcStatusCode: 4, firstByteDelivered: false });
+    } finally {
+      silent.close();
+    }
+  });
+
+  test('a deadline after the request was written is SENT_NO_RESPONSE', async () => {
+    const server = await StockServer.start([never]);
+    try {
+      assert.deepEqual(await classifyReserve(server.target, 500), {
+        evidence: 'SENT_NO_RESPONSE',
+        failure: 'RESPONSE_HEADER_TIMEOUT',
+        grpcStatusCode: 4,
+        firstByteDelivered: false,
+      });
+      assert.equal(server.received.length, 1);
+    } finally {
+      server.close();
+    }
+  });
+
+  test('HTTP/2 REFUSED_STREAM proves NOT_SENT', async () => {
+    let streams = 0;
+    const refusing = http2.createServer();
+    refusing.on('stream', (stream) => {
+      streams++;
+      stream.on('error', () => undefined);
+      stream.close(http2.constants.NGHTTP2_REFUSED_STREAM);
+    });
+    const listening = await listen(refusing);
+    try {
+      assert.deepEqual(await classifyReserve(`127.0.0.1:${listening.port}`), {
+        evidence: 'NOT_SENT',
+        failure: 'HTTP2_REFUSED_STREAM',
+        grpcStatusCode: 14,
+        firstByteDelivered: false,
+      });
+      assert.equal(streams, 2, "grpc-js's one transparent retry of a refused stream");
+    } finally {
+      listening.close();
+    }
+  });
+
+  test('a connection reset after the request was read is SENT_NO_RESPONSE', async () => {
+    const sockets: net.Socket[] = [];
+    const h2 = http2.createServer();
+    h2.on('stream', (stream) => {
+      stream.on('error', () => undefined);
+      stream.resume();
+      stream.on('end', () => sockets.at(-1)?.resetAndDestroy());
+    });
+    const raw = net.createServer((socket) => {
+      sockets.push(socket);
+      socket.on('error', () => undefined);
+      h2.emit('connection', socket);
+    });
+    const listening = await listen(raw);
+    try {
+      const outcome = await classifyReserve(`127.0.0.1:${listening.port}`);
+      assert.deepEqual(outcome, { evidence: 'SENT_NO_RESPONSE', failure: 'CONNECTION_RESET', grpcStatusCode: 14, firstByteDelivered: false });
+    } finally {
+      listening.close();
+    }
+  });
+
+  test('a status the server sent is RESPONSE_RECEIVED, with its pushback trailer raw', async () => {
+    const cases: [grpc.Metadata | Record<string, string>, grpc.status, GrpcOutcome][] = [
+      [{}, grpc.status.UNAVAILABLE, { evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 14, firstByteDelivered: false }],
+      [{ 'grpc-retry-pushback-ms': '300' }, grpc.status.RESOURCE_EXHAUSTED, { evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 8, grpcRetryPushbackMs: '300', firstByteDelivered: false }],
+      [{ 'grpc-retry-pushback-ms': '-1' }, grpc.status.UNAVAILABLE, { evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 14, grpcRetryPushbackMs: '-1', firstByteDelivered: false }],
+      [{ 'grpc-retry-pushback-ms': 'soon' }, grpc.status.DEADLINE_EXCEEDED, { evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 4, grpcRetryPushbackMs: 'soon', firstByteDelivered: false }],
+    ];
+    for (const [trailers, code, expected] of cases) {
+      const server = await StockServer.start([fail(code, 'from the server', trailers as Record<string, string>)]);
+      try {
+        assert.deepEqual(await classifyReserve(server.target), expected, JSON.stringify(trailers));
+      } finally {
+        server.close();
+      }
+    }
+  });
+
+  test("a server wording its status like grpc-js's own failures is still RESPONSE_RECEIVED", async () => {
+    for (const [code, details] of [
+      [grpc.status.UNAVAILABLE, 'No connection established. Last error: made up'],
+      [grpc.status.UNAVAILABLE, 'Stream refused by server'],
+      [grpc.status.DEADLINE_EXCEEDED, 'Deadline exceeded after 1s,Waiting for LB pick'],
+    ] as const) {
+      const server = await StockServer.start([fail(code, details)]);
+      try {
+        assert.equal((await classifyReserve(server.target)).evidence, 'RESPONSE_RECEIVED', details);
+      } finally {
+        server.close();
+      }
+    }
+  });
+
+  test('a response stream that delivered messages is first_byte_delivered', async () => {
+    const server = await StockServer.start([ok], (call) => {
+      call.write(Buffer.from('a'));
+      call.write(Buffer.from('b'));
+      setTimeout(() => call.emit('error', { code: grpc.status.UNAVAILABLE, details: 'going away' }), 20);
+    });
+    const outcomes: GrpcOutcome[] = [];
+    const stock = client(server.target, classifyingInterceptor((outcome) => outcomes.push(outcome)));
+    try {
+      const received: string[] = [];
+      const error = await new Promise<grpc.ServiceError>((resolve) => {
+        const stream = stock.Watch(Buffer.from('sku-7'), { deadline: Date.now() + 5000 });
+        stream.on('data', (chunk: Buffer) => received.push(chunk.toString()));
+        stream.on('error', resolve);
+      });
+      assert.deepEqual(received, ['a', 'b']);
+      assert.equal(error.code, grpc.status.UNAVAILABLE);
+      assert.deepEqual(outcomes, [{ evidence: 'RESPONSE_RECEIVED', grpcStatusCode: 14, firstByteDelivered: true }]);
+    } finally {
+      stock.close();
+      server.close();
+    }
+  });
+});
+
+// ------------------------------------------------------------------ retries through a real retryd
+
+describe('retryingInterceptor through retryd', { timeout: 60_000 }, () => {
+  let retryd: Retryd;
+  let decider: RetrydClient;
+
+  before(async () => {
+    retryd = await startRetryd(CLIENT_TEST_CONFIG);
+    decider = new RetrydClient(retryd.grpc, { timeoutMs: 5000, fallback: null, reporting: false });
+  });
+  after(async () => {
+    await decider?.close();
+    await retryd?.stop();
+  });
+
+  async function run(server: StockServer | string, options: Partial<GrpcRetryOptions>, deadlineMs = 5000, metadata?: grpc.Metadata): Promise<Result> {
+    const stock = client(typeof server === 'string' ? server : server.target, retryingInterceptor(decider, { upstream: 'ts-grpc', idempotency: 'SAFE', ...options }));
+    try {
+      return await reserve(stock, deadlineMs, metadata);
+    } finally {
+      stock.close();
+    }
+  }
+
+  test('UNAVAILABLE is retried for a safe call until it succeeds', async () => {
+    const server = await StockServer.start([fail(grpc.status.UNAVAILABLE), fail(grpc.status.UNAVAILABLE), ok]);
+    try {
+      const { error, value } = await run(server, {});
+      assert.equal(error, null, String(error));
+      assert.equal(value?.toString(), 'reserved sku-7');
+      assert.equal(server.received.length, 3);
+    } finally {
+      server.close();
+    }
+  });
+
+  test('a refused port is retried even for a non-idempotent call, up to max attempts', async () => {
+    const port = await closedPort();
+    const attempts: GrpcOutcome[] = [];
+    const { error } = await run(`127.0.0.1:${port}`, { idempotency: 'NON_IDEMPOTENT', onAttempt: (outcome) => attempts.push(outcome) });
+    assert.equal(error?.code, grpc.status.UNAVAILABLE);
+    assert.equal(attempts.length, 3);
+    assert.ok(attempts.every((outcome) => outcome.evidence === 'NOT_SENT'));
+    assert.deepEqual([decisionOf(error)?.verdict, decisionOf(error)?.denyReason], ['DENY', 'MAX_ATTEMPTS']);
+  });
+
+  test('a non-idempotent call answered UNAVAILABLE after the server read it is AMBIGUOUS, never re-sent', async () => {
+    const server = await StockServer.start([fail(grpc.status.UNAVAILABLE, 'overloaded'), ok]);
+    try {
+      const { error } = await run(server, { idempotency: 'NON_IDEMPOTENT' });
+      assert.equal(error?.code, grpc.status.UNAVAILABLE);
+      assert.equal(decisionOf(error)?.verdict, 'AMBIGUOUS');
+      assert.equal(grpcOutcomeOf(error)?.evidence, 'RESPONSE_RECEIVED');
+      assert.equal(server.received.length, 1);
+    } finally {
+      server.close();
+    }
+  });
+
+  test('RESOURCE_EXHAUSTED with a 300 ms pushback waits at least that long', async () => {
+    const server = await StockServer.start([fail(grpc.status.RESOURCE_EXHAUSTED, 'slow down', { 'grpc-retry-pushback-ms': '300' }), ok]);
+    try {
+      const { error } = await run(server, {});
+      assert.equal(error, null, String(error));
+      assert.equal(server.received.length, 2);
+      const gap = server.received[1]!.at - server.received[0]!.at;
+      assert.ok(gap >= 300 && gap < 2300, `the second attempt came ${gap} ms after the first`);
+    } finally {
+      server.close();
+    }
+  });
+
+  test('a negative pushback is not retried', async () => {
+    const server = await StockServer.start([fail(grpc.status.RESOURCE_EXHAUSTED, 'go away', { 'grpc-retry-pushback-ms': '-1' }), ok]);
+    try {
+      const { error } = await run(server, {});
+      assert.equal(error?.code, grpc.status.RESOURCE_EXHAUSTED);
+      assert.deepEqual([decisionOf(error)?.verdict, decisionOf(error)?.denyReason], ['DENY', 'SERVER_PUSHBACK']);
+      assert.equal(server.received.length, 1);
+    } finally {
+      server.close();
+    }
+  });
+
+  test('UNAUTHENTICATED refreshes credentials once and replays', async () => {
+    const authorized: Unary = (call, callback) =>
+      call.metadata.get('authorization')[0] === 'Bearer new' ? ok(call, callback) : fail(grpc.status.UNAUTHENTICATED, 'expired token')(call, callback);
+    const server = await StockServer.start([authorized]);
+    try {
+      let refreshed = 0;
+      const metadata = new grpc.Metadata();
+      metadata.set('authorization', 'Bearer old');
+      const { error } = await run(
+        server,
+        {
+          onRefreshCredentials: (copy) => {
+            refreshed++;
+            copy.set('authorization', 'Bearer new');
+          },
+        },
+        5000,
+        metadata,
+      );
+      assert.equal(error, null, String(error));
+      assert.equal(refreshed, 1);
+      assert.deepEqual(server.received.map((call) => call.metadata.get('authorization')[0]), ['Bearer old', 'Bearer new']);
+    } finally {
+      server.close();
+    }
+  });
+
+  test('the caller deadline bounds every attempt, and retryd is told what is left', async () => {
+    const server = await StockServer.start([never]);
+    try {
+      const { error, ms } = await run(server, {}, 1000);
+      assert.equal(error?.code, grpc.status.DEADLINE_EXCEEDED);
+      assert.ok(ms >= 990 && ms < 2000, `settled after ${ms} ms`);
+      assert.deepEqual([decisionOf(error)?.denyReason, decisionOf(error)?.rule], ['DEADLINE', 6]);
+      assert.equal(server.received.length, 1);
+    } finally {
+      server.close();
+    }
+  });
+
+  test('a cancel during the backoff ends the call at once', async () => {
+    const server = await StockServer.start([fail(grpc.status.RESOURCE_EXHAUSTED, 'slow down', { 'grpc-retry-pushback-ms': '3000' }), ok]);
+    const stock = client(server.target, retryingInterceptor(decider, { upstream: 'ts-grpc', idempotency: 'SAFE' }));
+    try {
+      const started = performance.now();
+      const error = await new Promise<grpc.ServiceError | null>((resolve) => {
+        const call = stock.Reserve(Buffer.from('sku-7'), { deadline: Date.now() + 10_000 }, (failure) => resolve(failure));
+        const poll = setInterval(() => {
+          if (server.received.length === 1) {
+            clearInterval(poll);
+            setTimeout(() => call.cancel(), 100); // inside the 3 s backoff
+          }
+        }, 10);
+      });
+      assert.equal(error?.code, grpc.status.CANCELLED);
+      assert.ok(performance.now() - started < 2000);
+      assert.equal(server.received.length, 1);
+    } finally {
+      stock.close();
+      server.close();
+    }
+  });
+
+  test('a cancel while retryd is deciding ends the call at once', async () => {
+    // A frozen retryd keeps the decision pending for the decider's 5 s timeout.
+    const server = await StockServer.start([fail(grpc.status.UNAVAILABLE), ok]);
+    const stock = client(server.target, retryingInterceptor(decider, { upstream: 'ts-grpc', idempotency: 'SAFE' }));
+    let call: grpc.ClientUnaryCall | undefined;
+    try {
+      await retryd.freeze();
+      const started = performance.now();
+      const error = await new Promise<grpc.ServiceError | null>((resolve) => {
+        call = stock.Reserve(Buffer.from('sku-7'), { deadline: Date.now() + 10_000 }, (failure) => resolve(failure));
+        const poll = setInterval(() => {
+          if (server.received.length === 1) {
+            clearInterval(poll);
+            setTimeout(() => call!.cancel(), 100);
+          }
+        }, 10);
+      });
+      assert.equal(error?.code, grpc.status.CANCELLED);
+      assert.ok(performance.now() - started < 2000, `${performance.now() - started} ms`);
+      assert.equal(server.received.length, 1);
+    } finally {
+      retryd.signal('SIGCONT');
+      stock.close();
+      server.close();
+    }
+  });
+
+  test('first attempts are counted as traffic, retries are not', async () => {
+    const own = new RetrydClient(retryd.grpc, { timeoutMs: 5000, fallback: null, reporting: { intervalMs: 3_600_000 } });
+    const server = await StockServer.start([fail(grpc.status.UNAVAILABLE), ok]);
+    const stock = client(server.target, retryingInterceptor(own, { upstream: 'ts-grpc-report', idempotency: 'SAFE' }));
+    try {
+      assert.equal((await reserve(stock)).error, null);
+      assert.equal((await reserve(stock)).error, null);
+      assert.equal(server.received.length, 3);
+      assert.deepEqual(own.reporter?.pending(), { 'ts-grpc-report': 2 });
+      // A streaming call is real traffic too, though never retried.
+      await new Promise<void>((resolve) => stock.Watch(Buffer.from('sku-7'), { deadline: Date.now() + 5000 }).on('end', resolve).resume());
+      assert.deepEqual(own.reporter?.pending(), { 'ts-grpc-report': 3 });
+    } finally {
+      stock.close();
+      server.close();
+      await own.close();
+    }
+  });
+});
