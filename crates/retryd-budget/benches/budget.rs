@@ -362,12 +362,40 @@ fn ratios(_: &mut Criterion) {
     }
 }
 
+/// What a report id adds to a report on the memory store: one claim and
+/// one settle, beside the deposit every entry makes anyway.
+fn report_ids(c: &mut Criterion) {
+    use retryd_budget::{BucketConfig, BudgetStore, MemoryBudgetStore};
+    let store = MemoryBudgetStore::new(1_000);
+    let config = BucketConfig::default();
+    let ids: Vec<String> = (0..50_000)
+        .map(|i| format!("7f3c9a2e-4b1d-4e8a-9c6f-{i:012}"))
+        .collect();
+    let window = Duration::from_secs(600);
+    let mut group = c.benchmark_group("report_ids");
+    group.bench_function("deposit", |b| {
+        b.iter(|| {
+            futures::executor::block_on(store.deposit("orders", &config, 10)).unwrap();
+        })
+    });
+    let mut next = 0;
+    group.bench_function("claim_settle", |b| {
+        b.iter(|| {
+            let id = &ids[next % ids.len()];
+            next += 1;
+            futures::executor::block_on(store.claim_report(id, 42, 1, window)).unwrap();
+            futures::executor::block_on(store.settle_report(id, 42, 1)).unwrap();
+        })
+    });
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .sample_size(30)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    targets = budget, ratios
+    targets = budget, ratios, report_ids
 }
 criterion_main!(benches);
