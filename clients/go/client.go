@@ -58,10 +58,21 @@ type Options struct {
 	// ReportInterval is how often the client's own TrafficReporter sends
 	// (1s when zero).
 	ReportInterval time.Duration
+	// ShadowLogInterval is the least time between two warnings, per
+	// upstream, about shadow decisions that differ from the local rule
+	// (DefaultShadowLogInterval, a minute, when zero; negative is refused).
+	// Every difference is counted in Client.ShadowDivergences whatever it is.
+	ShadowLogInterval time.Duration
 }
 
 // Client talks to one retryd. It is safe for concurrent use; share one per
 // process and Close it on shutdown.
+//
+// For an upstream in shadow mode (retryd answers with shadow = true), the
+// client acts on its own local rule, not on retryd's decision (see
+// Decision.Shadow and Decision.Retryd); differences are counted in
+// [Client.ShadowDivergences] and logged at most once per upstream every
+// Options.ShadowLogInterval.
 type Client struct {
 	conn    *grpc.ClientConn
 	decider pb.RetryDeciderClient
@@ -69,6 +80,7 @@ type Client struct {
 	opts    Options
 	policy  LocalPolicy
 	logger  *log.Logger
+	shadow  *shadowLog
 
 	reporterOnce sync.Once
 	reporter     *TrafficReporter
@@ -90,6 +102,9 @@ var ReconnectBackoff = backoff.Config{
 func New(target string, opts Options) (*Client, error) {
 	if target == "" {
 		return nil, errors.New("retryd: empty target")
+	}
+	if opts.ShadowLogInterval < 0 {
+		return nil, fmt.Errorf("retryd: Options.ShadowLogInterval: must not be negative, got %s", opts.ShadowLogInterval)
 	}
 	dial := []grpc.DialOption{
 		grpc.WithInsecure(),
@@ -123,6 +138,11 @@ func New(target string, opts Options) (*Client, error) {
 	if c.opts.TraceContext == nil {
 		c.opts.TraceContext = W3CTraceContext
 	}
+	interval := opts.ShadowLogInterval
+	if interval == 0 {
+		interval = DefaultShadowLogInterval
+	}
+	c.shadow = newShadowLog(interval, c.logger)
 	return c, nil
 }
 
@@ -198,7 +218,8 @@ func (c *Client) callTimeout(req *pb.DecideRequest) time.Duration {
 // An invalid request returns an *InvalidRequestError. When retryd does not
 // answer (down, slow, overloaded) the local rule decides (Decision.Fallback)
 // and a warning is logged, unless Options.NoFallback is set, in which case
-// an *UnavailableError is returned.
+// an *UnavailableError is returned. For an upstream in shadow mode the
+// local rule decides too, and retryd's answer is in Decision.Retryd.
 func (c *Client) Decide(ctx context.Context, req *pb.DecideRequest) (Decision, error) {
 	callCtx, cancel := context.WithTimeout(c.outgoing(ctx), c.callTimeout(req))
 	defer cancel()
@@ -206,7 +227,7 @@ func (c *Client) Decide(ctx context.Context, req *pb.DecideRequest) (Decision, e
 	if err != nil {
 		return c.onError(err, req)
 	}
-	return decisionOf(response), nil
+	return c.actedOn(req, response), nil
 }
 
 func (c *Client) onError(err error, req *pb.DecideRequest) (Decision, error) {
@@ -343,7 +364,7 @@ func (s *DecideStream) Decide(req *pb.DecideRequest) (Decision, error) {
 		}
 		return s.client.onError(status.Error(codes.Code(item.GetCode()), item.GetMessage()), req)
 	}
-	return decisionOf(response), nil
+	return s.client.actedOn(req, response), nil
 }
 
 func (s *DecideStream) roundTrip(req *pb.DecideRequest) (*pb.DecideResponse, error) {

@@ -8,8 +8,10 @@ import (
 	pb "github.com/retryd/retryd/clients/go/retrydv1"
 )
 
-// Decision is retryd's answer for one failed attempt (or the local rule's,
-// when Fallback is true).
+// Decision is the decision for one failed attempt: what the client acts
+// on. It is retryd's answer, or the local rule's when Fallback is true
+// (retryd could not answer) or Shadow is true (retryd answered for an
+// upstream in shadow mode).
 type Decision struct {
 	// Verdict is RETRY, DENY or AMBIGUOUS.
 	Verdict pb.Verdict
@@ -38,6 +40,18 @@ type Decision struct {
 	// Fallback is true when retryd could not answer and the local rule
 	// decided.
 	Fallback bool
+	// Shadow is true when retryd answered for an upstream in shadow mode
+	// (enforce = false in its policy): retryd's decision is not enforced,
+	// so this decision is the client's own local rule (the one it falls
+	// back to, with Options.LocalPolicy), and the Transport and the
+	// interceptor act on it. Then Retryd is retryd's shadow decision,
+	// DecisionID is retryd's (its audit span), TokensRemaining is NaN and
+	// Fallback is false.
+	Shadow bool
+	// Retryd is, for a shadow answer, retryd's own decision as it answered
+	// (its Shadow true, its TokensRemaining the shadow budget's): what
+	// retryd would have enforced. Nil otherwise.
+	Retryd *Decision
 }
 
 // ShouldRetry reports whether the verdict is RETRY.
@@ -58,6 +72,7 @@ func decisionOf(response *pb.DecideResponse) Decision {
 		DecisionID:         response.GetDecisionId(),
 		TokensRemaining:    response.GetTokensRemaining(),
 		Explanation:        response.GetExplanation(),
+		Shadow:             response.GetShadow(),
 	}
 }
 

@@ -8,7 +8,10 @@
 //   - [Client] asks retryd ([Client.Decide], [Client.DecideStream]) and
 //     reports real traffic ([Client.ReportTraffic]). When retryd cannot
 //     answer in time it decides with a conservative local rule
-//     ([LocalPolicy]; [Decision.Fallback] is then true).
+//     ([LocalPolicy]; [Decision.Fallback] is then true). For an upstream in
+//     shadow mode it decides with the same rule and keeps retryd's answer
+//     beside it ([Decision.Shadow], [Decision.Retryd],
+//     [Client.ShadowDivergences]).
 //   - [TrafficReporter] batches first-attempt counts, which are what fill
 //     retryd's per-upstream retry budgets, and sends them in the background.
 //   - [Transport] is an [net/http.RoundTripper] that retries under retryd's

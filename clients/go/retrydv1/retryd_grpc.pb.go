@@ -20,6 +20,15 @@ type RetryDeciderClient interface {
 	// One failed attempt, one decision. Invalid input is answered
 	// INVALID_ARGUMENT with the offending field named in the message, and
 	// spends no budget.
+	//
+	// A decision nobody waits for spends nothing: a call whose gRPC deadline
+	// (`grpc-timeout`, counted from when retryd's kernel received the call)
+	// has passed before the decision is answered DEADLINE_EXCEEDED without
+	// touching the budget, and a call its caller cancelled (reset) before the
+	// decision is dropped. On DecideStream the stream's deadline applies to
+	// every item: a later item is answered in place with `error` code 4
+	// (DEADLINE_EXCEEDED). Both are counted in
+	// `retryd_expired_requests_total`.
 	Decide(ctx context.Context, in *DecideRequest, opts ...grpc.CallOption) (*DecideResponse, error)
 	// The same as Decide over one long-lived stream. Responses come back in
 	// request order, one per request. An invalid request does not end the
@@ -117,6 +126,15 @@ type RetryDeciderServer interface {
 	// One failed attempt, one decision. Invalid input is answered
 	// INVALID_ARGUMENT with the offending field named in the message, and
 	// spends no budget.
+	//
+	// A decision nobody waits for spends nothing: a call whose gRPC deadline
+	// (`grpc-timeout`, counted from when retryd's kernel received the call)
+	// has passed before the decision is answered DEADLINE_EXCEEDED without
+	// touching the budget, and a call its caller cancelled (reset) before the
+	// decision is dropped. On DecideStream the stream's deadline applies to
+	// every item: a later item is answered in place with `error` code 4
+	// (DEADLINE_EXCEEDED). Both are counted in
+	// `retryd_expired_requests_total`.
 	Decide(context.Context, *DecideRequest) (*DecideResponse, error)
 	// The same as Decide over one long-lived stream. Responses come back in
 	// request order, one per request. An invalid request does not end the

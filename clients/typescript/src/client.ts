@@ -5,7 +5,9 @@
  * further bounded by the caller's own remaining deadline), carries the active
  * OpenTelemetry trace context, and falls back to the conservative local rule
  * of ./fallback when retryd cannot answer in time. An invalid request is never
- * hidden by the fallback: it throws InvalidRequestError.
+ * hidden by the fallback: it throws InvalidRequestError. A shadow answer (an
+ * upstream with `enforce = false`) is not acted on: the same local rule
+ * decides, and the differences are counted and logged (./shadow).
  */
 import * as grpc from '@grpc/grpc-js';
 import type { Duration, Duration__Output } from './generated/google/protobuf/Duration';
@@ -20,6 +22,7 @@ import { InvalidRequestError, RetrydUnavailableError } from './errors';
 import { DEFAULT_LOCAL_POLICY, localDecide, type LocalPolicy } from './fallback';
 import { proto } from './proto';
 import { MAX_TRAFFIC_ENTRIES, TrafficReporter, type Logger, type ReportResult, type TrafficReporterOptions } from './reporter';
+import { decisionsDiffer, DEFAULT_SHADOW_LOG_INTERVAL_MS, ShadowDivergences } from './shadow';
 import { traceMetadata } from './tracing';
 import type { Body, Budget, DecideInput, Decision, DenyReason, Evidence, Verdict } from './types';
 
@@ -55,8 +58,13 @@ export interface ClientOptions {
    * fill only from what you report yourself, and the per-second floor).
    */
   reporting?: TrafficReporterOptions | false;
-  /** Where warnings go (default: console): one per retryd outage, and the reporter's. */
+  /** Where warnings go (default: console): one per retryd outage, the shadow divergences, and the reporter's. */
   logger?: Logger;
+  /**
+   * The least time between two warnings about shadow decisions that differ
+   * from the local rule, per upstream, in ms (default 60 000).
+   */
+  shadowLogIntervalMs?: number;
 }
 
 /** A decision call's own options. */
@@ -143,6 +151,8 @@ export function toDecision(response: DecideResponse__Output): Decision {
     tokensRemaining: response.tokensRemaining,
     explanation: response.explanation,
     fallback: false,
+    shadow: response.shadow,
+    retrydDecision: null,
   };
 }
 
@@ -172,7 +182,15 @@ type Unary<Req, Res> = (
   callback: (error: grpc.ServiceError | null, response?: Res) => void,
 ) => grpc.ClientUnaryCall;
 
-/** A retryd client. Share one per process; call close() when done. */
+/**
+ * A retryd client. Share one per process; call close() when done.
+ *
+ * For an upstream in shadow mode (retryd answers `shadow`), the client acts
+ * on its own local rule, not on retryd's decision (`decision.shadow`,
+ * `decision.retrydDecision`); differences are counted in
+ * `shadowDivergences()` and warned about at most once per upstream every
+ * `shadowLogIntervalMs`.
+ */
 export class RetrydClient {
   readonly timeoutMs: number;
   readonly fallback: LocalPolicy | null;
@@ -188,6 +206,7 @@ export class RetrydClient {
   private readonly decider: RetryDeciderClient;
   private readonly admin: RetryAdminClient;
   private readonly metadata: Record<string, string>;
+  private readonly shadowLog: ShadowDivergences;
 
   /** `target` is a gRPC target such as "127.0.0.1:50051". */
   constructor(readonly target: string, options: ClientOptions = {}) {
@@ -195,6 +214,8 @@ export class RetrydClient {
     this.fallback = options.fallback === undefined ? DEFAULT_LOCAL_POLICY : options.fallback;
     this.metadata = options.metadata ?? {};
     this.logger = options.logger ?? console;
+    // Checked before anything is opened, so a bad value leaks no channel.
+    this.shadowLog = new ShadowDivergences(options.shadowLogIntervalMs ?? DEFAULT_SHADOW_LOG_INTERVAL_MS, this.logger);
     const credentials = options.credentials ?? grpc.credentials.createInsecure();
     const v1 = proto().retryd.v1;
     const channelOptions = { ...DEFAULT_CHANNEL_OPTIONS, ...options.channelOptions };
@@ -220,7 +241,7 @@ export class RetrydClient {
         timeoutMs,
       );
       this.answered();
-      return toDecision(response);
+      return this.toActedOn(input, toDecision(response));
     } catch (error) {
       if (!isServiceError(error)) throw error;
       if (error.code === grpc.status.INVALID_ARGUMENT) {
@@ -244,6 +265,29 @@ export class RetrydClient {
       }
       return localDecide(input, this.fallback, `retryd unreachable (${codeName})`);
     }
+  }
+
+  /**
+   * How many shadow answers disagreed with the local rule (verdict or deny
+   * reason), per upstream; upstreams with no difference are absent. A copy.
+   */
+  shadowDivergences(): Map<string, number> {
+    return this.shadowLog.counts();
+  }
+
+  /** The decision to act on: retryd's, or for a shadow answer the local rule's, with retryd's beside it. */
+  private toActedOn(input: DecideInput, decision: Decision): Decision {
+    if (!decision.shadow) return decision;
+    // Not enforced: decide as the client would without retryd (the fallback
+    // rule; its default limits when the fallback is switched off, since
+    // retryd did answer).
+    const local = localDecide(
+      input,
+      this.fallback ?? DEFAULT_LOCAL_POLICY,
+      'retryd shadow answer, not enforced (upstream in shadow mode)',
+    );
+    if (decisionsDiffer(decision, local)) this.shadowLog.record(input.upstream, decision, local);
+    return { ...local, fallback: false, shadow: true, retrydDecision: decision, decisionId: decision.decisionId };
   }
 
   /**

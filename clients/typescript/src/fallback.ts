@@ -154,6 +154,8 @@ export function localDecide(
     tokensRemaining: Number.NaN,
     explanation: `${reason}; local rule: ${why}`,
     fallback: true,
+    shadow: false,
+    retrydDecision: null,
   });
 
   const limit = input.maxAttempts ? Math.min(policy.maxAttempts, input.maxAttempts) : policy.maxAttempts;

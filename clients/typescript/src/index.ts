@@ -32,6 +32,7 @@ export {
   type GrpcOutcome,
   type GrpcRetryOptions,
 } from './grpc';
+export { DEFAULT_SHADOW_LOG_INTERVAL_MS } from './shadow';
 export { TrafficReporter, type Logger, type ReportResult, type TrafficReporterOptions, type TrafficSink } from './reporter';
 export { traceMetadata } from './tracing';
 export {

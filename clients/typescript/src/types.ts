@@ -100,7 +100,12 @@ export interface DecideInput {
   grpcRetryPushbackMs?: string | null;
 }
 
-/** retryd's answer. `fallback` is true when the local rule decided because retryd could not. */
+/**
+ * The decision for one failed attempt: what the client acts on. It is
+ * retryd's answer, except in two cases: `fallback` is true when the local
+ * rule decided because retryd could not answer, and `shadow` is true when
+ * retryd answered for an upstream in shadow mode (see `shadow`).
+ */
 export interface Decision {
   verdict: Verdict;
   /** For RETRY: wait this long before the next attempt. */
@@ -118,7 +123,23 @@ export interface Decision {
   /** NaN for a fallback decision. */
   tokensRemaining: number;
   explanation: string;
+  /** True when retryd could not answer and the local rule decided. */
   fallback: boolean;
+  /**
+   * True when retryd answered for an upstream in shadow mode (`enforce =
+   * false` in its policy): retryd's decision is not enforced, so this
+   * decision is the client's own local rule (the one it falls back to), and
+   * fetchWithRetries and the interceptor act on it. Then `retrydDecision` is
+   * retryd's shadow decision, `decisionId` is retryd's (its audit span),
+   * `tokensRemaining` is NaN and `fallback` is false.
+   */
+  shadow: boolean;
+  /**
+   * For a shadow answer, retryd's own decision as it answered (its `shadow`
+   * true, its `tokensRemaining` the shadow budget's): what retryd would have
+   * enforced. Null otherwise.
+   */
+  retrydDecision: Decision | null;
 }
 
 /** The state of one upstream's budget. */

@@ -32,6 +32,7 @@ from .client import AsyncClient, Client
 from .errors import AmbiguousExecutionError, InvalidRequestError, RetrydError, RetrydUnavailableError
 from .fallback import DEFAULT_LOCAL_POLICY, LocalPolicy, effective_evidence, local_decide
 from .reporter import AsyncTrafficReporter, ReportResult, TrafficReporter
+from .shadow import DEFAULT_SHADOW_LOG_INTERVAL
 
 __all__ = [
     "AmbiguousExecutionError",
@@ -42,6 +43,7 @@ __all__ = [
     "Budget",
     "Client",
     "DEFAULT_LOCAL_POLICY",
+    "DEFAULT_SHADOW_LOG_INTERVAL",
     "Decision",
     "DenyReason",
     "Evidence",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Optional, Union
 
 
 class Idempotency(enum.IntEnum):
@@ -205,11 +205,20 @@ class Body:
 
 @dataclass(frozen=True)
 class Decision:
-    """retryd's answer for one failed attempt.
+    """The decision for one failed attempt: what the client acts on.
 
     ``backoff`` is in seconds. ``fallback`` is True when retryd could not be
     reached and the client's conservative local rule decided instead; then
     ``decision_id`` is empty and ``tokens_remaining`` is NaN.
+
+    ``shadow`` is True when retryd answered for an upstream in shadow mode
+    (``enforce = false`` in its policy): retryd's decision is not enforced,
+    so this decision is the client's own local rule (the one it falls back
+    to), and the adapters act on it. Then ``retryd_decision`` is retryd's
+    shadow decision, as it answered (its own ``shadow`` True, its
+    ``tokens_remaining`` the shadow budget's), ``decision_id`` is retryd's
+    (the id of its audit span), ``tokens_remaining`` is NaN, and
+    ``fallback`` is False. ``retryd_decision`` is None otherwise.
     """
 
     verdict: Verdict
@@ -223,6 +232,8 @@ class Decision:
     tokens_remaining: float
     explanation: str
     fallback: bool = False
+    shadow: bool = False
+    retryd_decision: Optional[Decision] = None
 
     @property
     def should_retry(self) -> bool:

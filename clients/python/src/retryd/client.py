@@ -6,11 +6,15 @@ active OpenTelemetry trace context, and fall back to the conservative local
 rule of :mod:`retryd.fallback` when retryd cannot answer in time (logging
 one warning per outage, not one per decision). An invalid request is never
 hidden by the fallback: it raises :class:`~retryd.errors.InvalidRequestError`.
+A shadow answer (an upstream with ``enforce = false``) is not acted on: the
+same local rule decides, and differences are counted and logged
+(:mod:`retryd.shadow`).
 Each client owns one traffic reporter (``reporter``), closed with it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,6 +41,7 @@ from ._types import (
 from .errors import InvalidRequestError, RetrydError, RetrydUnavailableError
 from .fallback import DEFAULT_LOCAL_POLICY, LocalPolicy, local_decide
 from .reporter import MAX_TRAFFIC_ENTRIES, AsyncTrafficReporter, ReportResult, TrafficReporter
+from .shadow import DEFAULT_SHADOW_LOG_INTERVAL, ShadowDivergences, differs
 from .tracing import trace_metadata
 from .v1 import retryd_pb2 as pb
 from .v1 import retryd_pb2_grpc as pb_grpc
@@ -114,6 +119,7 @@ def _decision(response: pb.DecideResponse) -> Decision:
         decision_id=response.decision_id,
         tokens_remaining=response.tokens_remaining,
         explanation=response.explanation,
+        shadow=response.shadow,
     )
 
 
@@ -158,12 +164,60 @@ class _Base:
         timeout: float,
         fallback: Optional[LocalPolicy],
         metadata: Sequence[tuple[str, str]],
+        shadow_log_interval: float,
     ) -> None:
         self.timeout = timeout
         self.fallback = fallback
         self._metadata = list(metadata)
         self._outage_lock = threading.Lock()
         self._in_outage = False
+        self._shadow = ShadowDivergences(interval=float(shadow_log_interval), logger=log)
+
+    @property
+    def shadow_divergences(self) -> Mapping[str, int]:
+        """How many shadow answers disagreed with the local rule, per upstream (a snapshot).
+
+        A shadow answer "disagrees" when retryd's verdict or deny reason is
+        not the local rule's. Upstreams with no difference are absent.
+        """
+        return self._shadow.counts()
+
+    def _answered(self, response: pb.DecideResponse, args: dict[str, Any]) -> Decision:
+        """The decision to act on for retryd's answer: retryd's own, or the local rule's for a shadow answer."""
+        self._reachable()
+        decision = _decision(response)
+        if not decision.shadow:
+            return decision
+        # Not enforced: decide as the client would without retryd (the
+        # fallback rule; its default limits when the fallback is switched
+        # off, since retryd did answer), and keep retryd's answer beside it.
+        local = self._local(args, self.fallback or DEFAULT_LOCAL_POLICY,
+                            "retryd shadow answer, not enforced (upstream in shadow mode)")
+        if differs(decision, local):
+            self._shadow.record(args["upstream"], decision, local)
+        return dataclasses.replace(local, fallback=False, shadow=True, retryd_decision=decision,
+                                   decision_id=decision.decision_id)
+
+    @staticmethod
+    def _local(args: dict[str, Any], policy: LocalPolicy, reason: str) -> Decision:
+        return local_decide(
+            policy=policy,
+            idempotency=args["idempotency"],
+            attempt=args["attempt"],
+            evidence=args["evidence"],
+            failure=args["failure"],
+            http_status=args["http_status"],
+            retry_after=args["retry_after"],
+            deadline_remaining=_seconds(args["deadline_remaining"]),
+            body=args["body"],
+            first_byte_delivered=args["first_byte_delivered"],
+            runtime_draining=args["runtime_draining"],
+            auth_refresh_attempted=args["auth_refresh_attempted"],
+            max_attempts=args["max_attempts"],
+            grpc_status_code=int(args["grpc_status_code"]),
+            grpc_retry_pushback_ms=args["grpc_retry_pushback_ms"],
+            reason=reason,
+        )
 
     def _reachable(self) -> None:
         if self._in_outage:
@@ -237,24 +291,7 @@ class _Base:
             raise InvalidRequestError("idempotency: required")
         if args["attempt"] < 1:
             raise InvalidRequestError("attempt: must be at least 1")
-        return local_decide(
-            policy=self.fallback,
-            idempotency=args["idempotency"],
-            attempt=args["attempt"],
-            evidence=args["evidence"],
-            failure=args["failure"],
-            http_status=args["http_status"],
-            retry_after=args["retry_after"],
-            deadline_remaining=_seconds(args["deadline_remaining"]),
-            body=args["body"],
-            first_byte_delivered=args["first_byte_delivered"],
-            runtime_draining=args["runtime_draining"],
-            auth_refresh_attempted=args["auth_refresh_attempted"],
-            max_attempts=args["max_attempts"],
-            grpc_status_code=int(args["grpc_status_code"]),
-            grpc_retry_pushback_ms=args["grpc_retry_pushback_ms"],
-            reason=f"retryd unreachable ({code.name})",
-        )
+        return self._local(args, self.fallback, f"retryd unreachable ({code.name})")
 
     @staticmethod
     def _unavailable(error: grpc.RpcError) -> RetrydError:
@@ -318,6 +355,12 @@ class Client(_Base):
     (:attr:`reporter`, started on first use, sending every
     ``report_interval`` seconds) that the adapters count first attempts on;
     :meth:`close` stops it and sends what is left.
+
+    For an upstream in shadow mode (retryd answers ``shadow``), the client
+    acts on its own local rule, not on retryd's decision
+    (:attr:`Decision.shadow`, :attr:`Decision.retryd_decision`); differences
+    are counted in :attr:`shadow_divergences` and logged on the ``retryd``
+    logger at most once per upstream every ``shadow_log_interval`` seconds.
     """
 
     def __init__(
@@ -330,8 +373,10 @@ class Client(_Base):
         metadata: Sequence[tuple[str, str]] = (),
         options: Sequence[tuple[str, Any]] = (),
         report_interval: float = 1.0,
+        shadow_log_interval: float = DEFAULT_SHADOW_LOG_INTERVAL,
     ) -> None:
-        super().__init__(timeout=timeout, fallback=fallback, metadata=metadata)
+        super().__init__(timeout=timeout, fallback=fallback, metadata=metadata,
+                         shadow_log_interval=shadow_log_interval)
         self.target = target
         self.report_interval = report_interval
         self._reporter: Optional[TrafficReporter] = None
@@ -386,8 +431,7 @@ class Client(_Base):
             )
         except grpc.RpcError as error:
             return self._on_error(error, args)
-        self._reachable()
-        return _decision(response)
+        return self._answered(response, args)
 
     @property
     def reporter(self) -> TrafficReporter:
@@ -496,8 +540,10 @@ class AsyncClient(_Base):
         metadata: Sequence[tuple[str, str]] = (),
         options: Sequence[tuple[str, Any]] = (),
         report_interval: float = 1.0,
+        shadow_log_interval: float = DEFAULT_SHADOW_LOG_INTERVAL,
     ) -> None:
-        super().__init__(timeout=timeout, fallback=fallback, metadata=metadata)
+        super().__init__(timeout=timeout, fallback=fallback, metadata=metadata,
+                         shadow_log_interval=shadow_log_interval)
         self.target = target
         self.report_interval = report_interval
         self._reporter: Optional[AsyncTrafficReporter] = None
@@ -544,8 +590,7 @@ class AsyncClient(_Base):
             )
         except grpc.RpcError as error:
             return self._on_error(error, args)
-        self._reachable()
-        return _decision(response)
+        return self._answered(response, args)
 
     @property
     def reporter(self) -> AsyncTrafficReporter:
