@@ -94,7 +94,13 @@ fn check_config(file: &std::path::Path) -> anyhow::Result<()> {
     // (header values are secrets, and are not shown).
     println!("telemetry:");
     for (setting, value, origin) in &config.telemetry.origins {
-        println!("  {setting}: {} ({origin})", redact_url(value));
+        // An endpoint may carry credentials.
+        let shown = if *setting == "otlp endpoint" {
+            redact_url(value)
+        } else {
+            value.clone()
+        };
+        println!("  {setting}: {shown} ({origin})");
     }
     Ok(())
 }
