@@ -20,8 +20,8 @@ use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
-use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::common::v1::KeyValue;
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message;
 use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair, SanType};
@@ -34,9 +34,12 @@ const API_KEY: &str = "s3cret-key-value";
 
 /// What a receiver got: per export, the resource attributes and spans;
 /// and how many calls it refused for a missing or wrong key.
+/// One resource's attributes and its spans.
+type Export = (Vec<KeyValue>, Vec<Span>);
+
 #[derive(Clone, Default)]
 struct Received {
-    exports: Arc<Mutex<Vec<(Vec<KeyValue>, Vec<Span>)>>>,
+    exports: Arc<Mutex<Vec<Export>>>,
     refused: Arc<Mutex<usize>>,
 }
 
@@ -45,7 +48,11 @@ impl Received {
         let mut exports = self.exports.lock().unwrap();
         for resource in request.resource_spans {
             let attributes = resource.resource.map(|r| r.attributes).unwrap_or_default();
-            let spans = resource.scope_spans.into_iter().flat_map(|s| s.spans).collect();
+            let spans = resource
+                .scope_spans
+                .into_iter()
+                .flat_map(|s| s.spans)
+                .collect();
             exports.push((attributes, spans));
         }
     }
@@ -54,16 +61,24 @@ impl Received {
     async fn span_of_trace(&self) -> (Vec<KeyValue>, Span) {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let found = self.exports.lock().unwrap().iter().find_map(|(resource, spans)| {
-                spans
-                    .iter()
-                    .find(|span| hex(&span.trace_id) == TRACE)
-                    .map(|span| (resource.clone(), span.clone()))
-            });
+            let found = self
+                .exports
+                .lock()
+                .unwrap()
+                .iter()
+                .find_map(|(resource, spans)| {
+                    spans
+                        .iter()
+                        .find(|span| hex(&span.trace_id) == TRACE)
+                        .map(|span| (resource.clone(), span.clone()))
+                });
             if let Some(found) = found {
                 return found;
             }
-            assert!(Instant::now() < deadline, "no span of the caller's trace arrived");
+            assert!(
+                Instant::now() < deadline,
+                "no span of the caller's trace arrived"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -136,34 +151,40 @@ async fn http_receiver(pki: &Pki, received: Received) -> SocketAddr {
     let acceptor = tls_acceptor(pki, &[b"http/1.1"]);
     tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else { continue };
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
             let acceptor = acceptor.clone();
             let received = received.clone();
             tokio::spawn(async move {
-                let Ok(stream) = acceptor.accept(stream).await else { return };
-                let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
-                    let received = received.clone();
-                    async move {
-                        let authorized = request
-                            .headers()
-                            .get("x-api-key")
-                            .is_some_and(|key| key == API_KEY);
-                        let path_ok = request.uri().path() == "/v1/traces";
-                        let body = request.into_body().collect().await.unwrap().to_bytes();
-                        let status = if !authorized {
-                            *received.refused.lock().unwrap() += 1;
-                            401
-                        } else if !path_ok {
-                            404
-                        } else {
-                            received.keep(ExportTraceServiceRequest::decode(body).unwrap());
-                            200
-                        };
-                        let mut response = hyper::Response::new(Full::new(Bytes::new()));
-                        *response.status_mut() = hyper::StatusCode::from_u16(status).unwrap();
-                        Ok::<_, std::convert::Infallible>(response)
-                    }
-                });
+                let Ok(stream) = acceptor.accept(stream).await else {
+                    return;
+                };
+                let service = hyper::service::service_fn(
+                    move |request: hyper::Request<hyper::body::Incoming>| {
+                        let received = received.clone();
+                        async move {
+                            let authorized = request
+                                .headers()
+                                .get("x-api-key")
+                                .is_some_and(|key| key == API_KEY);
+                            let path_ok = request.uri().path() == "/v1/traces";
+                            let body = request.into_body().collect().await.unwrap().to_bytes();
+                            let status = if !authorized {
+                                *received.refused.lock().unwrap() += 1;
+                                401
+                            } else if !path_ok {
+                                404
+                            } else {
+                                received.keep(ExportTraceServiceRequest::decode(body).unwrap());
+                                200
+                            };
+                            let mut response = hyper::Response::new(Full::new(Bytes::new()));
+                            *response.status_mut() = hyper::StatusCode::from_u16(status).unwrap();
+                            Ok::<_, std::convert::Infallible>(response)
+                        }
+                    },
+                );
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
                     .await;
@@ -215,9 +236,10 @@ async fn decide_in_trace(server: &Server) {
     let mut client = server.decider().await;
     let mut request = tonic::Request::new(retryable("ledger"));
     let header = format!("00-{TRACE}-{PARENT}-01");
-    request
-        .metadata_mut()
-        .insert("traceparent", MetadataValue::try_from(header.as_str()).unwrap());
+    request.metadata_mut().insert(
+        "traceparent",
+        MetadataValue::try_from(header.as_str()).unwrap(),
+    );
     request
         .metadata_mut()
         .insert("tracestate", MetadataValue::from_static("vendor=abc"));
@@ -225,18 +247,37 @@ async fn decide_in_trace(server: &Server) {
 }
 
 fn check_decision_span(resource: &[KeyValue], span: &Span, service_name: &str) {
-    assert_eq!(hex(&span.parent_span_id), PARENT, "the caller's span is the parent");
+    assert_eq!(
+        hex(&span.parent_span_id),
+        PARENT,
+        "the caller's span is the parent"
+    );
     assert_eq!(span.trace_state, "vendor=abc");
     assert_eq!(span.name, "retry.decide");
-    assert_eq!(text(&span.attributes, "retry.upstream").as_deref(), Some("ledger"));
-    assert_eq!(text(&span.attributes, "retry.verdict").as_deref(), Some("retry"));
-    assert_eq!(text(&span.attributes, "rpc.system").as_deref(), Some("grpc"));
+    assert_eq!(
+        text(&span.attributes, "retry.upstream").as_deref(),
+        Some("ledger")
+    );
+    assert_eq!(
+        text(&span.attributes, "retry.verdict").as_deref(),
+        Some("retry")
+    );
+    assert_eq!(
+        text(&span.attributes, "rpc.system").as_deref(),
+        Some("grpc")
+    );
     assert_eq!(
         text(&span.attributes, "rpc.service").as_deref(),
         Some("retryd.v1.RetryDecider")
     );
-    assert_eq!(text(&span.attributes, "rpc.method").as_deref(), Some("Decide"));
-    assert_eq!(text(resource, "service.name").as_deref(), Some(service_name));
+    assert_eq!(
+        text(&span.attributes, "rpc.method").as_deref(),
+        Some("Decide")
+    );
+    assert_eq!(
+        text(resource, "service.name").as_deref(),
+        Some(service_name)
+    );
     let instance = text(resource, "service.instance.id").expect("service.instance.id");
     assert_eq!(instance.len(), 36, "a UUID: {instance}");
 }
@@ -283,7 +324,10 @@ async fn otel_variables_alone_send_spans_over_http_with_tls_and_a_header() {
     decide_in_trace(&refusing).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     while support_metric(&refusing.scrape(), "retryd_spans_export_failed_total") < 1.0 {
-        assert!(Instant::now() < deadline, "the failed export was not counted");
+        assert!(
+            Instant::now() < deadline,
+            "the failed export was not counted"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(*received.refused.lock().unwrap() >= 1);
@@ -328,10 +372,17 @@ async fn telemetry_keys_send_spans_over_grpc_with_tls_and_replicas_differ() {
         if instances.len() >= 2 {
             break instances;
         }
-        assert!(Instant::now() < deadline, "spans of both replicas: {instances:?}");
+        assert!(
+            Instant::now() < deadline,
+            "spans of both replicas: {instances:?}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    assert_eq!(instances.len(), 2, "each replica its own service.instance.id");
+    assert_eq!(
+        instances.len(),
+        2,
+        "each replica its own service.instance.id"
+    );
     let (resource, span) = received.span_of_trace().await;
     check_decision_span(&resource, &span, "retryd");
     assert_eq!(*received.refused.lock().unwrap(), 0);
@@ -345,7 +396,10 @@ fn check_config_shows_each_telemetry_setting_and_its_source() {
     let output = std::process::Command::new(support::binary())
         .arg("check-config")
         .arg(&file)
-        .env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://collector:4318/v1/traces")
+        .env(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "http://collector:4318/v1/traces",
+        )
         .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
         .env("OTEL_EXPORTER_OTLP_HEADERS", "api-key=do-not-print-me")
         .env("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
@@ -353,7 +407,11 @@ fn check_config_shows_each_telemetry_setting_and_its_source() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{stdout}{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let lines: HashMap<&str, &str> = stdout
         .lines()
         .filter_map(|line| line.trim().split_once(": "))
@@ -362,7 +420,10 @@ fn check_config_shows_each_telemetry_setting_and_its_source() {
         lines["otlp endpoint"],
         "http://collector:4318/v1/traces (from OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)"
     );
-    assert_eq!(lines["otlp protocol"], "http/protobuf (from OTEL_EXPORTER_OTLP_PROTOCOL)");
+    assert_eq!(
+        lines["otlp protocol"],
+        "http/protobuf (from OTEL_EXPORTER_OTLP_PROTOCOL)"
+    );
     assert_eq!(lines["otlp timeout"], "2s (from telemetry.otlp_timeout)");
     assert_eq!(
         lines["sampler"],
@@ -380,5 +441,8 @@ fn check_config_shows_each_telemetry_setting_and_its_source() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(stdout.contains("exporter: none (disabled) (from OTEL_SDK_DISABLED)"), "{stdout}");
+    assert!(
+        stdout.contains("exporter: none (disabled) (from OTEL_SDK_DISABLED)"),
+        "{stdout}"
+    );
 }
