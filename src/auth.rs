@@ -138,6 +138,21 @@ impl Auth {
         }
     }
 
+    /// The names of every principal (`anonymous` without authentication),
+    /// for the metrics' principal labels.
+    pub fn principal_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self
+            .anonymous
+            .iter()
+            .chain(self.by_key_hash.values())
+            .chain(self.by_identity.values())
+            .map(|principal| principal.name.as_str())
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        names
+    }
+
     /// Whether callers must authenticate.
     pub fn is_enabled(&self) -> bool {
         self.anonymous.is_none()

@@ -19,6 +19,7 @@
 mod auth;
 mod enums;
 mod loading;
+mod otel;
 mod policies;
 mod server;
 mod settings;
@@ -37,6 +38,7 @@ use crate::policy::Policies;
 pub use self::enums::{
     ClientAuth, FailureKindName, JitterName, LogFormat, OnUnavailableName, StoreKind, StoreMode,
 };
+pub use self::otel::{Origin, VARIABLES as OTEL_VARIABLES};
 pub use self::server::{ServerLimits, TlsConfig};
 pub use self::settings::{
     AuthSettings, BackoffSettings, BudgetSettings, DecisionLogSettings, LimitSettings,
@@ -44,7 +46,7 @@ pub use self::settings::{
     TlsSettings, Urls,
 };
 pub use self::store::StoreConfig;
-pub use self::telemetry::TelemetryConfig;
+pub use self::telemetry::{OtlpExport, OtlpProtocol, Sampling, TelemetryConfig};
 
 /// The prefix of environment overrides: `RETRYD__STORE__KIND=redis`.
 pub const ENV_PREFIX: &str = "RETRYD";
@@ -146,7 +148,7 @@ impl TryFrom<Settings> for Config {
         server::refuse_public_unauthenticated(listen, &auth, &settings.server)?;
         let store = store::store_config(&settings.store)?;
         let store_default = settings.store.on_unavailable.into();
-        let telemetry = telemetry::telemetry_config(&settings.telemetry)?;
+        let telemetry = telemetry::telemetry_config(&settings.telemetry, &settings.otel)?;
         let policies = policies::policies(&settings, store_default)?;
         let report_ids = report_ids(&settings.limits)?;
         let decision_log = decision_log(&settings.decision_log)?;

@@ -120,6 +120,18 @@ fn check_config(file: &std::path::Path) -> anyhow::Result<()> {
             StoreConfig::Redis(_) => "redis",
         }
     );
+    // Telemetry as resolved from [telemetry] and the OTEL_* variables
+    // (header values are secrets, and are not shown).
+    println!("telemetry:");
+    for (setting, value, origin) in &config.telemetry.origins {
+        // An endpoint may carry credentials.
+        let shown = if *setting == "otlp endpoint" {
+            redact_url(value)
+        } else {
+            value.clone()
+        };
+        println!("  {setting}: {shown} ({origin})");
+    }
     Ok(())
 }
 
@@ -292,27 +304,20 @@ async fn run<S: BudgetStore>(
     let grpc_addr = grpc_listener.local_addr()?;
     let metrics_addr = metrics_listener.local_addr()?;
 
-    let metrics = Arc::new(Metrics::new(config.policies.named().map(|(name, _)| name)));
-    let (tracer, tracer_guard) = match &config.telemetry.otlp_endpoint {
-        Some(endpoint) => {
-            let (tracer, guard) = Tracer::start_exporter(
-                endpoint,
-                config.telemetry.sampling_ratio,
-                config.telemetry.export_queue,
-                Arc::clone(&metrics),
-            )
-            .map_err(anyhow::Error::msg)?;
-            tracing::info!(
-                // An endpoint may carry credentials too.
-                endpoint = %redact_url(endpoint),
-                ratio = config.telemetry.sampling_ratio,
-                "exporting decision spans over OTLP"
-            );
-            (tracer, Some(guard))
-        }
-        // No endpoint, no exporter: spans cost nothing.
-        None => (Tracer::disabled(Arc::clone(&metrics)), None),
-    };
+    let metrics = Arc::new(Metrics::with_principals(
+        config.policies.named().map(|(name, _)| name),
+        config.auth.principal_names(),
+    ));
+    let (tracer, tracer_guard) =
+        Tracer::from_config(&config.telemetry, Arc::clone(&metrics)).map_err(anyhow::Error::msg)?;
+    if let Some(export) = &config.telemetry.otlp {
+        tracing::info!(
+            // An endpoint may carry credentials too.
+            endpoint = %redact_url(&export.endpoint),
+            protocol = export.protocol.as_str(),
+            "exporting decision spans over OTLP"
+        );
+    }
     let shutdown_grace = config.shutdown_grace;
     let service = Service::new(
         store,

@@ -1,5 +1,6 @@
 //! Telemetry: structured logs through `tracing`, an audit span per decision
-//! exported over OTLP/gRPC, and Prometheus metrics.
+//! through the OpenTelemetry SDK, exported over OTLP (gRPC or HTTP), and
+//! Prometheus metrics in the OpenMetrics format.
 //!
 //! Nothing here may slow a decision down or fail it: spans go into a
 //! bounded queue that drops (and counts) rather than waits, the exporter runs
@@ -35,8 +36,19 @@ pub const SPAN_SET_RETRIES_ENABLED: &str = "retry.admin.set_retries_enabled";
 /// See [`SPAN_GET_BUDGET`].
 pub const SPAN_RELOAD_CONFIG: &str = "retry.admin.reload_config";
 
+/// `rpc.service` of Decide, DecideStream and ReportTraffic spans.
+pub const RPC_SERVICE_DECIDER: &str = "retryd.v1.RetryDecider";
+/// `rpc.service` of admin spans.
+pub const RPC_SERVICE_ADMIN: &str = "retryd.v1.RetryAdmin";
+
 /// Span attribute names.
 pub mod attr {
+    /// `grpc`: retryd's own RPC, by the OpenTelemetry RPC conventions.
+    pub const RPC_SYSTEM: &str = "rpc.system";
+    /// The service retryd answered as (`retryd.v1.RetryDecider`, ...).
+    pub const RPC_SERVICE: &str = "rpc.service";
+    /// The method retryd answered (`Decide`, `DecideStream`, ...).
+    pub const RPC_METHOD: &str = "rpc.method";
     /// The upstream.
     pub const UPSTREAM: &str = "retry.upstream";
     /// The operation.

@@ -911,8 +911,9 @@ fn compose_runs_two_healthchecked_retryd_replicas_on_redis() {
         }
         let endpoint = config
             .telemetry
-            .otlp_endpoint
-            .as_deref()
+            .otlp
+            .as_ref()
+            .map(|export| export.endpoint.as_str())
             .unwrap_or_else(|| panic!("{name}: no otlp_endpoint"));
         assert!(
             names.contains(&host_of(endpoint)),

@@ -41,7 +41,7 @@ impl InProcess {
         let config = Config::load(Some(&path)).unwrap();
         let acceptor = Acceptor::try_new(config.tls.as_ref(), &config.server_limits).unwrap();
         let metrics = Arc::new(Metrics::new(config.policies.named().map(|(name, _)| name)));
-        let tracer = Tracer::disabled(Arc::clone(&metrics));
+        let tracer = Tracer::disabled();
         let service = Service::new(
             store,
             "in-process",

@@ -895,9 +895,9 @@ fn check_config_error(error: &InvalidConfig) {
 
 fn check_valid_config(config: &Config) {
     let telemetry = &config.telemetry;
-    assert!((0.0..=1.0).contains(&telemetry.sampling_ratio));
-    if let Some(endpoint) = &telemetry.otlp_endpoint {
-        assert!(endpoint.starts_with("http://") || endpoint.starts_with("https://"));
+    assert!((0.0..=1.0).contains(&telemetry.sampling.ratio));
+    if let Some(export) = &telemetry.otlp {
+        assert!(export.endpoint.starts_with("http://") || export.endpoint.starts_with("https://"));
     }
     assert!(config.max_upstreams >= 1);
     assert!(config.shutdown_grace <= Duration::from_secs(86_400));

@@ -66,6 +66,13 @@ impl Settings {
                 "variable names may not contain '[' or ']'",
             ));
         }
+        // The OpenTelemetry variables every instrumented service honours;
+        // `[telemetry]` resolves them (config/otel.rs).
+        let otel = variables
+            .iter()
+            .filter(|(name, _)| name.starts_with("OTEL_"))
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect();
         let builder = config::Config::builder()
             .add_source(config::File::from_str(toml, config::FileFormat::Toml))
             .add_source(
@@ -75,10 +82,12 @@ impl Settings {
                     .try_parsing(true)
                     .source(environment),
             );
-        builder
+        let mut settings: Settings = builder
             .build()
             .and_then(|merged| merged.try_deserialize())
-            .map_err(|error| load_error(&error))
+            .map_err(|error| load_error(&error))?;
+        settings.otel = otel;
+        Ok(settings)
     }
 
     /// Settings from TOML text alone, for tests and `check-config`.

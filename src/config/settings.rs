@@ -46,6 +46,10 @@ pub struct Settings {
     pub defaults: PolicySettings,
     /// `[upstreams."name"]`: only what differs from the defaults.
     pub upstreams: BTreeMap<String, PolicySettings>,
+    /// The standard `OTEL_*` environment variables, as loading found them
+    /// (never from the file): `[telemetry]` resolves them against its keys.
+    #[serde(skip)]
+    pub otel: BTreeMap<String, String>,
 }
 
 /// `[server]`
@@ -217,10 +221,24 @@ impl Default for StoreSettings {
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TelemetrySettings {
-    /// OTLP/gRPC collector; none means no exporter runs.
+    /// OTLP collector; none (and no `OTEL_EXPORTER_OTLP_*ENDPOINT`) means
+    /// no exporter runs.
     pub otlp_endpoint: Option<String>,
-    /// The fraction of decisions whose spans are sampled (0 to 1).
-    pub sampling_ratio: f64,
+    /// `grpc` or `http/protobuf`.
+    pub otlp_protocol: Option<String>,
+    /// Headers sent with every export (an API key, a tenant).
+    pub otlp_headers: BTreeMap<String, String>,
+    /// A PEM file of the CA that signed the collector's certificate.
+    pub otlp_ca_file: Option<String>,
+    /// How long one export may take, e.g. `"10s"`.
+    pub otlp_timeout: Option<String>,
+    /// The resource's `service.name`.
+    pub service_name: Option<String>,
+    /// More resource attributes (`deployment.environment`, ...).
+    pub resource_attributes: BTreeMap<String, String>,
+    /// The fraction of root decisions whose spans are sampled (0 to 1); a
+    /// caller's sampled flag is followed.
+    pub sampling_ratio: Option<f64>,
     /// `text` or `json`.
     pub log_format: LogFormat,
     /// A `tracing` filter, e.g. `info` or `retryd=debug`.
@@ -231,11 +249,18 @@ pub struct TelemetrySettings {
 }
 
 impl Default for TelemetrySettings {
-    /// The defaults of `[telemetry]`: the only place they are written.
+    /// The defaults of `[telemetry]`: the only place they are written
+    /// (the exporter's, which `OTEL_*` may set, are in `config/otel.rs`).
     fn default() -> Self {
         TelemetrySettings {
             otlp_endpoint: None,
-            sampling_ratio: 1.0,
+            otlp_protocol: None,
+            otlp_headers: BTreeMap::new(),
+            otlp_ca_file: None,
+            otlp_timeout: None,
+            service_name: None,
+            resource_attributes: BTreeMap::new(),
+            sampling_ratio: None,
             log_format: LogFormat::Text,
             log_level: "info".into(),
             export_queue: 8192,

@@ -229,6 +229,9 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             .await?;
         let upstream = message.upstream.as_str();
         let reason = message.reason.as_str();
+        if previous != message.enabled {
+            self.inner.metrics.record_flip(upstream, message.enabled);
+        }
         // The kill switch is an audited act: who, what, why.
         tracing::warn!(
             target: "retryd::audit",

@@ -44,6 +44,8 @@ struct Begun<'r> {
     withdraw: bool,
     started: Instant,
     span: Option<SpanStart>,
+    /// `rpc.method` of the span: `Decide` or `DecideStream`.
+    method: &'static str,
 }
 
 impl<S: BudgetStore> Service<S> {
@@ -60,8 +62,9 @@ impl<S: BudgetStore> Service<S> {
         principal: &Principal,
         request: &pb::DecideRequest,
         parent: Option<&TraceContext>,
+        method: &'static str,
     ) -> Result<pb::DecideResponse, Status> {
-        let begun = self.begin(live, principal, request, parent)?;
+        let begun = self.begin(live, principal, request, parent, method)?;
         let store = &self.inner.store;
         let asked = Instant::now();
         let checked = store
@@ -88,8 +91,9 @@ impl<S: BudgetStore> Service<S> {
         principal: &Principal,
         request: &pb::DecideRequest,
         parent: Option<&TraceContext>,
+        method: &'static str,
     ) -> Result<pb::DecideResponse, Status> {
-        let begun = self.begin(live, principal, request, parent)?;
+        let begun = self.begin(live, principal, request, parent, method)?;
         let checked = self
             .inner
             .store
@@ -112,6 +116,7 @@ impl<S: BudgetStore> Service<S> {
         principal: &'r Principal,
         request: &'r pb::DecideRequest,
         parent: Option<&TraceContext>,
+        method: &'static str,
     ) -> Result<Begun<'r>, Status> {
         let started = Instant::now();
         let span = self.inner.tracer.start(parent);
@@ -124,7 +129,8 @@ impl<S: BudgetStore> Service<S> {
             Ok(valid) => valid,
             Err(status) => {
                 let caller = (attr::CALLER, Attribute::Text(principal.name.clone()));
-                self.finish_failed_with(span, SPAN_DECIDE, &status, vec![caller]);
+                let method = (attr::RPC_METHOD, Attribute::Static(method));
+                self.finish_failed_with(span, SPAN_DECIDE, &status, vec![caller, method]);
                 return Err(status);
             }
         };
@@ -151,6 +157,7 @@ impl<S: BudgetStore> Service<S> {
             withdraw,
             started,
             span,
+            method,
         })
     }
 
@@ -202,18 +209,34 @@ impl<S: BudgetStore> Service<S> {
         );
 
         let decision_id = hex(&rand::rng().random::<[u8; 16]>());
-        self.inner
-            .metrics
-            .record_decision(valid.upstream, &decision, begun.started.elapsed());
+        let span_trace = begun.span.as_ref().map(SpanStart::trace_id);
+        self.inner.metrics.record_decision(
+            valid.upstream,
+            &begun.principal.name,
+            &decision,
+            begun.started.elapsed(),
+            span_trace,
+        );
+        let (deny_reason, backoff_ms) = match decision.verdict {
+            Verdict::Deny(reason) => (Some(reason.as_str()), None),
+            Verdict::Retry { backoff, .. } => (None, Some(backoff.as_secs_f64() * 1000.0)),
+            Verdict::Ambiguous => (None, None),
+        };
         tracing::debug!(
             target: "retryd::decision",
             decision_id,
-            trace_id = begun.span.as_ref().map(|s| &s.trace_id).or(parent.map(|p| &p.trace_id)).map(|id| hex(id)),
+            trace_id = span_trace.or(parent.map(|p| p.trace_id)).map(|id| hex(&id)),
             upstream = valid.upstream,
             operation = valid.operation,
+            principal = begun.principal.name,
             attempt = valid.reported.attempt,
             evidence = decision.effective_evidence.as_str(),
+            failure = valid.reported.failure.map(|failure| failure.as_str()),
+            http_status = valid.reported.http_status,
+            grpc_status = valid.reported.grpc_status.map(|code| code.number()),
             verdict = decision.verdict.as_str(),
+            deny_reason,
+            backoff_ms,
             rule = decision.rule.number(),
             "decided"
         );
@@ -226,6 +249,7 @@ impl<S: BudgetStore> Service<S> {
                 &decision_id,
             );
             shadow::attributes(&mut attributes, shadow, candidate.as_ref());
+            attributes.push((attr::RPC_METHOD, Attribute::Static(begun.method)));
             self.inner
                 .tracer
                 .finish(span, SPAN_DECIDE, attributes, None);
@@ -417,10 +441,22 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         }
         let parent = trace_context(request.metadata());
         let answer = if S::ANSWERS_AT_ONCE {
-            self.decide_one_now(&live, principal, request.get_ref(), parent.as_ref())
+            self.decide_one_now(
+                &live,
+                principal,
+                request.get_ref(),
+                parent.as_ref(),
+                "Decide",
+            )
         } else {
-            self.decide_one(&live, principal, request.get_ref(), parent.as_ref())
-                .await
+            self.decide_one(
+                &live,
+                principal,
+                request.get_ref(),
+                parent.as_ref(),
+                "Decide",
+            )
+            .await
         };
         if let Err(status) = &answer {
             let peer = peer_addr(&request);
@@ -474,6 +510,7 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
                             &principal,
                             &request,
                             parent.as_deref(),
+                            "DecideStream",
                         )
                     });
                     answered(&service, &principal, answer)
@@ -496,6 +533,7 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
                                             &principal,
                                             &request,
                                             parent.as_deref(),
+                                            "DecideStream",
                                         )
                                         .await
                                 }
@@ -514,6 +552,20 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         &self,
         request: Request<pb::ReportTrafficRequest>,
     ) -> Result<Response<pb::ReportTrafficResponse>, Status> {
-        self.report_traffic_call(request).await
+        let traffic = request.get_ref().traffic.clone();
+        let answer = self.report_traffic_call(request).await;
+        // Per upstream, what this call applied: every entry after those an
+        // earlier call with the same report id applied. (A report the store
+        // failed midway is counted in the total only: which of its entries
+        // landed is in its status message, not in a value.)
+        if let Ok(response) = &answer {
+            let applied = response.get_ref().already_applied as usize;
+            for entry in traffic.iter().skip(applied) {
+                self.inner
+                    .metrics
+                    .record_reported(&entry.upstream, entry.requests);
+            }
+        }
+        answer
     }
 }

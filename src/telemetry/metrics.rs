@@ -1,23 +1,26 @@
 //! Prometheus metrics: counters and histograms as atomics, indexed so that
-//! recording takes no lock and no allocation, rendered as text on scrape.
+//! recording takes no lock and no allocation, rendered on scrape in the
+//! OpenMetrics format by `prometheus-client` (metrics/render.rs), with
+//! exemplars (trace ids) on the decision histogram.
 //!
 //! Upstream labels are bounded: the upstreams the configuration named at
 //! start keep their own label, every other upstream (a caller's made-up
 //! name, a look-alike, one named only by a later reload) counts as
 //! `_other`. This holds for the budget gauges as for the counters, so no
-//! series ever carries a name a caller chose.
+//! series ever carries a name a caller chose. Principals likewise: the
+//! principals configured at start (and `anonymous`) have their own label,
+//! any later one counts as `_other`.
 //!
-//! About 500 lines because the names, the recording and the rendering of
-//! each metric are read together (one place to look for a dashboard); the
-//! histograms, the `/metrics` port and the tests are in `metrics/`.
+//! The names and the recording are here; the rendering, the histograms,
+//! the `/metrics` port and the tests are in `metrics/`.
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 mod histogram;
 mod policy_checks;
+mod render;
 mod server;
 #[cfg(test)]
 mod tests;
@@ -27,7 +30,6 @@ use self::policy_checks::PolicyChecks;
 pub use self::policy_checks::{METRIC_CANDIDATE_DECISIONS, METRIC_SHADOW_DECISIONS};
 pub use self::server::serve_metrics;
 
-use crate::budget::{BudgetSnapshot, StoreStats};
 use crate::engine::{Decision, DenyReason, VariantArray, Verdict};
 
 /// Counter of decisions, by upstream, verdict and reason.
@@ -81,7 +83,20 @@ pub const METRIC_RELOADS: &str = "retryd_config_reloads_total";
 /// call). None spent a token.
 pub const METRIC_EXPIRED: &str = "retryd_expired_requests_total";
 
-/// The label of upstreams the configuration does not name.
+/// Counter of real requests reported, by upstream (reports the store
+/// applied in full; a report the store failed midway is only in
+/// `retryd_reported_requests_total`).
+pub const METRIC_UPSTREAM_REPORTED: &str = "retryd_upstream_reported_requests_total";
+/// Counter of retries granted (RETRY verdicts), by upstream.
+pub const METRIC_RETRIES_GRANTED: &str = "retryd_retries_granted_total";
+/// Counter of decisions by principal and verdict.
+pub const METRIC_PRINCIPAL_DECISIONS: &str = "retryd_principal_decisions_total";
+/// Counter of retries granted, by principal.
+pub const METRIC_PRINCIPAL_RETRIES: &str = "retryd_principal_retries_granted_total";
+/// Counter of kill-switch flips, by upstream and new state.
+pub const METRIC_KILL_SWITCH_FLIPS: &str = "retryd_kill_switch_flips_total";
+
+/// The label of upstreams (and principals) the configuration does not name.
 pub const OTHER_UPSTREAM: &str = "_other";
 
 // Outcomes: retry, ambiguous, then one per deny reason, in the order of
@@ -121,6 +136,8 @@ fn outcome_labels(index: usize) -> (&'static str, &'static str) {
 struct DecisionShard {
     /// By upstream label, then outcome.
     decisions: Vec<[AtomicU64; OUTCOMES]>,
+    /// By principal label, then verdict (retry, ambiguous, deny).
+    principals: Vec<[AtomicU64; 3]>,
     latency: Histogram,
 }
 
@@ -189,8 +206,14 @@ impl StoreOp {
 pub struct Metrics {
     labels: Vec<String>,
     index: HashMap<String, usize>,
+    principal_labels: Vec<String>,
+    principal_index: HashMap<String, usize>,
     shards: Box<[DecisionShard]>,
     reported_requests: AtomicU64,
+    /// By upstream label: not on the decision path, so not sharded.
+    upstream_reported: Box<[AtomicU64]>,
+    /// By upstream label, then the new state (off, on).
+    flips: Box<[[AtomicU64; 2]]>,
     /// Indexed by `StoreOp as usize`, in the order of `StoreOp::VARIANTS`.
     store_latency: [Histogram; StoreOp::VARIANTS.len()],
     store_errors: [AtomicU64; StoreOp::VARIANTS.len()],
@@ -210,34 +233,37 @@ pub struct Metrics {
 impl Metrics {
     /// Metrics with a label of their own for each of `named_upstreams`.
     pub fn new<'a>(named_upstreams: impl IntoIterator<Item = &'a str>) -> Metrics {
-        // An upstream configured as `_other` is counted with the others:
-        // two series with one label would make the exposition invalid.
-        let mut labels: Vec<String> = named_upstreams
-            .into_iter()
-            .filter(|name| *name != OTHER_UPSTREAM)
-            .map(str::to_owned)
-            .collect();
-        labels.sort();
-        labels.dedup();
-        labels.push(OTHER_UPSTREAM.to_owned());
-        let index = labels
-            .iter()
-            .enumerate()
-            .take(labels.len() - 1)
-            .map(|(i, label)| (label.clone(), i))
-            .collect();
+        Metrics::with_principals(named_upstreams, ["anonymous"])
+    }
+
+    /// Metrics with a label of their own for each of `named_upstreams` and
+    /// of `principals`.
+    pub fn with_principals<'a, 'p>(
+        named_upstreams: impl IntoIterator<Item = &'a str>,
+        principals: impl IntoIterator<Item = &'p str>,
+    ) -> Metrics {
+        let (labels, index) = label_table(named_upstreams);
+        let (principal_labels, principal_index) = label_table(principals);
         // One shard per core is enough: the runtime has a worker per core.
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
         let shards = (0..cores.min(64))
             .map(|_| DecisionShard {
                 decisions: labels.iter().map(|_| Default::default()).collect(),
+                principals: principal_labels
+                    .iter()
+                    .map(|_| Default::default())
+                    .collect(),
                 latency: Histogram::default(),
             })
             .collect();
         let labels_len = labels.len();
         Metrics {
+            upstream_reported: labels.iter().map(|_| AtomicU64::new(0)).collect(),
+            flips: labels.iter().map(|_| Default::default()).collect(),
             labels,
             index,
+            principal_labels,
+            principal_index,
             shards,
             reported_requests: AtomicU64::new(0),
             store_latency: Default::default(),
@@ -286,12 +312,40 @@ impl Metrics {
             .unwrap_or(self.labels.len() - 1)
     }
 
-    /// Counts one decision and how long it took.
-    pub fn record_decision(&self, upstream: &str, decision: &Decision, elapsed: Duration) {
+    /// Counts one decision (by upstream and by principal) and how long it
+    /// took; with the trace id of its span, if sampled, as the exemplar of
+    /// its latency bucket. No lock, no allocation: a map lookup per label
+    /// and relaxed atomics in this thread's shard.
+    pub fn record_decision(
+        &self,
+        upstream: &str,
+        principal: &str,
+        decision: &Decision,
+        elapsed: Duration,
+        trace_id: Option<[u8; 16]>,
+    ) {
         let row = self.row(upstream);
         let shard = &self.shards[shard_of_this_thread(self.shards.len())];
-        shard.decisions[row][outcome_index(&decision.verdict)].fetch_add(1, Ordering::Relaxed);
-        shard.latency.record(elapsed);
+        let outcome = outcome_index(&decision.verdict);
+        shard.decisions[row][outcome].fetch_add(1, Ordering::Relaxed);
+        let principal_row = self
+            .principal_index
+            .get(principal)
+            .copied()
+            .unwrap_or(self.principal_labels.len() - 1);
+        shard.principals[principal_row][outcome.min(2)].fetch_add(1, Ordering::Relaxed);
+        shard.latency.record_traced(elapsed, trace_id);
+    }
+
+    /// Counts real requests reported for `upstream` (applied in full).
+    pub fn record_reported(&self, upstream: &str, requests: u64) {
+        self.upstream_reported[self.row(upstream)].fetch_add(requests, Ordering::Relaxed);
+    }
+
+    /// Counts an operator switching retries for `upstream` to `enabled`
+    /// (only a change of state is a flip).
+    pub fn record_flip(&self, upstream: &str, enabled: bool) {
+        self.flips[self.row(upstream)][usize::from(enabled)].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Decisions of one upstream label and outcome, over every shard.
@@ -316,270 +370,27 @@ impl Metrics {
             self.store_errors[index].fetch_add(1, Ordering::Relaxed);
         }
     }
-
-    /// The Prometheus text exposition of every metric, with the budgets
-    /// the store reported at scrape time.
-    pub fn render(
-        &self,
-        budgets: &[BudgetSnapshot],
-        store_available: bool,
-        store: &StoreStats,
-    ) -> String {
-        let mut out = String::with_capacity(8192);
-        let help = |out: &mut String, name: &str, kind: &str, text: &str| {
-            let _ = writeln!(out, "# HELP {name} {text}");
-            let _ = writeln!(out, "# TYPE {name} {kind}");
-        };
-        help(
-            &mut out,
-            METRIC_DECISIONS,
-            "counter",
-            "Retry decisions by upstream, verdict and deny reason.",
-        );
-        for (row, label) in self.labels.iter().enumerate() {
-            for outcome in 0..OUTCOMES {
-                let value = self.decisions(row, outcome);
-                if value == 0 {
-                    continue;
-                }
-                let (verdict, reason) = outcome_labels(outcome);
-                let _ = writeln!(
-                    out,
-                    "{METRIC_DECISIONS}{{upstream=\"{}\",verdict=\"{verdict}\",reason=\"{reason}\"}} {value}",
-                    escape(label)
-                );
-            }
-        }
-        help(
-            &mut out,
-            METRIC_DECISION_SECONDS,
-            "histogram",
-            "Time to decide, store round trips included.",
-        );
-        Histogram::render_sum(
-            self.shards.iter().map(|shard| &shard.latency),
-            &mut out,
-            METRIC_DECISION_SECONDS,
-            "",
-        );
-
-        let counters = [
-            (
-                METRIC_REPORTED_REQUESTS,
-                "Real requests reported through ReportTraffic.",
-                &self.reported_requests,
-            ),
-            (
-                METRIC_SPANS_EXPORTED,
-                "Decision spans accepted by the OTLP collector.",
-                &self.spans_exported,
-            ),
-            (
-                METRIC_SPANS_DROPPED,
-                "Spans dropped because the export queue was full.",
-                &self.spans_dropped,
-            ),
-            (
-                METRIC_SPANS_FAILED,
-                "Spans lost in failed OTLP exports.",
-                &self.spans_failed,
-            ),
-            (
-                METRIC_DECISION_LOG_DROPPED,
-                "Decision log lines dropped because its queue was full.",
-                &self.decision_log_dropped,
-            ),
-        ];
-        for (name, text, counter) in counters {
-            help(&mut out, name, "counter", text);
-            let _ = writeln!(out, "{name} {}", counter.load(Ordering::Relaxed));
-        }
-        help(
-            &mut out,
-            METRIC_EXPIRED,
-            "counter",
-            "Decisions not made because the caller had given up (deadline passed, or cancelled); none spent.",
-        );
-        for expiry in Expiry::VARIANTS {
-            let _ = writeln!(
-                out,
-                "{METRIC_EXPIRED}{{reason=\"{}\"}} {}",
-                expiry.label(),
-                self.expired[*expiry as usize].load(Ordering::Relaxed)
-            );
-        }
-        self.policy_checks.render(&mut out, &self.labels);
-        // One token per RETRY: the RETRY decisions, not a counter of its own.
-        help(
-            &mut out,
-            METRIC_WITHDRAWALS,
-            "counter",
-            "Tokens withdrawn, one per RETRY.",
-        );
-        let retries: u64 = (0..self.labels.len())
-            .map(|row| self.decisions(row, RETRY_OUTCOME))
-            .sum();
-        let _ = writeln!(out, "{METRIC_WITHDRAWALS} {retries}");
-
-        help(
-            &mut out,
-            METRIC_STORE_SECONDS,
-            "histogram",
-            "Budget store operation latency.",
-        );
-        for (op, histogram) in StoreOp::VARIANTS.iter().zip(&self.store_latency) {
-            let op = op.label();
-            histogram.render(&mut out, METRIC_STORE_SECONDS, &format!("op=\"{op}\""));
-        }
-        help(
-            &mut out,
-            METRIC_STORE_ERRORS,
-            "counter",
-            "Failed budget store operations.",
-        );
-        for (op, counter) in StoreOp::VARIANTS.iter().zip(&self.store_errors) {
-            let op = op.label();
-            let _ = writeln!(
-                out,
-                "{METRIC_STORE_ERRORS}{{op=\"{op}\"}} {}",
-                counter.load(Ordering::Relaxed)
-            );
-        }
-
-        help(
-            &mut out,
-            METRIC_STORE_AVAILABLE,
-            "gauge",
-            "1 while the budget store's backend is reachable.",
-        );
-        let _ = writeln!(
-            out,
-            "{METRIC_STORE_AVAILABLE} {}",
-            u8::from(store_available)
-        );
-        let store_counters: [(&str, &str, f64); 7] = [
-            (
-                METRIC_STORE_BACKEND_ERRORS,
-                "Backend calls that failed or timed out.",
-                store.backend_errors as f64,
-            ),
-            (
-                METRIC_STORE_BACKEND_TIMEOUTS,
-                "Backend calls that timed out.",
-                store.backend_timeouts as f64,
-            ),
-            (
-                METRIC_STORE_OUTAGES,
-                "Times the backend was found unreachable.",
-                store.outages as f64,
-            ),
-            (
-                METRIC_STORE_FALLBACKS,
-                "Calls answered from the local fallback bucket.",
-                store.fallbacks as f64,
-            ),
-            (
-                METRIC_STORE_UNAVAILABLE,
-                "Calls answered unavailable (on_unavailable = deny).",
-                store.unavailable_answers as f64,
-            ),
-            (
-                METRIC_STORE_FORFEITED,
-                "Leased tokens neither spent nor returned.",
-                store.forfeited_tokens,
-            ),
-            (
-                METRIC_STORE_LOST_DEPOSITS,
-                "Batched deposits that never reached the backend.",
-                store.lost_deposits as f64,
-            ),
-        ];
-        for (name, text, value) in store_counters {
-            help(&mut out, name, "counter", text);
-            let _ = writeln!(out, "{name} {value}");
-        }
-
-        help(
-            &mut out,
-            METRIC_RELOADS,
-            "counter",
-            "Configuration reloads, applied or refused.",
-        );
-        for (outcome, counter) in ["applied", "refused"].iter().zip(&self.reloads) {
-            let _ = writeln!(
-                out,
-                "{METRIC_RELOADS}{{outcome=\"{outcome}\"}} {}",
-                counter.load(Ordering::Relaxed)
-            );
-        }
-
-        help(
-            &mut out,
-            METRIC_TRACKED_UPSTREAMS,
-            "gauge",
-            "Upstreams with budget state.",
-        );
-        let _ = writeln!(out, "{METRIC_TRACKED_UPSTREAMS} {}", budgets.len());
-        // The gauges are labelled as the counters are: a tracked upstream
-        // the configuration does not name is added into `_other`. A label
-        // without tracked upstreams has no series.
-        let mut gauges: Vec<Option<Gauges>> = vec![None; self.labels.len()];
-        for budget in budgets {
-            let gauge = gauges[self.row(&budget.upstream)].get_or_insert(Gauges {
-                tokens: 0.0,
-                retries_enabled: true,
-            });
-            gauge.tokens += budget.tokens;
-            gauge.retries_enabled &= budget.retries_enabled;
-        }
-        let labelled = || {
-            self.labels
-                .iter()
-                .zip(&gauges)
-                .filter_map(|(label, gauge)| gauge.map(|gauge| (escape(label), gauge)))
-        };
-        help(
-            &mut out,
-            METRIC_BUDGET_TOKENS,
-            "gauge",
-            "Tokens in the upstream's retry budget (_other: the sum over unconfigured upstreams).",
-        );
-        for (label, gauge) in labelled() {
-            let _ = writeln!(
-                out,
-                "{METRIC_BUDGET_TOKENS}{{upstream=\"{label}\"}} {}",
-                gauge.tokens
-            );
-        }
-        help(
-            &mut out,
-            METRIC_RETRIES_ENABLED,
-            "gauge",
-            "0 while an operator has switched retries off (_other: for any unconfigured upstream).",
-        );
-        for (label, gauge) in labelled() {
-            let _ = writeln!(
-                out,
-                "{METRIC_RETRIES_ENABLED}{{upstream=\"{label}\"}} {}",
-                u8::from(gauge.retries_enabled)
-            );
-        }
-        out
-    }
 }
 
-/// The budget gauges of one upstream label at scrape time.
-#[derive(Clone, Copy, Debug)]
-struct Gauges {
-    tokens: f64,
-    retries_enabled: bool,
-}
-
-/// Label values escape backslash, quote and newline, as the text exposition
-/// format requires; every other character may appear as it is.
-fn escape(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+/// Labels sorted and deduplicated, `_other` last (a name configured as
+/// `_other` is counted with the others: two series with one label would
+/// make the exposition invalid), and the index of all but `_other`.
+fn label_table<'a>(
+    names: impl IntoIterator<Item = &'a str>,
+) -> (Vec<String>, HashMap<String, usize>) {
+    let mut labels: Vec<String> = names
+        .into_iter()
+        .filter(|name| *name != OTHER_UPSTREAM)
+        .map(str::to_owned)
+        .collect();
+    labels.sort();
+    labels.dedup();
+    labels.push(OTHER_UPSTREAM.to_owned());
+    let index = labels
+        .iter()
+        .enumerate()
+        .take(labels.len() - 1)
+        .map(|(i, label)| (label.clone(), i))
+        .collect();
+    (labels, index)
 }

@@ -1,21 +1,28 @@
-//! Audit spans: W3C trace context in, one span per call out.
+//! Audit spans through the OpenTelemetry SDK: W3C trace context in (the
+//! SDK's `TraceContextPropagator`, `tracestate` kept), one SDK span per
+//! call out.
 //!
-//! A span is started with the caller's `traceparent` as its parent (or as a
-//! new root), finished with its attributes, and handed to the exporter task
-//! through a bounded queue. `try_send` never waits: a full queue drops the
-//! span and counts it, because a decision must never wait on telemetry.
-//! Without an OTLP endpoint there is no queue and starting a span is a
-//! no-op.
+//! A span is started with the caller's context as its remote parent (or as
+//! a new root) by the SDK's tracer and sampler, finished with its
+//! attributes, and handed by `otlp::QueueProcessor` to the exporter task
+//! through a bounded queue that drops and counts rather than waits, because
+//! a decision must never wait on telemetry. Without an exporter there is no
+//! tracer, and starting a span is a no-op.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use rand::Rng;
-use tokio::sync::mpsc;
+use opentelemetry::propagation::{Extractor, TextMapPropagator};
+use opentelemetry::trace::{
+    Span as _, SpanContext, SpanKind, Status, TraceContextExt, Tracer as _,
+};
+use opentelemetry::{Context, Key, KeyValue, Value};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{SdkTracer, Span};
 
 use super::Metrics;
 use super::otlp;
+use crate::config::TelemetryConfig;
 
 /// The caller's W3C trace context.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,8 +33,11 @@ pub struct TraceContext {
     pub span_id: [u8; 8],
     /// The caller's sampling decision.
     pub sampled: bool,
-    /// The `tracestate` header, passed along untouched.
+    /// The `tracestate` header as received (bounded).
     pub trace_state: String,
+    /// The same, as the SDK's propagator extracted it: the parent of our
+    /// spans, `tracestate` included.
+    pub span_context: SpanContext,
 }
 
 impl TraceContext {
@@ -57,12 +67,48 @@ impl TraceContext {
             .filter(|state| state.len() <= 512)
             .unwrap_or_default()
             .to_owned();
+        // The header passed the checks above (which fuzzing found the
+        // SDK's parser too lenient for: it takes short ids and "Aa"), so
+        // the SDK's propagator makes the parent, with its `tracestate`.
+        let headers = Headers {
+            traceparent: traceparent.trim(),
+            tracestate: (!trace_state.is_empty()).then_some(trace_state.as_str()),
+        };
+        let span_context = TraceContextPropagator::new()
+            .extract(&headers)
+            .span()
+            .span_context()
+            .clone();
+        if !span_context.is_valid() {
+            return None;
+        }
         Some(TraceContext {
             trace_id,
             span_id,
             sampled: flags & 1 == 1,
             trace_state,
+            span_context,
         })
+    }
+}
+
+/// The two W3C headers, as the propagator reads them.
+struct Headers<'h> {
+    traceparent: &'h str,
+    tracestate: Option<&'h str>,
+}
+
+impl Extractor for Headers<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        match key {
+            "traceparent" => Some(self.traceparent),
+            "tracestate" => self.tracestate,
+            _ => None,
+        }
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        vec!["traceparent", "tracestate"]
     }
 }
 
@@ -104,44 +150,39 @@ pub enum Attribute {
     Bool(bool),
 }
 
-/// A started, sampled span.
-#[derive(Clone, Debug)]
-pub struct SpanStart {
-    /// The trace it belongs to.
-    pub trace_id: [u8; 16],
-    /// Its own id.
-    pub span_id: [u8; 8],
-    /// The caller's span, if the call carried a trace context.
-    pub parent_span_id: Option<[u8; 8]>,
-    trace_state: String,
-    start_unix_nanos: u64,
-}
-
-/// A finished span on its way to the exporter.
-#[derive(Debug)]
-pub(super) struct SpanRecord {
-    pub(super) name: &'static str,
-    pub(super) start: SpanStart,
-    pub(super) end_unix_nanos: u64,
-    pub(super) attributes: Vec<(&'static str, Attribute)>,
-    pub(super) error: Option<String>,
-}
-
-impl SpanRecord {
-    pub(super) fn trace_state(&self) -> &str {
-        &self.start.trace_state
+impl From<Attribute> for Value {
+    /// Without a copy: a static string stays static, an owned one moves.
+    fn from(attribute: Attribute) -> Value {
+        match attribute {
+            Attribute::Static(text) => Value::from(text),
+            Attribute::Text(text) => Value::from(text),
+            Attribute::Int(int) => Value::I64(int),
+            Attribute::Float(float) => Value::F64(float),
+            Attribute::Bool(flag) => Value::Bool(flag),
+        }
     }
-    pub(super) fn start_unix_nanos(&self) -> u64 {
-        self.start.start_unix_nanos
+}
+
+/// A started, sampled span.
+#[derive(Debug)]
+pub struct SpanStart {
+    span: Span,
+}
+
+impl SpanStart {
+    /// The trace it belongs to.
+    pub fn trace_id(&self) -> [u8; 16] {
+        self.span.span_context().trace_id().to_bytes()
     }
 }
 
 /// Starts and finishes spans; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Tracer {
-    queue: Option<mpsc::Sender<SpanRecord>>,
-    sampling_ratio: f64,
-    metrics: Arc<Metrics>,
+    /// The configured sampler's tracer; `None` when tracing is off.
+    sampled: Option<SdkTracer>,
+    /// An always-on tracer for the audit record of admin calls.
+    always: Option<SdkTracer>,
 }
 
 /// Stops the exporter, flushing what is queued, when shut down.
@@ -165,86 +206,88 @@ impl TracerGuard {
     }
 }
 
+/// retryd's own RPC of a span, by its name: the server side of the
+/// OpenTelemetry RPC conventions (`rpc.system`, `rpc.service`,
+/// `rpc.method`). `rpc.grpc.status_code` is not retryd's own on a
+/// decision span: there it is the reported attempt's (see `attr`).
+fn rpc_of(name: &str) -> (&'static str, &'static str) {
+    match name {
+        super::SPAN_DECIDE => (super::RPC_SERVICE_DECIDER, "Decide"),
+        super::SPAN_REPORT_TRAFFIC => (super::RPC_SERVICE_DECIDER, "ReportTraffic"),
+        super::SPAN_GET_BUDGET => (super::RPC_SERVICE_ADMIN, "GetBudget"),
+        super::SPAN_LIST_BUDGETS => (super::RPC_SERVICE_ADMIN, "ListBudgets"),
+        super::SPAN_SET_RETRIES_ENABLED => (super::RPC_SERVICE_ADMIN, "SetRetriesEnabled"),
+        super::SPAN_RELOAD_CONFIG => (super::RPC_SERVICE_ADMIN, "ReloadConfig"),
+        _ => ("", ""),
+    }
+}
+
 impl Tracer {
     /// A tracer that records nothing.
-    pub fn disabled(metrics: Arc<Metrics>) -> Tracer {
+    pub fn disabled() -> Tracer {
         Tracer {
-            queue: None,
-            sampling_ratio: 0.0,
-            metrics,
+            sampled: None,
+            always: None,
         }
     }
 
-    /// A tracer exporting to `endpoint` over OTLP/gRPC from a task on the
-    /// current runtime, holding at most `queue_capacity` spans in waiting. The connection is made lazily and retried, so an
-    /// unreachable collector never stops retryd from starting.
-    pub fn start_exporter(
-        endpoint: &str,
-        sampling_ratio: f64,
-        queue_capacity: usize,
+    /// The tracer `config` asks for: disabled without an exporter, else
+    /// exporting from a task on the current runtime, holding at most
+    /// `config.export_queue` spans in waiting. Connections are made lazily
+    /// and retried, so an unreachable collector never stops retryd from
+    /// starting.
+    pub fn from_config(
+        config: &TelemetryConfig,
         metrics: Arc<Metrics>,
-    ) -> Result<(Tracer, TracerGuard), String> {
-        let (queue, receiver) = mpsc::channel(queue_capacity.max(1));
-        let (stop, stopped) = tokio::sync::oneshot::channel();
-        let task = otlp::spawn(endpoint, receiver, stopped, Arc::clone(&metrics))?;
+    ) -> Result<(Tracer, Option<TracerGuard>), String> {
+        let Some(export) = &config.otlp else {
+            return Ok((Tracer::disabled(), None));
+        };
+        let started = otlp::start(config, export, metrics)?;
         Ok((
             Tracer {
-                queue: Some(queue),
-                sampling_ratio,
-                metrics,
+                sampled: Some(started.sampled),
+                always: Some(started.always),
             },
-            TracerGuard {
-                stop: Some(stop),
-                task: Some(task),
-            },
+            Some(TracerGuard {
+                stop: Some(started.stop),
+                task: Some(started.task),
+            }),
         ))
     }
 
     /// Starts a span under `parent` (or a new root), or returns `None` when
-    /// tracing is off or the span is not sampled. A parent's sampling
-    /// decision is followed; roots are sampled at the configured ratio.
+    /// tracing is off or the sampler says no (by default a parent's
+    /// sampling decision is followed and roots are sampled).
     pub fn start(&self, parent: Option<&TraceContext>) -> Option<SpanStart> {
-        self.queue.as_ref()?;
-        match parent {
-            Some(parent) if !parent.sampled => None,
-            Some(_) => Some(self.span(parent)),
-            None => {
-                let ratio = self.sampling_ratio;
-                (ratio > 0.0 && rand::rng().random::<f64>() < ratio).then(|| self.span(None))
-            }
-        }
+        let span = Tracer::span(self.sampled.as_ref()?, parent);
+        span.is_recording().then_some(SpanStart { span })
     }
 
     /// Starts a span that is recorded whatever the caller's sampling flag
-    /// and the sampling ratio say, for the audit record of an admin call: a
-    /// caller must not be able to switch off the record of its own acts.
-    /// `None` only when tracing is off.
+    /// and the sampler say, for the audit record of an admin call: a caller
+    /// must not be able to switch off the record of its own acts. `None`
+    /// only when tracing is off.
     pub fn start_always(&self, parent: Option<&TraceContext>) -> Option<SpanStart> {
-        self.queue.as_ref()?;
-        Some(self.span(parent))
+        let span = Tracer::span(self.always.as_ref()?, parent);
+        Some(SpanStart { span })
     }
 
-    fn span(&self, parent: Option<&TraceContext>) -> SpanStart {
-        let mut rng = rand::rng();
-        let (trace_id, parent_span_id, trace_state) = match parent {
-            Some(parent) => (
-                parent.trace_id,
-                Some(parent.span_id),
-                parent.trace_state.clone(),
-            ),
-            None => (rng.random::<[u8; 16]>(), None, String::new()),
+    fn span(tracer: &SdkTracer, parent: Option<&TraceContext>) -> Span {
+        let context = match parent {
+            Some(parent) => Context::new().with_remote_span_context(parent.span_context.clone()),
+            None => Context::new(),
         };
-        SpanStart {
-            trace_id,
-            span_id: rng.random::<[u8; 8]>(),
-            parent_span_id,
-            trace_state,
-            start_unix_nanos: unix_nanos(),
-        }
+        // The name is known when the call ends (`finish`); the kind now.
+        tracer
+            .span_builder("retry")
+            .with_kind(SpanKind::Server)
+            .start_with_context(tracer, &context)
     }
 
-    /// Finishes a span and queues it for export, dropping it (and counting
-    /// the drop) if the queue is full.
+    /// Finishes a span and hands it to the exporter's queue (which drops,
+    /// and counts, when full). The RPC attributes are added from `name`
+    /// unless `attributes` name the method already (a stream's items).
     pub fn finish(
         &self,
         start: SpanStart,
@@ -252,24 +295,27 @@ impl Tracer {
         attributes: Vec<(&'static str, Attribute)>,
         error: Option<String>,
     ) {
-        let Some(queue) = &self.queue else { return };
-        let record = SpanRecord {
-            name,
-            start,
-            end_unix_nanos: unix_nanos(),
-            attributes,
-            error,
-        };
-        if queue.try_send(record).is_err() {
-            self.metrics.spans_dropped.fetch_add(1, Ordering::Relaxed);
+        let mut span = start.span;
+        span.update_name(name);
+        let (service, method) = rpc_of(name);
+        let names_method = attributes
+            .iter()
+            .any(|(key, _)| *key == super::attr::RPC_METHOD);
+        span.set_attributes(
+            attributes
+                .into_iter()
+                .map(|(key, value)| KeyValue::new(Key::from_static_str(key), value)),
+        );
+        span.set_attribute(KeyValue::new(super::attr::RPC_SYSTEM, "grpc"));
+        span.set_attribute(KeyValue::new(super::attr::RPC_SERVICE, service));
+        if !names_method {
+            span.set_attribute(KeyValue::new(super::attr::RPC_METHOD, method));
         }
+        if let Some(message) = error {
+            span.set_status(Status::error(message));
+        }
+        span.end();
     }
-}
-
-fn unix_nanos() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |since| since.as_nanos() as u64)
 }
 
 #[cfg(test)]

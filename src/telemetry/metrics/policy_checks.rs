@@ -6,10 +6,9 @@
 //! candidate exists only for those), verdicts three, outcomes the
 //! decision counters' columns.
 
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{OUTCOMES, escape, outcome_index, outcome_labels};
+use super::{OUTCOMES, outcome_index, outcome_labels};
 use crate::engine::{Decision, Verdict};
 
 /// Counter of decisions answered as not enforced, by upstream.
@@ -61,29 +60,25 @@ impl PolicyChecks {
         }
     }
 
-    /// Only the series that counted something: most upstreams have neither
-    /// a shadow policy nor a candidate.
-    pub(super) fn render(&self, out: &mut String, labels: &[String]) {
-        let _ = writeln!(
-            out,
-            "# HELP {METRIC_SHADOW_DECISIONS} Decisions answered as not enforced (the upstream's enforce = false)."
-        );
-        let _ = writeln!(out, "# TYPE {METRIC_SHADOW_DECISIONS} counter");
+    /// The series that counted something (most upstreams have neither a
+    /// shadow policy nor a candidate): shadow decisions by upstream, then
+    /// candidate outcomes by (upstream, live, candidate, reason).
+    #[allow(clippy::type_complexity)]
+    pub(super) fn samples(
+        &self,
+        labels: &[String],
+    ) -> (
+        Vec<(Vec<(&'static str, String)>, u64)>,
+        Vec<(Vec<(&'static str, String)>, u64)>,
+    ) {
+        let mut shadow = Vec::new();
         for (label, count) in labels.iter().zip(&self.shadow) {
             let count = count.load(Ordering::Relaxed);
             if count > 0 {
-                let _ = writeln!(
-                    out,
-                    "{METRIC_SHADOW_DECISIONS}{{upstream=\"{}\"}} {count}",
-                    escape(label)
-                );
+                shadow.push((vec![("upstream", label.clone())], count));
             }
         }
-        let _ = writeln!(
-            out,
-            "# HELP {METRIC_CANDIDATE_DECISIONS} Decisions by live verdict and by what the upstream's candidate policy decided."
-        );
-        let _ = writeln!(out, "# TYPE {METRIC_CANDIDATE_DECISIONS} counter");
+        let mut candidate = Vec::new();
         for (label, by_live) in labels.iter().zip(&self.candidate) {
             for (live, outcomes) in LIVE_VERDICTS.iter().zip(by_live) {
                 for (index, count) in outcomes.iter().enumerate() {
@@ -92,13 +87,18 @@ impl PolicyChecks {
                         continue;
                     }
                     let (verdict, reason) = outcome_labels(index);
-                    let _ = writeln!(
-                        out,
-                        "{METRIC_CANDIDATE_DECISIONS}{{upstream=\"{}\",live=\"{live}\",candidate=\"{verdict}\",reason=\"{reason}\"}} {count}",
-                        escape(label)
-                    );
+                    candidate.push((
+                        vec![
+                            ("upstream", label.clone()),
+                            ("live", (*live).to_owned()),
+                            ("candidate", verdict.to_owned()),
+                            ("reason", reason.to_owned()),
+                        ],
+                        count,
+                    ));
                 }
             }
         }
+        (shadow, candidate)
     }
 }

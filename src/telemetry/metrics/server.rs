@@ -1,4 +1,5 @@
-//! The `/metrics` port: HTTP/1.1 through hyper, one page, bounded in time.
+//! The `/metrics` port: HTTP/1.1 through hyper, one OpenMetrics page,
+//! bounded in time.
 
 use std::future::Future;
 use std::time::Duration;
@@ -77,7 +78,9 @@ where
     *response.status_mut() = status;
     response.headers_mut().insert(
         hyper::header::CONTENT_TYPE,
-        hyper::header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        // OpenMetrics, which Prometheus asks for first and which alone
+        // carries exemplars.
+        hyper::header::HeaderValue::from_static(super::render::CONTENT_TYPE),
     );
     response
 }
@@ -133,7 +136,7 @@ mod tests {
                 .unwrap();
             let (head, body) = response(&mut stream).await;
             assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-            assert!(head.contains("text/plain; version=0.0.4"), "{head}");
+            assert!(head.contains("application/openmetrics-text"), "{head}");
             assert_eq!(body, "retryd_up 1\n");
         }
         stream

@@ -1,6 +1,7 @@
 //! Unit tests of the metrics: every label table, counting, rendering.
 
 use super::*;
+use crate::budget::{BudgetSnapshot, StoreStats};
 use crate::engine::{Body, BudgetView, Evidence, Facts, Idempotency, Policy};
 
 /// A decision with `verdict`'s kind: the engine's own answer to a call
@@ -97,13 +98,13 @@ fn every_store_operation_has_its_own_series() {
 fn decisions_are_counted_by_upstream_verdict_and_reason() {
     let metrics = Metrics::new(["payments"]);
     let elapsed = Duration::from_micros(40);
-    metrics.record_decision("payments", &retry(), elapsed);
-    metrics.record_decision("payments", &retry(), elapsed);
-    metrics.record_decision("payments", &ambiguous(), elapsed);
+    metrics.record_decision("payments", "anonymous", &retry(), elapsed, None);
+    metrics.record_decision("payments", "anonymous", &retry(), elapsed, None);
+    metrics.record_decision("payments", "anonymous", &ambiguous(), elapsed, None);
     let exhausted = retry().into_budget_denial(DenyReason::BudgetExhausted);
-    metrics.record_decision("payments", &exhausted, elapsed);
+    metrics.record_decision("payments", "anonymous", &exhausted, elapsed, None);
     // An upstream nobody configured counts as `_other`.
-    metrics.record_decision("made-up", &exhausted, elapsed);
+    metrics.record_decision("made-up", "anonymous", &exhausted, elapsed, None);
     let page = metrics.render(&[], true, &StoreStats::default());
     let mut lines = counter_lines(&page, METRIC_DECISIONS);
     lines.sort();
@@ -154,7 +155,7 @@ fn every_metric_has_help_and_type_once() {
         .filter(|line| !line.starts_with('#') && !line.is_empty())
     {
         let name = line.split(['{', ' ']).next().unwrap();
-        let family = ["_bucket", "_sum", "_count"]
+        let family = ["_bucket", "_sum", "_count", "_total"]
             .iter()
             .find_map(|suffix| name.strip_suffix(suffix))
             .filter(|family| types.contains_key(*family))
@@ -194,7 +195,7 @@ fn gauges_name_configured_upstreams_and_sum_the_others() {
     assert_eq!(
         gauge_lines(&page),
         [
-            "retryd_budget_tokens{upstream=\"ledger\"} 3",
+            "retryd_budget_tokens{upstream=\"ledger\"} 3.0",
             "retryd_budget_tokens{upstream=\"payments\"} 5.5",
             "retryd_budget_tokens{upstream=\"_other\"} 3.5",
             "retryd_retries_enabled{upstream=\"ledger\"} 0",
@@ -217,7 +218,7 @@ fn without_unconfigured_upstreams_there_is_no_other_series() {
     assert_eq!(
         gauge_lines(&page),
         [
-            "retryd_budget_tokens{upstream=\"payments\"} 1",
+            "retryd_budget_tokens{upstream=\"payments\"} 1.0",
             "retryd_retries_enabled{upstream=\"payments\"} 1",
         ]
     );
@@ -236,7 +237,7 @@ fn an_upstream_configured_as_other_is_one_series_with_the_others() {
     assert_eq!(
         gauge_lines(&page),
         [
-            "retryd_budget_tokens{upstream=\"_other\"} 3",
+            "retryd_budget_tokens{upstream=\"_other\"} 3.0",
             "retryd_retries_enabled{upstream=\"_other\"} 1",
         ]
     );
@@ -256,7 +257,7 @@ fn configured_names_are_escaped_as_the_text_format_requires() {
         "\"tab\tand ü\"",
         "\"we\\\"ird\"",
     ] {
-        let tokens = format!("retryd_budget_tokens{{upstream={escaped}}} 1");
+        let tokens = format!("retryd_budget_tokens{{upstream={escaped}}} 1.0");
         assert!(page.lines().any(|line| line == tokens), "{tokens}\n{page}");
     }
     // Every line is a comment or one whole sample: no name broke a line.
@@ -265,6 +266,7 @@ fn configured_names_are_escaped_as_the_text_format_requires() {
             line.starts_with("# ") || line.starts_with("retryd_"),
             "{line:?}"
         );
+        // `# EOF` closes an OpenMetrics page.
+        assert_eq!(page.lines().last(), Some("# EOF"));
     }
-    assert_eq!(escape("a\\\"\n"), "a\\\\\\\"\\n");
 }
