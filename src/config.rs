@@ -117,6 +117,10 @@ pub struct Config {
     pub telemetry: TelemetryConfig,
     /// Most distinct upstreams tracked.
     pub max_upstreams: usize,
+    /// Most unconfigured upstreams one principal holds (`None`: no share).
+    pub max_upstreams_per_principal: Option<usize>,
+    /// How long an unconfigured upstream is idle before it may be evicted.
+    pub evict_idle_after: Duration,
     /// Per-upstream policies.
     pub policies: Policies,
 }
@@ -144,6 +148,7 @@ impl TryFrom<Settings> for Config {
         let store_default = settings.store.on_unavailable.into();
         let telemetry = telemetry::telemetry_config(&settings.telemetry)?;
         let policies = policies::policies(&settings, store_default)?;
+        let (max_upstreams_per_principal, evict_idle_after) = limits(&settings, &auth)?;
         Ok(Config {
             listen,
             metrics_listen,
@@ -154,9 +159,40 @@ impl TryFrom<Settings> for Config {
             store,
             telemetry,
             max_upstreams: settings.limits.max_upstreams,
+            max_upstreams_per_principal,
+            evict_idle_after,
             policies,
         })
     }
+}
+
+/// `[limits]` beyond `max_upstreams` (which `policies` checks).
+fn limits(settings: &Settings, auth: &Auth) -> Result<(Option<usize>, Duration), InvalidConfig> {
+    const PER_PRINCIPAL: &str = "limits.max_upstreams_per_principal";
+    let limits = &settings.limits;
+    let per_principal = match limits.max_upstreams_per_principal {
+        0 => None,
+        _ if !auth.is_enabled() => {
+            return Err(invalid(
+                PER_PRINCIPAL,
+                "needs [auth] principals: without authentication every caller is one",
+            ));
+        }
+        share if share > limits.max_upstreams => {
+            return Err(invalid(
+                PER_PRINCIPAL,
+                "must be at most limits.max_upstreams",
+            ));
+        }
+        share => Some(share),
+    };
+    let idle = parse_duration("limits.evict_idle_after", &limits.evict_idle_after)?;
+    // A sweep runs a few times per idle period; below a second it would
+    // take the table's locks too often for what it frees.
+    if idle < Duration::from_secs(1) {
+        return Err(invalid("limits.evict_idle_after", "must be at least 1s"));
+    }
+    Ok((per_principal, idle))
 }
 
 impl Config {

@@ -248,6 +248,12 @@ pub struct LimitSettings {
     /// Distinct upstreams whose budgets are tracked; beyond it, decisions
     /// for new upstreams are refused with RESOURCE_EXHAUSTED.
     pub max_upstreams: usize,
+    /// With `[auth]`, the most unconfigured upstreams one principal may
+    /// hold at once; 0 = no share of its own (only `max_upstreams`).
+    pub max_upstreams_per_principal: usize,
+    /// An unconfigured upstream idle this long, its bucket back at its
+    /// initial tokens, is forgotten (memory store; Redis expires keys).
+    pub evict_idle_after: String,
 }
 
 impl Default for LimitSettings {
@@ -255,6 +261,8 @@ impl Default for LimitSettings {
     fn default() -> Self {
         LimitSettings {
             max_upstreams: 10_000,
+            max_upstreams_per_principal: 0,
+            evict_idle_after: "60s".to_owned(),
         }
     }
 }

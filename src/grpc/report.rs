@@ -86,13 +86,19 @@ impl<S: BudgetStore> Service<S> {
             .iter()
             .map(|&(upstream, _)| (upstream, &live.policies.get(upstream).bucket))
             .collect();
+        let unconfigured = admitting
+            .iter()
+            .filter(|(_, config)| !config.configured)
+            .map(|&(upstream, _)| upstream);
+        self.claim_share(principal, unconfigured)
+            .map_err(|status| report_failed(status, None, entries.len()))?;
         let store = &self.inner.store;
         let asked = Instant::now();
         let admitted = store.admit(&admitting).await;
         self.inner
             .metrics
             .record_store(StoreOp::Admit, asked.elapsed(), admitted.is_err());
-        admitted.map_err(|error| report_failed(store_status(error), None, entries.len()))?;
+        admitted.map_err(|error| report_failed(self.store_refusal(error), None, entries.len()))?;
         // Deposits are one store call each (on Redis, on different Cluster
         // slots, so never one transaction): if one fails, the status says
         // which entries were applied.

@@ -76,6 +76,32 @@ pub const METRIC_RELOADS: &str = "retryd_config_reloads_total";
 /// call). None spent a token.
 pub const METRIC_EXPIRED: &str = "retryd_expired_requests_total";
 
+/// Counter of idle upstreams evicted from the store's table.
+pub const METRIC_UPSTREAM_EVICTIONS: &str = "retryd_upstream_evictions_total";
+/// Counter of calls refused because a new upstream would not fit, by the
+/// limit that refused it.
+pub const METRIC_UPSTREAM_REFUSALS: &str = "retryd_upstream_refusals_total";
+
+/// Why a new upstream was refused, as the refusal counter labels it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UpstreamLimit {
+    /// `limits.max_upstreams`: the store's table is full.
+    Store = 0,
+    /// `limits.max_upstreams_per_principal`: the caller's share is.
+    Principal = 1,
+}
+
+impl UpstreamLimit {
+    const ALL: [UpstreamLimit; 2] = [UpstreamLimit::Store, UpstreamLimit::Principal];
+
+    fn label(self) -> &'static str {
+        match self {
+            UpstreamLimit::Store => "max_upstreams",
+            UpstreamLimit::Principal => "max_upstreams_per_principal",
+        }
+    }
+}
+
 /// The label of upstreams the configuration does not name.
 pub const OTHER_UPSTREAM: &str = "_other";
 
@@ -197,6 +223,7 @@ pub struct Metrics {
     pub spans_failed: AtomicU64,
     reloads: [AtomicU64; 2],
     expired: [AtomicU64; Expiry::VARIANTS.len()],
+    upstream_refusals: [AtomicU64; UpstreamLimit::ALL.len()],
 }
 
 impl Metrics {
@@ -238,12 +265,18 @@ impl Metrics {
             spans_failed: AtomicU64::new(0),
             reloads: Default::default(),
             expired: Default::default(),
+            upstream_refusals: Default::default(),
         }
     }
 
     /// Counts a decision not made because its caller had given up.
     pub fn record_expiry(&self, expiry: Expiry) {
         self.expired[expiry as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a call refused because its new upstream did not fit `limit`.
+    pub fn record_upstream_refusal(&self, limit: UpstreamLimit) {
+        self.upstream_refusals[limit as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a configuration reload, applied or refused.
@@ -481,6 +514,31 @@ impl Metrics {
             );
         }
 
+        help(
+            &mut out,
+            METRIC_UPSTREAM_REFUSALS,
+            "counter",
+            "Calls refused because a new upstream did not fit, by limit.",
+        );
+        for limit in UpstreamLimit::ALL {
+            let _ = writeln!(
+                out,
+                "{METRIC_UPSTREAM_REFUSALS}{{reason=\"{}\"}} {}",
+                limit.label(),
+                self.upstream_refusals[limit as usize].load(Ordering::Relaxed)
+            );
+        }
+        help(
+            &mut out,
+            METRIC_UPSTREAM_EVICTIONS,
+            "counter",
+            "Idle upstreams evicted from the store's table (memory store).",
+        );
+        let _ = writeln!(
+            out,
+            "{METRIC_UPSTREAM_EVICTIONS} {}",
+            store.evicted_upstreams
+        );
         help(
             &mut out,
             METRIC_TRACKED_UPSTREAMS,
