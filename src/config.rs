@@ -123,6 +123,10 @@ pub struct Config {
     pub report_ids: ReportIds,
     /// Where decisions are logged as JSON lines, if anywhere.
     pub decision_log: Option<DecisionLogConfig>,
+    /// Most unconfigured upstreams one principal holds (`None`: no share).
+    pub max_upstreams_per_principal: Option<usize>,
+    /// How long an unconfigured upstream is idle before it may be evicted.
+    pub evict_idle_after: Duration,
     /// Per-upstream policies.
     pub policies: Policies,
 }
@@ -153,6 +157,7 @@ impl TryFrom<Settings> for Config {
         let report_ids = report_ids(&settings.limits)?;
         let decision_log = decision_log(&settings.decision_log)?;
         refuse_candidates_off_memory(&store, &policies)?;
+        let (max_upstreams_per_principal, evict_idle_after) = limits(&settings, &auth)?;
         Ok(Config {
             listen,
             metrics_listen,
@@ -165,6 +170,8 @@ impl TryFrom<Settings> for Config {
             max_upstreams: settings.limits.max_upstreams,
             report_ids,
             decision_log,
+            max_upstreams_per_principal,
+            evict_idle_after,
             policies,
         })
     }
@@ -245,6 +252,35 @@ fn report_ids(limits: &LimitSettings) -> Result<ReportIds, InvalidConfig> {
         window,
         max_ids: limits.max_report_ids,
     })
+}
+
+/// `[limits]` beyond `max_upstreams` (which `policies` checks).
+fn limits(settings: &Settings, auth: &Auth) -> Result<(Option<usize>, Duration), InvalidConfig> {
+    const PER_PRINCIPAL: &str = "limits.max_upstreams_per_principal";
+    let limits = &settings.limits;
+    let per_principal = match limits.max_upstreams_per_principal {
+        0 => None,
+        _ if !auth.is_enabled() => {
+            return Err(invalid(
+                PER_PRINCIPAL,
+                "needs [auth] principals: without authentication every caller is one",
+            ));
+        }
+        share if share > limits.max_upstreams => {
+            return Err(invalid(
+                PER_PRINCIPAL,
+                "must be at most limits.max_upstreams",
+            ));
+        }
+        share => Some(share),
+    };
+    let idle = parse_duration("limits.evict_idle_after", &limits.evict_idle_after)?;
+    // A sweep runs a few times per idle period; below a second it would
+    // take the table's locks too often for what it frees.
+    if idle < Duration::from_secs(1) {
+        return Err(invalid("limits.evict_idle_after", "must be at least 1s"));
+    }
+    Ok((per_principal, idle))
 }
 
 impl Config {

@@ -11,6 +11,7 @@ mod deadline;
 mod decider;
 mod received;
 mod report;
+mod shares;
 mod status;
 pub mod validate;
 
@@ -26,12 +27,14 @@ use tonic::transport::Server;
 use arc_swap::ArcSwap;
 
 use crate::auth::{Auth, Principal};
-use crate::budget::{BudgetStore, MemoryBudgetStore};
+use crate::budget::{BudgetStore, MemoryBudgetStore, StoreError};
 use crate::config::{Config, InvalidConfig, ServerLimits};
 use crate::decision_log::DecisionLog;
 use crate::pb;
 use crate::policy::Policies;
-use crate::telemetry::{Attribute, Metrics, SpanStart, Throttle, TraceContext, Tracer, attr};
+use crate::telemetry::{
+    Attribute, Metrics, SpanStart, Throttle, TraceContext, Tracer, UpstreamLimit, attr,
+};
 pub use connections::{Acceptor, Peer};
 pub use received::ReceivedAt;
 
@@ -69,6 +72,10 @@ struct Inner<S> {
     candidates: MemoryBudgetStore,
     /// Every decision and report as a JSON line, if configured.
     decision_log: Option<DecisionLog>,
+    /// Each principal's share of the unconfigured upstreams.
+    shares: shares::Shares,
+    /// A principal at its share is logged at most once per interval.
+    full_shares: Throttle,
 }
 
 /// The reloadable part of the configuration.
@@ -120,10 +127,15 @@ impl<S: BudgetStore> Service<S> {
                 live: ArcSwap::from_pointee(live),
                 metrics,
                 tracer,
-                reload,
                 refusals: Throttle::new(Duration::from_secs(1), 10),
                 candidates: MemoryBudgetStore::new(usize::MAX),
                 decision_log: None,
+                shares: shares::Shares::new(
+                    reload.startup.max_upstreams_per_principal,
+                    reload.startup.evict_idle_after,
+                ),
+                full_shares: Throttle::new(SHARE_WARNING_INTERVAL, 1),
+                reload,
             }),
         }
     }
@@ -187,6 +199,14 @@ impl<S: BudgetStore> Service<S> {
             (
                 "limits.report_id_window, limits.max_report_ids",
                 config.report_ids != startup.report_ids,
+            ),
+            (
+                "limits.max_upstreams_per_principal",
+                config.max_upstreams_per_principal != startup.max_upstreams_per_principal,
+            ),
+            (
+                "limits.evict_idle_after",
+                config.evict_idle_after != startup.evict_idle_after,
             ),
         ]
         .into_iter()
@@ -276,6 +296,69 @@ impl<S: BudgetStore> Service<S> {
     pub fn store(&self) -> &S {
         &self.inner.store
     }
+
+    /// One eviction sweep: the store forgets idle unconfigured upstreams
+    /// (the memory store; see `BudgetStore::evict_idle`) and each
+    /// principal's share what it has not used for `limits.evict_idle_after`.
+    /// Returns the upstreams evicted. `serve` runs it periodically, off the
+    /// decision path; tests on a controlled clock call it directly.
+    pub fn sweep(&self) -> usize {
+        let live = self.live();
+        let idle = self.inner.reload.startup.evict_idle_after;
+        let evicted = self
+            .inner
+            .store
+            .evict_idle(idle, |upstream| live.policies.get(upstream).bucket);
+        self.inner.shares.forget_idle();
+        evicted
+    }
+
+    /// Takes the unconfigured `upstreams` into the principal's share, or
+    /// refuses the call (RESOURCE_EXHAUSTED naming the limit, counted, and
+    /// a warning naming the principal at most once per interval).
+    fn claim_share<'u>(
+        &self,
+        principal: &Principal,
+        upstreams: impl IntoIterator<Item = &'u str> + Clone,
+    ) -> Result<(), tonic::Status> {
+        self.inner
+            .shares
+            .claim(&principal.name, upstreams)
+            .map_err(|full| {
+                self.inner
+                    .metrics
+                    .record_upstream_refusal(UpstreamLimit::Principal);
+                self.inner.full_shares.log(|suppressed| {
+                    tracing::warn!(
+                        principal = full.principal,
+                        limit = full.limit,
+                        suppressed,
+                        "a principal holds its whole share of unconfigured upstreams (limits.max_upstreams_per_principal); its new upstreams are refused"
+                    );
+                });
+                tonic::Status::resource_exhausted(full.to_string())
+            })
+    }
+
+    /// A store error as a status, counting a refusal for the upstream limit.
+    fn store_refusal(&self, error: StoreError) -> tonic::Status {
+        if matches!(error, StoreError::TooManyUpstreams { .. }) {
+            self.inner
+                .metrics
+                .record_upstream_refusal(UpstreamLimit::Store);
+        }
+        status::store_status(error)
+    }
+}
+
+/// How often at most a full share is logged.
+const SHARE_WARNING_INTERVAL: Duration = Duration::from_secs(10);
+
+/// How often `serve` sweeps for idle upstreams: a few times per idle
+/// period, within 1–15 s, so an idle upstream goes within about a quarter
+/// more than the period and a sweep's locks are rare.
+fn sweep_interval(idle: Duration) -> Duration {
+    (idle / 4).clamp(Duration::from_secs(1), Duration::from_secs(15))
 }
 
 /// The connection a request came on: its address and client certificate.
@@ -332,6 +415,23 @@ pub async fn serve<S: BudgetStore>(
             }
         }
     });
+    // Idle eviction, beside the decisions: each sweep takes the store's
+    // shard locks for a moment, never a decision's fast path.
+    let sweeper = tokio::spawn({
+        let service = service.clone();
+        let every = sweep_interval(service.inner.reload.startup.evict_idle_after);
+        async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                let evicted = service.sweep();
+                if evicted > 0 {
+                    tracing::debug!(evicted, "idle upstreams evicted");
+                }
+            }
+        }
+    });
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -364,11 +464,13 @@ pub async fn serve<S: BudgetStore>(
     tokio::select! {
         result = &mut server => {
             store_health.abort();
+            sweeper.abort();
             return flatten(result);
         }
         () = shutdown => {}
     }
     store_health.abort();
+    sweeper.abort();
     tracing::info!(grace = ?grace, "shutting down: draining in-flight calls");
     health_reporter
         .set_not_serving::<pb::retry_decider_server::RetryDeciderServer<Service<S>>>()

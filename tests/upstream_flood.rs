@@ -85,3 +85,144 @@ async fn redis_leased_a_flood_never_locks_out_a_configured_upstream() {
     )));
     flood_then_decide(&server).await;
 }
+
+const FLOOD_KEY: &str = "flooding-team-key-0123456789";
+const OTHER_KEY: &str = "careful-team-key-0123456789";
+const SHARE: usize = 20;
+
+fn sha(key: &str) -> String {
+    retryd::auth::hash_key(key)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn shared_config(store: &str) -> String {
+    format!(
+        r#"
+[limits]
+max_upstreams = {LIMIT}
+max_upstreams_per_principal = {SHARE}
+{store}
+[[auth.principals]]
+name = "flooder"
+api_keys_sha256 = ["{}"]
+upstreams = ["*"]
+
+[[auth.principals]]
+name = "careful"
+api_keys_sha256 = ["{}"]
+upstreams = ["*"]
+"#,
+        sha(FLOOD_KEY),
+        sha(OTHER_KEY)
+    )
+}
+
+fn as_caller<T>(message: T, key: &str) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {key}").parse().expect("an ASCII header"),
+    );
+    request
+}
+
+/// One principal floods 60 names; it holds its share of 20 and is refused
+/// the rest, naming the limit, by Decide and ReportTraffic alike; the other
+/// principal's new upstreams are still tracked; the refusals are counted
+/// by reason, and the warning names the principal.
+async fn one_principal_floods(server: &Server) {
+    let mut decider = server.decider().await;
+    let mut refusals = Vec::new();
+    for i in 0..60 {
+        let name = format!("made-up-{i:03}");
+        if let Err(status) = decider.decide(as_caller(retryable(&name), FLOOD_KEY)).await {
+            refusals.push(status);
+        }
+    }
+    assert_eq!(refusals.len(), 60 - SHARE);
+    for status in &refusals {
+        assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+        assert!(
+            status
+                .message()
+                .contains("limits.max_upstreams_per_principal (20)")
+                && status.message().contains("\"flooder\""),
+            "{status:?}"
+        );
+    }
+    let report = decider
+        .report_traffic(as_caller(
+            pb::ReportTrafficRequest {
+                traffic: vec![pb::UpstreamTraffic {
+                    upstream: "made-up-999".into(),
+                    requests: 10,
+                }],
+                ..Default::default()
+            },
+            FLOOD_KEY,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(report.code(), Code::ResourceExhausted, "{report:?}");
+    // Its own upstreams keep working.
+    decider
+        .decide(as_caller(retryable("made-up-000"), FLOOD_KEY))
+        .await
+        .expect("a held upstream stays decidable");
+    // The other principal's new upstreams are tracked, by both RPCs, up to
+    // its whole share.
+    for i in 0..SHARE - 1 {
+        let answer = decider
+            .decide(as_caller(retryable(&format!("careful-{i:02}")), OTHER_KEY))
+            .await
+            .expect("another principal's share is its own")
+            .into_inner();
+        assert_eq!(answer.verdict(), pb::Verdict::Retry);
+    }
+    decider
+        .report_traffic(as_caller(
+            pb::ReportTrafficRequest {
+                traffic: vec![pb::UpstreamTraffic {
+                    upstream: "careful-report".into(),
+                    requests: 10,
+                }],
+                ..Default::default()
+            },
+            OTHER_KEY,
+        ))
+        .await
+        .expect("another principal's report is admitted");
+    let metrics = server.scrape();
+    assert!(
+        metrics
+            .contains("retryd_upstream_refusals_total{reason=\"max_upstreams_per_principal\"} 41")
+            && metrics.contains("retryd_upstream_refusals_total{reason=\"max_upstreams\"} 0"),
+        "{metrics}"
+    );
+    // One warning for 41 refusals (one per 10 s at most), naming the principal.
+    let logs = server.logs();
+    let warnings: Vec<&str> = logs
+        .lines()
+        .filter(|line| line.contains("limits.max_upstreams_per_principal"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{logs}");
+    assert!(warnings[0].contains("flooder"), "{logs}");
+}
+
+#[tokio::test]
+async fn memory_store_one_principals_flood_leaves_the_others_share() {
+    let server = Server::start(&shared_config(""));
+    one_principal_floods(&server).await;
+}
+
+#[tokio::test]
+async fn redis_exact_one_principals_flood_leaves_the_others_share() {
+    let redis = RedisServer::start();
+    let server = Server::start(&shared_config(&format!(
+        "[store]\nkind = \"redis\"\nurl = \"{}\"\nmode = \"exact\"\n",
+        redis.url()
+    )));
+    one_principal_floods(&server).await;
+}

@@ -300,6 +300,12 @@ pub struct LimitSettings {
     pub report_id_window: String,
     /// Most report ids the memory store remembers at once.
     pub max_report_ids: usize,
+    /// With `[auth]`, the most unconfigured upstreams one principal may
+    /// hold at once; 0 = no share of its own (only `max_upstreams`).
+    pub max_upstreams_per_principal: usize,
+    /// An unconfigured upstream idle this long, its bucket back at its
+    /// initial tokens, is forgotten (memory store; Redis expires keys).
+    pub evict_idle_after: String,
 }
 
 impl Default for LimitSettings {
@@ -309,6 +315,8 @@ impl Default for LimitSettings {
             max_upstreams: 10_000,
             report_id_window: "10m".into(),
             max_report_ids: 100_000,
+            max_upstreams_per_principal: 0,
+            evict_idle_after: "60s".to_owned(),
         }
     }
 }

@@ -161,6 +161,14 @@ fn bad_values_name_their_key() {
             "upstreams.\"pay\".on_unavailable",
         ),
         ("[limits]\nmax_upstreams = 0", "limits.max_upstreams"),
+        (
+            "[limits]\nmax_upstreams_per_principal = 5",
+            "limits.max_upstreams_per_principal",
+        ),
+        (
+            "[limits]\nevict_idle_after = \"10ms\"",
+            "limits.evict_idle_after",
+        ),
         ("[server]\nlisten = \"0.0.0.0:50051\"", "server.listen"),
         (
             "[server]\nrequest_timeout = \"soon\"",

@@ -10,7 +10,6 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::candidate as shadow;
 use super::deadline;
-use super::status::store_status;
 use super::validate::ValidDecideRequest;
 use super::{Live, Service, peer, peer_addr, trace_context, validate};
 use crate::auth::{Denied, Principal};
@@ -147,6 +146,15 @@ impl<S: BudgetStore> Service<S> {
         // in the same call that reads the budget.
         let hoped = engine::decide(&valid.facts(BudgetView::OPEN, now, jitter), &policy.engine);
         let withdraw = matches!(hoped.verdict, Verdict::Retry { .. });
+        // Only a withdrawal makes the store track an upstream, so only it
+        // takes room in the caller's share.
+        if withdraw && !policy.bucket.configured {
+            if let Err(status) = self.claim_share(principal, [valid.upstream]) {
+                let caller = (attr::CALLER, Attribute::Text(principal.name.clone()));
+                self.finish_failed_with(span, SPAN_DECIDE, &status, vec![caller]);
+                return Err(status);
+            }
+        }
         Ok(Begun {
             principal,
             valid,
@@ -190,7 +198,7 @@ impl<S: BudgetStore> Service<S> {
                 &begun.policy.engine,
             ),
             Err(other) => {
-                let status = store_status(other);
+                let status = self.store_refusal(other);
                 self.finish_failed(begun.span, SPAN_DECIDE, &status);
                 return Err(status);
             }

@@ -118,7 +118,7 @@ impl<S: BudgetStore> Service<S> {
             }
         };
         let skip = claimed.map_or(0, |(_, _, applied)| applied);
-        let applied = self.apply(live, &entries, skip as usize).await;
+        let applied = self.apply(live, principal, &entries, skip as usize).await;
         if let Some((id, digest, _)) = claimed {
             // Entry i of a failure may have landed: it is never re-applied.
             let settled = match &applied {
@@ -149,6 +149,7 @@ impl<S: BudgetStore> Service<S> {
     async fn apply(
         &self,
         live: &Live,
+        principal: &Principal,
         entries: &[(&str, u64)],
         skip: usize,
     ) -> Result<(), (Option<usize>, Status)> {
@@ -159,6 +160,12 @@ impl<S: BudgetStore> Service<S> {
             .iter()
             .map(|&(upstream, _)| (upstream, &live.policies.get(upstream).bucket))
             .collect();
+        let unconfigured = admitting
+            .iter()
+            .filter(|(_, config)| !config.configured)
+            .map(|&(upstream, _)| upstream);
+        self.claim_share(principal, unconfigured)
+            .map_err(|status| (None, report_failed(status, None, entries.len())))?;
         let store = &self.inner.store;
         let asked = Instant::now();
         let admitted = store.admit(&admitting).await;
@@ -168,7 +175,7 @@ impl<S: BudgetStore> Service<S> {
         admitted.map_err(|error| {
             (
                 None,
-                report_failed(store_status(error), None, entries.len()),
+                report_failed(self.store_refusal(error), None, entries.len()),
             )
         })?;
         // Deposits are one store call each (on Redis, on different Cluster

@@ -96,6 +96,32 @@ pub const METRIC_PRINCIPAL_RETRIES: &str = "retryd_principal_retries_granted_tot
 /// Counter of kill-switch flips, by upstream and new state.
 pub const METRIC_KILL_SWITCH_FLIPS: &str = "retryd_kill_switch_flips_total";
 
+/// Counter of idle upstreams evicted from the store's table.
+pub const METRIC_UPSTREAM_EVICTIONS: &str = "retryd_upstream_evictions_total";
+/// Counter of calls refused because a new upstream would not fit, by the
+/// limit that refused it.
+pub const METRIC_UPSTREAM_REFUSALS: &str = "retryd_upstream_refusals_total";
+
+/// Why a new upstream was refused, as the refusal counter labels it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UpstreamLimit {
+    /// `limits.max_upstreams`: the store's table is full.
+    Store = 0,
+    /// `limits.max_upstreams_per_principal`: the caller's share is.
+    Principal = 1,
+}
+
+impl UpstreamLimit {
+    const ALL: [UpstreamLimit; 2] = [UpstreamLimit::Store, UpstreamLimit::Principal];
+
+    fn label(self) -> &'static str {
+        match self {
+            UpstreamLimit::Store => "max_upstreams",
+            UpstreamLimit::Principal => "max_upstreams_per_principal",
+        }
+    }
+}
+
 /// The label of upstreams (and principals) the configuration does not name.
 pub const OTHER_UPSTREAM: &str = "_other";
 
@@ -228,6 +254,7 @@ pub struct Metrics {
     reloads: [AtomicU64; 2],
     expired: [AtomicU64; Expiry::VARIANTS.len()],
     policy_checks: PolicyChecks,
+    upstream_refusals: [AtomicU64; UpstreamLimit::ALL.len()],
 }
 
 impl Metrics {
@@ -274,6 +301,7 @@ impl Metrics {
             decision_log_dropped: AtomicU64::new(0),
             reloads: Default::default(),
             expired: Default::default(),
+            upstream_refusals: Default::default(),
             policy_checks: PolicyChecks::new(labels_len),
         }
     }
@@ -296,6 +324,11 @@ impl Metrics {
     /// Counts a decision not made because its caller had given up.
     pub fn record_expiry(&self, expiry: Expiry) {
         self.expired[expiry as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a call refused because its new upstream did not fit `limit`.
+    pub fn record_upstream_refusal(&self, limit: UpstreamLimit) {
+        self.upstream_refusals[limit as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a configuration reload, applied or refused.

@@ -352,9 +352,28 @@ pub trait BudgetStore: Send + Sync + 'static {
         true
     }
 
-    /// Counters since start, for metrics. All zero for the memory store.
+    /// Counters since start, for metrics. The memory store counts only
+    /// its evictions.
     fn stats(&self) -> StoreStats {
         StoreStats::default()
+    }
+
+    /// Forgets the unconfigured upstreams that have been idle for `idle`
+    /// and whose buckets hold at least their initial tokens, so that a
+    /// bucket made again later grants nothing the old one would not have;
+    /// returns how many. `config_of` gives each upstream's current bucket
+    /// parameters and must not call the store. Never called on the decision
+    /// path (the server runs it from a task of its own).
+    ///
+    /// The memory store evicts here. A shared store does nothing (the
+    /// default): its keys and index entries expire in the backend by the
+    /// same rule.
+    fn evict_idle<F>(&self, idle: std::time::Duration, config_of: F) -> usize
+    where
+        F: Fn(&str) -> BucketConfig,
+    {
+        let _ = (idle, config_of);
+        0
     }
 
     /// Hands back what this replica holds (leased tokens, batched deposits)
@@ -384,6 +403,8 @@ pub struct StoreStats {
     pub forfeited_tokens: f64,
     /// Reported requests whose deposit was lost (a fleet then retries less).
     pub lost_deposits: u64,
+    /// Idle upstreams evicted (the memory store; Redis expires keys itself).
+    pub evicted_upstreams: u64,
 }
 
 #[cfg(test)]

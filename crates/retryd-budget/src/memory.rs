@@ -11,11 +11,21 @@
 //! The buckets live in one shared map, and each thread also keeps its own
 //! index of the buckets it has used: a decision then finds its bucket with
 //! no lock and no write to memory another core reads, so the only cache
-//! line threads contend for is the bucket's own. Buckets are never removed,
-//! so an index entry never goes stale (an eviction would have to clear the
-//! indexes as well).
+//! line threads contend for is the bucket's own.
+//!
+//! Idle unconfigured buckets are evicted by a sweep off the decision path
+//! (`eviction.rs`), only once they hold at least their initial tokens, so a
+//! bucket created again later grants nothing the old one would not have. An
+//! evicted bucket's tokens are set to [`EVICTED`] in the same
+//! compare-and-swap that checked its level, and every operation treats that
+//! value as "gone": a thread whose index still holds the old bucket fails
+//! on it, drops it and looks the upstream up again, so no thread ever spends
+//! from, deposits to or reads an evicted bucket. Each thread prunes evicted
+//! buckets from its own index when it sees that the store's eviction count
+//! moved (one load of a line that only a sweep writes), so their memory is
+//! given back.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::future::{Future, ready};
 use std::sync::Arc;
@@ -100,11 +110,23 @@ impl Clock for ManualClock {
     }
 }
 
+mod eviction;
+
+/// The tokens of a bucket that was evicted: no capacity reaches it (it is
+/// not a whole number of tokens), and every operation refuses it.
+const EVICTED: u64 = u64::MAX;
+
 #[derive(Debug)]
 struct Bucket {
+    /// Tokens in units, or [`EVICTED`].
     units: AtomicU64,
+    /// The floor is credited up to here; it also tells how long the bucket
+    /// has been idle, since every operation but the kill switch refills.
     credited_until: AtomicU64,
     retries_enabled: AtomicBool,
+    /// The bucket holds a place under `max_upstreams` (it was created for
+    /// an unconfigured upstream and has not been evicted).
+    counted: AtomicBool,
 }
 
 impl Bucket {
@@ -113,12 +135,18 @@ impl Bucket {
             units: AtomicU64::new(config.initial_units()),
             credited_until: AtomicU64::new(now),
             retries_enabled: AtomicBool::new(true),
+            counted: AtomicBool::new(!config.configured),
         }
     }
 
+    fn is_evicted(&self) -> bool {
+        self.units.load(Ordering::Acquire) == EVICTED
+    }
+
     /// Credits the floor up to `now` and returns the units held (capped at
-    /// `capacity`, the current one, which a policy reload may have lowered).
-    fn refill(&self, config: &BucketConfig, now: u64, capacity: u64) -> u64 {
+    /// `capacity`, the current one, which a policy reload may have lowered),
+    /// or `None` if the bucket was evicted.
+    fn refill(&self, config: &BucketConfig, now: u64, capacity: u64) -> Option<u64> {
         let units_per_nano = config.floor_units_per_nano();
         loop {
             let since = self.credited_until.load(Ordering::Acquire);
@@ -149,53 +177,63 @@ impl Bucket {
                 .is_ok()
             {
                 if refill.units > 0 {
+                    // An eviction in between is seen by the load below.
                     self.add(refill.units, capacity);
                 }
                 break;
             }
         }
-        self.units.load(Ordering::Acquire).min(capacity)
+        let held = self.units.load(Ordering::Acquire);
+        (held != EVICTED).then(|| held.min(capacity))
     }
 
-    fn add(&self, units: u64, capacity: u64) {
-        // The closure always returns Some, so this cannot fail.
-        let _ = self
-            .units
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                Some(held.min(capacity).saturating_add(units).min(capacity))
-            });
-    }
-
-    /// Withdraws one token: the units left, or the units held (less than a
-    /// token) if there was no whole token.
-    fn try_withdraw(&self, capacity: u64) -> Result<u64, u64> {
+    /// Adds units up to `capacity`; false (and nothing added) if the
+    /// bucket was evicted.
+    fn add(&self, units: u64, capacity: u64) -> bool {
         self.units
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                held.min(capacity).checked_sub(UNITS_PER_TOKEN)
+                (held != EVICTED).then(|| held.min(capacity).saturating_add(units).min(capacity))
             })
-            .map(|before| before.min(capacity) - UNITS_PER_TOKEN)
-            .map_err(|held| held.min(capacity))
+            .is_ok()
+    }
+
+    /// Withdraws one token: `Some(Ok(units left))`, `Some(Err(units held))`
+    /// (less than a token) if there was no whole token, `None` if the
+    /// bucket was evicted.
+    fn try_withdraw(&self, capacity: u64) -> Option<Result<u64, u64>> {
+        match self
+            .units
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                if held == EVICTED {
+                    return None;
+                }
+                held.min(capacity).checked_sub(UNITS_PER_TOKEN)
+            }) {
+            Ok(before) => Some(Ok(before.min(capacity) - UNITS_PER_TOKEN)),
+            Err(EVICTED) => None,
+            Err(held) => Some(Err(held.min(capacity))),
+        }
     }
 
     /// A decision's check on a tracked bucket: refill, then withdraw one
-    /// token if asked to and retries are on.
-    fn check(&self, config: &BucketConfig, now: u64, withdraw: bool) -> BudgetCheck {
+    /// token if asked to and retries are on; `None` if it was evicted.
+    fn check(&self, config: &BucketConfig, now: u64, withdraw: bool) -> Option<BudgetCheck> {
         let capacity = config.capacity_units();
-        let held = self.refill(config, now, capacity);
+        let held = self.refill(config, now, capacity)?;
         let retries_enabled = self.retries_enabled.load(Ordering::Acquire);
         let (units, withdrew) = if withdraw && retries_enabled {
-            match self.try_withdraw(capacity) {
+            match self.try_withdraw(capacity)? {
                 Ok(left) => (left, true),
                 Err(held) => (held, false),
             }
         } else {
             (held, false)
         };
-        BudgetCheck {
+        Some(BudgetCheck {
             tokens: units_to_tokens(units),
             retries_enabled,
             withdrew,
-        }
+        })
     }
 }
 
@@ -205,9 +243,15 @@ impl Bucket {
 /// `ThreadLocal` lays the threads' values out side by side, and every
 /// lookup writes the `RefCell`'s borrow flag, so unpadded indexes of two
 /// threads shared a line and contended as the shard lock did.
+///
+/// `pruned` is the store's eviction count when this index last dropped its
+/// evicted buckets.
 #[derive(Debug, Default)]
 #[repr(align(128))]
-struct NearBuckets(RefCell<HashMap<Arc<str>, Arc<Bucket>>>);
+struct NearBuckets {
+    map: RefCell<HashMap<Arc<str>, Arc<Bucket>>>,
+    pruned: Cell<u64>,
+}
 
 /// In-memory budgets for one process (the default store).
 #[derive(Debug)]
@@ -218,10 +262,14 @@ pub struct MemoryBudgetStore<C: Clock = MonotonicClock> {
     /// atomic write to a line every core touches: on a busy upstream it cost
     /// more than the bucket's own compare-and-swap (see BENCHMARKS.md).
     near: ThreadLocal<NearBuckets>,
+    /// Buckets holding a place under `max_upstreams`.
     tracked: AtomicUsize,
     max_upstreams: usize,
     /// Traffic-report ids seen lately, for idempotent re-sends.
     reports: ReportLedger,
+    /// Buckets evicted since start; written only by a sweep, read by every
+    /// operation to tell whether its thread's index needs pruning.
+    evictions: AtomicU64,
     clock: C,
 }
 
@@ -246,6 +294,7 @@ impl<C: Clock> MemoryBudgetStore<C> {
             tracked: AtomicUsize::new(0),
             max_upstreams,
             reports: ReportLedger::new(DEFAULT_MAX_REPORT_IDS),
+            evictions: AtomicU64::new(0),
             clock,
         }
     }
@@ -256,20 +305,60 @@ impl<C: Clock> MemoryBudgetStore<C> {
         self
     }
 
+    /// This thread's index, first cleared of evicted buckets if a sweep
+    /// evicted any since it was last pruned: one load on the common path.
+    fn near(&self) -> &NearBuckets {
+        let near = self.near.get_or_default();
+        let evictions = self.evictions.load(Ordering::Acquire);
+        if near.pruned.get() != evictions {
+            near.map
+                .borrow_mut()
+                .retain(|_, bucket| !bucket.is_evicted());
+            near.pruned.set(evictions);
+        }
+        near
+    }
+
     /// Runs `f` on the upstream's bucket, creating the bucket if needed and
-    /// allowed.
+    /// allowed. `f` answers `None` when it found the bucket evicted (having
+    /// changed nothing): the upstream is then looked up again, and found
+    /// anew or created, so nothing is ever done to an evicted bucket.
     fn with_bucket<T>(
         &self,
         upstream: &str,
         config: &BucketConfig,
-        f: impl FnOnce(&Bucket, u64) -> T,
+        f: impl Fn(&Bucket, u64) -> Option<T>,
     ) -> Result<T, StoreError> {
         let now = self.clock.now_nanos();
-        let near = self.near.get_or_default();
-        if let Some(bucket) = near.0.borrow().get(upstream) {
-            return Ok(f(bucket, now));
+        let near = self.near();
+        let found = near.map.borrow().get(upstream).map(|bucket| f(bucket, now));
+        match found {
+            Some(Some(answer)) => return Ok(answer),
+            Some(None) => {
+                near.map.borrow_mut().remove(upstream);
+            }
+            None => {}
         }
-        let (key, bucket) = match self.buckets.entry(upstream.into()) {
+        loop {
+            let (key, bucket) = self.shared_or_new(upstream, config, now)?;
+            // An eviction can only take a bucket that has been idle for a
+            // while, so a bucket just found or made is not taken again.
+            if let Some(answer) = f(&bucket, now) {
+                near.map.borrow_mut().insert(key, bucket);
+                return Ok(answer);
+            }
+        }
+    }
+
+    /// The upstream's bucket from the shared map, created there if new and
+    /// allowed.
+    fn shared_or_new(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        now: u64,
+    ) -> Result<(Arc<str>, Arc<Bucket>), StoreError> {
+        Ok(match self.buckets.entry(upstream.into()) {
             Entry::Occupied(entry) => (Arc::clone(entry.key()), Arc::clone(entry.get())),
             Entry::Vacant(entry) => {
                 // Configured upstreams are outside the limit (see
@@ -286,10 +375,7 @@ impl<C: Clock> MemoryBudgetStore<C> {
                 let bucket = Arc::clone(entry.insert(Arc::new(Bucket::new(config, now))).value());
                 (key, bucket)
             }
-        };
-        let answer = f(&bucket, now);
-        near.0.borrow_mut().insert(key, bucket);
-        Ok(answer)
+        })
     }
 
     /// [`BudgetStore::admit`]: room for every new upstream is reserved in
@@ -297,11 +383,13 @@ impl<C: Clock> MemoryBudgetStore<C> {
     /// takes shard locks, which a decision's `check` avoids.
     fn admit_all(&self, upstreams: &[(&str, &BucketConfig)]) -> Result<(), StoreError> {
         let mut new: Vec<(&str, &BucketConfig)> = {
-            let near = self.near.get_or_default().0.borrow();
+            let near = self.near().map.borrow();
             upstreams
                 .iter()
                 .filter(|(upstream, _)| {
-                    !near.contains_key(*upstream) && !self.buckets.contains_key(*upstream)
+                    // An evicted bucket still in the index is no bucket.
+                    near.get(*upstream).is_none_or(|bucket| bucket.is_evicted())
+                        && !self.buckets.contains_key(*upstream)
                 })
                 .copied()
                 .collect()
@@ -341,35 +429,59 @@ impl<C: Clock> MemoryBudgetStore<C> {
     /// A look that creates nothing: the check of a bucket that exists, or
     /// what a fresh one would hold. Returns whether the bucket exists.
     fn look(&self, upstream: &str, config: &BucketConfig) -> (BudgetCheck, bool) {
-        let near = self.near.get_or_default();
-        if let Some(bucket) = near.0.borrow().get(upstream) {
-            return (bucket.check(config, self.clock.now_nanos(), false), true);
+        let near = self.near();
+        let now = self.clock.now_nanos();
+        let found = near
+            .map
+            .borrow()
+            .get(upstream)
+            .map(|bucket| bucket.check(config, now, false));
+        match found {
+            Some(Some(check)) => return (check, true),
+            Some(None) => {
+                near.map.borrow_mut().remove(upstream);
+            }
+            None => {}
         }
         let shared = self
             .buckets
             .get(upstream)
             .map(|entry| (Arc::clone(entry.key()), Arc::clone(entry.value())));
-        match shared {
-            Some((key, bucket)) => {
-                let check = bucket.check(config, self.clock.now_nanos(), false);
-                near.0.borrow_mut().insert(key, bucket);
-                (check, true)
+        // Evicted since the map lookup: then it is as good as absent.
+        if let Some((key, bucket)) = shared {
+            if let Some(check) = bucket.check(config, now, false) {
+                near.map.borrow_mut().insert(key, bucket);
+                return (check, true);
             }
-            None => (
-                BudgetCheck {
-                    tokens: units_to_tokens(config.initial_units()),
-                    retries_enabled: true,
-                    withdrew: false,
-                },
-                false,
-            ),
         }
+        (
+            BudgetCheck {
+                tokens: units_to_tokens(config.initial_units()),
+                retries_enabled: true,
+                withdrew: false,
+            },
+            false,
+        )
     }
 }
 
 impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
     // Every method returns `std::future::Ready`.
     const ANSWERS_AT_ONCE: bool = true;
+
+    fn stats(&self) -> crate::StoreStats {
+        crate::StoreStats {
+            evicted_upstreams: self.evictions(),
+            ..crate::StoreStats::default()
+        }
+    }
+
+    fn evict_idle<F>(&self, idle: std::time::Duration, config_of: F) -> usize
+    where
+        F: Fn(&str) -> BucketConfig,
+    {
+        MemoryBudgetStore::evict_idle(self, idle, config_of)
+    }
 
     fn view(
         &self,
@@ -402,8 +514,8 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
     ) -> impl Future<Output = Result<Option<f64>, StoreError>> + Send {
         ready(self.with_bucket(upstream, config, |bucket, now| {
             let capacity = config.capacity_units();
-            bucket.refill(config, now, capacity);
-            bucket.try_withdraw(capacity).ok().map(units_to_tokens)
+            bucket.refill(config, now, capacity)?;
+            Some(bucket.try_withdraw(capacity)?.ok().map(units_to_tokens))
         }))
     }
 
@@ -422,8 +534,10 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
         ready(self.with_bucket(upstream, config, |bucket, now| {
             let capacity = config.capacity_units();
-            bucket.refill(config, now, capacity);
-            bucket.add(config.deposit_units(requests), capacity);
+            bucket.refill(config, now, capacity)?;
+            bucket
+                .add(config.deposit_units(requests), capacity)
+                .then_some(())
         }))
     }
 
@@ -456,7 +570,12 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
         enabled: bool,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
         ready(self.with_bucket(upstream, config, |bucket, _| {
-            bucket.retries_enabled.swap(enabled, Ordering::AcqRel)
+            // SeqCst, with the sweep's compare-and-swap and re-check: either
+            // the sweep sees the switch (and keeps the bucket) or this sees
+            // the eviction (and switches the new bucket). A kill switch is
+            // never lost with an evicted bucket.
+            let previous = bucket.retries_enabled.swap(enabled, Ordering::SeqCst);
+            (bucket.units.load(Ordering::SeqCst) != EVICTED).then_some(previous)
         }))
     }
 
@@ -471,18 +590,18 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
         let mut snapshots: Vec<BudgetSnapshot> = self
             .buckets
             .iter()
-            .map(|entry| {
+            .filter_map(|entry| {
                 let config = config_of(entry.key());
-                BudgetSnapshot {
+                // An evicted bucket still in the map is about to leave it.
+                let units = entry
+                    .value()
+                    .refill(&config, now, config.capacity_units())?;
+                Some(BudgetSnapshot {
                     upstream: entry.key().to_string(),
-                    tokens: units_to_tokens(entry.value().refill(
-                        &config,
-                        now,
-                        config.capacity_units(),
-                    )),
+                    tokens: units_to_tokens(units),
                     retries_enabled: entry.value().retries_enabled.load(Ordering::Acquire),
                     tracked: true,
-                }
+                })
             })
             .collect();
         snapshots.sort_by(|a, b| a.upstream.cmp(&b.upstream));

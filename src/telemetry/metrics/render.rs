@@ -287,6 +287,24 @@ impl Metrics {
                 })
                 .collect(),
         ));
+        families.push(counter(
+            METRIC_UPSTREAM_REFUSALS,
+            "Calls refused because a new upstream did not fit, by limit.",
+            UpstreamLimit::ALL
+                .iter()
+                .map(|limit| {
+                    (
+                        vec![("reason", limit.label().to_owned())],
+                        load(&self.upstream_refusals[*limit as usize]),
+                    )
+                })
+                .collect(),
+        ));
+        families.push(counter(
+            METRIC_UPSTREAM_EVICTIONS,
+            "Idle upstreams evicted from the store's table (memory store).",
+            one(Number::Int(store.evicted_upstreams)),
+        ));
         let (shadow, candidate) = self.policy_checks.samples(&self.labels);
         let ints = |samples: Vec<(Labels, u64)>| {
             samples

@@ -1,15 +1,18 @@
 //! Unit tests of the memory store: the bucket arithmetic under concurrency,
-//! the per-thread index, the upstream limit and admission.
+//! the per-thread index, the upstream limit, admission and idle eviction.
 
 use super::*;
 use futures::executor::block_on;
 use proptest::prelude::*;
+use std::time::Duration;
 
 #[derive(Clone, Debug)]
 enum Op {
     Withdraw,
     Deposit(u64),
     Advance(u64),
+    /// A sweep evicting buckets idle for this many nanoseconds.
+    Evict(u64),
 }
 
 fn any_op() -> impl Strategy<Value = Op> {
@@ -17,12 +20,14 @@ fn any_op() -> impl Strategy<Value = Op> {
         4 => Just(Op::Withdraw),
         1 => (0u64..50).prop_map(Op::Deposit),
         1 => (0u64..3_000_000_000).prop_map(Op::Advance),
+        1 => (0u64..2_000_000_000).prop_map(Op::Evict),
     ]
 }
 
 proptest! {
-    /// Over any sequence, tokens stay in 0..=capacity and the retries
-    /// granted never exceed initial + ratio × reported + floor × elapsed.
+    /// Over any sequence, evictions included, tokens stay in 0..=capacity
+    /// and the retries granted never exceed initial + ratio × reported +
+    /// floor × elapsed: a bucket evicted and made again grants no more.
     #[test]
     fn invariant_holds(
         ops in prop::collection::vec(any_op(), 1..300),
@@ -55,6 +60,9 @@ proptest! {
                 Op::Advance(nanos) => {
                     clock.advance(nanos);
                     elapsed += nanos;
+                }
+                Op::Evict(idle) => {
+                    store.evict_idle(Duration::from_nanos(idle), |_| config);
                 }
             }
             let tokens = block_on(store.view("up", &config)).unwrap().tokens;
@@ -272,4 +280,190 @@ fn kill_switch_reports_the_previous_state() {
     assert!(block_on(store.set_retries_enabled("a", &config, false)).unwrap());
     assert!(!block_on(store.view("a", &config)).unwrap().retries_enabled);
     assert!(!block_on(store.set_retries_enabled("a", &config, true)).unwrap());
+}
+
+/// A bucket of 10 tokens refilling one a second, no deposits.
+fn slow() -> BucketConfig {
+    BucketConfig {
+        capacity: 10.0,
+        initial: 10.0,
+        ratio: 0.0,
+        min_per_second: 1.0,
+        ..BucketConfig::default()
+    }
+}
+
+const SECOND: u64 = 1_000_000_000;
+const MINUTE: Duration = Duration::from_secs(60);
+
+#[test]
+fn idle_buckets_are_evicted_and_their_places_reused() {
+    let config = slow();
+    let clock = ManualClock::default();
+    let store = MemoryBudgetStore::with_clock(3, clock.clone());
+    for name in ["flood-1", "flood-2", "flood-3"] {
+        block_on(store.try_withdraw(name, &config)).unwrap();
+    }
+    assert!(matches!(
+        block_on(store.try_withdraw("legit", &config)),
+        Err(StoreError::TooManyUpstreams { limit: 3 })
+    ));
+    // Not idle long enough: nothing goes.
+    clock.advance(30 * SECOND);
+    assert_eq!(store.evict_idle(MINUTE, |_| config), 0);
+    clock.advance(31 * SECOND);
+    assert_eq!(store.evict_idle(MINUTE, |_| config), 3);
+    assert_eq!((store.counted_upstreams(), store.evictions()), (0, 3));
+    assert!(block_on(store.list(|_| config)).unwrap().is_empty());
+    // The places are free again, and a bucket made again starts at initial.
+    assert_eq!(
+        block_on(store.try_withdraw("legit", &config)).unwrap(),
+        Some(9.0)
+    );
+    assert_eq!(
+        block_on(store.try_withdraw("flood-1", &config)).unwrap(),
+        Some(9.0)
+    );
+    assert_eq!(store.counted_upstreams(), 2);
+}
+
+#[test]
+fn only_buckets_that_could_be_made_again_are_evicted() {
+    let config = BucketConfig {
+        min_per_second: 0.1,
+        ..slow()
+    };
+    let no_floor = BucketConfig {
+        min_per_second: 0.0,
+        ..config
+    };
+    let named = BucketConfig {
+        configured: true,
+        ..config
+    };
+    let clock = ManualClock::default();
+    let store = MemoryBudgetStore::with_clock(10, clock.clone());
+    for _ in 0..7 {
+        block_on(store.try_withdraw("drained", &config)).unwrap();
+    }
+    block_on(store.try_withdraw("no-floor", &no_floor)).unwrap();
+    block_on(store.try_withdraw("named", &named)).unwrap();
+    block_on(store.set_retries_enabled("switched-off", &config, false)).unwrap();
+    let config_of = |upstream: &str| match upstream {
+        "no-floor" => no_floor,
+        "named" => named,
+        _ => config,
+    };
+    // Idle a minute: "drained" (7 tokens short, 0.1 a second) is 1 short.
+    clock.advance(60 * SECOND);
+    assert_eq!(store.evict_idle(MINUTE, config_of), 0);
+    // Idle 50 s more: refilled, so it goes; the others never do.
+    clock.advance(50 * SECOND);
+    assert_eq!(store.evict_idle(MINUTE, config_of), 1);
+    clock.advance(3600 * SECOND);
+    assert_eq!(store.evict_idle(MINUTE, config_of), 0);
+    let left: Vec<_> = block_on(store.list(config_of))
+        .unwrap()
+        .into_iter()
+        .map(|budget| (budget.upstream, budget.retries_enabled))
+        .collect();
+    assert_eq!(
+        left,
+        [
+            ("named".to_owned(), true),
+            ("no-floor".to_owned(), true),
+            ("switched-off".to_owned(), false)
+        ]
+    );
+    // The configured one never held a place; the others still do.
+    assert_eq!(store.counted_upstreams(), 2);
+}
+
+#[test]
+fn a_thread_holding_an_evicted_bucket_uses_the_new_one() {
+    let config = BucketConfig {
+        ratio: 1.0,
+        ..slow()
+    };
+    let clock = ManualClock::default();
+    let store = MemoryBudgetStore::with_clock(10, clock.clone());
+    let (to_worker, orders) = std::sync::mpsc::channel::<Option<u64>>();
+    let (to_test, answers) = std::sync::mpsc::channel();
+    std::thread::scope(|scope| {
+        // A worker thread that keeps "a" in its index throughout.
+        let (store, config) = (&store, &config);
+        scope.spawn(move || {
+            while let Ok(Some(deposit)) = orders.recv() {
+                block_on(store.deposit("a", config, deposit)).unwrap();
+                let left = block_on(store.try_withdraw("a", config)).unwrap();
+                let indexed = store.near().map.borrow().len();
+                to_test.send((left, indexed)).unwrap();
+            }
+        });
+        to_worker.send(Some(0)).unwrap();
+        assert_eq!(answers.recv().unwrap(), (Some(9.0), 1));
+        clock.advance(120 * SECOND);
+        assert_eq!(store.evict_idle(MINUTE, |_| *config), 1);
+        // The worker's index still holds the old bucket: its deposit and
+        // withdrawal must land on a new one, which starts at 10.
+        to_worker.send(Some(0)).unwrap();
+        assert_eq!(answers.recv().unwrap(), (Some(9.0), 1));
+        assert_eq!(block_on(store.view("a", config)).unwrap().tokens, 9.0);
+        to_worker.send(None).unwrap();
+    });
+    assert_eq!(store.counted_upstreams(), 1);
+}
+
+#[test]
+fn threads_prune_evicted_buckets_from_their_index() {
+    let config = slow();
+    let clock = ManualClock::default();
+    let store = MemoryBudgetStore::with_clock(1000, clock.clone());
+    for i in 0..100 {
+        block_on(store.try_withdraw(&format!("flood-{i}"), &config)).unwrap();
+    }
+    block_on(store.try_withdraw("busy", &config)).unwrap();
+    assert_eq!(store.near().map.borrow().len(), 101);
+    clock.advance(120 * SECOND);
+    // "busy" is used just before the sweep: it stays.
+    block_on(store.try_withdraw("busy", &config)).unwrap();
+    assert_eq!(store.evict_idle(MINUTE, |_| config), 100);
+    // This thread's next operation on anything gives the memory back.
+    block_on(store.view("busy", &config)).unwrap();
+    assert_eq!(store.near().map.borrow().len(), 1);
+}
+
+#[test]
+fn a_kill_switch_is_never_lost_to_an_eviction() {
+    // The switch and a sweep race on several threads: whichever wins, the
+    // upstream ends with retries off.
+    let config = slow();
+    for _ in 0..200 {
+        let clock = ManualClock::default();
+        let store = MemoryBudgetStore::with_clock(10, clock.clone());
+        block_on(store.deposit("a", &config, 0)).unwrap();
+        clock.advance(120 * SECOND);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                block_on(store.set_retries_enabled("a", &config, false)).unwrap();
+            });
+            scope.spawn(|| store.evict_idle(MINUTE, |_| config));
+        });
+        assert!(!block_on(store.view("a", &config)).unwrap().retries_enabled);
+    }
+}
+
+#[test]
+fn a_newly_configured_upstream_gives_its_place_back() {
+    let config = slow();
+    let store = MemoryBudgetStore::with_clock(1, ManualClock::default());
+    block_on(store.try_withdraw("later-named", &config)).unwrap();
+    assert_eq!(store.counted_upstreams(), 1);
+    let named = BucketConfig {
+        configured: true,
+        ..config
+    };
+    assert_eq!(store.evict_idle(MINUTE, |_| named), 0);
+    assert_eq!(store.counted_upstreams(), 0);
+    block_on(store.try_withdraw("another", &config)).unwrap();
 }

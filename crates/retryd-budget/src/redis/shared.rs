@@ -238,6 +238,7 @@ impl<M: Operations> Core<M> {
             unavailable_answers: load(&counters.unavailable),
             forfeited_tokens: units_to_tokens(load(&counters.forfeited_units)),
             lost_deposits: load(&counters.lost_deposits),
+            evicted_upstreams: 0,
         }
     }
 
