@@ -8,11 +8,9 @@ import java.net.http.HttpResponse;
 import java.net.http.HttpTimeoutException;
 import java.nio.ByteBuffer;
 import java.time.Duration;
-import java.util.HashSet;
 import java.util.List;
 import java.util.Objects;
 import java.util.Optional;
-import java.util.Set;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.CompletionStage;
 import java.util.concurrent.ExecutionException;
@@ -223,7 +221,7 @@ public final class RetryingHttpClient implements AutoCloseable {
       }
       if (!retry) {
         if (error != null) {
-          error.addSuppressed(new DecisionRecord(decision));
+          error.addSuppressed(new DecisionRecord(decision, null));
           throw (IOException) error;
         }
         return new RetriedResponse<>(response, attempt, decision);
@@ -248,18 +246,7 @@ public final class RetryingHttpClient implements AutoCloseable {
    * denied retrying it (or the one an {@link AmbiguousExecutionException} carries).
    */
   public static Optional<Decision> decisionOf(Throwable error) {
-    Set<Throwable> seen = new HashSet<>();
-    for (Throwable cause = error; cause != null && seen.add(cause); cause = cause.getCause()) {
-      if (cause instanceof AmbiguousExecutionException) {
-        return Optional.of(((AmbiguousExecutionException) cause).decision());
-      }
-      for (Throwable suppressed : cause.getSuppressed()) {
-        if (suppressed instanceof DecisionRecord) {
-          return Optional.of(((DecisionRecord) suppressed).decision);
-        }
-      }
-    }
-    return Optional.empty();
+    return DecisionRecord.find(error);
   }
 
   /**
@@ -431,14 +418,4 @@ public final class RetryingHttpClient implements AutoCloseable {
     }
   }
 
-  /** Carries retryd's decision on an exception rethrown by {@link #send}; see {@link #decisionOf}. */
-  static final class DecisionRecord extends RuntimeException {
-    private static final long serialVersionUID = 1L;
-    final transient Decision decision;
-
-    DecisionRecord(Decision decision) {
-      super("retryd: " + decision, null, false, false);
-      this.decision = decision;
-    }
-  }
 }
