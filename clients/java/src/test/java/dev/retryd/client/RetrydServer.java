@@ -38,7 +38,20 @@ final class RetrydServer implements AutoCloseable {
           "",
           "[upstreams.\"java-empty\"]",
           "budget = { capacity = 10.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }",
+          "",
+          "# Budgets that show exactly what traffic reports deposited (one token a request, no refill).",
+          "[upstreams.\"java-report\"]",
+          "budget = { capacity = 1000.0, initial = 0.0, ratio = 1.0, min_per_second = 0.0 }",
+          "[upstreams.\"java-report-resend\"]",
+          "budget = { capacity = 1000.0, initial = 0.0, ratio = 1.0, min_per_second = 0.0 }",
+          "[upstreams.\"java-report-daemon\"]",
+          "budget = { capacity = 1000.0, initial = 0.0, ratio = 1.0, min_per_second = 0.0 }",
           "");
+
+  /** The client test configuration on a fixed gRPC port (for restart tests). */
+  static String clientTestConfigOn(int port) {
+    return CLIENT_TEST_CONFIG.replaceFirst("listen = \"127.0.0.1:0\"", "listen = \"127.0.0.1:" + port + "\"");
+  }
 
   final String grpc;
   final String metrics;
