@@ -209,10 +209,11 @@ class ClientTest {
     try (RetrydServer server = RetrydServer.start(RetrydServer.CLIENT_TEST_CONFIG);
         RetrydClient client = RetrydClient.builder(server.target()).timeout(java.time.Duration.ofMillis(200)).build()) {
       assertFalse(client.decide(connectFailure("java-frozen").build(), java.time.Duration.ofSeconds(5)).fallback());
+      double before = client.getBudget("java-frozen-budget").getTokens();
       server.freeze();
       try {
         long start = System.nanoTime();
-        Decision decision = client.decide(connectFailure("java-frozen").build());
+        Decision decision = client.decide(connectFailure("java-frozen-budget").build());
         double elapsed = (System.nanoTime() - start) / 1e9;
         assertTrue(decision.fallback());
         assertTrue(elapsed >= 0.2 && elapsed <= 2.2, "fell back after " + elapsed + "s for a 200ms timeout");
@@ -220,6 +221,9 @@ class ClientTest {
         server.thaw();
       }
       assertFalse(client.decide(connectFailure("java-frozen").build(), java.time.Duration.ofSeconds(5)).fallback());
+      // The decision retryd read only after its deadline had passed spent no
+      // token: the client's gRPC deadline reached retryd with the request.
+      assertEquals(before, client.getBudget("java-frozen-budget").getTokens(), 1e-9);
     }
   }
 
