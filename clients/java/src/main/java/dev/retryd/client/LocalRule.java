@@ -5,6 +5,8 @@ import java.time.Instant;
 import java.time.ZoneOffset;
 import java.time.ZonedDateTime;
 import java.time.format.DateTimeFormatter;
+import java.time.format.DateTimeFormatterBuilder;
+import java.time.temporal.ChronoField;
 import java.time.format.DateTimeParseException;
 import java.util.EnumSet;
 import java.util.Locale;
@@ -150,16 +152,9 @@ public final class LocalRule {
         return Optional.of(Duration.ofSeconds(Long.MAX_VALUE / 2));
       }
     }
-    for (DateTimeFormatter format : HTTP_DATES) {
+    for (DateTimeFormatter format : httpDates(now)) {
       try {
-        ZonedDateTime parsed = ZonedDateTime.parse(text, format);
-        // RFC 850's two-digit year: java.time reads it as 20yy; HTTP (RFC 9110)
-        // says a year more than 50 years ahead is in the past century.
-        if (format == HTTP_DATES[1] && parsed.isAfter(now.atZone(ZoneOffset.UTC).plusYears(50))) {
-          parsed = parsed.minusYears(100);
-        }
-        Instant at = parsed.toInstant();
-        Duration delay = Duration.between(now, at);
+        Duration delay = Duration.between(now, ZonedDateTime.parse(text, format).toInstant());
         return Optional.of(delay.isNegative() ? Duration.ZERO : delay);
       } catch (DateTimeParseException next) {
         // try the next form
@@ -168,13 +163,24 @@ public final class LocalRule {
     return Optional.empty();
   }
 
-  private static final DateTimeFormatter[] HTTP_DATES = {
-    DateTimeFormatter.RFC_1123_DATE_TIME,
-    // RFC 850: Sunday, 06-Nov-94 08:49:37 GMT.
-    DateTimeFormatter.ofPattern("EEEE, dd-MMM-yy HH:mm:ss zzz", Locale.US),
-    // asctime: Sun Nov  6 08:49:37 1994, always GMT.
-    DateTimeFormatter.ofPattern("EEE MMM ppd HH:mm:ss yyyy", Locale.US).withZone(ZoneOffset.UTC),
-  };
+  private static final DateTimeFormatter IMF_FIXDATE = DateTimeFormatter.RFC_1123_DATE_TIME;
+  // asctime: Sun Nov  6 08:49:37 1994, always GMT.
+  private static final DateTimeFormatter ASCTIME =
+      DateTimeFormatter.ofPattern("EEE MMM ppd HH:mm:ss yyyy", Locale.US).withZone(ZoneOffset.UTC);
+
+  private static DateTimeFormatter[] httpDates(Instant now) {
+    // RFC 850: Sunday, 06-Nov-94 08:49:37 GMT. Its two-digit year is the one
+    // not more than 50 years ahead (RFC 9110), so the base moves with now.
+    int base = now.atZone(ZoneOffset.UTC).getYear() - 49;
+    DateTimeFormatter rfc850 =
+        new DateTimeFormatterBuilder()
+            .appendPattern("EEEE, dd-MMM-")
+            .appendValueReduced(ChronoField.YEAR, 2, 2, base)
+            .appendPattern(" HH:mm:ss zzz")
+            .toFormatter(Locale.US);
+    return new DateTimeFormatter[] {IMF_FIXDATE, rfc850, ASCTIME};
+  }
+
 
   /**
    * A raw {@code grpc-retry-pushback-ms} value (gRFC A6): the least wait, or empty

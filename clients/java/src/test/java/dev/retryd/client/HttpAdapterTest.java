@@ -374,4 +374,95 @@ class HttpAdapterTest {
       assertTrue(retryd.getBudget("java-reported").getTracked());
     }
   }
+
+  @Test
+  void anInvalidCertificateIsPermanentAndNotRetried() throws Exception {
+    // A self-signed certificate the JDK's default trust store does not know.
+    java.nio.file.Path directory = java.nio.file.Files.createTempDirectory("retryd-tls-");
+    java.nio.file.Path keystore = directory.resolve("server.p12");
+    Process keytool =
+        new ProcessBuilder(
+                java.nio.file.Paths.get(System.getProperty("java.home"), "bin", "keytool").toString(),
+                "-genkeypair", "-alias", "server", "-keyalg", "RSA", "-keysize", "2048", "-validity", "2",
+                "-dname", "CN=127.0.0.1", "-ext", "san=ip:127.0.0.1", "-storetype", "PKCS12",
+                "-keystore", keystore.toString(), "-storepass", "changeit", "-keypass", "changeit")
+            .redirectErrorStream(true)
+            .start();
+    String keytoolOutput = new String(keytool.getInputStream().readAllBytes(), StandardCharsets.UTF_8);
+    assertEquals(0, keytool.waitFor(), "keytool failed: " + keytoolOutput);
+    java.security.KeyStore store = java.security.KeyStore.getInstance("PKCS12");
+    try (java.io.InputStream in = java.nio.file.Files.newInputStream(keystore)) {
+      store.load(in, "changeit".toCharArray());
+    }
+    javax.net.ssl.KeyManagerFactory keys = javax.net.ssl.KeyManagerFactory.getInstance(javax.net.ssl.KeyManagerFactory.getDefaultAlgorithm());
+    keys.init(store, "changeit".toCharArray());
+    javax.net.ssl.SSLContext tls = javax.net.ssl.SSLContext.getInstance("TLS");
+    tls.init(keys.getKeyManagers(), null, null);
+    com.sun.net.httpserver.HttpsServer https =
+        com.sun.net.httpserver.HttpsServer.create(new java.net.InetSocketAddress(java.net.InetAddress.getLoopbackAddress(), 0), 0);
+    https.setHttpsConfigurator(new com.sun.net.httpserver.HttpsConfigurator(tls));
+    AtomicInteger handled = new AtomicInteger();
+    https.createContext("/", exchange -> {
+      handled.incrementAndGet();
+      ScriptedHttpServer.status(200).answer(exchange);
+    });
+    https.start();
+    try {
+      String url = "https://127.0.0.1:" + https.getAddress().getPort() + "/";
+      SSLException error =
+          assertThrows(SSLException.class, () -> adapter.send(get(url), HttpResponse.BodyHandlers.ofString(), safe("java-cert").build()));
+      Decision decision = decisionOf(error);
+      assertEquals(DenyReason.DENY_REASON_PERMANENT_FAILURE, decision.denyReason(), decision + " for " + error);
+      assertEquals(7, decision.rule());
+      assertEquals(0, handled.get());
+    } finally {
+      https.stop(0);
+    }
+  }
+
+  @Test
+  void whenRetrydIsStoppedTheLocalRuleStillRetriesASafe503() throws Exception {
+    int port;
+    try (ServerSocket probe = new ServerSocket(0)) {
+      port = probe.getLocalPort();
+    }
+    try (RetrydClient down = RetrydClient.builder("127.0.0.1:" + port).build();
+        RetryingHttpClient local = RetryingHttpClient.builder(http, down).noTrafficReport().build();
+        ScriptedHttpServer server = new ScriptedHttpServer(ScriptedHttpServer.status(503), ScriptedHttpServer.status(200))) {
+      RetriedResponse<String> response = local.send(get(server.url("/")), HttpResponse.BodyHandlers.ofString(), safe("java-down").build());
+      assertEquals(200, response.statusCode());
+      assertTrue(response.decision().orElseThrow().fallback());
+      // The local rule never retries a payment that may have happened.
+      try (ScriptedHttpServer payments = new ScriptedHttpServer(ScriptedHttpServer.status(503))) {
+        HttpRequest post = HttpRequest.newBuilder(URI.create(payments.url("/v1/charges"))).POST(HttpRequest.BodyPublishers.ofString("{}")).build();
+        AmbiguousExecutionException error =
+            assertThrows(AmbiguousExecutionException.class, () -> local.send(post, HttpResponse.BodyHandlers.ofString(),
+                RetryOptions.builder("java-down").idempotency(Idempotency.IDEMPOTENCY_NON_IDEMPOTENT).build()));
+        assertTrue(error.decision().fallback());
+        assertEquals(503, error.response().orElseThrow().statusCode());
+        assertEquals(1, payments.requests());
+      }
+    }
+  }
+
+  @Test
+  void whenRetrydIsFrozenTheCallFallsBackWithinTheTimeout() throws Exception {
+    try (RetrydServer frozen = RetrydServer.start(RetrydServer.CLIENT_TEST_CONFIG);
+        RetrydClient client = RetrydClient.builder(frozen.target()).timeout(Duration.ofMillis(200)).build();
+        RetryingHttpClient local = RetryingHttpClient.builder(http, client).noTrafficReport().build();
+        ScriptedHttpServer server = new ScriptedHttpServer(ScriptedHttpServer.status(503), ScriptedHttpServer.status(200))) {
+      frozen.freeze();
+      try {
+        long start = System.nanoTime();
+        RetriedResponse<String> response = local.send(get(server.url("/")), HttpResponse.BodyHandlers.ofString(), safe("java-frozen").build());
+        double elapsed = (System.nanoTime() - start) / 1e9;
+        assertEquals(200, response.statusCode());
+        assertTrue(response.decision().orElseThrow().fallback());
+        // One 200ms decision timeout plus at most the local backoff cap (2s).
+        assertTrue(elapsed >= 0.2 && elapsed <= 4.2, "took " + elapsed + "s");
+      } finally {
+        frozen.thaw();
+      }
+    }
+  }
 }
