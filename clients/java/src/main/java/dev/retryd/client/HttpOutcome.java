@@ -170,9 +170,4 @@ public final class HttpOutcome {
     return evidence.name() + "/" + failure.name() + (httpStatus == 0 ? "" : "/" + httpStatus);
   }
 
-  // Only IOExceptions are transport outcomes; anything else (a bug in a body
-  // handler, say) is the caller's and is rethrown untouched.
-  static boolean isTransportFailure(Throwable error) {
-    return error instanceof IOException;
-  }
 }

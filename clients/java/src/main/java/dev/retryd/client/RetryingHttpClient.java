@@ -11,12 +11,9 @@ import java.time.Duration;
 import java.util.List;
 import java.util.Objects;
 import java.util.Optional;
-import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.CompletionStage;
-import java.util.concurrent.ExecutionException;
 import java.util.concurrent.Flow;
 import java.util.concurrent.TimeUnit;
-import java.util.concurrent.TimeoutException;
 import java.util.stream.BaseStream;
 import retryd.v1.Retryd.Body;
 import retryd.v1.Retryd.BodyKind;
@@ -64,6 +61,7 @@ public final class RetryingHttpClient implements AutoCloseable {
   private final RetrydClient retryd;
   private final TrafficReporter reporter;
   private final boolean ownsReporter;
+  private volatile java.util.concurrent.ScheduledExecutorService timer;
 
   private RetryingHttpClient(Builder builder) {
     this.http = builder.http;
@@ -127,6 +125,32 @@ public final class RetryingHttpClient implements AutoCloseable {
     if (ownsReporter) {
       reporter.close();
     }
+    if (timer != null) {
+      timer.shutdownNow();
+    }
+  }
+
+  /** The timer that bounds body reads by the deadline; started on first use. */
+  private java.util.concurrent.ScheduledExecutorService timer() {
+    java.util.concurrent.ScheduledExecutorService current = timer;
+    if (current == null) {
+      synchronized (this) {
+        if (timer == null) {
+          java.util.concurrent.ScheduledThreadPoolExecutor created =
+              new java.util.concurrent.ScheduledThreadPoolExecutor(
+                  1,
+                  runnable -> {
+                    Thread thread = new Thread(runnable, "retryd-http-deadline");
+                    thread.setDaemon(true);
+                    return thread;
+                  });
+          created.setRemoveOnCancelPolicy(true); // most timers are cancelled: do not keep them queued
+          timer = created;
+        }
+        current = timer;
+      }
+    }
+    return current;
   }
 
   /**
@@ -152,24 +176,19 @@ public final class RetryingHttpClient implements AutoCloseable {
         reporter.record(options.upstream);
       }
       Duration remaining = options.deadline == null ? null : Duration.ofNanos(Math.max(0, deadlineAt - System.nanoTime()));
-      Tracking<T> tracking = new Tracking<>(handler);
+      long bodyDeadline = options.deadline == null ? 0 : deadlineAt;
+      Tracking<T> tracking = new Tracking<>(handler, bodyDeadline, bodyDeadline == 0 ? null : timer());
       HttpResponse<T> response = null;
-      Throwable error = null;
+      IOException error = null;
       HttpOutcome outcome;
-      CompletableFuture<HttpResponse<T>> exchange = http.sendAsync(bounded(current, remaining), tracking);
+      // send(), not sendAsync().get(): the JDK hands sendAsync's result to its
+      // executor, a thread hop that cost ~300us a call here. The request timeout
+      // (cut to the deadline) bounds the wait for the headers, the tracking
+      // subscriber's timer the body.
       try {
-        response = remaining == null ? exchange.get() : exchange.get(remaining.toNanos(), TimeUnit.NANOSECONDS);
-      } catch (TimeoutException deadline) {
-        exchange.cancel(true);
-        error = new HttpTimeoutException("deadline of " + options.deadline + " exceeded during attempt " + attempt);
-      } catch (ExecutionException failed) {
-        error = failed.getCause() == null ? failed : failed.getCause();
-        if (!HttpOutcome.isTransportFailure(error)) {
-          throw rethrowUnchecked(error);
-        }
-      } catch (InterruptedException interrupted) {
-        exchange.cancel(true);
-        throw interrupted;
+        response = http.send(bounded(current, remaining), tracking);
+      } catch (IOException failed) {
+        error = failed;
       }
       if (response != null) {
         if (!options.retryStatuses.contains(response.statusCode())) {
@@ -222,7 +241,7 @@ public final class RetryingHttpClient implements AutoCloseable {
       if (!retry) {
         if (error != null) {
           error.addSuppressed(new DecisionRecord(decision, null));
-          throw (IOException) error;
+          throw error;
         }
         return new RetriedResponse<>(response, attempt, decision);
       }
@@ -359,24 +378,23 @@ public final class RetryingHttpClient implements AutoCloseable {
     }
   }
 
-  private static RuntimeException rethrowUnchecked(Throwable error) {
-    if (error instanceof RuntimeException) {
-      return (RuntimeException) error;
-    }
-    if (error instanceof Error) {
-      throw (Error) error;
-    }
-    return new RetrydException("unexpected failure of HttpClient.sendAsync", error);
-  }
 
-  /** Records whether (and what) response headers arrived, and whether body bytes reached the handler's subscriber. */
+  /**
+   * Records whether (and what) response headers arrived and whether body bytes
+   * reached the handler's subscriber, and ends a body read the deadline
+   * overtakes with an {@link HttpTimeoutException}.
+   */
   private static final class Tracking<T> implements HttpResponse.BodyHandler<T> {
     private final HttpResponse.BodyHandler<T> handler;
+    private final long deadlineAt;
+    private final java.util.concurrent.ScheduledExecutorService timer;
     volatile HttpResponse.ResponseInfo info;
     volatile boolean delivered;
 
-    Tracking(HttpResponse.BodyHandler<T> handler) {
+    Tracking(HttpResponse.BodyHandler<T> handler, long deadlineAt, java.util.concurrent.ScheduledExecutorService timer) {
       this.handler = handler;
+      this.deadlineAt = deadlineAt;
+      this.timer = timer;
     }
 
     @Override
@@ -384,6 +402,9 @@ public final class RetryingHttpClient implements AutoCloseable {
       info = responseInfo;
       HttpResponse.BodySubscriber<T> subscriber = handler.apply(responseInfo);
       return new HttpResponse.BodySubscriber<T>() {
+        private final java.util.concurrent.atomic.AtomicBoolean ended = new java.util.concurrent.atomic.AtomicBoolean();
+        private volatile java.util.concurrent.ScheduledFuture<?> guard;
+
         @Override
         public CompletionStage<T> getBody() {
           return subscriber.getBody();
@@ -392,10 +413,25 @@ public final class RetryingHttpClient implements AutoCloseable {
         @Override
         public void onSubscribe(Flow.Subscription subscription) {
           subscriber.onSubscribe(subscription);
+          if (timer != null) {
+            guard =
+                timer.schedule(
+                    () -> {
+                      if (ended.compareAndSet(false, true)) {
+                        subscription.cancel();
+                        subscriber.onError(new HttpTimeoutException("deadline exceeded while reading the body"));
+                      }
+                    },
+                    Math.max(0, deadlineAt - System.nanoTime()),
+                    TimeUnit.NANOSECONDS);
+          }
         }
 
         @Override
         public void onNext(List<ByteBuffer> item) {
+          if (ended.get()) {
+            return;
+          }
           for (ByteBuffer buffer : item) {
             if (buffer.hasRemaining()) {
               delivered = true;
@@ -407,15 +443,27 @@ public final class RetryingHttpClient implements AutoCloseable {
 
         @Override
         public void onError(Throwable throwable) {
-          subscriber.onError(throwable);
+          if (ended.compareAndSet(false, true)) {
+            stopGuard();
+            subscriber.onError(throwable);
+          }
         }
 
         @Override
         public void onComplete() {
-          subscriber.onComplete();
+          if (ended.compareAndSet(false, true)) {
+            stopGuard();
+            subscriber.onComplete();
+          }
+        }
+
+        private void stopGuard() {
+          java.util.concurrent.ScheduledFuture<?> running = guard;
+          if (running != null) {
+            running.cancel(false);
+          }
         }
       };
     }
   }
-
 }

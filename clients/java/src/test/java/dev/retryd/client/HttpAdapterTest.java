@@ -28,7 +28,9 @@ import org.junit.jupiter.api.AfterAll;
 import org.junit.jupiter.api.BeforeAll;
 import org.junit.jupiter.api.Test;
 import org.junit.jupiter.api.TestInstance;
+import retryd.v1.Retryd.DecideRequest;
 import retryd.v1.Retryd.DenyReason;
+import retryd.v1.Retryd.FailureKind;
 import retryd.v1.Retryd.Evidence;
 import retryd.v1.Retryd.Idempotency;
 import retryd.v1.Retryd.Verdict;
@@ -43,6 +45,11 @@ class HttpAdapterTest {
   private RetrydClient retryd;
   private HttpClient http;
   private RetryingHttpClient adapter;
+  // For the deadline tests: with the deadline spent, the decision call gets
+  // only its 50ms floor, which a loaded machine can miss; the local rule then
+  // says the same DENY DEADLINE, so these tests allow the fallback.
+  private RetrydClient retrydOrLocal;
+  private RetryingHttpClient deadlineAdapter;
 
   @BeforeAll
   void start() throws Exception {
@@ -52,11 +59,19 @@ class HttpAdapterTest {
     retryd = RetrydClient.builder(retrydServer.target()).timeout(Duration.ofSeconds(5)).noFallback().build();
     http = HttpClient.newBuilder().connectTimeout(Duration.ofSeconds(5)).build();
     adapter = RetryingHttpClient.builder(http, retryd).noTrafficReport().build();
+    retrydOrLocal = RetrydClient.builder(retrydServer.target()).build();
+    deadlineAdapter = RetryingHttpClient.builder(http, retrydOrLocal).noTrafficReport().build();
+    // Load the client's classes once: a first decision that spends its 50ms
+    // floor loading them would otherwise miss a nearly spent deadline.
+    retryd.decide(DecideRequest.newBuilder().setUpstream("java-warmup").setIdempotency(Idempotency.IDEMPOTENCY_SAFE)
+        .setAttempt(1).setFailure(FailureKind.FAILURE_KIND_CONNECT).build());
   }
 
   @AfterAll
   void stop() throws Exception {
     adapter.close();
+    deadlineAdapter.close();
+    retrydOrLocal.close();
     retryd.close();
     retrydServer.close();
   }
@@ -164,13 +179,39 @@ class HttpAdapterTest {
       HttpTimeoutException error =
           assertThrows(
               HttpTimeoutException.class,
-              () -> adapter.send(get(server.url("http", "/hang")), HttpResponse.BodyHandlers.ofString(),
+              () -> deadlineAdapter.send(get(server.url("http", "/hang")), HttpResponse.BodyHandlers.ofString(),
                   safe("java-deadline").deadline(Duration.ofMillis(700)).build()));
       double elapsed = (System.nanoTime() - start) / 1e9;
       assertTrue(elapsed >= 0.7 && elapsed <= 2.7, "the call took " + elapsed + "s for a 0.7s deadline");
       Decision decision = decisionOf(error);
       assertEquals(DenyReason.DENY_REASON_DEADLINE, decision.denyReason(), decision.toString());
       assertEquals(1, server.requests.get());
+    }
+  }
+
+  @Test
+  void aBodyStillDrippingAtTheDeadlineEndsTheCallAtTheDeadline() throws Exception {
+    try (RawServer server = new RawServer((socket, self) -> {
+          self.readRequest(socket);
+          OutputStream out = socket.getOutputStream();
+          out.write("HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n".getBytes(StandardCharsets.US_ASCII));
+          for (int i = 0; i < 300; i++) { // one byte every 100ms: 30s for the body
+            out.write('x');
+            out.flush();
+            Thread.sleep(100);
+          }
+        })) {
+      long start = System.nanoTime();
+      HttpTimeoutException error =
+          assertThrows(
+              HttpTimeoutException.class,
+              () -> deadlineAdapter.send(get(server.url("http", "/slow")), HttpResponse.BodyHandlers.ofString(),
+                  safe("java-drip").deadline(Duration.ofMillis(800)).build()));
+      double elapsed = (System.nanoTime() - start) / 1e9;
+      assertTrue(elapsed >= 0.8 && elapsed <= 2.8, "the call took " + elapsed + "s for a 0.8s deadline");
+      Decision decision = decisionOf(error);
+      assertEquals(Evidence.EVIDENCE_PARTIAL_RESPONSE, decision.effectiveEvidence(), decision.toString());
+      assertEquals(DenyReason.DENY_REASON_DEADLINE, decision.denyReason(), decision.toString());
     }
   }
 

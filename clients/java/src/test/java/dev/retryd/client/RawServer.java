@@ -26,7 +26,6 @@ final class RawServer implements AutoCloseable {
   final ServerSocket socket;
   final AtomicInteger connections = new AtomicInteger();
   final AtomicInteger requests = new AtomicInteger();
-  final List<String> requestHeads = new CopyOnWriteArrayList<>();
   private final List<Socket> open = new CopyOnWriteArrayList<>();
   private final Thread acceptor;
 
@@ -93,7 +92,6 @@ final class RawServer implements AutoCloseable {
     }
     in.readNBytes(length);
     requests.incrementAndGet();
-    requestHeads.add(text);
     return text;
   }
 
