@@ -102,6 +102,31 @@ class TrafficReporterTest {
   }
 
   @Test
+  void aReportAppliedButUnansweredIsResentAndCountedOnce() throws Exception {
+    // retryd applies the report, but its answer is held back by the proxy, so
+    // the client times out and re-sends the same batch (same report_id).
+    try (PausingProxy proxy = new PausingProxy(server.port());
+        RetrydClient viaProxy = RetrydClient.builder("127.0.0.1:" + proxy.port()).timeout(Duration.ofMillis(300)).build()) {
+      TrafficReporter reporter = TrafficReporter.builder(viaProxy).build();
+      reporter.record("java-report-unanswered", 7);
+      // Connect first: grpc-java waits for the server's HTTP/2 settings, which
+      // a held proxy would keep from it.
+      viaProxy.getBudget("java-report-unanswered");
+      proxy.hold(true);
+      try {
+        assertFalse(reporter.flush(), "no answer: the report times out");
+      } finally {
+        proxy.hold(false);
+      }
+      assertEquals(7.0, tokens("java-report-unanswered"), 1e-9, "the first send was applied");
+      assertTrue(reporter.flush());
+      assertEquals(1, reporter.alreadyAppliedEntries(), "retryd recognised the re-send");
+      assertEquals(0, reporter.acceptedEntries());
+      assertEquals(7.0, tokens("java-report-unanswered"), 1e-9, "7 requests, counted once");
+    }
+  }
+
+  @Test
   void aResentBatchKeepsItsIdAndEntries() throws Exception {
     // A scripted RetryDecider that fails the first report as UNAVAILABLE and
     // records what each call carried: the client side of the report-id promise.
