@@ -44,6 +44,8 @@ final class RetrydServer implements AutoCloseable {
           "budget = { capacity = 1000.0, initial = 0.0, ratio = 1.0, min_per_second = 0.0 }",
           "[upstreams.\"java-report-resend\"]",
           "budget = { capacity = 1000.0, initial = 0.0, ratio = 1.0, min_per_second = 0.0 }",
+          "[upstreams.\"java-reported\"]",
+          "budget = { capacity = 1000.0, initial = 10.0, ratio = 1.0, min_per_second = 0.0 }",
           "[upstreams.\"java-report-unanswered\"]",
           "budget = { capacity = 1000.0, initial = 0.0, ratio = 1.0, min_per_second = 0.0 }",
           "[upstreams.\"java-frozen-budget\"]",
