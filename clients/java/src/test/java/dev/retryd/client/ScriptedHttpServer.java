@@ -34,6 +34,8 @@ final class ScriptedHttpServer implements AutoCloseable {
 
   final HttpServer server;
   final List<Long> arrivalsNanos = new CopyOnWriteArrayList<>();
+  /** Wall-clock arrival times, for comparing with an HTTP-date. */
+  final List<Long> arrivalsMillis = new CopyOnWriteArrayList<>();
   final List<Integer> bodyBytes = new CopyOnWriteArrayList<>();
   final List<String> authorizations = new CopyOnWriteArrayList<>();
 
@@ -47,6 +49,7 @@ final class ScriptedHttpServer implements AutoCloseable {
     server.createContext(
         "/",
         exchange -> {
+          arrivalsMillis.add(System.currentTimeMillis());
           arrivalsNanos.add(System.nanoTime());
           bodyBytes.add(exchange.getRequestBody().readAllBytes().length);
           String authorization = exchange.getRequestHeaders().getFirst("Authorization");
