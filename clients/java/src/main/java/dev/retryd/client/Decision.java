@@ -23,6 +23,8 @@ public final class Decision {
   private final double tokensRemaining;
   private final String explanation;
   private final boolean fallback;
+  private final boolean shadow;
+  private final Decision retrydDecision;
 
   Decision(
       Verdict verdict,
@@ -36,6 +38,24 @@ public final class Decision {
       double tokensRemaining,
       String explanation,
       boolean fallback) {
+    this(verdict, backoff, denyReason, refreshCredentials, rule, effectiveEvidence, evidenceAdjusted, decisionId,
+        tokensRemaining, explanation, fallback, false, null);
+  }
+
+  private Decision(
+      Verdict verdict,
+      Duration backoff,
+      DenyReason denyReason,
+      boolean refreshCredentials,
+      int rule,
+      Evidence effectiveEvidence,
+      boolean evidenceAdjusted,
+      String decisionId,
+      double tokensRemaining,
+      String explanation,
+      boolean fallback,
+      boolean shadow,
+      Decision retrydDecision) {
     this.verdict = Objects.requireNonNull(verdict);
     this.backoff = Objects.requireNonNull(backoff);
     this.denyReason = Objects.requireNonNull(denyReason);
@@ -47,6 +67,24 @@ public final class Decision {
     this.tokensRemaining = tokensRemaining;
     this.explanation = Objects.requireNonNull(explanation);
     this.fallback = fallback;
+    this.shadow = shadow;
+    this.retrydDecision = retrydDecision;
+  }
+
+  /**
+   * The decision to act on for a shadow answer: the local rule's {@code local},
+   * marked shadow, carrying retryd's own answer and its decision id.
+   */
+  static Decision shadowed(Decision local, Decision retryd) {
+    return new Decision(local.verdict, local.backoff, local.denyReason, local.refreshCredentials, local.rule,
+        local.effectiveEvidence, local.evidenceAdjusted, retryd.decisionId, local.tokensRemaining, local.explanation,
+        false, true, retryd);
+  }
+
+  /** The same answer from retryd, marked as a shadow one (not enforced). */
+  Decision asShadowAnswer() {
+    return new Decision(verdict, backoff, denyReason, refreshCredentials, rule, effectiveEvidence, evidenceAdjusted,
+        decisionId, tokensRemaining, explanation, false, true, null);
   }
 
   /** The decision retryd sent. Values newer than this client read as UNSPECIFIED/UNRECOGNIZED. */
@@ -120,6 +158,20 @@ public final class Decision {
     return fallback;
   }
 
+  /**
+   * True when retryd answered for an upstream in shadow mode ({@code enforce =
+   * false}): retryd's decision is not enforced, so this decision is the local
+   * rule's, and retryd's own answer is {@link #retrydDecision()}.
+   */
+  public boolean shadow() {
+    return shadow;
+  }
+
+  /** For a {@link #shadow()} decision: what retryd decided (and would enforce). Empty otherwise. */
+  public java.util.Optional<Decision> retrydDecision() {
+    return java.util.Optional.ofNullable(retrydDecision);
+  }
+
   /** Whether the verdict is RETRY. */
   public boolean shouldRetry() {
     return verdict == Verdict.VERDICT_RETRY;
@@ -142,6 +194,9 @@ public final class Decision {
     text.append(", rule ").append(rule).append(", ").append(effectiveEvidence.name());
     if (fallback) {
       text.append(", fallback");
+    }
+    if (shadow) {
+      text.append(", shadow");
     }
     return text.append(", \"").append(explanation).append("\"}").toString();
   }

@@ -127,7 +127,11 @@ public final class DecisionStream implements AutoCloseable {
         }
         return;
       }
-      pending.future.complete(Decision.fromResponse(response));
+      try {
+        pending.future.complete(client.answered(response, pending.request));
+      } catch (RuntimeException failure) {
+        pending.future.completeExceptionally(failure);
+      }
     }
 
     @Override

@@ -75,6 +75,7 @@ public final class RetrydClient implements AutoCloseable {
   private final Duration timeout;
   private final LocalPolicy fallback;
   private final ScheduledExecutorService scheduler;
+  private final ShadowDivergences shadowDivergences;
   private volatile boolean closed;
 
   private RetrydClient(Builder builder) {
@@ -86,6 +87,7 @@ public final class RetrydClient implements AutoCloseable {
     this.decorated = ClientInterceptors.intercept(channel, new MetadataInterceptor(builder.headers, builder.traceContext));
     this.timeout = builder.timeout;
     this.fallback = builder.fallback;
+    this.shadowDivergences = new ShadowDivergences(builder.shadowLogInterval);
     this.scheduler =
         Executors.newSingleThreadScheduledExecutor(
             runnable -> {
@@ -117,6 +119,7 @@ public final class RetrydClient implements AutoCloseable {
     private LocalPolicy fallback = LocalPolicy.DEFAULT;
     private Supplier<TraceContext> traceContext = () -> null;
     private final Map<String, String> headers = new LinkedHashMap<>();
+    private Duration shadowLogInterval = Duration.ofMinutes(1);
 
     private Builder(String target, ManagedChannel channel) {
       this.target = target;
@@ -151,6 +154,19 @@ public final class RetrydClient implements AutoCloseable {
      */
     public Builder traceContext(Supplier<TraceContext> value) {
       this.traceContext = Objects.requireNonNull(value, "traceContext");
+      return this;
+    }
+
+    /**
+     * The least time between two warnings, per upstream, about shadow decisions
+     * that differ from the local rule (a minute by default); every difference is
+     * counted in {@link RetrydClient#shadowDivergences()} whatever it is.
+     */
+    public Builder shadowLogInterval(Duration value) {
+      if (value.isNegative()) {
+        throw new IllegalArgumentException("shadowLogInterval: must not be negative, got " + value);
+      }
+      this.shadowLogInterval = value;
       return this;
     }
 
@@ -201,10 +217,37 @@ public final class RetrydClient implements AutoCloseable {
           RetryDeciderGrpc.newBlockingStub(decorated)
               .withDeadlineAfter(limit.toNanos(), TimeUnit.NANOSECONDS)
               .decide(request);
-      return Decision.fromResponse(response);
+      return answered(response, request);
     } catch (StatusRuntimeException error) {
       return onError(error, request);
     }
+  }
+
+  /** The decision to act on for retryd's answer: its own, or the local rule's for a shadow answer. */
+  Decision answered(DecideResponse response, DecideRequest request) {
+    Decision decision = Decision.fromResponse(response);
+    if (!ShadowDivergences.isShadow(response)) {
+      return decision;
+    }
+    // Not enforced: decide as this client would without retryd (the fallback's
+    // limits; its defaults when the fallback is off, since retryd did answer),
+    // and keep retryd's answer beside it.
+    Decision retrydAnswer = decision.asShadowAnswer();
+    Decision local =
+        LocalRule.decide(fallback != null ? fallback : LocalPolicy.DEFAULT, request,
+            "retryd shadow answer, not enforced (upstream in shadow mode)");
+    if (ShadowDivergences.differs(retrydAnswer, local)) {
+      shadowDivergences.record(request.getUpstream(), retrydAnswer, local);
+    }
+    return Decision.shadowed(local, retrydAnswer);
+  }
+
+  /**
+   * How many shadow answers disagreed with the local rule (verdict or deny
+   * reason), per upstream; see {@link Decision#shadow()}.
+   */
+  public Map<String, Long> shadowDivergences() {
+    return shadowDivergences.counts();
   }
 
   /**
@@ -221,7 +264,11 @@ public final class RetrydClient implements AutoCloseable {
             new StreamObserver<DecideResponse>() {
               @Override
               public void onNext(DecideResponse response) {
-                result.complete(Decision.fromResponse(response));
+                try {
+                  result.complete(answered(response, request));
+                } catch (RuntimeException failure) {
+                  result.completeExceptionally(failure);
+                }
               }
 
               @Override

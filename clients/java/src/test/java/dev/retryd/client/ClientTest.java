@@ -288,6 +288,58 @@ class ClientTest {
   }
 
   @Test
+  void aShadowAnswerIsNotEnforcedAndItsDivergenceIsCountedAndLoggedOnce() throws Exception {
+    String config = RetrydServer.CLIENT_TEST_CONFIG + "\n[upstreams.\"java-shadow\"]\nenforce = false\n";
+    java.util.concurrent.CopyOnWriteArrayList<java.util.logging.LogRecord> warnings = new java.util.concurrent.CopyOnWriteArrayList<>();
+    java.util.logging.Handler capture =
+        new java.util.logging.Handler() {
+          @Override
+          public void publish(java.util.logging.LogRecord record) {
+            if (record.getMessage().startsWith("retryd shadow decision")) {
+              warnings.add(record);
+            }
+          }
+
+          @Override
+          public void flush() {}
+
+          @Override
+          public void close() {}
+        };
+    java.util.logging.Logger logger = java.util.logging.Logger.getLogger("dev.retryd.client");
+    logger.addHandler(capture);
+    try (RetrydServer server = RetrydServer.start(config);
+        RetrydClient client = RetrydClient.builder(server.target()).timeout(java.time.Duration.ofSeconds(5)).build();
+        DecisionStream stream = client.decideStream()) {
+      // Attempt 2 of a connect failure: retryd (3 attempts) would retry, the
+      // local rule (2 attempts) denies, and the local rule is what is acted on.
+      DecideRequest second = connectFailure("java-shadow").setAttempt(2).build();
+      Decision decision = client.decide(second);
+      assertTrue(decision.shadow(), decision.toString());
+      assertFalse(decision.fallback());
+      assertEquals(DenyReason.DENY_REASON_MAX_ATTEMPTS, decision.denyReason());
+      Decision retrydsOwn = decision.retrydDecision().orElseThrow();
+      assertEquals(Verdict.VERDICT_RETRY, retrydsOwn.verdict());
+      assertTrue(retrydsOwn.shadow());
+      assertEquals(retrydsOwn.decisionId(), decision.decisionId());
+      assertFalse(decision.decisionId().isEmpty());
+
+      Decision overStream = stream.decide(second).get(10, TimeUnit.SECONDS);
+      assertTrue(overStream.shadow());
+      assertEquals(Verdict.VERDICT_DENY, overStream.verdict());
+      assertEquals(2L, client.shadowDivergences().get("java-shadow"));
+      assertEquals(1, warnings.size(), "one warning a minute per upstream");
+
+      // Where both agree, nothing is counted; an enforced upstream is not shadowed.
+      assertTrue(client.decide(connectFailure("java-shadow").build()).shadow());
+      assertEquals(2L, client.shadowDivergences().get("java-shadow"));
+      assertFalse(client.decide(connectFailure("java-enforced").setAttempt(2).build()).shadow());
+    } finally {
+      logger.removeHandler(capture);
+    }
+  }
+
+  @Test
   void aDecideStreamFallsBackWhenRetrydGoesAway() throws Exception {
     RetrydServer server = RetrydServer.start(RetrydServer.CLIENT_TEST_CONFIG);
     try (RetrydClient client = RetrydClient.builder(server.target()).timeout(java.time.Duration.ofSeconds(2)).build();

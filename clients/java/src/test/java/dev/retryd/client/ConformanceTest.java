@@ -161,6 +161,11 @@ class ConformanceTest {
       fail("case " + c.name + " has neither expect nor expect_error");
     }
     assertFalse(decision.fallback(), "decided by the fallback, not retryd");
+    if (expect.has("shadow")) {
+      assertEquals(expect.get("shadow").getAsBoolean(), decision.shadow(), "shadow; " + decision);
+    }
+    // For a shadow answer the client acts on its local rule; the vector states retryd's answer.
+    decision = decision.retrydDecision().orElse(decision);
     String verdict = expect.get("verdict").getAsString();
     assertEquals(verdict, decision.verdict().name(), "verdict; " + decision);
     String deny = expect.has("deny_reason") ? expect.get("deny_reason").getAsString() : "DENY_REASON_UNSPECIFIED";
