@@ -1,0 +1,509 @@
+package dev.retryd.client;
+
+import io.grpc.CallOptions;
+import io.grpc.Channel;
+import io.grpc.ClientCall;
+import io.grpc.ClientInterceptor;
+import io.grpc.ClientInterceptors;
+import io.grpc.ConnectivityState;
+import io.grpc.ForwardingClientCall;
+import io.grpc.ManagedChannel;
+import io.grpc.Metadata;
+import io.grpc.MethodDescriptor;
+import io.grpc.Status;
+import io.grpc.StatusRuntimeException;
+import io.grpc.netty.NettyChannelBuilder;
+import io.grpc.stub.StreamObserver;
+import java.time.Duration;
+import java.util.ArrayList;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.Objects;
+import java.util.concurrent.CompletableFuture;
+import java.util.concurrent.Executors;
+import java.util.concurrent.ScheduledExecutorService;
+import java.util.concurrent.TimeUnit;
+import java.util.function.Supplier;
+import java.util.logging.Level;
+import java.util.logging.Logger;
+import retryd.v1.RetryAdminGrpc;
+import retryd.v1.RetryDeciderGrpc;
+import retryd.v1.Retryd.Budget;
+import retryd.v1.Retryd.DecideRequest;
+import retryd.v1.Retryd.DecideResponse;
+import retryd.v1.Retryd.GetBudgetRequest;
+import retryd.v1.Retryd.ReportTrafficRequest;
+import retryd.v1.Retryd.ReportTrafficResponse;
+import retryd.v1.Retryd.SetRetriesEnabledRequest;
+import retryd.v1.Retryd.UpstreamTraffic;
+
+/**
+ * A client of retryd's {@code RetryDecider} (and {@code RetryAdmin}) over
+ * grpc-java's netty transport. Thread-safe; share one per process and close it
+ * on shutdown.
+ *
+ * <p>Every decision gets a short timeout ({@link Builder#timeout}, 200ms by
+ * default), further bounded by the request's own {@code deadline_remaining}
+ * (but never below 50ms, so that retryd can still say DENY DEADLINE itself).
+ * When retryd cannot answer in time, the request is decided by the conservative
+ * {@link LocalRule} ({@link Decision#fallback()} is true, a warning is logged),
+ * unless {@link Builder#noFallback()} asked for a {@link RetrydUnavailableException}
+ * instead. An invalid request is never hidden by the fallback: it throws
+ * {@link InvalidRequestException}.
+ *
+ * <p>gRPC's own reconnect backoff grows to two minutes, all of which the fallback
+ * would have to cover; this client instead short-circuits it once a second while
+ * the channel is in TRANSIENT_FAILURE, so it uses retryd again within about 2s of
+ * retryd coming back.
+ */
+public final class RetrydClient implements AutoCloseable {
+  private static final Logger LOG = Logger.getLogger("dev.retryd.client");
+  /** The least time a decision call gets when the caller's deadline is nearly over. */
+  static final Duration MIN_CALL_TIMEOUT = Duration.ofMillis(50);
+  /** How often a channel in TRANSIENT_FAILURE is told to reconnect now. */
+  static final Duration RECONNECT_INTERVAL = Duration.ofSeconds(1);
+  /** The most entries one ReportTraffic call may carry. */
+  public static final int MAX_TRAFFIC_ENTRIES = 1024;
+
+  static final Metadata.Key<String> TRACEPARENT = Metadata.Key.of("traceparent", Metadata.ASCII_STRING_MARSHALLER);
+  static final Metadata.Key<String> TRACESTATE = Metadata.Key.of("tracestate", Metadata.ASCII_STRING_MARSHALLER);
+
+  private final ManagedChannel channel;
+  private final boolean ownsChannel;
+  private final Channel decorated;
+  private final Duration timeout;
+  private final LocalPolicy fallback;
+  private final ScheduledExecutorService scheduler;
+  private final ShadowDivergences shadowDivergences;
+  private volatile boolean closed;
+
+  private RetrydClient(Builder builder) {
+    this.ownsChannel = builder.channel == null;
+    this.channel =
+        builder.channel != null
+            ? builder.channel
+            : NettyChannelBuilder.forTarget(builder.target).usePlaintext().build();
+    this.decorated = ClientInterceptors.intercept(channel, new MetadataInterceptor(builder.headers, builder.traceContext));
+    this.timeout = builder.timeout;
+    this.fallback = builder.fallback;
+    this.shadowDivergences = new ShadowDivergences(builder.shadowLogInterval);
+    this.scheduler =
+        Executors.newSingleThreadScheduledExecutor(
+            runnable -> {
+              Thread thread = new Thread(runnable, "retryd-client");
+              thread.setDaemon(true);
+              return thread;
+            });
+    watchConnectivity(channel.getState(false));
+  }
+
+  /** A builder for a client of the retryd at {@code target} ("127.0.0.1:50051", "dns:///retryd:50051"), plaintext. */
+  public static Builder builder(String target) {
+    return new Builder(Objects.requireNonNull(target, "target"), null);
+  }
+
+  /**
+   * A builder for a client over a channel of your own (TLS, load balancing,
+   * credentials). {@link #close()} then leaves the channel open.
+   */
+  public static Builder builder(ManagedChannel channel) {
+    return new Builder(null, Objects.requireNonNull(channel, "channel"));
+  }
+
+  /** How this client is built. */
+  public static final class Builder {
+    private final String target;
+    private final ManagedChannel channel;
+    private Duration timeout = Duration.ofMillis(200);
+    private LocalPolicy fallback = LocalPolicy.DEFAULT;
+    private Supplier<TraceContext> traceContext = () -> null;
+    private final Map<String, String> headers = new LinkedHashMap<>();
+    private Duration shadowLogInterval = Duration.ofMinutes(1);
+
+    private Builder(String target, ManagedChannel channel) {
+      this.target = target;
+      this.channel = channel;
+    }
+
+    /** The longest a decision waits for retryd (200ms by default); the fallback decides after it. */
+    public Builder timeout(Duration value) {
+      if (value.isNegative() || value.isZero()) {
+        throw new IllegalArgumentException("timeout: must be positive, got " + value);
+      }
+      this.timeout = value;
+      return this;
+    }
+
+    /** The local rule's limits when retryd cannot answer ({@link LocalPolicy#DEFAULT} by default). */
+    public Builder fallback(LocalPolicy value) {
+      this.fallback = Objects.requireNonNull(value, "fallback");
+      return this;
+    }
+
+    /** No local rule: a decision retryd could not make throws {@link RetrydUnavailableException}. */
+    public Builder noFallback() {
+      this.fallback = null;
+      return this;
+    }
+
+    /**
+     * Where each call reads the caller's current trace context (see
+     * {@link TraceContext}); the supplier may return null for "no trace". Called
+     * on the thread that calls retryd.
+     */
+    public Builder traceContext(Supplier<TraceContext> value) {
+      this.traceContext = Objects.requireNonNull(value, "traceContext");
+      return this;
+    }
+
+    /**
+     * The least time between two warnings, per upstream, about shadow decisions
+     * that differ from the local rule (a minute by default); every difference is
+     * counted in {@link RetrydClient#shadowDivergences()} whatever it is.
+     */
+    public Builder shadowLogInterval(Duration value) {
+      if (value.isNegative()) {
+        throw new IllegalArgumentException("shadowLogInterval: must not be negative, got " + value);
+      }
+      this.shadowLogInterval = value;
+      return this;
+    }
+
+    /** A header sent with every call, for example {@code authorization}. */
+    public Builder header(String name, String value) {
+      headers.put(name.toLowerCase(java.util.Locale.ROOT), Objects.requireNonNull(value));
+      return this;
+    }
+
+    /** The client. */
+    public RetrydClient build() {
+      return new RetrydClient(this);
+    }
+  }
+
+  /** The default timeout of a decision. */
+  public Duration timeout() {
+    return timeout;
+  }
+
+  /** The local rule's limits, or empty if the fallback is off. */
+  public java.util.Optional<LocalPolicy> fallback() {
+    return java.util.Optional.ofNullable(fallback);
+  }
+
+  /**
+   * Asks retryd whether the failed attempt may be retried. Every field of the
+   * request is sent as it is (see {@code proto/retryd/v1/retryd.proto}).
+   *
+   * @throws InvalidRequestException if retryd (or the local rule) rejects the request
+   * @throws RetrydUnavailableException if retryd cannot answer and the fallback is off
+   */
+  public Decision decide(DecideRequest request) {
+    return call(request, callTimeout(request, timeout));
+  }
+
+  /**
+   * {@link #decide(DecideRequest)} waiting exactly {@code callTimeout} for retryd,
+   * whatever the request's deadline (for callers who bound the wait themselves).
+   */
+  public Decision decide(DecideRequest request, Duration callTimeout) {
+    return call(request, callTimeout);
+  }
+
+  private Decision call(DecideRequest request, Duration limit) {
+    try {
+      DecideResponse response =
+          RetryDeciderGrpc.newBlockingStub(decorated)
+              .withDeadlineAfter(limit.toNanos(), TimeUnit.NANOSECONDS)
+              .decide(request);
+      return answered(response, request);
+    } catch (StatusRuntimeException error) {
+      return onError(error, request);
+    }
+  }
+
+  /** The decision to act on for retryd's answer: its own, or the local rule's for a shadow answer. */
+  Decision answered(DecideResponse response, DecideRequest request) {
+    Decision decision = Decision.fromResponse(response);
+    if (!ShadowDivergences.isShadow(response)) {
+      return decision;
+    }
+    // Not enforced: decide as this client would without retryd (the fallback's
+    // limits; its defaults when the fallback is off, since retryd did answer),
+    // and keep retryd's answer beside it.
+    Decision retrydAnswer = decision.asShadowAnswer();
+    Decision local =
+        LocalRule.decide(fallback != null ? fallback : LocalPolicy.DEFAULT, request,
+            "retryd shadow answer, not enforced (upstream in shadow mode)");
+    if (ShadowDivergences.differs(retrydAnswer, local)) {
+      shadowDivergences.record(request.getUpstream(), retrydAnswer, local);
+    }
+    return Decision.shadowed(local, retrydAnswer);
+  }
+
+  /**
+   * How many shadow answers disagreed with the local rule (verdict or deny
+   * reason), per upstream; see {@link Decision#shadow()}.
+   */
+  public Map<String, Long> shadowDivergences() {
+    return shadowDivergences.counts();
+  }
+
+  /**
+   * {@link #decide(DecideRequest)} without blocking: the future completes with
+   * the decision (or the fallback's), or exceptionally with {@link
+   * InvalidRequestException} / {@link RetrydUnavailableException}.
+   */
+  public CompletableFuture<Decision> decideAsync(DecideRequest request) {
+    CompletableFuture<Decision> result = new CompletableFuture<>();
+    RetryDeciderGrpc.newStub(decorated)
+        .withDeadlineAfter(callTimeout(request, timeout).toNanos(), TimeUnit.NANOSECONDS)
+        .decide(
+            request,
+            new StreamObserver<DecideResponse>() {
+              @Override
+              public void onNext(DecideResponse response) {
+                try {
+                  result.complete(answered(response, request));
+                } catch (RuntimeException failure) {
+                  result.completeExceptionally(failure);
+                }
+              }
+
+              @Override
+              public void onError(Throwable error) {
+                try {
+                  result.complete(RetrydClient.this.onError(asStatusError(error), request));
+                } catch (RuntimeException failure) {
+                  result.completeExceptionally(failure);
+                }
+              }
+
+              @Override
+              public void onCompleted() {}
+            });
+    return result;
+  }
+
+  /**
+   * Opens a {@code DecideStream}: decisions over one long-lived stream, in request
+   * order. Close it when done.
+   */
+  public DecisionStream decideStream() {
+    return new DecisionStream(this);
+  }
+
+  /**
+   * Sends one traffic report as it is (its {@code report_id} included).
+   *
+   * @throws InvalidRequestException on INVALID_ARGUMENT
+   * @throws RetrydUnavailableException on any other failure, with its code
+   */
+  public ReportTrafficResponse reportTraffic(ReportTrafficRequest request) {
+    try {
+      return RetryDeciderGrpc.newBlockingStub(decorated)
+          .withDeadlineAfter(slowCallTimeout().toNanos(), TimeUnit.NANOSECONDS)
+          .reportTraffic(request);
+    } catch (StatusRuntimeException error) {
+      throw unavailable(error);
+    }
+  }
+
+  /**
+   * Reports real (first-attempt) requests per upstream, in calls of at most
+   * {@link #MAX_TRAFFIC_ENTRIES} entries without report ids; returns the entries
+   * accepted. For re-sendable batches use a {@link TrafficReporter}.
+   */
+  public long reportTraffic(Map<String, Long> counts) {
+    List<UpstreamTraffic> entries = new ArrayList<>();
+    counts.forEach(
+        (upstream, n) -> {
+          if (n != null && n > 0) {
+            entries.add(UpstreamTraffic.newBuilder().setUpstream(upstream).setRequests(n).build());
+          }
+        });
+    long accepted = 0;
+    for (int start = 0; start < entries.size(); start += MAX_TRAFFIC_ENTRIES) {
+      List<UpstreamTraffic> chunk = entries.subList(start, Math.min(entries.size(), start + MAX_TRAFFIC_ENTRIES));
+      accepted += reportTraffic(ReportTrafficRequest.newBuilder().addAllTraffic(chunk).build()).getAccepted();
+    }
+    return accepted;
+  }
+
+  /** The current state of one upstream's budget (admin). */
+  public Budget getBudget(String upstream) {
+    try {
+      return RetryAdminGrpc.newBlockingStub(decorated)
+          .withDeadlineAfter(slowCallTimeout().toNanos(), TimeUnit.NANOSECONDS)
+          .getBudget(GetBudgetRequest.newBuilder().setUpstream(upstream).build())
+          .getBudget();
+    } catch (StatusRuntimeException error) {
+      throw unavailable(error);
+    }
+  }
+
+  /** Switches retries on or off for an upstream, fleet-wide; returns the previous state (admin). */
+  public boolean setRetriesEnabled(String upstream, boolean enabled, String reason) {
+    try {
+      return RetryAdminGrpc.newBlockingStub(decorated)
+          .withDeadlineAfter(slowCallTimeout().toNanos(), TimeUnit.NANOSECONDS)
+          .setRetriesEnabled(
+              SetRetriesEnabledRequest.newBuilder().setUpstream(upstream).setEnabled(enabled).setReason(reason).build())
+          .getPrevious();
+    } catch (StatusRuntimeException error) {
+      throw unavailable(error);
+    }
+  }
+
+  /** Stops the reconnect watcher and, unless it was the caller's, shuts the channel down. */
+  @Override
+  public void close() {
+    closed = true;
+    scheduler.shutdownNow();
+    if (ownsChannel) {
+      channel.shutdownNow();
+      try {
+        channel.awaitTermination(5, TimeUnit.SECONDS);
+      } catch (InterruptedException interrupted) {
+        Thread.currentThread().interrupt();
+      }
+    }
+  }
+
+  // ---- shared with DecisionStream ----
+
+  Channel channel() {
+    return decorated;
+  }
+
+  ScheduledExecutorService scheduler() {
+    return scheduler;
+  }
+
+  Duration callTimeout(DecideRequest request, Duration limit) {
+    if (request.hasDeadlineRemaining()) {
+      // Waiting for retryd longer than the caller has left is pointless, but
+      // leave it a few milliseconds to say DENY DEADLINE itself.
+      Duration remaining = Durations.fromProto(request.getDeadlineRemaining());
+      Duration floor = remaining.compareTo(MIN_CALL_TIMEOUT) > 0 ? remaining : MIN_CALL_TIMEOUT;
+      return floor.compareTo(limit) < 0 ? floor : limit;
+    }
+    return limit;
+  }
+
+  /** What a failed decision call means: an invalid request, or the fallback (or an exception without one). */
+  Decision onError(StatusRuntimeException error, DecideRequest request) {
+    Status status = error.getStatus();
+    if (status.getCode() == Status.Code.INVALID_ARGUMENT) {
+      throw new InvalidRequestException(String.valueOf(status.getDescription()));
+    }
+    return fallbackOrThrow(request, status, error);
+  }
+
+  Decision fallbackOrThrow(DecideRequest request, Status status, Throwable cause) {
+    String what = status.getCode() + (status.getDescription() == null ? "" : ": " + status.getDescription());
+    if (fallback == null) {
+      throw new RetrydUnavailableException("retryd: " + what, status.getCode(), cause);
+    }
+    LOG.log(Level.WARNING, "retryd unavailable ({0}); deciding with the local rule", what);
+    return LocalRule.decide(fallback, request, "retryd unreachable (" + status.getCode() + ")");
+  }
+
+  static StatusRuntimeException asStatusError(Throwable error) {
+    if (error instanceof StatusRuntimeException) {
+      return (StatusRuntimeException) error;
+    }
+    return Status.fromThrowable(error).asRuntimeException();
+  }
+
+  private Duration slowCallTimeout() {
+    return timeout.compareTo(Duration.ofSeconds(1)) > 0 ? timeout : Duration.ofSeconds(1);
+  }
+
+  private static RetrydException unavailable(StatusRuntimeException error) {
+    Status status = error.getStatus();
+    if (status.getCode() == Status.Code.INVALID_ARGUMENT) {
+      return new InvalidRequestException(String.valueOf(status.getDescription()));
+    }
+    return new RetrydUnavailableException(
+        "retryd: " + status.getCode() + (status.getDescription() == null ? "" : ": " + status.getDescription()),
+        status.getCode(),
+        error);
+  }
+
+  /**
+   * Short-circuits gRPC's reconnect backoff (which grows to two minutes) while
+   * the channel is in TRANSIENT_FAILURE: one reconnect a second, so a restarted
+   * retryd is used again within about 2s.
+   */
+  private void watchConnectivity(ConnectivityState seen) {
+    if (closed) {
+      return;
+    }
+    channel.notifyWhenStateChanged(
+        seen,
+        () -> {
+          ConnectivityState now = channel.getState(false);
+          if (now == ConnectivityState.TRANSIENT_FAILURE) {
+            scheduleReconnect();
+          }
+          if (now != ConnectivityState.SHUTDOWN) {
+            watchConnectivity(now);
+          }
+        });
+  }
+
+  private void scheduleReconnect() {
+    if (closed) {
+      return;
+    }
+    try {
+      scheduler.schedule(
+          () -> {
+            if (!closed && channel.getState(false) == ConnectivityState.TRANSIENT_FAILURE) {
+              channel.resetConnectBackoff();
+            }
+          },
+          RECONNECT_INTERVAL.toMillis(),
+          TimeUnit.MILLISECONDS);
+    } catch (java.util.concurrent.RejectedExecutionException shuttingDown) {
+      // closed meanwhile
+    }
+  }
+
+  /** Adds the static headers and the caller's trace context to every call. */
+  private static final class MetadataInterceptor implements ClientInterceptor {
+    private final List<Map.Entry<Metadata.Key<String>, String>> headers = new ArrayList<>();
+    private final Supplier<TraceContext> traceContext;
+
+    MetadataInterceptor(Map<String, String> headers, Supplier<TraceContext> traceContext) {
+      headers.forEach(
+          (name, value) -> this.headers.add(Map.entry(Metadata.Key.of(name, Metadata.ASCII_STRING_MARSHALLER), value)));
+      this.traceContext = traceContext;
+    }
+
+    @Override
+    public <Q, R> ClientCall<Q, R> interceptCall(MethodDescriptor<Q, R> method, CallOptions options, Channel next) {
+      return new ForwardingClientCall.SimpleForwardingClientCall<Q, R>(next.newCall(method, options)) {
+        @Override
+        public void start(Listener<R> listener, Metadata metadata) {
+          for (Map.Entry<Metadata.Key<String>, String> header : headers) {
+            metadata.put(header.getKey(), header.getValue());
+          }
+          TraceContext trace = null;
+          try {
+            trace = traceContext.get();
+          } catch (RuntimeException broken) {
+            LOG.log(Level.FINE, "trace context supplier failed; no traceparent sent", broken);
+          }
+          if (trace != null) {
+            metadata.put(TRACEPARENT, trace.traceparent());
+            trace.tracestate().ifPresent(state -> metadata.put(TRACESTATE, state));
+          }
+          super.start(listener, metadata);
+        }
+      };
+    }
+  }
+}

@@ -1,0 +1,496 @@
+package dev.retryd.client;
+
+import io.grpc.CallOptions;
+import io.grpc.Channel;
+import io.grpc.ClientCall;
+import io.grpc.ClientInterceptor;
+import io.grpc.ClientStreamTracer;
+import io.grpc.Context;
+import io.grpc.Deadline;
+import io.grpc.Metadata;
+import io.grpc.MethodDescriptor;
+import io.grpc.Status;
+import java.time.Duration;
+import java.util.ArrayList;
+import java.util.List;
+import java.util.Objects;
+import java.util.Optional;
+import java.util.concurrent.Executor;
+import java.util.concurrent.Executors;
+import java.util.concurrent.ScheduledExecutorService;
+import java.util.concurrent.ScheduledFuture;
+import java.util.concurrent.TimeUnit;
+import java.util.function.Function;
+import retryd.v1.Retryd.DecideRequest;
+import retryd.v1.Retryd.Idempotency;
+import retryd.v1.Retryd.Verdict;
+
+/**
+ * Retries grpc-java unary calls as retryd decides, with the evidence of
+ * {@link GrpcOutcome}. Add it to a channel ({@code ClientInterceptors.intercept(channel,
+ * credentials, retrydInterceptor)}: the last one listed runs first, so that the
+ * interceptors listed before it run again for every attempt).
+ *
+ * <pre>{@code
+ * RetrydClientInterceptor retrying = RetrydClientInterceptor.builder(retryd, "inventory").build();
+ * InventoryGrpc.InventoryBlockingStub stub = InventoryGrpc.newBlockingStub(ClientInterceptors.intercept(channel, retrying))
+ *     .withOption(RetrydClientInterceptor.IDEMPOTENCY, Idempotency.IDEMPOTENCY_SAFE)
+ *     .withDeadlineAfter(2, TimeUnit.SECONDS);
+ * }</pre>
+ *
+ * <p>Only unary methods are retried; streaming calls pass through untouched. The
+ * request message is kept until the call ends, the response is held until its
+ * status, and each attempt is a new call on the next channel with the same
+ * {@link CallOptions}, so the caller's deadline bounds every attempt and every
+ * backoff (what is left of it is told to retryd). A successful attempt costs a
+ * counter increment on the {@link TrafficReporter} and nothing else. The backoff
+ * runs on a timer thread, never blocking a transport or the caller's executor.
+ *
+ * <p>Idempotency is the caller's to declare: the {@link #IDEMPOTENCY} call
+ * option, else the builder's function (by default the method descriptor's own
+ * {@code idempotency_level}: SAFE for NO_SIDE_EFFECTS, IDEMPOTENT for
+ * IDEMPOTENT), else NON_IDEMPOTENT, which retryd retries only when the attempt
+ * provably never left.
+ *
+ * <p>The call ends with the last attempt's status and trailers; the status's
+ * cause carries retryd's decision ({@link #decisionOf(Throwable)} on the
+ * {@code StatusRuntimeException}); on AMBIGUOUS it is the status that came back,
+ * with {@code decision.isAmbiguous()}. Do not also configure a grpc-java
+ * retryPolicy for these methods: the two would multiply.
+ */
+public final class RetrydClientInterceptor implements ClientInterceptor, AutoCloseable {
+  /** Declares a call's idempotency: {@code stub.withOption(IDEMPOTENCY, Idempotency.IDEMPOTENCY_SAFE)}. */
+  public static final CallOptions.Key<Idempotency> IDEMPOTENCY = CallOptions.Key.create("retryd-idempotency");
+
+  /** A hard stop, whatever retryd or the fallback says. */
+  private static final int MAX_LOOP = 100;
+
+  private final RetrydClient retryd;
+  private final String upstream;
+  private final Function<MethodDescriptor<?, ?>, Idempotency> idempotency;
+  private final Runnable onRefreshCredentials;
+  private final int maxAttempts;
+  private final TrafficReporter reporter;
+  private final boolean ownsReporter;
+  private final ScheduledExecutorService timer;
+
+  private RetrydClientInterceptor(Builder builder) {
+    this.retryd = builder.retryd;
+    this.upstream = builder.upstream;
+    this.idempotency = builder.idempotency;
+    this.onRefreshCredentials = builder.onRefreshCredentials;
+    this.maxAttempts = builder.maxAttempts;
+    if (builder.reporter != null) {
+      this.reporter = builder.reporter;
+      this.ownsReporter = false;
+    } else if (builder.report) {
+      this.reporter = TrafficReporter.builder(retryd).build().start();
+      this.ownsReporter = true;
+    } else {
+      this.reporter = null;
+      this.ownsReporter = false;
+    }
+    this.timer =
+        Executors.newSingleThreadScheduledExecutor(
+            runnable -> {
+              Thread thread = new Thread(runnable, "retryd-grpc-retries");
+              thread.setDaemon(true);
+              return thread;
+            });
+  }
+
+  /** A builder of an interceptor for calls to {@code upstream} (the budget and policy in retryd). */
+  public static Builder builder(RetrydClient retryd, String upstream) {
+    if (Objects.requireNonNull(upstream, "upstream").isEmpty()) {
+      throw new IllegalArgumentException("upstream: required");
+    }
+    return new Builder(Objects.requireNonNull(retryd, "retryd"), upstream);
+  }
+
+  /** How the interceptor is built. */
+  public static final class Builder {
+    private final RetrydClient retryd;
+    private final String upstream;
+    private Function<MethodDescriptor<?, ?>, Idempotency> idempotency = RetrydClientInterceptor::declaredByTheMethod;
+    private Runnable onRefreshCredentials;
+    private int maxAttempts;
+    private TrafficReporter reporter;
+    private boolean report = true;
+
+    private Builder(RetrydClient retryd, String upstream) {
+      this.retryd = retryd;
+      this.upstream = upstream;
+    }
+
+    /** The idempotency of each method (null: NON_IDEMPOTENT), when a call does not set {@link #IDEMPOTENCY}. */
+    public Builder idempotency(Function<MethodDescriptor<?, ?>, Idempotency> value) {
+      this.idempotency = Objects.requireNonNull(value);
+      return this;
+    }
+
+    /**
+     * Called before the replay retryd allows after UNAUTHENTICATED (on the timer
+     * thread): refresh what your {@code CallCredentials} or header interceptor
+     * sends. Without it UNAUTHENTICATED is not replayed.
+     */
+    public Builder onRefreshCredentials(Runnable value) {
+      this.onRefreshCredentials = Objects.requireNonNull(value);
+      return this;
+    }
+
+    /** Your own attempt limit (0, the default: the policy's). */
+    public Builder maxAttempts(int value) {
+      if (value < 0) {
+        throw new IllegalArgumentException("maxAttempts: must not be negative");
+      }
+      this.maxAttempts = value;
+      return this;
+    }
+
+    /** Counts first attempts on this reporter (by default the interceptor starts one of its own). */
+    public Builder reporter(TrafficReporter value) {
+      this.reporter = Objects.requireNonNull(value);
+      return this;
+    }
+
+    /** Counts no traffic. */
+    public Builder noTrafficReport() {
+      this.report = false;
+      this.reporter = null;
+      return this;
+    }
+
+    /** The interceptor. */
+    public RetrydClientInterceptor build() {
+      return new RetrydClientInterceptor(this);
+    }
+  }
+
+  /** The reporter first attempts are counted on, if any. */
+  public Optional<TrafficReporter> reporter() {
+    return Optional.ofNullable(reporter);
+  }
+
+  /** The decision retryd made on a failed call: from its {@code StatusRuntimeException} (or {@code Status.getCause()}). */
+  public static Optional<Decision> decisionOf(Throwable error) {
+    return DecisionRecord.find(error);
+  }
+
+  /** Stops the timer thread and closes the interceptor's own reporter. */
+  @Override
+  public void close() {
+    timer.shutdownNow();
+    if (ownsReporter) {
+      reporter.close();
+    }
+  }
+
+  private static Idempotency declaredByTheMethod(MethodDescriptor<?, ?> method) {
+    if (method.isSafe()) {
+      return Idempotency.IDEMPOTENCY_SAFE;
+    }
+    return method.isIdempotent() ? Idempotency.IDEMPOTENCY_IDEMPOTENT : Idempotency.IDEMPOTENCY_NON_IDEMPOTENT;
+  }
+
+  @Override
+  public <Q, R> ClientCall<Q, R> interceptCall(MethodDescriptor<Q, R> method, CallOptions options, Channel next) {
+    if (method.getType() != MethodDescriptor.MethodType.UNARY) {
+      return next.newCall(method, options);
+    }
+    Idempotency declared = options.getOption(IDEMPOTENCY);
+    if (declared == null) {
+      declared = idempotency.apply(method);
+    }
+    if (declared == null || declared == Idempotency.IDEMPOTENCY_UNSPECIFIED || declared == Idempotency.UNRECOGNIZED) {
+      declared = Idempotency.IDEMPOTENCY_NON_IDEMPOTENT;
+    }
+    return new RetryingCall<>(method, options, next, declared);
+  }
+
+  /** What grpc-java did with one attempt's stream(s), as its stream tracer saw it. */
+  private static final class AttemptTrace extends ClientStreamTracer.Factory {
+    volatile boolean streamCreated;
+    volatile boolean trailersReceived;
+
+    @Override
+    public ClientStreamTracer newClientStreamTracer(ClientStreamTracer.StreamInfo info, Metadata headers) {
+      return new ClientStreamTracer() {
+        @Override
+        public void streamCreated(io.grpc.Attributes transportAttrs, Metadata headers) {
+          streamCreated = true;
+        }
+
+        @Override
+        public void inboundTrailers(Metadata trailers) {
+          trailersReceived = true;
+        }
+      };
+    }
+  }
+
+  /**
+   * One unary call across its attempts. The caller's events (start, request,
+   * sendMessage, halfClose) are recorded; the first attempt starts at halfClose,
+   * when the request is complete, and each attempt replays them on a new call.
+   */
+  private final class RetryingCall<Q, R> extends ClientCall<Q, R> {
+    private final MethodDescriptor<Q, R> method;
+    private final CallOptions options;
+    private final Channel next;
+    private final Idempotency declared;
+    private final Object lock = new Object();
+    private Listener<R> listener;
+    private Metadata headers;
+    private Q message;
+    private boolean compression;
+    private ClientCall<Q, R> current;
+    private ScheduledFuture<?> pendingRetry;
+    private boolean done;
+    private int attempt;
+    private Duration previousBackoff = Duration.ZERO;
+    private boolean authRefreshAttempted;
+    private volatile boolean cancelledByCaller;
+    // The caller's context, captured on the caller's thread: later attempts
+    // start on the timer thread, and must still carry its deadline and
+    // cancellation.
+    private final Context context = Context.current();
+    private final Deadline contextDeadline = context.getDeadline();
+
+    RetryingCall(MethodDescriptor<Q, R> method, CallOptions options, Channel next, Idempotency declared) {
+      this.method = method;
+      this.options = options;
+      this.next = next;
+      this.declared = declared;
+    }
+
+    @Override
+    public void start(Listener<R> responseListener, Metadata metadata) {
+      this.listener = responseListener;
+      this.headers = metadata;
+    }
+
+    @Override
+    public void request(int numMessages) {
+      // Each attempt asks for its own messages (a unary call has one).
+    }
+
+    @Override
+    public void sendMessage(Q request) {
+      if (message != null) {
+        throw new IllegalStateException("a unary call sends one message");
+      }
+      message = request;
+    }
+
+    @Override
+    public void setMessageCompression(boolean enabled) {
+      compression = enabled;
+    }
+
+    @Override
+    public boolean isReady() {
+      return true;
+    }
+
+    @Override
+    public void halfClose() {
+      if (reporter != null) {
+        reporter.record(upstream);
+      }
+      startAttempt();
+    }
+
+    @Override
+    public void cancel(String reason, Throwable cause) {
+      cancelledByCaller = true;
+      ClientCall<Q, R> running;
+      boolean waiting;
+      synchronized (lock) {
+        if (done) {
+          return;
+        }
+        running = current;
+        waiting = pendingRetry != null && pendingRetry.cancel(false);
+        if (waiting) {
+          done = true;
+        }
+      }
+      if (waiting) {
+        deliver(() -> listener.onClose(Status.CANCELLED.withDescription(reason).withCause(cause), new Metadata()));
+      } else if (running != null) {
+        running.cancel(reason, cause); // its onClose ends the call
+      }
+    }
+
+    private void startAttempt() {
+      AttemptTrace trace = new AttemptTrace();
+      ClientCall<Q, R> call = next.newCall(method, options.withStreamTracerFactory(trace));
+      synchronized (lock) {
+        if (done) {
+          return;
+        }
+        attempt++;
+        current = call;
+        pendingRetry = null;
+      }
+      Metadata attemptHeaders = new Metadata();
+      attemptHeaders.merge(headers);
+      call.start(new AttemptListener(trace), attemptHeaders);
+      call.setMessageCompression(compression);
+      call.request(2); // the response, and room to see a second one (a protocol error)
+      if (message != null) {
+        call.sendMessage(message);
+      }
+      call.halfClose();
+    }
+
+    /** Time left before the call's deadline (the options' or the context's, whichever is sooner). */
+    private Duration remaining() {
+      Deadline deadline = options.getDeadline();
+      if (deadline == null || (contextDeadline != null && contextDeadline.isBefore(deadline))) {
+        deadline = contextDeadline;
+      }
+      return deadline == null ? null : Duration.ofNanos(Math.max(0, deadline.timeRemaining(TimeUnit.NANOSECONDS)));
+    }
+
+    /** Runs a listener callback on the call's executor when it has one (a blocking stub's), else here. */
+    private void deliver(Runnable callback) {
+      Executor executor = options.getExecutor();
+      if (executor != null) {
+        executor.execute(callback);
+      } else {
+        callback.run();
+      }
+    }
+
+    private final class AttemptListener extends ClientCall.Listener<R> {
+      private final AttemptTrace trace;
+      private Metadata responseHeaders;
+      private final List<R> messages = new ArrayList<>();
+
+      AttemptListener(AttemptTrace trace) {
+        this.trace = trace;
+      }
+
+      @Override
+      public void onHeaders(Metadata received) {
+        responseHeaders = received;
+      }
+
+      @Override
+      public void onMessage(R response) {
+        messages.add(response);
+      }
+
+      @Override
+      public void onClose(Status status, Metadata trailers) {
+        if (status.isOk() || cancelledByCaller) {
+          finish(status, trailers, null);
+          return;
+        }
+        GrpcOutcome outcome = GrpcOutcome.of(status, trailers, trace.streamCreated, trace.trailersReceived, !messages.isEmpty());
+        DecideRequest.Builder ask =
+            DecideRequest.newBuilder()
+                .setUpstream(upstream)
+                .setOperation(method.getFullMethodName())
+                .setIdempotency(declared)
+                .setAttempt(attempt)
+                .setEvidence(outcome.evidence())
+                .setFailure(outcome.failure())
+                .setGrpcStatusCode(outcome.grpcStatusCode())
+                .setAuthRefreshAttempted(authRefreshAttempted)
+                .setMaxAttempts(maxAttempts);
+        if (outcome.pushback() != null) {
+          ask.setGrpcRetryPushbackMs(outcome.pushback());
+        }
+        Duration left = remaining();
+        if (left != null) {
+          ask.setDeadlineRemaining(Durations.toProto(left));
+        }
+        if (!previousBackoff.isZero()) {
+          ask.setPreviousBackoff(Durations.toProto(previousBackoff));
+        }
+        retryd
+            .decideAsync(ask.build())
+            .whenComplete(
+                (decision, error) -> {
+                  if (error != null) {
+                    // An invalid request is a bug of this interceptor or the contract: end the call with it.
+                    finish(status.augmentDescription("retryd: " + error.getMessage()), trailers, null);
+                  } else {
+                    onDecision(decision, status, trailers);
+                  }
+                });
+      }
+
+      private void onDecision(Decision decision, Status status, Metadata trailers) {
+        boolean retry = decision.shouldRetry() && attempt < MAX_LOOP;
+        if (retry && decision.refreshCredentials()) {
+          if (onRefreshCredentials == null) {
+            retry = false;
+          } else {
+            try {
+              onRefreshCredentials.run();
+              authRefreshAttempted = true;
+            } catch (RuntimeException failed) {
+              retry = false;
+            }
+          }
+        }
+        Duration wait = decision.backoff();
+        Duration left = remaining();
+        if (retry && left != null) {
+          if (left.isZero()) {
+            retry = false;
+          } else if (wait.compareTo(left) > 0) {
+            wait = left;
+          }
+        }
+        if (!retry) {
+          finish(status, trailers, decision);
+          return;
+        }
+        previousBackoff = decision.backoff();
+        synchronized (lock) {
+          if (done) {
+            return;
+          }
+          try {
+            pendingRetry = timer.schedule(() -> context.run(RetryingCall.this::startAttempt), wait.toNanos(), TimeUnit.NANOSECONDS);
+          } catch (java.util.concurrent.RejectedExecutionException closed) {
+            pendingRetry = null;
+            retry = false;
+          }
+        }
+        if (!retry) {
+          finish(status.augmentDescription("retryd interceptor closed"), trailers, decision);
+        }
+      }
+
+      /** Ends the caller's call with this attempt's outcome (and retryd's decision on the status). */
+      private void finish(Status status, Metadata trailers, Decision decision) {
+        synchronized (lock) {
+          if (done) {
+            return;
+          }
+          done = true;
+        }
+        Status closing = decision == null ? status : status.withCause(new DecisionRecord(decision, status.getCause()));
+        Metadata headersSeen = responseHeaders;
+        List<R> received = new ArrayList<>(messages);
+        deliver(
+            () -> {
+              if (headersSeen != null) {
+                listener.onHeaders(headersSeen);
+              }
+              if (closing.isOk()) {
+                for (R response : received) {
+                  listener.onMessage(response);
+                }
+              }
+              listener.onClose(closing, trailers);
+            });
+      }
+    }
+  }
+}

@@ -1,0 +1,273 @@
+package dev.retryd.client;
+
+import io.grpc.Status;
+import java.time.Duration;
+import java.util.ArrayDeque;
+import java.util.ArrayList;
+import java.util.HashMap;
+import java.util.LinkedHashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.Objects;
+import java.util.UUID;
+import java.util.concurrent.CountDownLatch;
+import java.util.concurrent.TimeUnit;
+import java.util.concurrent.atomic.AtomicLong;
+import java.util.logging.Level;
+import java.util.logging.Logger;
+import retryd.v1.Retryd.ReportTrafficRequest;
+import retryd.v1.Retryd.ReportTrafficResponse;
+import retryd.v1.Retryd.UpstreamTraffic;
+
+/**
+ * Batches real-traffic counts into {@code ReportTraffic} calls on a daemon
+ * thread. Budgets fill from reported first attempts only ("retries never fund
+ * retries"), so call {@link #record} once per real request, never for a retry.
+ * {@code record} only adds to an in-memory counter under a lock.
+ *
+ * <p>Every {@link #interval} the pending counts become batches of at most 1024
+ * entries, each with a random {@code report_id}. A batch that fails for a reason
+ * that may pass (UNAVAILABLE, a timeout, ABORTED, ...) is re-sent later with the
+ * same id and the same entries in the same order, so retryd applies each entry
+ * at most once even when the first send was applied but its answer lost. While
+ * a batch waits to be re-sent, new counts accumulate (up to {@code maxUpstreams}
+ * distinct upstreams; beyond that they are dropped and counted). A batch retryd
+ * refuses for good (INVALID_ARGUMENT, PERMISSION_DENIED, RESOURCE_EXHAUSTED) is
+ * dropped with one warning and its requests counted in {@link #droppedRequests()}.
+ */
+public final class TrafficReporter implements AutoCloseable {
+  private static final Logger LOG = Logger.getLogger("dev.retryd.client");
+
+  private final RetrydClient client;
+  private final Duration interval;
+  private final int maxUpstreams;
+  private final Object lock = new Object();
+  private Map<String, long[]> pending = new HashMap<>();
+  private final Object sendLock = new Object();
+  private final ArrayDeque<Batch> outbox = new ArrayDeque<>();
+  private final AtomicLong dropped = new AtomicLong();
+  private final AtomicLong accepted = new AtomicLong();
+  private final AtomicLong alreadyApplied = new AtomicLong();
+  private final CountDownLatch stop = new CountDownLatch(1);
+  private Thread thread;
+
+  private TrafficReporter(Builder builder) {
+    this.client = builder.client;
+    this.interval = builder.interval;
+    this.maxUpstreams = builder.maxUpstreams;
+  }
+
+  /** A builder of a reporter that sends through {@code client}. */
+  public static Builder builder(RetrydClient client) {
+    return new Builder(Objects.requireNonNull(client, "client"));
+  }
+
+  /** How a reporter is built. */
+  public static final class Builder {
+    private final RetrydClient client;
+    private Duration interval = Duration.ofSeconds(1);
+    private int maxUpstreams = 10_000;
+
+    private Builder(RetrydClient client) {
+      this.client = client;
+    }
+
+    /** How often the daemon thread sends (1s by default). */
+    public Builder interval(Duration value) {
+      if (value.isNegative() || value.isZero()) {
+        throw new IllegalArgumentException("interval: must be positive, got " + value);
+      }
+      this.interval = value;
+      return this;
+    }
+
+    /** The most distinct upstreams counted between two successful sends (10,000 by default). */
+    public Builder maxUpstreams(int value) {
+      if (value < 1) {
+        throw new IllegalArgumentException("maxUpstreams: must be at least 1, got " + value);
+      }
+      this.maxUpstreams = value;
+      return this;
+    }
+
+    /** The reporter, not started: call {@link TrafficReporter#start()} (or just {@link TrafficReporter#flush()}). */
+    public TrafficReporter build() {
+      return new TrafficReporter(this);
+    }
+  }
+
+  /** How often the daemon thread sends. */
+  public Duration interval() {
+    return interval;
+  }
+
+  /** Counts one real (first-attempt) request to {@code upstream}. */
+  public void record(String upstream) {
+    record(upstream, 1);
+  }
+
+  /** Counts {@code requests} real (first-attempt) requests to {@code upstream}. */
+  public void record(String upstream, long requests) {
+    if (requests <= 0) {
+      return;
+    }
+    synchronized (lock) {
+      long[] count = pending.get(upstream);
+      if (count != null) {
+        count[0] += requests;
+      } else if (pending.size() < maxUpstreams) {
+        pending.put(upstream, new long[] {requests});
+      } else {
+        dropped.addAndGet(requests);
+      }
+    }
+  }
+
+  /** A copy of the counts not yet in a batch. */
+  public Map<String, Long> pending() {
+    Map<String, Long> copy = new LinkedHashMap<>();
+    synchronized (lock) {
+      pending.forEach((upstream, count) -> copy.put(upstream, count[0]));
+    }
+    return copy;
+  }
+
+  /** How many batches wait to be (re-)sent. */
+  public int unsentBatches() {
+    synchronized (sendLock) {
+      return outbox.size();
+    }
+  }
+
+  /** Requests dropped: refused for good by retryd, or beyond {@code maxUpstreams}. */
+  public long droppedRequests() {
+    return dropped.get();
+  }
+
+  /** Entries retryd applied, over every send. */
+  public long acceptedEntries() {
+    return accepted.get();
+  }
+
+  /** Entries a re-send found already applied by an earlier send of the same batch. */
+  public long alreadyAppliedEntries() {
+    return alreadyApplied.get();
+  }
+
+  /**
+   * Sends now: first any batch waiting to be re-sent, then (once none waits) the
+   * pending counts. Returns true when nothing is left to re-send.
+   */
+  public boolean flush() {
+    synchronized (sendLock) {
+      if (outbox.isEmpty()) {
+        // New counts become batches only once the earlier ones are through, so
+        // that an outage grows one map of counts, not a queue of batches.
+        Map<String, long[]> taken;
+        synchronized (lock) {
+          taken = pending;
+          pending = new HashMap<>();
+        }
+        List<UpstreamTraffic> entries = new ArrayList<>(taken.size());
+        taken.forEach(
+            (upstream, count) -> entries.add(UpstreamTraffic.newBuilder().setUpstream(upstream).setRequests(count[0]).build()));
+        for (int start = 0; start < entries.size(); start += RetrydClient.MAX_TRAFFIC_ENTRIES) {
+          outbox.add(new Batch(entries.subList(start, Math.min(entries.size(), start + RetrydClient.MAX_TRAFFIC_ENTRIES))));
+        }
+      }
+      while (!outbox.isEmpty()) {
+        Batch batch = outbox.peek();
+        try {
+          ReportTrafficResponse response = client.reportTraffic(batch.request);
+          accepted.addAndGet(response.getAccepted());
+          alreadyApplied.addAndGet(response.getAlreadyApplied());
+          outbox.poll();
+        } catch (InvalidRequestException invalid) {
+          drop(batch, Status.Code.INVALID_ARGUMENT, invalid);
+        } catch (RetrydUnavailableException error) {
+          if (error.code() == Status.Code.PERMISSION_DENIED || error.code() == Status.Code.RESOURCE_EXHAUSTED) {
+            drop(batch, error.code(), error);
+          } else {
+            batch.failures++;
+            // One warning per batch; while retryd stays down, the re-sends log at FINE.
+            LOG.log(
+                batch.failures == 1 ? Level.WARNING : Level.FINE,
+                "retryd: traffic report {0} failed ({1}), will re-send it with the same id",
+                new Object[] {batch.request.getReportId(), error.getMessage()});
+            return false;
+          }
+        }
+      }
+      return true;
+    }
+  }
+
+  private void drop(Batch batch, Status.Code code, RuntimeException error) {
+    outbox.poll();
+    dropped.addAndGet(batch.requests);
+    LOG.log(
+        Level.WARNING,
+        "retryd: traffic report {0} refused ({1}: {2}); dropped {3} requests in {4} entries",
+        new Object[] {batch.request.getReportId(), code, error.getMessage(), batch.requests, batch.request.getTrafficCount()});
+  }
+
+  /** Starts the daemon thread; returns this reporter. */
+  public synchronized TrafficReporter start() {
+    if (thread == null) {
+      thread = new Thread(this::run, "retryd-traffic-reporter");
+      thread.setDaemon(true);
+      thread.start();
+    }
+    return this;
+  }
+
+  private void run() {
+    try {
+      while (!stop.await(interval.toNanos(), TimeUnit.NANOSECONDS)) {
+        try {
+          flush();
+        } catch (RuntimeException unexpected) {
+          LOG.log(Level.WARNING, "retryd: traffic reporter failed; will try again", unexpected);
+        }
+      }
+    } catch (InterruptedException interrupted) {
+      Thread.currentThread().interrupt();
+    }
+  }
+
+  /** Stops the daemon thread and sends what is left (once). */
+  @Override
+  public void close() {
+    stop.countDown();
+    Thread running;
+    synchronized (this) {
+      running = thread;
+      thread = null;
+    }
+    if (running != null) {
+      try {
+        running.join(TimeUnit.SECONDS.toMillis(10));
+      } catch (InterruptedException interrupted) {
+        Thread.currentThread().interrupt();
+      }
+    }
+    flush();
+  }
+
+  /** One report: its id and entries never change, so a re-send is safe. */
+  private static final class Batch {
+    final ReportTrafficRequest request;
+    final long requests;
+    int failures;
+
+    Batch(List<UpstreamTraffic> entries) {
+      this.request =
+          ReportTrafficRequest.newBuilder().addAllTraffic(entries).setReportId(UUID.randomUUID().toString()).build();
+      long sum = 0;
+      for (UpstreamTraffic entry : entries) {
+        sum += entry.getRequests();
+      }
+      this.requests = sum;
+    }
+  }
+}
