@@ -145,3 +145,38 @@ func TestReporterBoundsUpstreamsWhileRetrydIsAway(t *testing.T) {
 		t.Fatalf("pending %v, dropped %d", got, reporter.Dropped())
 	}
 }
+
+// A batch re-sent with its report_id, as the reporter re-sends after a
+// timeout, is applied once by the real server: the second call answers
+// already_applied and the budget does not move.
+func TestAResentReportIsAppliedOnceByRetryd(t *testing.T) {
+	client := newClient(t, shared(t).grpc, Options{NoFallback: true})
+	ctx := context.Background()
+	tokens := func() float64 {
+		budget, err := client.GetBudget(ctx, "go-dedup")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return budget.GetTokens()
+	}
+	request := &pb.ReportTrafficRequest{
+		Traffic:  []*pb.UpstreamTraffic{{Upstream: "go-dedup", Requests: 4}},
+		ReportId: "go-resent-" + time.Now().Format("150405.000000000"),
+	}
+	before := tokens()
+	first, err := client.ReportTraffic(ctx, request)
+	if err != nil || first.GetAccepted() != 1 || first.GetAlreadyApplied() != 0 {
+		t.Fatalf("first send: %v, %v", first, err)
+	}
+	applied := tokens()
+	if applied <= before {
+		t.Fatalf("the report deposited nothing: %v -> %v", before, applied)
+	}
+	again, err := client.ReportTraffic(ctx, request)
+	if err != nil || again.GetAccepted() != 0 || again.GetAlreadyApplied() != 1 {
+		t.Fatalf("re-send: %v, %v", again, err)
+	}
+	if after := tokens(); after != applied {
+		t.Fatalf("the re-send deposited again: %v -> %v", applied, after)
+	}
+}

@@ -39,6 +39,8 @@ min_attempt_budget = "300ms"
 # An empty budget that only reported traffic fills.
 [upstreams."go-empty"]
 budget = { capacity = 10.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
+[upstreams."go-dedup"]
+budget = { capacity = 1000000.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
 `
 
 // retrydServer is a real retryd started from $RETRYD_BIN for one test (or
