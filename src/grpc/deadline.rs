@@ -11,15 +11,17 @@
 //!   `received.rs`; from the handler's start where that is unknown): past
 //!   it, the call is answered DEADLINE_EXCEEDED and nothing is spent;
 //! - a caller that cancelled (gRPC clients reset the stream when their
-//!   deadline passes): a call that waited in the socket yields once, and
-//!   hyper, which polls a stream's reset only while its handler is pending,
-//!   drops the handler there. Frames that waited in the socket while retryd
-//!   was frozen are all read before any handler runs, so the reset is seen.
+//!   deadline passes): the call yields once, and hyper, which polls a
+//!   stream's reset only while its handler is pending, drops the handler
+//!   there. Frames that waited in the socket while retryd was frozen are all
+//!   read before any handler runs, so the reset is seen.
 //!
-//! Only a call that carries `grpc-timeout` and waited at least
-//! [`SUSPECT_WAIT`] pays for the yield (about 4,800 instructions, 8% of a
-//! unary call, measured with callgrind): a call read as it arrives has had
-//! no time to be given up.
+//! Only a call that carries `grpc-timeout` pays for the yield: about 4,800
+//! instructions, 8% of a unary call (callgrind). Yielding only for calls
+//! that had waited in the socket was tried and is wrong: the reset of the
+//! last call a caller gave up on arrives in the same read as that call,
+//! so the read's receive stamp (the latest segment's) shows no wait, and
+//! the Python client's frozen-retryd test spent a token.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -29,17 +31,11 @@ use tonic::metadata::MetadataMap;
 use crate::telemetry::Metrics;
 use crate::telemetry::metrics::Expiry;
 
-/// How long a call must have waited in the socket before it is suspected
-/// of having been given up (and yields once, for its reset to be seen).
-const SUSPECT_WAIT: Duration = Duration::from_millis(2);
-
 /// A caller's deadline, and how long its call waited before retryd read it.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct CallerDeadline {
     /// When the caller's `grpc-timeout` runs out.
     pub(super) at: Instant,
-    /// How long the call sat in the socket.
-    waited: Duration,
 }
 
 /// The deadline `grpc-timeout` sets, counted from `received` (when the
@@ -60,7 +56,6 @@ pub(super) fn caller_deadline(
         .unwrap_or_default();
     Some(CallerDeadline {
         at: now.checked_add(timeout.saturating_sub(waited))?,
-        waited,
     })
 }
 
@@ -110,18 +105,15 @@ impl Drop for CancelWatch {
     }
 }
 
-/// For a call that waited: yields once, so that a call its caller already
-/// reset is dropped here. Then checks the deadline: `Err` if it passed,
-/// having counted it.
+/// Yields once, so that a call its caller already reset is dropped here,
+/// then checks the deadline: `Err` if it passed, having counted it.
 pub(super) async fn still_wanted(
     deadline: CallerDeadline,
     metrics: &Arc<Metrics>,
 ) -> Result<(), tonic::Status> {
-    if deadline.waited >= SUSPECT_WAIT {
-        let watch = CancelWatch::new(metrics);
-        tokio::task::yield_now().await;
-        watch.disarm();
-    }
+    let watch = CancelWatch::new(metrics);
+    tokio::task::yield_now().await;
+    watch.disarm();
     expired(deadline.at, metrics)
 }
 
