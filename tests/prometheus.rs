@@ -298,7 +298,19 @@ async fn every_panel_and_alert_evaluates_on_a_real_prometheus_scraping_retryd() 
     );
 
     for (alert, expr) in rules() {
-        let result = prometheus.query(&expr);
+        // The ones the test caused are waited for (spans are counted lost
+        // only when an export to the dead port gives up, which a busy
+        // machine delays past the first evaluations); the others must
+        // evaluate, to nothing.
+        let expected = matches!(
+            alert.as_str(),
+            "RetrydBudgetEmpty" | "RetrydAmplificationHigh" | "RetrydSpansDropped"
+        );
+        let result = if expected {
+            prometheus.wait_for(&expr)
+        } else {
+            prometheus.query(&expr)
+        };
         match alert.as_str() {
             // The test emptied `tiny`, let retries add 50% to `pay`, and
             // sent spans nowhere.
