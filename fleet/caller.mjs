@@ -79,6 +79,7 @@ const series = {};
 const decisions = {};
 const decideMs = [];
 const callMs = [];
+const failedKeys = [];
 function bucketOf(atMs) {
   return Math.floor((atMs - epochMs) / config.bucket_ms);
 }
@@ -181,6 +182,8 @@ async function call(k, kind, startedAtMs) {
     outcome = error instanceof AmbiguousExecutionError ? 'ambiguous' : 'failed';
   }
   add(outcome, startedAtMs);
+  // See failed_keys in fleet/caller.py: compared with the upstream's charges.
+  if (kind === 'POST' && outcome === 'failed') failedKeys.push(init.headers['Idempotency-Key']);
   if (outcome === 'ok') callMs.push(performance.now() - started);
 }
 
@@ -231,6 +234,7 @@ async function main() {
       cpu_s: (usage.user + usage.system) / 1e6,
       reporter_dropped: reporterDropped,
       unfinished: 0,
+      failed_charge_keys: failedKeys,
     }),
   );
   process.stdout.write('done\n');

@@ -201,10 +201,16 @@ async def main(config: dict[str, Any]) -> None:
         except httpx.HTTPError:
             outcome = "failed"
         counters.add(outcome, at=epoch + started_at[k])
+        if kind == "POST" and outcome == "failed":
+            # What the caller believes did not happen: compared with the
+            # upstream's applied charges, a key in both is a payment taken
+            # while the caller was told it failed.
+            failed_keys.append(headers["Idempotency-Key"])
         if outcome == "ok":
             counters.call_ms.append((time.monotonic() - started) * 1000)
 
     started_at: dict[int, float] = {}
+    failed_keys: list[str] = []
     offset = rng.uniform(0, 1.0 / rate)
     tasks: set[asyncio.Task[None]] = set()
     mono0 = time.monotonic() - (time.time() - epoch)  # monotonic instant of the epoch
@@ -248,6 +254,7 @@ async def main(config: dict[str, Any]) -> None:
         "cpu_s": usage.ru_utime + usage.ru_stime,
         "reporter_dropped": reporter_dropped,
         "unfinished": len(tasks),
+        "failed_charge_keys": failed_keys,
     }
     with open(config["out"], "w") as out:
         json.dump(result, out)

@@ -551,6 +551,9 @@ def summarise(phase: Phase, results: list[dict[str, Any]], stats: dict[str, Any]
         "success_rate": outcomes["ok"] / arrivals if arrivals else None,
         "fault_success_rate": fault_outcomes["ok"] / fault_first if fault_first else None,
         "duplicates": stats["totals"]["duplicates"], "charges_applied": stats["totals"]["applied"],
+        # Payments the upstream took while their caller was told the call
+        # failed (not AMBIGUOUS): nobody will reconcile these.
+        "charged_but_told_failed": len(set(stats["applied_keys"]) & {key for r in results for key in r["failed_charge_keys"]}),
         "decisions": decisions, "by_language": by_lang,
         "decide_ms": {"n": len(decide_ms), "p50": percentile(decide_ms, 0.5), "p99": percentile(decide_ms, 0.99),
                       "max": max(decide_ms) if decide_ms else None},
@@ -619,14 +622,14 @@ def deny_summary(decisions: dict[str, int]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| strategy | callers | amplification in fault | upstream req/s in fault | success (fault / all) | ambiguous | duplicate charges | decide p50 / p99 ms | decisions |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    out = ["| strategy | callers | amplification in fault | upstream req/s in fault | success (fault / all) | ambiguous | duplicate charges | charged, caller told failed | decide p50 / p99 ms | decisions |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for row in rows:
         window = row["window"][1] - row["window"][0]
         out.append(
             f"| {row['label']} | {row['callers']} | {fmt(row['amplification'])}× | "
             f"{row['upstream_requests_in_fault'] / window:.0f} | {pct(row['fault_success_rate'])} / {pct(row['success_rate'])} | "
-            f"{row['outcomes']['ambiguous']} | {row['duplicates']} | "
+            f"{row['outcomes']['ambiguous']} | {row['duplicates']} | {row['charged_but_told_failed']} | "
             f"{fmt(row['decide_ms']['p50'], 1)} / {fmt(row['decide_ms']['p99'], 1)} | {deny_summary(row['decisions'])} |")
     return "\n".join(out)
 
@@ -810,7 +813,7 @@ def main() -> int:
             row = run_phase(phase, deployment, upstream_url, upstream, args, log_dir)
             rows.append(row)
             print(f"  amplification {fmt(row['amplification'])}×, success in fault {pct(row['fault_success_rate'])}, "
-                  f"duplicates {row['duplicates']}, ambiguous {row['outcomes']['ambiguous']}, "
+                  f"duplicates {row['duplicates']}, charged but told failed {row['charged_but_told_failed']}, ambiguous {row['outcomes']['ambiguous']}, "
                   f"decisions {deny_summary(row['decisions'])}"
                   + (f", budget {row['budget']['granted']:.0f} granted ≤ {row['budget']['bound']:.0f}"
                      if "budget" in row else ""), flush=True)

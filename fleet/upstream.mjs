@@ -92,6 +92,9 @@ function stats(response) {
     totals: { ...totals, distinct_payments: charges.size, payments_charged_twice_or_more: keysTwice },
     series,
     fault_log: faultLog,
+    // Every payment charged at least once, for the runner to compare with
+    // what the callers believe happened to it.
+    applied_keys: [...charges.keys()],
     cpu_us: process.cpuUsage(),
   });
 }
