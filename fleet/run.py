@@ -343,8 +343,10 @@ def plan(args: argparse.Namespace) -> list[Phase]:
     baselines = ["none", "naive", "local", "retryd"]
     n = args.callers
     scenarios: dict[str, list[Phase]] = {
+        # Three fleet sizes at the same total rate: per-client budgets grow
+        # with the number of clients, a shared one does not.
         "outage": [Phase("outage", s, size, exact2, outage, label=f"{s}, {size} callers")
-                   for size in (n, 2 * n) for s in baselines],
+                   for size in (n, 2 * n, 4 * n) for s in baselines if not (s == "none" and size == 4 * n)],
         "partial": [Phase("partial", s, n, exact2, partial) for s in baselines],
         "latency": [Phase("latency", s, n, exact2, latency) for s in baselines],
         "stores": [Phase("stores", "naive", n, exact2, outage, label="naive"),
@@ -682,6 +684,17 @@ def plots(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
                 series, shade=(window[0], window[1]), shade_label=fault_name(first["fault"]),
                 marks=marks, reference=(first_rate, f"first attempts ({first_rate:.0f}/s)"))
             written.append(name)
+        if len(sizes) > 1:
+            # The per-client budgets against the shared one, at every size.
+            subset = [row for row in group if row["strategy"] in ("local", "retryd")]
+            name = f"{scenario}-by-size.svg"
+            first = subset[0]
+            svg.line_chart(
+                os.path.join(out_dir, name),
+                f"Same total traffic, more callers: {scenario} ({fault_name(first['fault'])})",
+                [(row["label"], row["series"]["t"], row["series"]["upstream_rps"]) for row in subset],
+                shade=(first["window"][0], first["window"][1]), shade_label=fault_name(first["fault"]))
+            written.append(name)
     return written
 
 
@@ -752,8 +765,13 @@ def check(rows: list[dict[str, Any]]) -> list[str]:
             seen = row["by_language"].get(lang)
             if not seen or not seen["arrivals"] or not seen["decisions"]:
                 failures.append(f"{row['label']}: no {lang} caller asked retryd anything")
-        if budget["fallback_retries"]:
-            failures.append(f"{row['label']}: {budget['fallback_retries']} retries were decided by the local fallback")
+        # A decision slower than the client's 200 ms timeout is decided by the
+        # client's local rule; a few on a busy machine are expected, but if
+        # they dominate, the phase did not test retryd's budget.
+        fallback = sum(c for label, c in row["decisions"].items() if label.startswith("fallback"))
+        total = sum(row["decisions"].values())
+        if total and fallback > 0.25 * total:
+            failures.append(f"{row['label']}: {fallback} of {total} decisions came from the clients' local fallback")
         if row["amplification"] is not None and amp and row["amplification"] >= amp:
             failures.append(f"{row['label']}: amplification {row['amplification']:.2f}× not below naive {amp:.2f}×")
     return failures
