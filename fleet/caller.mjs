@@ -103,6 +103,7 @@ class TimedClient extends RetrydClient {
     if (decision.fallback) label = 'fallback ' + label;
     tally(label);
     add('decisions');
+    if (decision.verdict === 'RETRY' && !decision.fallback) add('granted');
     return decision;
   }
 }
@@ -152,15 +153,16 @@ async function call(k, kind, startedAtMs) {
     init = { method: 'GET' };
     idempotency = 'SAFE';
   } else {
-    // One key per logical payment, the same on every attempt of it; the
-    // upstream does not deduplicate, so the charge is NON_IDEMPOTENT.
-    url = `${config.upstream_url}/charges`;
+    // One key per logical payment, the same on every attempt of it.
+    // POST /charges does not deduplicate (NON_IDEMPOTENT); /keyed-charges
+    // honours the key, so there the declaration IDEMPOTENT_WITH_KEY is true.
+    url = `${config.upstream_url}/${config.keyed ? 'keyed-charges' : 'charges'}`;
     init = {
       method: 'POST',
       headers: { 'Idempotency-Key': `ts-${config.id}-${randomUUID()}`, 'content-type': 'application/json' },
       body: JSON.stringify({ amount: 100 + k }),
     };
-    idempotency = 'NON_IDEMPOTENT';
+    idempotency = config.keyed ? 'IDEMPOTENT_WITH_KEY' : 'NON_IDEMPOTENT';
   }
   budget?.deposit();
   let outcome;

@@ -11,9 +11,11 @@ Arrivals are open loop: call k starts at ``offset + k / rate`` whatever the
 earlier calls are doing, because a real fleet's traffic does not slow down
 when the upstream does. Half are GET /items/N (SAFE), half POST /charges
 with an Idempotency-Key per logical payment (kept across that payment's
-attempts). The upstream has no idempotency store, so the charge is declared
+attempts). POST /charges has no idempotency store, so the charge is declared
 NON_IDEMPOTENT to retryd: the key identifies the payment so that the
-upstream can count duplicates, it does not make a re-send safe.
+upstream can count duplicates, it does not make a re-send safe. With
+``config["keyed"]`` the charges go to POST /keyed-charges, which honours the
+key, declared IDEMPOTENT_WITH_KEY.
 
 Strategies (``config["strategy"]``):
   none     one attempt
@@ -113,6 +115,8 @@ class TimedClient(AsyncClient):
             label = "fallback " + label
         self.counters.decisions[label] += 1
         self.counters.add("decisions")
+        if decision.verdict.name == "RETRY" and not decision.fallback:
+            self.counters.add("granted")
         return decision
 
 
@@ -184,8 +188,12 @@ async def main(config: dict[str, Any]) -> None:
         else:
             # One key per logical payment, the same on every attempt of it.
             headers = {"Idempotency-Key": f"py-{config['id']}-{uuid.uuid4()}", "content-type": "application/json"}
-            method, url, content = "POST", f"{base}/charges", json.dumps({"amount": 100 + k}).encode()
-            idempotency = Idempotency.NON_IDEMPOTENT
+            content = json.dumps({"amount": 100 + k}).encode()
+            if config["keyed"]:
+                # This endpoint honours the key, so the declaration is true.
+                method, url, idempotency = "POST", f"{base}/keyed-charges", Idempotency.IDEMPOTENT_WITH_KEY
+            else:
+                method, url, idempotency = "POST", f"{base}/charges", Idempotency.NON_IDEMPOTENT
         if budget is not None:
             budget.deposit()
         try:

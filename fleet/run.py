@@ -330,6 +330,7 @@ class Phase:
     event: Optional[str] = None  # kill-replica | kill-redis | kill-switch, at mid-fault
     label: str = ""
     upstream: str = ""
+    keyed: bool = False  # charges to POST /keyed-charges, declared IDEMPOTENT_WITH_KEY
 
     def title(self) -> str:
         return self.label or self.strategy
@@ -364,6 +365,9 @@ def plan(args: argparse.Namespace) -> list[Phase]:
                         Phase("kill-switch", "retryd", n, exact2, outage, label="retryd"),
                         Phase("kill-switch", "retryd", n, exact2, outage, "kill-switch",
                               label="retryd, kill switch at mid-outage")],
+        # The same faults against a charge endpoint that honours the key.
+        "keyed": [Phase("keyed", s, n, exact2, fault, label=f"{s}, {fault_name(fault)}", keyed=True)
+                  for fault in (partial, latency) for s in baselines],
         "check": [Phase("check", "naive", 2, exact2, outage, label="naive"),
                   Phase("check", "retryd", 2, exact2, outage, label="retryd, Redis exact, 2 replicas")],
     }
@@ -423,7 +427,7 @@ def run_phase(phase: Phase, deployment: Deployment, upstream_url: str, upstream:
             "upstream_url": upstream_url, "retryd_target": deployment.target(index),
             "retryd_upstream": phase.upstream, "seed": 1000 + index, "bucket_ms": BUCKET_MS,
             "deadline_s": DEADLINE_S, "attempt_timeout_s": ATTEMPT_TIMEOUT_S, "max_in_flight": 500,
-            "out": os.path.join(log_dir, f"{phase.upstream}-caller-{index}.json"),
+            "out": os.path.join(log_dir, f"{phase.upstream}-caller-{index}.json"), "keyed": phase.keyed,
         }
         path = os.path.join(log_dir, f"{phase.upstream}-caller-{index}.config.json")
         with open(path, "w") as file:
@@ -452,6 +456,7 @@ def run_phase(phase: Phase, deployment: Deployment, upstream_url: str, upstream:
     at(warm)
     http_json(f"{upstream_url}/_control", {"fault": phase.fault})
     fault_began = time.time() - epoch
+    start_account = budget_account_start(deployment, phase) if phase.strategy == "retryd" else None
     if phase.event:
         at(warm + fault_s / 2)
         event_at = time.time() - epoch
@@ -472,6 +477,7 @@ def run_phase(phase: Phase, deployment: Deployment, upstream_url: str, upstream:
     at(warm + fault_s)
     http_json(f"{upstream_url}/_control", {"fault": {"mode": "ok"}})
     fault_ended = time.time() - epoch
+    end_account = (time.monotonic(), deployment.metrics()) if start_account is not None else None
     if phase.event == "kill-redis":
         deployment.start_redis()  # same port: the replicas reconnect by themselves
         events.append((time.time() - epoch, "Redis back"))
@@ -497,8 +503,48 @@ def run_phase(phase: Phase, deployment: Deployment, upstream_url: str, upstream:
     for lang in ("python", "typescript"):
         cpu[f"callers ({lang})"] = sum(r["cpu_s"] for r in results if r["lang"] == lang)
 
-    return summarise(phase, results, stats, scrape_before, scrape_after, cpu, elapsed, duration,
-                     (fault_began, fault_ended), events, deployment)
+    row = summarise(phase, results, stats, scrape_before, scrape_after, cpu, elapsed, duration,
+                    (fault_began, fault_ended), events, deployment)
+    if start_account is not None and end_account is not None:
+        row["budget"]["fault"] = budget_account(phase, deployment, start_account, end_account)
+    return row
+
+
+def budget_account_start(deployment: Deployment, phase: Phase) -> dict[str, Any]:
+    """What the fleet-wide bound over the fault needs at its start, in an
+    order that can only loosen it: a scrape (for deposits and the clock),
+    the tokens left (RetryAdmin/GetBudget, fleet-wide on Redis), a second
+    scrape (for the RETRY verdicts, so none spent before the tokens were
+    read is counted)."""
+    from retryd import Client
+
+    first = (time.monotonic(), deployment.metrics())
+    live = [(p, a) for p, a in zip(deployment.servers, deployment.addresses) if p is not None and p.alive()]
+    client = Client(live[0][1]["grpc"], timeout=2.0)
+    try:
+        left = client.get_budget(phase.upstream).tokens
+    finally:
+        client.close()
+    return {"t": first[0], "deposits": first[1], "left": left, "spent": deployment.metrics()}
+
+
+def budget_account(phase: Phase, deployment: Deployment, start: dict[str, Any],
+                   end: tuple[float, list[dict[Any, float]]]) -> dict[str, Any]:
+    """The issue's bound over the fault window, from retryd's own counters:
+    retries granted ≤ what was left + ratio × reported first attempts + floor × duration."""
+    t_end, scraped = end
+    granted = (metric_sum(scraped, "retryd_decisions_total", upstream=phase.upstream, verdict="retry")
+               - metric_sum(start["spent"], "retryd_decisions_total", upstream=phase.upstream, verdict="retry"))
+    reported = (metric_sum(scraped, "retryd_reported_requests_total")
+                - metric_sum(start["deposits"], "retryd_reported_requests_total"))
+    seconds = t_end - start["t"]
+    bound = start["left"] + BUDGET["ratio"] * reported + BUDGET["min_per_second"] * seconds
+    return {"granted": granted, "left": start["left"], "reported": reported, "seconds": seconds, "bound": bound,
+            # One token of slack: a RETRY's counter is incremented just after
+            # its withdrawal, so a grant made as the tokens were read may be
+            # counted on both sides of the start.
+            "holds": granted <= bound + 1.0,
+            "all_replicas_counted": len(scraped) == deployment.replicas == len(start["spent"])}
 
 
 def set_retries(deployment: Deployment, upstream: str, enabled: bool) -> None:
@@ -553,6 +599,7 @@ def summarise(phase: Phase, results: list[dict[str, Any]], stats: dict[str, Any]
         "success_rate": outcomes["ok"] / arrivals if arrivals else None,
         "fault_success_rate": fault_outcomes["ok"] / fault_first if fault_first else None,
         "duplicates": stats["totals"]["duplicates"], "charges_applied": stats["totals"]["applied"],
+        "replays": stats["totals"]["replays"], "keyed": phase.keyed,
         # Payments the upstream took while their caller was told the call
         # failed (not AMBIGUOUS): nobody will reconcile these.
         "charged_but_told_failed": len(set(stats["applied_keys"]) & {key for r in results for key in r["failed_charge_keys"]}),
@@ -628,27 +675,33 @@ def table(rows: list[dict[str, Any]]) -> str:
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for row in rows:
         window = row["window"][1] - row["window"][0]
+        replays = f" ({row['replays']} replays)" if row["keyed"] else ""
         out.append(
             f"| {row['label']} | {row['callers']} | {fmt(row['amplification'])}× | "
             f"{row['upstream_requests_in_fault'] / window:.0f} | {pct(row['fault_success_rate'])} / {pct(row['success_rate'])} | "
-            f"{row['outcomes']['ambiguous']} | {row['duplicates']} | {row['charged_but_told_failed']} | "
+            f"{row['outcomes']['ambiguous']} | {row['duplicates']}{replays} | "
+            f"{row['charged_but_told_failed']} | "
             f"{fmt(row['decide_ms']['p50'], 1)} / {fmt(row['decide_ms']['p99'], 1)} | {deny_summary(row['decisions'])} |")
     return "\n".join(out)
 
 
 def budget_table(rows: list[dict[str, Any]]) -> str:
-    out = ["| phase | granted (metric / seen) | reported | bound = initial + ratio × reported + floor × s | holds |",
-           "| --- | ---: | ---: | ---: | --- |"]
+    out = ["| phase | whole phase: granted (metric / seen by callers) | bound = initial + ratio × reported + floor × s | during the fault: granted | bound = left at its start + ratio × reported + floor × s | holds |",
+           "| --- | ---: | ---: | ---: | ---: | --- |"]
     for row in rows:
         budget = row.get("budget")
         if not budget:
             continue
-        holds = "yes" if budget["holds"] else "**no**"
-        if not budget["all_replicas_counted"]:
-            holds += " (a killed replica's count is lost)"
+        window = budget.get("fault")
+        holds = "yes" if budget["holds"] and (window is None or window["holds"]) else "**no**"
+        if not budget["all_replicas_counted"] or (window and not window["all_replicas_counted"]):
+            holds += " (a killed replica's counts are lost)"
+        fault_cells = "– | –" if window is None else (
+            f"{window['granted']:.0f} | {window['left']:.1f} + {budget['ratio']} × {window['reported']:.0f} + "
+            f"{budget['floor_per_s']:g} × {window['seconds']:.1f} = {window['bound']:.1f}")
         out.append(f"| {row['scenario']}: {row['label']} | {budget['granted_metric']:.0f} / {budget['granted_seen_by_callers']} | "
-                   f"{budget['reported']:.0f} | {budget['initial']:.0f} + {budget['ratio']} × {budget['reported']:.0f} + "
-                   f"{budget['floor_per_s']:.0f} × {budget['elapsed_s']:.1f} = {budget['bound']:.0f} | {holds} |")
+                   f"{budget['initial']:.0f} + {budget['ratio']} × {budget['reported']:.0f} + "
+                   f"{budget['floor_per_s']:g} × {budget['elapsed_s']:.1f} = {budget['bound']:.0f} | {fault_cells} | {holds} |")
     return "\n".join(out)
 
 
@@ -670,9 +723,12 @@ def plots(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
         by_scenario.setdefault(row["scenario"], []).append(row)
     for scenario, group in by_scenario.items():
         sizes = sorted({row["callers"] for row in group})
-        for size in sizes:
-            subset = [row for row in group if row["callers"] == size]
-            name = f"{scenario}.svg" if len(sizes) == 1 else f"{scenario}-{size}-callers.svg"
+        modes = sorted({row["fault"]["mode"] for row in group})
+        for size, mode in [(size, mode) for size in sizes for mode in modes]:
+            subset = [row for row in group if row["callers"] == size and row["fault"]["mode"] == mode]
+            if not subset:
+                continue
+            name = scenario + (f"-{size}-callers" if len(sizes) > 1 else "") + (f"-{mode}" if len(modes) > 1 else "") + ".svg"
             first = subset[0]
             window = first["window"]
             marks = [mark for row in subset for mark in row["events"]]
@@ -708,7 +764,9 @@ def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, plot_dir:
         by_scenario.setdefault(row["scenario"], []).append(row)
     rel = os.path.relpath(plot_dir, os.path.join(REPO, "docs"))
     for scenario, group in by_scenario.items():
-        lines += [f"**{scenario}** ({fault_name(group[0]['fault'])})", "", table(group), ""]
+        what = ("charges to POST /keyed-charges, declared IDEMPOTENT_WITH_KEY" if group[0]["keyed"]
+                else fault_name(group[0]["fault"]))
+        lines += [f"**{scenario}** ({what})", "", table(group), ""]
         for name in plot_names:
             if name.startswith(scenario + ".") or name.startswith(scenario + "-"):
                 lines += [f"![{scenario}]({rel}/{name})", ""]
@@ -757,6 +815,13 @@ def check(rows: list[dict[str, Any]]) -> list[str]:
             failures.append(f"{row['label']}: no traffic was reported (the budget bound would be vacuous)")
         if budget["granted"] <= 0:
             failures.append(f"{row['label']}: retryd granted no retry at all (nothing was tested)")
+        window = budget["fault"]
+        if not window["all_replicas_counted"]:
+            failures.append(f"{row['label']}: a replica's counters are missing from the fault's account")
+        if not window["holds"]:
+            failures.append(f"{row['label']}: during the fault {window['granted']:.0f} retries were granted, more than "
+                            f"{window['left']:.1f} left + {BUDGET['ratio']} × {window['reported']:.0f} reported + "
+                            f"{BUDGET['min_per_second']} × {window['seconds']:.1f} s = {window['bound']:.1f}")
         asked = budget["granted"] + budget["denied_budget"]
         if asked < 1.3 * budget["bound"]:
             failures.append(f"{row['label']}: the callers asked for {asked:.0f} retries, not well above the bound "

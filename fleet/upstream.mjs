@@ -1,9 +1,12 @@
 // The sick upstream of the fleet scenarios: a plain Node.js HTTP server on
-// 127.0.0.1 with a safe read (GET /items/:id) and a non-idempotent write
-// (POST /charges). It has no idempotency store: every charge it accepts is
-// applied, and it records the caller's Idempotency-Key (one per logical
-// payment) with each one so that a charge applied twice for one payment is
-// counted as a duplicate. The runner drives its faults and reads its
+// 127.0.0.1 with a safe read (GET /items/:id) and two writes:
+//   POST /charges        non-idempotent: no idempotency store, every charge it
+//                        accepts is applied; it records the caller's
+//                        Idempotency-Key (one per logical payment) with each,
+//                        so a payment charged twice is counted as a duplicate;
+//   POST /keyed-charges  honours the key: a key already applied is answered
+//                        from the record (counted as a replay), not charged
+//                        again, so a caller may declare it IDEMPOTENT_WITH_KEY. The runner drives its faults and reads its
 // counters over /_control and /_stats (never counted as traffic).
 //
 //   node fleet/upstream.mjs            prints {"port": N} once listening
@@ -30,7 +33,7 @@ function reset(newEpochMs) {
   epochMs = newEpochMs;
   buckets = new Map();
   charges = new Map();
-  totals = { requests: 0, get: 0, post: 0, rejected_503: 0, applied: 0, duplicates: 0, missing_key: 0, in_flight_max: 0 };
+  totals = { requests: 0, get: 0, post: 0, rejected_503: 0, applied: 0, duplicates: 0, replays: 0, missing_key: 0, in_flight_max: 0 };
   faultLog = [];
 }
 reset(Date.now());
@@ -40,7 +43,7 @@ function bucket() {
   const index = Math.floor((Date.now() - epochMs) / BUCKET_MS);
   let counters = buckets.get(index);
   if (!counters) {
-    counters = { requests: 0, get: 0, post: 0, rejected_503: 0, applied: 0, duplicates: 0 };
+    counters = { requests: 0, get: 0, post: 0, rejected_503: 0, applied: 0, duplicates: 0, replays: 0 };
     buckets.set(index, counters);
   }
   return counters;
@@ -99,7 +102,7 @@ function stats(response) {
   });
 }
 
-async function serve(request, response) {
+async function serve(request, response, keyed) {
   const counters = bucket();
   count('requests', counters);
   const isPost = request.method === 'POST';
@@ -119,11 +122,16 @@ async function serve(request, response) {
       reply(response, 400, { error: 'Idempotency-Key required' });
       return;
     }
-    // Applied now, whatever happens to the response.
-    const times = (charges.get(key) ?? 0) + 1;
-    charges.set(key, times);
-    count('applied', counters);
-    if (times > 1) count('duplicates', counters);
+    if (keyed && charges.has(key)) {
+      // The key was applied (at arrival, below): answer from the record.
+      count('replays', counters);
+    } else {
+      // Applied now, whatever happens to the response.
+      const times = (charges.get(key) ?? 0) + 1;
+      charges.set(key, times);
+      count('applied', counters);
+      if (times > 1) count('duplicates', counters);
+    }
   }
   if (current.mode === 'latency') await new Promise((resolve) => setTimeout(resolve, current.delay_ms));
   reply(response, isPost ? 201 : 200, isPost ? { charged: JSON.parse(body || '{}').amount ?? 0 } : { id: request.url });
@@ -139,7 +147,8 @@ const server = http.createServer((request, response) => {
   let handled;
   if (route === '/_control' && request.method === 'POST') handled = control(request, response);
   else if (route === '/_stats') handled = Promise.resolve(stats(response));
-  else if ((route.startsWith('/items/') && request.method === 'GET') || (route === '/charges' && request.method === 'POST')) handled = serve(request, response);
+  else if ((route.startsWith('/items/') && request.method === 'GET') || (route === '/charges' && request.method === 'POST')) handled = serve(request, response, false);
+  else if (route === '/keyed-charges' && request.method === 'POST') handled = serve(request, response, true);
   else handled = Promise.resolve(reply(response, 404, { error: 'no such route' }));
   handled.catch((error) => reply(response, 500, { error: String(error) }));
 });
