@@ -519,13 +519,28 @@ def budget_account_start(deployment: Deployment, phase: Phase) -> dict[str, Any]
     from retryd import Client
 
     first = (time.monotonic(), deployment.metrics())
-    live = [(p, a) for p, a in zip(deployment.servers, deployment.addresses) if p is not None and p.alive()]
-    client = Client(live[0][1]["grpc"], timeout=2.0)
-    try:
-        left = client.get_budget(phase.upstream).tokens
-    finally:
-        client.close()
-    return {"t": first[0], "deposits": first[1], "left": left, "spent": deployment.metrics()}
+    # A replica that believes Redis down (one store call slower than
+    # store.timeout on this busy machine is enough, for 150 ms) answers
+    # GetBudget from its local bucket, which reads 0 tokens, not the fleet's
+    # level. So wait (briefly) until every replica has the store, and take the
+    # highest answer: a larger "left" only loosens the bound.
+    def store_up() -> bool:
+        return all(scraped.get(("retryd_store_available", ()), 1.0) == 1.0 for scraped in deployment.metrics())
+
+    deadline = time.monotonic() + 3
+    while not store_up() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    store_available = store_up()
+    answers = []
+    for proc, address in zip(deployment.servers, deployment.addresses):
+        if proc is not None and proc.alive():
+            client = Client(address["grpc"], timeout=2.0)
+            try:
+                answers.append(client.get_budget(phase.upstream).tokens)
+            finally:
+                client.close()
+    return {"t": first[0], "deposits": first[1], "left": max(answers), "left_per_replica": answers,
+            "store_available": store_available, "spent": deployment.metrics()}
 
 
 def budget_account(phase: Phase, deployment: Deployment, start: dict[str, Any],
@@ -539,7 +554,9 @@ def budget_account(phase: Phase, deployment: Deployment, start: dict[str, Any],
                 - metric_sum(start["deposits"], "retryd_reported_requests_total"))
     seconds = t_end - start["t"]
     bound = start["left"] + BUDGET["ratio"] * reported + BUDGET["min_per_second"] * seconds
-    return {"granted": granted, "left": start["left"], "reported": reported, "seconds": seconds, "bound": bound,
+    return {"granted": granted, "left": start["left"], "left_per_replica": start["left_per_replica"],
+            "store_available_at_start": start["store_available"],
+            "reported": reported, "seconds": seconds, "bound": bound,
             # One token of slack: a RETRY's counter is incremented just after
             # its withdrawal, so a grant made as the tokens were read may be
             # counted on both sides of the start.
