@@ -1,0 +1,161 @@
+// The sick upstream of the fleet scenarios: a plain Node.js HTTP server on
+// 127.0.0.1 with a safe read (GET /items/:id) and two writes:
+//   POST /charges        non-idempotent: no idempotency store, every charge it
+//                        accepts is applied; it records the caller's
+//                        Idempotency-Key (one per logical payment) with each,
+//                        so a payment charged twice is counted as a duplicate;
+//   POST /keyed-charges  honours the key: a key already applied is answered
+//                        from the record (counted as a replay), not charged
+//                        again, so a caller may declare it IDEMPOTENT_WITH_KEY. The runner drives its faults and reads its
+// counters over /_control and /_stats (never counted as traffic).
+//
+//   node fleet/upstream.mjs            prints {"port": N} once listening
+//
+// Faults (POST /_control {"fault": ...}):
+//   {"mode": "ok"}                     healthy
+//   {"mode": "outage"}                 every request 503, nothing applied
+//   {"mode": "partial", "p": 0.3}      that fraction 503 (nothing applied), the rest served
+//   {"mode": "latency", "delay_ms": D} the charge is applied at once, the
+//                                      response held D ms (beyond the callers'
+//                                      timeouts, so they cannot know it happened)
+import http from 'node:http';
+
+const BUCKET_MS = 250;
+
+let fault = { mode: 'ok' };
+let epochMs = Date.now();
+let buckets = new Map(); // bucket index -> counters
+let charges = new Map(); // idempotency key -> times applied
+let totals;
+let faultLog = [];
+
+function reset(newEpochMs) {
+  epochMs = newEpochMs;
+  buckets = new Map();
+  charges = new Map();
+  totals = { requests: 0, get: 0, post: 0, rejected_503: 0, applied: 0, duplicates: 0, replays: 0, missing_key: 0, in_flight_max: 0 };
+  faultLog = [];
+}
+reset(Date.now());
+let inFlight = 0;
+
+function bucket() {
+  const index = Math.floor((Date.now() - epochMs) / BUCKET_MS);
+  let counters = buckets.get(index);
+  if (!counters) {
+    counters = { requests: 0, get: 0, post: 0, rejected_503: 0, applied: 0, duplicates: 0, replays: 0 };
+    buckets.set(index, counters);
+  }
+  return counters;
+}
+
+function count(field, counters) {
+  counters[field] += 1;
+  totals[field] += 1;
+}
+
+function readBody(request) {
+  return new Promise((resolve, reject) => {
+    const chunks = [];
+    request.on('data', (chunk) => chunks.push(chunk));
+    request.on('end', () => resolve(Buffer.concat(chunks).toString('utf8')));
+    request.on('error', reject);
+  });
+}
+
+function reply(response, status, body) {
+  const text = JSON.stringify(body);
+  // A response to a caller that gave up (its timeout passed) may fail: that
+  // is the point of the latency fault, not an error of the server.
+  try {
+    response.writeHead(status, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(text) });
+    response.end(text);
+  } catch {
+    /* the caller is gone */
+  }
+}
+
+async function control(request, response) {
+  const body = JSON.parse((await readBody(request)) || '{}');
+  if (body.reset_epoch_ms !== undefined) reset(body.reset_epoch_ms);
+  if (body.fault !== undefined) {
+    fault = body.fault;
+    faultLog.push({ t_ms: Date.now() - epochMs, fault });
+  }
+  reply(response, 200, { fault });
+}
+
+function stats(response) {
+  const series = [...buckets.entries()].sort((a, b) => a[0] - b[0]).map(([index, counters]) => ({ bucket: index, ...counters }));
+  let keysTwice = 0;
+  for (const times of charges.values()) if (times > 1) keysTwice += 1;
+  reply(response, 200, {
+    bucket_ms: BUCKET_MS,
+    epoch_ms: epochMs,
+    totals: { ...totals, distinct_payments: charges.size, payments_charged_twice_or_more: keysTwice },
+    series,
+    fault_log: faultLog,
+    // Every payment charged at least once, for the runner to compare with
+    // what the callers believe happened to it.
+    applied_keys: [...charges.keys()],
+    cpu_us: process.cpuUsage(),
+  });
+}
+
+async function serve(request, response, keyed) {
+  const counters = bucket();
+  count('requests', counters);
+  const isPost = request.method === 'POST';
+  count(isPost ? 'post' : 'get', counters);
+  const body = isPost ? await readBody(request) : '';
+  const current = fault;
+  if (current.mode === 'outage' || (current.mode === 'partial' && Math.random() < current.p)) {
+    // Rejected before any work: the charge is not applied.
+    count('rejected_503', counters);
+    reply(response, 503, { error: 'unavailable' });
+    return;
+  }
+  if (isPost) {
+    const key = request.headers['idempotency-key'];
+    if (!key) {
+      totals.missing_key += 1;
+      reply(response, 400, { error: 'Idempotency-Key required' });
+      return;
+    }
+    if (keyed && charges.has(key)) {
+      // The key was applied (at arrival, below): answer from the record.
+      count('replays', counters);
+    } else {
+      // Applied now, whatever happens to the response.
+      const times = (charges.get(key) ?? 0) + 1;
+      charges.set(key, times);
+      count('applied', counters);
+      if (times > 1) count('duplicates', counters);
+    }
+  }
+  if (current.mode === 'latency') await new Promise((resolve) => setTimeout(resolve, current.delay_ms));
+  reply(response, isPost ? 201 : 200, isPost ? { charged: JSON.parse(body || '{}').amount ?? 0 } : { id: request.url });
+}
+
+const server = http.createServer((request, response) => {
+  inFlight += 1;
+  totals.in_flight_max = Math.max(totals.in_flight_max, inFlight);
+  response.on('close', () => {
+    inFlight -= 1;
+  });
+  const route = request.url.split('?')[0];
+  let handled;
+  if (route === '/_control' && request.method === 'POST') handled = control(request, response);
+  else if (route === '/_stats') handled = Promise.resolve(stats(response));
+  else if ((route.startsWith('/items/') && request.method === 'GET') || (route === '/charges' && request.method === 'POST')) handled = serve(request, response, false);
+  else if (route === '/keyed-charges' && request.method === 'POST') handled = serve(request, response, true);
+  else handled = Promise.resolve(reply(response, 404, { error: 'no such route' }));
+  handled.catch((error) => reply(response, 500, { error: String(error) }));
+});
+// Callers keep connections alive across calls, as HTTP clients do.
+server.keepAliveTimeout = 30_000;
+server.headersTimeout = 35_000;
+server.listen(0, '127.0.0.1', () => {
+  process.stdout.write(JSON.stringify({ port: server.address().port }) + '\n');
+});
+process.on('SIGTERM', () => server.close(() => process.exit(0)));
