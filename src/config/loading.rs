@@ -13,7 +13,7 @@ use std::path::Path;
 use crate::budget::redis::redact_url;
 
 use super::enums::UNKNOWN_VARIANT;
-use super::{ENV_PREFIX, InvalidConfig, Settings, invalid};
+use super::{ENV_PREFIX, InvalidConfig, Secret, Settings, invalid};
 
 #[cfg(test)]
 mod tests;
@@ -73,6 +73,13 @@ impl Settings {
             .filter(|(name, _)| name.starts_with("OTEL_"))
             .map(|(name, value)| (name.clone(), value.clone()))
             .collect();
+        // Only the variable `store.password_env` names is kept, once the
+        // settings say which.
+        let password_variables: HashMap<String, String> = variables
+            .iter()
+            .filter(|(name, _)| !name.starts_with(ENV_PREFIX) && !name.starts_with("OTEL_"))
+            .map(|(name, value)| (name.clone(), value.clone()))
+            .collect();
         let builder = config::Config::builder()
             .add_source(config::File::from_str(toml, config::FileFormat::Toml))
             .add_source(
@@ -87,6 +94,9 @@ impl Settings {
             .and_then(|merged| merged.try_deserialize())
             .map_err(|error| load_error(&error))?;
         settings.otel = otel;
+        if let Some(name) = &settings.store.password_env {
+            settings.store.password_env_value = password_variables.get(name).cloned().map(Secret);
+        }
         Ok(settings)
     }
 

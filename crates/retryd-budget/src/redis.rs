@@ -24,6 +24,7 @@ mod replies;
 mod reports;
 mod rounds;
 mod scripts;
+mod sentinel;
 mod shared;
 mod url;
 
@@ -33,7 +34,9 @@ use std::sync::Arc;
 
 use ::redis::RedisError;
 
-pub use self::config::{RedisConfig, RedisMode};
+pub use self::config::{
+    RedisAccess, RedisConfig, RedisMode, RedisPassword, RedisTls, SentinelConfig,
+};
 pub use self::exact::Exact;
 pub use self::leased::Leased;
 pub use self::scripts::CHECK_SOURCE;

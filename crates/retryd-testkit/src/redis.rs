@@ -27,6 +27,17 @@ pub fn fresh_prefix(tag: &str) -> String {
 /// How long a server may take to accept connections.
 const STARTUP: Duration = Duration::from_secs(10);
 
+/// A free port; for a cluster node one at most 55535, so that its default
+/// bus port (+10000) exists.
+fn free_cluster_port(cluster: bool) -> u16 {
+    loop {
+        let port = free_port();
+        if !cluster || port <= 55_535 {
+            return port;
+        }
+    }
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|listener| listener.local_addr())
@@ -39,8 +50,23 @@ pub struct RedisServer {
     port: u16,
     /// The Cluster bus port, for a cluster node.
     cluster_port: Option<u16>,
+    /// The TLS port, for a server started with [`RedisServer::start_tls`].
+    tls_port: Option<u16>,
+    /// Further arguments (TLS files, replication).
+    extra: Vec<String>,
     child: Option<Child>,
     dir: tempfile::TempDir,
+}
+
+/// PEM files for a TLS server: its certificate and key, and the CA that
+/// signs the client certificates it accepts.
+pub struct TlsFiles {
+    /// The server's certificate chain (its SAN should name `localhost`).
+    pub cert: PathBuf,
+    /// The server's private key.
+    pub key: PathBuf,
+    /// The CA of client certificates (`--tls-ca-cert-file`).
+    pub client_ca: PathBuf,
 }
 
 impl RedisServer {
@@ -49,13 +75,56 @@ impl RedisServer {
         RedisServer::start_node(false)
     }
 
+    /// A standalone server with TLS on a port of its own
+    /// ([`RedisServer::tls_url`]), requiring client certificates if
+    /// `require_client_certificates`. The plain port stays open on
+    /// loopback for the harness's own `redis-cli` (ACLs, INFO); what a test
+    /// proves over TLS it proves through the TLS port.
+    pub fn start_tls(files: &TlsFiles, require_client_certificates: bool) -> RedisServer {
+        let path = |path: &Path| path.to_string_lossy().into_owned();
+        let extra = vec![
+            "--tls-cert-file".into(),
+            path(&files.cert),
+            "--tls-key-file".into(),
+            path(&files.key),
+            "--tls-ca-cert-file".into(),
+            path(&files.client_ca),
+            "--tls-auth-clients".into(),
+            if require_client_certificates {
+                "yes"
+            } else {
+                "no"
+            }
+            .into(),
+        ];
+        RedisServer::start_with(false, true, extra)
+    }
+
+    /// A standalone server run with further `redis-server` arguments
+    /// (`--replicaof`, `--user`, ...).
+    pub fn start_with_arguments(arguments: &[&str]) -> RedisServer {
+        let extra = arguments
+            .iter()
+            .map(|argument| argument.to_string())
+            .collect();
+        RedisServer::start_with(false, false, extra)
+    }
+
     fn start_node(cluster: bool) -> RedisServer {
+        RedisServer::start_with(cluster, false, Vec::new())
+    }
+
+    fn start_with(cluster: bool, tls: bool, extra: Vec<String>) -> RedisServer {
         let mut last_log = String::new();
         // A free port may be taken between choosing and binding it: retry.
         for _ in 0..5 {
             let mut server = RedisServer {
-                port: free_port(),
+                // The cluster bus listens on port + 10000 by default; the
+                // harness names it, but keeps ports low enough anyway.
+                port: free_cluster_port(cluster),
                 cluster_port: cluster.then(free_port),
+                tls_port: tls.then(free_port),
+                extra: extra.clone(),
                 child: None,
                 dir: tempfile::tempdir().expect("temporary directory"),
             };
@@ -104,6 +173,10 @@ impl RedisServer {
         .iter()
         .map(|argument| argument.to_string())
         .collect();
+        if let Some(tls_port) = self.tls_port {
+            arguments.extend(["--tls-port".to_owned(), tls_port.to_string()]);
+        }
+        arguments.extend(self.extra.iter().cloned());
         if let Some(bus) = self.cluster_port {
             arguments.extend(
                 [
@@ -155,6 +228,14 @@ impl RedisServer {
     /// `redis://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// `rediss://localhost:<tls port>`, for a server started with
+    /// [`RedisServer::start_tls`]: `localhost`, so that the certificate's
+    /// name is checked.
+    pub fn tls_url(&self) -> String {
+        let port = self.tls_port.expect("a server started with start_tls");
+        format!("rediss://localhost:{port}")
     }
 
     /// The working directory (cluster config, log).

@@ -308,6 +308,7 @@ impl<M: Operations> Core<M> {
             Err(_) => {
                 bump(&self.counters.errors, 1);
                 bump(&self.counters.timeouts, 1);
+                self.connection.timed_out();
                 // A request that had at least half the timeout to answer
                 // says Redis is slow; one sent with only the end of its
                 // call's deadline left (after a slow admission, or a wait
