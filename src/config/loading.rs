@@ -73,13 +73,6 @@ impl Settings {
             .filter(|(name, _)| name.starts_with("OTEL_"))
             .map(|(name, value)| (name.clone(), value.clone()))
             .collect();
-        // Only the variable `store.password_env` names is kept, once the
-        // settings say which.
-        let password_variables: HashMap<String, String> = variables
-            .iter()
-            .filter(|(name, _)| !name.starts_with(ENV_PREFIX) && !name.starts_with("OTEL_"))
-            .map(|(name, value)| (name.clone(), value.clone()))
-            .collect();
         let builder = config::Config::builder()
             .add_source(config::File::from_str(toml, config::FileFormat::Toml))
             .add_source(
@@ -87,7 +80,9 @@ impl Settings {
                     .prefix_separator("__")
                     .separator("__")
                     .try_parsing(true)
-                    .source(environment),
+                    // A copy: `variables` may borrow the map, for the
+                    // variable `store.password_env` names.
+                    .source(environment.clone()),
             );
         let mut settings: Settings = builder
             .build()
@@ -95,7 +90,7 @@ impl Settings {
             .map_err(|error| load_error(&error))?;
         settings.otel = otel;
         if let Some(name) = &settings.store.password_env {
-            settings.store.password_env_value = password_variables.get(name).cloned().map(Secret);
+            settings.store.password_env_value = variables.get(name).cloned().map(Secret);
         }
         Ok(settings)
     }
