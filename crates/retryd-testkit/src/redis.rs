@@ -1,4 +1,5 @@
-//! Real `redis-server` processes for tests: one node or a Redis Cluster,
+//! Real `redis-server` processes for tests: one node (plain or TLS), a
+//! Redis Cluster, or a primary under Sentinel (`redis/sentinel.rs`),
 //! each on free loopback ports, without persistence, killed when dropped,
 //! and able to be killed and restarted mid-test. Never the shared 6379.
 //!
@@ -12,6 +13,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
+
+mod sentinel;
+
+pub use self::sentinel::{RedisSentinels, SentinelProcess};
 
 /// A key prefix no other store in this test process uses, so that stores
 /// sharing one Redis never see each other's budgets.
