@@ -386,7 +386,7 @@ async fn run<S: BudgetStore>(
                     .list(|upstream| live.policies.get(upstream).bucket)
                     .await
                     .unwrap_or_default();
-                metrics.render(&budgets, store.is_available(), &store.stats())
+                metrics.render(&budgets, store.availability(), &store.stats())
             }
         }
     };

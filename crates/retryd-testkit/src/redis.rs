@@ -59,6 +59,8 @@ pub struct RedisServer {
     tls_port: Option<u16>,
     /// Further arguments (TLS files, replication).
     extra: Vec<String>,
+    /// `--cluster-node-timeout`, for a cluster node.
+    cluster_node_timeout_ms: u32,
     child: Option<Child>,
     dir: tempfile::TempDir,
 }
@@ -102,7 +104,7 @@ impl RedisServer {
             }
             .into(),
         ];
-        RedisServer::start_with(false, true, extra)
+        RedisServer::start_with(false, true, extra, 2000)
     }
 
     /// A standalone server run with further `redis-server` arguments
@@ -112,14 +114,19 @@ impl RedisServer {
             .iter()
             .map(|argument| argument.to_string())
             .collect();
-        RedisServer::start_with(false, false, extra)
+        RedisServer::start_with(false, false, extra, 2000)
     }
 
     fn start_node(cluster: bool) -> RedisServer {
-        RedisServer::start_with(cluster, false, Vec::new())
+        RedisServer::start_with(cluster, false, Vec::new(), 2000)
     }
 
-    fn start_with(cluster: bool, tls: bool, extra: Vec<String>) -> RedisServer {
+    fn start_with(
+        cluster: bool,
+        tls: bool,
+        extra: Vec<String>,
+        cluster_node_timeout_ms: u32,
+    ) -> RedisServer {
         let mut last_log = String::new();
         // A free port may be taken between choosing and binding it: retry.
         for _ in 0..5 {
@@ -130,6 +137,7 @@ impl RedisServer {
                 cluster_port: cluster.then(free_port),
                 tls_port: tls.then(free_port),
                 extra: extra.clone(),
+                cluster_node_timeout_ms,
                 child: None,
                 dir: tempfile::tempdir().expect("temporary directory"),
             };
@@ -192,7 +200,7 @@ impl RedisServer {
                     "--cluster-port",
                     &bus.to_string(),
                     "--cluster-node-timeout",
-                    "2000",
+                    &self.cluster_node_timeout_ms.to_string(),
                 ]
                 .iter()
                 .map(|argument| argument.to_string()),
@@ -346,7 +354,7 @@ fn ping(port: u16) -> bool {
     }
 }
 
-/// A Redis Cluster of masters only, every slot assigned.
+/// A Redis Cluster, every slot assigned: masters only, or a replica each.
 pub struct RedisCluster {
     /// The nodes, in creation order.
     pub nodes: Vec<RedisServer>,
@@ -380,6 +388,92 @@ impl RedisCluster {
         let cluster = RedisCluster { nodes };
         cluster.wait_until_ok();
         cluster
+    }
+
+    /// Starts `masters` (at least 3) masters and a replica of each, with
+    /// `--cluster-node-timeout 1000` (a killed master's replica takes over
+    /// about 2–3 s later) and `--cluster-require-full-coverage no`; returns once every replica has synced, so that a
+    /// failover can happen.
+    pub fn start_with_replicas(masters: usize) -> RedisCluster {
+        assert!(masters >= 3, "Redis Cluster needs at least 3 masters");
+        let nodes: Vec<RedisServer> = (0..masters * 2)
+            .map(|_| {
+                // Without this, every master answers CLUSTERDOWN while any
+                // slot is unserved (between a master's failure and its
+                // replica's promotion): as operators should run it for
+                // retryd (README.md), so that a lost master stays local.
+                let partial = ["--cluster-require-full-coverage", "no"];
+                let extra = partial
+                    .iter()
+                    .map(|argument| argument.to_string())
+                    .collect();
+                RedisServer::start_with(true, false, extra, 1000)
+            })
+            .collect();
+        let addresses: Vec<String> = nodes
+            .iter()
+            .map(|node| format!("127.0.0.1:{}", node.port()))
+            .collect();
+        let output = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addresses)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .unwrap_or_else(|error| panic!("cannot run redis-cli --cluster create: {error}"));
+        assert!(
+            output.status.success(),
+            "redis-cli --cluster create failed:\n{}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let cluster = RedisCluster { nodes };
+        cluster.wait_until_ok();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let synced = cluster
+                .nodes
+                .iter()
+                .map(|node| node.cli(&["INFO", "replication"]))
+                .filter(|info| info.contains("role:slave"))
+                .filter(|info| info.contains("master_link_status:up"))
+                .count();
+            if synced == masters {
+                return cluster;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "only {synced} of {masters} replicas synced"
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The index of the live node serving `key`'s slot as a master, as the
+    /// first live node's `CLUSTER SLOTS` says.
+    pub fn master_of(&mut self, key: &str) -> Option<usize> {
+        let live = (0..self.nodes.len()).find(|&index| self.nodes[index].is_running())?;
+        let slot: u16 = self.nodes[live]
+            .cli(&["CLUSTER", "KEYSLOT", key])
+            .trim()
+            .parse()
+            .ok()?;
+        // redis-cli prints each range as start, end, host, port, id, ...
+        let nodes_text = self.nodes[live].cli(&["CLUSTER", "NODES"]);
+        let port = nodes_text.lines().find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let is_master = fields.get(2)?.contains("master") && !fields[2].contains("fail");
+            let serves = fields.iter().skip(8).any(|range| {
+                let (low, high) = range.split_once('-').unwrap_or((range, range));
+                matches!(
+                    (low.parse::<u16>(), high.parse::<u16>()),
+                    (Ok(low), Ok(high)) if (low..=high).contains(&slot)
+                )
+            });
+            let address = fields.get(1)?.split('@').next()?;
+            (is_master && serves).then(|| address.rsplit(':').next()?.parse::<u16>().ok())?
+        })?;
+        self.nodes.iter().position(|node| node.port() == port)
     }
 
     /// Waits until every node sees every slot served.
