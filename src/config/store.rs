@@ -2,6 +2,9 @@
 //! [`RedisConfig`] with every value the client would refuse only at
 //! connect time refused here, so that `check-config` catches it.
 
+#[cfg(test)]
+mod tests;
+
 use std::time::Duration;
 
 use tokio_rustls::rustls::RootCertStore;
@@ -21,14 +24,15 @@ use super::{
 pub enum StoreConfig {
     /// The embedded in-memory store.
     Memory,
-    /// The shared Redis store.
-    Redis(RedisConfig),
+    /// The shared Redis store (boxed: its TLS material and credentials
+    /// make it far larger than `Memory`).
+    Redis(Box<RedisConfig>),
 }
 
 pub(super) fn store_config(store: &StoreSettings) -> Result<StoreConfig, InvalidConfig> {
     match store.kind {
         StoreKind::Memory => Ok(StoreConfig::Memory),
-        StoreKind::Redis => Ok(StoreConfig::Redis(redis_config(store)?)),
+        StoreKind::Redis => Ok(StoreConfig::Redis(Box::new(redis_config(store)?))),
     }
 }
 

@@ -188,9 +188,7 @@ impl Reachability {
                 node.slots.push(',');
             }
             node.slots.push_str(&format!("{start}-{end}"));
-            for slot in start..=end {
-                owner[slot] = index as u16;
-            }
+            owner[start..=end].fill(index as u16);
             node.served += end + 1 - start;
         }
         for (index, node) in nodes.iter_mut().enumerate() {
