@@ -10,6 +10,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
+use std::time::{Duration, Instant};
 
 use ::redis::Value;
 
@@ -26,6 +27,9 @@ pub(super) struct Reachability {
     /// A Cluster's slot map; `None` for one node or Sentinel.
     cluster: Option<RwLock<Option<Arc<SlotMap>>>>,
     opened: AtomicU64,
+    origin: Instant,
+    /// Milliseconds since `origin` of the last slot-map refresh claimed.
+    refreshed: AtomicU64,
 }
 
 /// Who serves each slot, and each master's circuit.
@@ -60,6 +64,8 @@ impl Reachability {
             whole: Arc::new(Circuit::new()),
             cluster: is_cluster.then(|| RwLock::new(None)),
             opened: AtomicU64::new(0),
+            origin: Instant::now(),
+            refreshed: AtomicU64::new(0),
         }
     }
 
@@ -147,6 +153,18 @@ impl Reachability {
     pub(super) fn is_cluster_degraded(&self) -> bool {
         self.map()
             .is_some_and(|map| map.nodes.iter().any(|node| !node.circuit.is_up()))
+    }
+
+    /// True if the slot map was last refreshed at least `every` ago (and
+    /// this caller is the one to refresh it now).
+    pub(super) fn claim_refresh(&self, every: Duration) -> bool {
+        let now = self.origin.elapsed().as_millis() as u64;
+        let last = self.refreshed.load(Ordering::Acquire);
+        now.saturating_sub(last) >= every.as_millis() as u64
+            && self
+                .refreshed
+                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
     }
 
     pub(super) fn is_cluster(&self) -> bool {

@@ -19,6 +19,8 @@ use super::shared::{Core, FAN_OUT, Operations, Upstream, UpstreamState, bump, lo
 
 /// The kill-switch cache and the local map are tidied this often.
 const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(1);
+/// A Cluster's slot map is re-read this often while a master is down.
+const DEGRADED_SLOTS_INTERVAL: Duration = Duration::from_millis(50);
 
 pub(super) fn spawn_supervised<M: Operations>(store: Weak<Core<M>>) {
     // The background task must not die silently: if it ever panics, it is
@@ -75,14 +77,18 @@ impl<M: Operations> Core<M> {
                 .await;
         }
         M::round(self).await;
-        // A Cluster's slot map: once a second, and every round while a
-        // master is down, to see its replica promoted (its slots are then
-        // shared again at once, through the new master's own circuit).
-        if self.reach.is_cluster()
-            && (self.reach.is_cluster_degraded()
-                || last_housekeeping.elapsed() >= HOUSEKEEPING_INTERVAL)
-        {
-            self.refresh_slots().await;
+        // A Cluster's slot map: once a second, and every 50 ms while a
+        // master is down, to see its replica promoted soon (its slots are
+        // then shared again at once, through the new master's circuit).
+        if self.reach.is_cluster() {
+            let every = if self.reach.is_cluster_degraded() {
+                DEGRADED_SLOTS_INTERVAL
+            } else {
+                HOUSEKEEPING_INTERVAL
+            };
+            if self.reach.claim_refresh(every) {
+                self.refresh_slots().await;
+            }
         }
         if last_housekeeping.elapsed() >= HOUSEKEEPING_INTERVAL {
             *last_housekeeping = Instant::now();
