@@ -42,8 +42,8 @@ pub use self::otel::{Origin, VARIABLES as OTEL_VARIABLES};
 pub use self::server::{ServerLimits, TlsConfig};
 pub use self::settings::{
     AuthSettings, BackoffSettings, BudgetSettings, DecisionLogSettings, LimitSettings,
-    PolicySettings, PrincipalSettings, ServerSettings, Settings, StoreSettings, TelemetrySettings,
-    TlsSettings, Urls,
+    PolicySettings, PrincipalSettings, Secret, SentinelSettings, ServerSettings, Settings,
+    StoreSettings, StoreTlsSettings, TelemetrySettings, TlsSettings, Urls,
 };
 pub use self::store::StoreConfig;
 pub use self::telemetry::{OtlpExport, OtlpProtocol, Sampling, TelemetryConfig};

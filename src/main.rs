@@ -115,9 +115,9 @@ fn check_config(file: &std::path::Path) -> anyhow::Result<()> {
         "{}: ok ({} named upstreams, store {})",
         file.display(),
         config.policies.named().count(),
-        match config.store {
-            StoreConfig::Memory => "memory",
-            StoreConfig::Redis(_) => "redis",
+        match &config.store {
+            StoreConfig::Memory => "memory".to_owned(),
+            StoreConfig::Redis(redis) => format!("redis, {}", describe_redis(redis)),
         }
     );
     // Telemetry as resolved from [telemetry] and the OTEL_* variables
@@ -267,11 +267,47 @@ async fn connect_redis<M: Mode>(
         .map(ToString::to_string)
         .collect::<Vec<_>>()
         .join(", ");
+    if redis.access.tls.insecure_skip_verify {
+        tracing::warn!(
+            "store.tls.insecure_skip_verify is set: the Redis server's certificate is NOT verified; anyone on the path can read and change budgets"
+        );
+    }
+    tracing::info!(topology = %describe_redis(redis), "connecting to Redis");
     let store = RedisBudgetStore::<M>::connect(redis, max_upstreams)
         .await
         .with_context(|| format!("store.url: cannot use Redis at {urls}"))?;
     tracing::info!(urls, mode = label, "budgets shared through Redis");
     Ok(store)
+}
+
+/// The Redis topology and how it is reached, without any secret: for
+/// `check-config` and the startup log.
+fn describe_redis(redis: &RedisConfig) -> String {
+    let access = &redis.access;
+    let topology = match &access.sentinel {
+        Some(sentinel) => format!(
+            "sentinel master {:?} via {} sentinel(s)",
+            sentinel.master_name,
+            redis.urls.len()
+        ),
+        None if redis.urls.len() > 1 => format!("cluster of {} seed nodes", redis.urls.len()),
+        None => "one node (or a cluster seed)".to_owned(),
+    };
+    let tls = if !redis.urls.iter().any(|url| url.is_tls()) {
+        "no TLS"
+    } else if access.tls.insecure_skip_verify {
+        "TLS WITHOUT certificate verification"
+    } else if access.tls.client_pem.is_some() {
+        "mutual TLS"
+    } else {
+        "TLS"
+    };
+    let user = match (&access.username, &access.password) {
+        (Some(user), _) => format!("user {user:?}"),
+        (None, Some(_)) => "password".to_owned(),
+        (None, None) => "credentials from the URL, if any".to_owned(),
+    };
+    format!("{topology}, {tls}, {user}")
 }
 
 /// What `serve` prepared before any port is bound.
@@ -350,7 +386,7 @@ async fn run<S: BudgetStore>(
                     .list(|upstream| live.policies.get(upstream).bucket)
                     .await
                     .unwrap_or_default();
-                metrics.render(&budgets, store.is_available(), &store.stats())
+                metrics.render(&budgets, store.availability(), &store.stats())
             }
         }
     };

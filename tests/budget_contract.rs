@@ -9,7 +9,7 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use redis_harness::{RedisCluster, RedisServer};
-use retryd_budget::redis::{Exact, Leased, Mode, RedisConfig};
+use retryd_budget::redis::{Exact, Leased, Mode, RedisAccess, RedisConfig};
 use retryd_budget::{BucketConfig, BudgetStore, MemoryBudgetStore, RedisBudgetStore, StoreError};
 
 fn bucket(capacity: f64, initial: f64, ratio: f64, min_per_second: f64) -> BucketConfig {
@@ -33,6 +33,7 @@ async fn redis_store<M: Mode>(urls: &[String], max_upstreams: usize) -> RedisBud
         max_lease_tokens: 1000.0,
         lease_ttl: Duration::from_secs(2),
         key_prefix: redis_harness::fresh_prefix("contract"),
+        access: RedisAccess::default(),
     };
     RedisBudgetStore::connect(&config, max_upstreams)
         .await

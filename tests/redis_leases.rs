@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis_harness::RedisServer;
-use retryd_budget::redis::{Exact, Leased, Mode, RedisConfig};
+use retryd_budget::redis::{Exact, Leased, Mode, RedisAccess, RedisConfig};
 use retryd_budget::{
     BucketConfig, BudgetStore, LeasedStore, OnUnavailable, RedisBudgetStore, UNITS_PER_TOKEN,
 };
@@ -57,6 +57,7 @@ impl Setup {
             max_lease_tokens: self.max_lease_tokens,
             lease_ttl: self.lease_ttl,
             key_prefix: self.prefix.clone(),
+            access: RedisAccess::default(),
         };
         RedisBudgetStore::connect(&config, 1000)
             .await

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use redis_harness::{RedisCluster, RedisServer};
-use retryd_budget::redis::{Exact, Leased, Mode, RedisConfig, RedisMode};
+use retryd_budget::redis::{Exact, Leased, Mode, RedisAccess, RedisConfig, RedisMode};
 use retryd_budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore, StoreError};
 
 const TIMEOUT: Duration = Duration::from_millis(50);
@@ -46,6 +46,7 @@ async fn store<M: Mode>(urls: Vec<String>) -> RedisBudgetStore<M> {
             std::process::id(),
             NEXT.fetch_add(1, Ordering::Relaxed)
         ),
+        access: RedisAccess::default(),
     };
     RedisBudgetStore::connect(&config, 1000)
         .await
@@ -370,6 +371,7 @@ async fn a_slow_redis_is_answered_within_the_timeout<M: Mode>() {
         max_lease_tokens: 1000.0,
         lease_ttl: Duration::from_secs(2),
         key_prefix: redis_harness::fresh_prefix("slow"),
+        access: RedisAccess::default(),
     };
     let store = RedisBudgetStore::<M>::connect(&config, 1000)
         .await
@@ -429,6 +431,7 @@ async fn a_lease_waiter_out_of_time_does_not_fail_the_next() {
         max_lease_tokens: 1.0,
         lease_ttl: Duration::from_secs(30),
         key_prefix: redis_harness::fresh_prefix("queue"),
+        access: RedisAccess::default(),
     };
     let store = std::sync::Arc::new(
         RedisBudgetStore::<Leased>::connect(&config, 1000)

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use redis_harness::{RedisCluster, RedisServer};
-use retryd_budget::redis::{Exact, Leased, Mode, RedisConfig, RedisMode};
+use retryd_budget::redis::{Exact, Leased, Mode, RedisAccess, RedisConfig, RedisMode};
 use retryd_budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore};
 
 fn bucket(capacity: f64, initial: f64, ratio: f64, min_per_second: f64) -> BucketConfig {
@@ -55,6 +55,7 @@ impl Setup {
             max_lease_tokens: self.max_lease_tokens,
             lease_ttl: self.lease_ttl,
             key_prefix: self.prefix.clone(),
+            access: RedisAccess::default(),
         };
         RedisBudgetStore::connect(&config, 1000)
             .await

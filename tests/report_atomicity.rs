@@ -317,7 +317,7 @@ async fn a_cluster_node_lost_mid_report_is_reported_with_what_was_applied() {
 /// and refuses a set that does not fit without adding any of it.
 #[tokio::test]
 async fn redis_admission_is_all_or_nothing_across_replicas() {
-    use retryd_budget::redis::{RedisConfig, RedisMode};
+    use retryd_budget::redis::{RedisAccess, RedisConfig, RedisMode};
     use retryd_budget::{BucketConfig, BudgetStore, ExactStore, StoreError};
 
     let redis = RedisServer::start();
@@ -329,6 +329,7 @@ async fn redis_admission_is_all_or_nothing_across_replicas() {
         max_lease_tokens: 1000.0,
         lease_ttl: Duration::from_secs(2),
         key_prefix: support::redis::fresh_prefix("admit"),
+        access: RedisAccess::default(),
     };
     let one = ExactStore::connect(&config, 3).await.unwrap();
     let two = ExactStore::connect(&config, 3).await.unwrap();

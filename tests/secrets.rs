@@ -338,14 +338,28 @@ fn configuration_errors_never_show_the_redis_password() {
             vec!["store.url".into(), "cache.internal:6379".into()],
         ),
         (
-            "a rediss:// URL (TLS to Redis is not built in)",
-            url_of(&format!("\"rediss://user:{PASSWORD}@cache.internal:6380\"")),
+            "a rediss:// URL whose CA file cannot be read",
+            format!(
+                "[store]\nkind = \"redis\"\nurl = \"rediss://user:{PASSWORD}@cache.internal:6380\"\n[store.tls]\nca_file = \"/nonexistent-ca.pem\"\n"
+            ),
             vec![],
-            vec![
-                "store.url".into(),
-                "TLS".into(),
-                "cache.internal:6380".into(),
-            ],
+            vec!["store.tls.ca_file".into(), "/nonexistent-ca.pem".into()],
+        ),
+        (
+            "a password given twice (store.password and store.password_file)",
+            format!(
+                "[store]\nkind = \"redis\"\nurl = \"redis://cache.internal:6379\"\npassword = \"{PASSWORD}\"\npassword_file = \"/run/secrets/redis\"\n"
+            ),
+            vec![],
+            vec!["store.password".into(), "at most one".into()],
+        ),
+        (
+            "store.tls with redis:// URLs",
+            format!(
+                "[store]\nkind = \"redis\"\nurl = \"redis://:{PASSWORD}@cache.internal:6379\"\n[store.tls]\ninsecure_skip_verify = true\n"
+            ),
+            vec![],
+            vec!["store.tls".into(), "rediss://".into()],
         ),
         (
             "a cluster list with one bad URL",
@@ -396,7 +410,7 @@ fn configuration_errors_never_show_the_redis_password() {
             vec!["server.allow_unauthenticated".into()],
         ),
         (
-            "RETRYD__STORE__URL with rediss://",
+            "RETRYD__STORE__URL with rediss:// and a missing password variable",
             String::new(),
             vec![
                 ("RETRYD__STORE__KIND", "redis".into()),
@@ -404,8 +418,15 @@ fn configuration_errors_never_show_the_redis_password() {
                     "RETRYD__STORE__URL",
                     format!("rediss://:{PASSWORD}@cache.internal:6380"),
                 ),
+                (
+                    "RETRYD__STORE__PASSWORD_ENV",
+                    "RETRYD_TEST_NO_SUCH_VARIABLE".into(),
+                ),
             ],
-            vec!["store.url".into(), "cache.internal:6380".into()],
+            vec![
+                "store.password_env".into(),
+                "RETRYD_TEST_NO_SUCH_VARIABLE".into(),
+            ],
         ),
         (
             "RETRYD__STORE__URL that is not redis://",

@@ -13,7 +13,7 @@ use std::path::Path;
 use crate::budget::redis::redact_url;
 
 use super::enums::UNKNOWN_VARIANT;
-use super::{ENV_PREFIX, InvalidConfig, Settings, invalid};
+use super::{ENV_PREFIX, InvalidConfig, Secret, Settings, invalid};
 
 #[cfg(test)]
 mod tests;
@@ -80,13 +80,18 @@ impl Settings {
                     .prefix_separator("__")
                     .separator("__")
                     .try_parsing(true)
-                    .source(environment),
+                    // A copy: `variables` may borrow the map, for the
+                    // variable `store.password_env` names.
+                    .source(environment.clone()),
             );
         let mut settings: Settings = builder
             .build()
             .and_then(|merged| merged.try_deserialize())
             .map_err(|error| load_error(&error))?;
         settings.otel = otel;
+        if let Some(name) = &settings.store.password_env {
+            settings.store.password_env_value = variables.get(name).cloned().map(Secret);
+        }
         Ok(settings)
     }
 

@@ -197,6 +197,59 @@ pub struct StoreSettings {
     pub lease_ttl: String,
     /// Prefix of every Redis key, so several deployments can share a Redis.
     pub key_prefix: String,
+    /// The ACL user, overriding one in the URL.
+    pub username: Option<String>,
+    /// The password, overriding one in the URL (better: `password_file`,
+    /// `password_env` or `RETRYD__STORE__PASSWORD`, so it is not in the
+    /// TOML).
+    pub password: Option<Secret>,
+    /// A file holding the password (a mounted Kubernetes Secret); one
+    /// trailing newline is dropped.
+    pub password_file: Option<String>,
+    /// The name of an environment variable holding the password.
+    pub password_env: Option<String>,
+    /// The value of `password_env`, as loading found it (never from the
+    /// file).
+    #[serde(skip)]
+    pub password_env_value: Option<Secret>,
+    /// `[store.tls]`: the CA and client certificate for `rediss://`.
+    pub tls: Option<StoreTlsSettings>,
+    /// `[store.sentinel]`: the URLs are then the sentinels'.
+    pub sentinel: Option<SentinelSettings>,
+}
+
+/// A secret as written: `Debug` shows `***`.
+#[derive(Clone, Deserialize, PartialEq)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
+    }
+}
+
+/// `[store.tls]`
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoreTlsSettings {
+    /// PEM CA certificates to trust instead of the public roots.
+    pub ca_file: Option<String>,
+    /// PEM client certificate chain, for mutual TLS (with `key_file`).
+    pub cert_file: Option<String>,
+    /// PEM private key of `cert_file`.
+    pub key_file: Option<String>,
+    /// Accept any server certificate. Insecure: tests and emergencies only;
+    /// warned at startup.
+    pub insecure_skip_verify: bool,
+}
+
+/// `[store.sentinel]`
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SentinelSettings {
+    /// The name the sentinels monitor the primary under.
+    pub master_name: String,
 }
 
 impl Default for StoreSettings {
@@ -213,6 +266,13 @@ impl Default for StoreSettings {
             max_lease_tokens: 1000.0,
             lease_ttl: "2s".into(),
             key_prefix: "retryd".into(),
+            username: None,
+            password: None,
+            password_file: None,
+            password_env: None,
+            password_env_value: None,
+            tls: None,
+            sentinel: None,
         }
     }
 }

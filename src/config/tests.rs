@@ -111,7 +111,7 @@ fn bad_values_name_their_key() {
         ("[store]\nkind = \"redis\"", "store.url"),
         ("[store]\nkind = \"redis\"\nurl = \"http://x\"", "store.url"),
         (
-            "[store]\nkind = \"redis\"\nurl = \"rediss://x:6380\"",
+            "[store]\nkind = \"redis\"\nurl = [\"rediss://x:6380\", \"redis://y:6379\"]",
             "store.url",
         ),
         (

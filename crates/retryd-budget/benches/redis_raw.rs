@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use hdrhistogram::Histogram;
 use redis::aio::ConnectionManager;
-use retryd_budget::redis::{Exact, Leased, Mode, RedisConfig};
+use retryd_budget::redis::{Exact, Leased, Mode, RedisAccess, RedisConfig};
 use retryd_budget::{BucketConfig, BudgetStore, RedisBudgetStore};
 
 const SCRIPT: &str = retryd_budget::redis::CHECK_SOURCE;
@@ -183,6 +183,7 @@ async fn store<M: Mode>(url: &str) -> Result<RedisBudgetStore<M>, String> {
         max_lease_tokens: 1000.0,
         lease_ttl: Duration::from_secs(2),
         key_prefix: format!("retryd-bench-{mode:?}").to_lowercase(),
+        access: RedisAccess::default(),
     };
     RedisBudgetStore::connect(&config, 10_000)
         .await

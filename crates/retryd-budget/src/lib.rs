@@ -352,6 +352,13 @@ pub trait BudgetStore: Send + Sync + 'static {
         true
     }
 
+    /// The share of the backend believed reachable, 0 to 1 (for a metric):
+    /// a Redis Cluster with one master down is partly reachable. By
+    /// default 1 or 0, from [`BudgetStore::is_available`].
+    fn availability(&self) -> f64 {
+        if self.is_available() { 1.0 } else { 0.0 }
+    }
+
     /// Counters since start, for metrics. The memory store counts only
     /// its evictions.
     fn stats(&self) -> StoreStats {

@@ -20,10 +20,12 @@ mod index;
 mod keys;
 mod leased;
 mod leases;
+mod reachability;
 mod replies;
 mod reports;
 mod rounds;
 mod scripts;
+mod sentinel;
 mod shared;
 mod url;
 
@@ -33,7 +35,9 @@ use std::sync::Arc;
 
 use ::redis::RedisError;
 
-pub use self::config::{RedisConfig, RedisMode};
+pub use self::config::{
+    RedisAccess, RedisConfig, RedisMode, RedisPassword, RedisTls, SentinelConfig,
+};
 pub use self::exact::Exact;
 pub use self::leased::Leased;
 pub use self::scripts::CHECK_SOURCE;
@@ -76,7 +80,7 @@ impl<M: Mode> fmt::Debug for RedisBudgetStore<M> {
         formatter
             .debug_struct("RedisBudgetStore")
             .field("mode", &M::MODE)
-            .field("available", &self.core.circuit.is_up())
+            .field("available", &self.core.reach.fraction_up())
             .field("upstreams", &self.core.upstreams.len())
             .finish()
     }
@@ -104,9 +108,16 @@ impl<M: Mode> RedisBudgetStore<M> {
         Ok(RedisBudgetStore { core })
     }
 
-    /// False while Redis is believed unreachable.
+    /// False while any part of Redis is believed unreachable (for a
+    /// Cluster: any master).
     pub fn is_available(&self) -> bool {
-        self.core.circuit.is_up()
+        self.core.reach.is_up()
+    }
+
+    /// The share of the store believed reachable, 0 to 1: for a Cluster,
+    /// the share of slots whose master answers; else 1 or 0.
+    pub fn availability(&self) -> f64 {
+        self.core.reach.fraction_up()
     }
 
     /// Counters since start.
@@ -286,6 +297,10 @@ impl<M: Mode> BudgetStore for RedisBudgetStore<M> {
 
     fn is_available(&self) -> bool {
         RedisBudgetStore::is_available(self)
+    }
+
+    fn availability(&self) -> f64 {
+        RedisBudgetStore::availability(self)
     }
 
     fn stats(&self) -> StoreStats {

@@ -1,4 +1,5 @@
-//! Real `redis-server` processes for tests: one node or a Redis Cluster,
+//! Real `redis-server` processes for tests: one node (plain or TLS), a
+//! Redis Cluster, or a primary under Sentinel (`redis/sentinel.rs`),
 //! each on free loopback ports, without persistence, killed when dropped,
 //! and able to be killed and restarted mid-test. Never the shared 6379.
 //!
@@ -12,6 +13,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
+
+mod sentinel;
+
+pub use self::sentinel::{RedisSentinels, SentinelProcess};
 
 /// A key prefix no other store in this test process uses, so that stores
 /// sharing one Redis never see each other's budgets.
@@ -27,6 +32,17 @@ pub fn fresh_prefix(tag: &str) -> String {
 /// How long a server may take to accept connections.
 const STARTUP: Duration = Duration::from_secs(10);
 
+/// A free port; for a cluster node one at most 55535, so that its default
+/// bus port (+10000) exists.
+fn free_cluster_port(cluster: bool) -> u16 {
+    loop {
+        let port = free_port();
+        if !cluster || port <= 55_535 {
+            return port;
+        }
+    }
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|listener| listener.local_addr())
@@ -39,8 +55,25 @@ pub struct RedisServer {
     port: u16,
     /// The Cluster bus port, for a cluster node.
     cluster_port: Option<u16>,
+    /// The TLS port, for a server started with [`RedisServer::start_tls`].
+    tls_port: Option<u16>,
+    /// Further arguments (TLS files, replication).
+    extra: Vec<String>,
+    /// `--cluster-node-timeout`, for a cluster node.
+    cluster_node_timeout_ms: u32,
     child: Option<Child>,
     dir: tempfile::TempDir,
+}
+
+/// PEM files for a TLS server: its certificate and key, and the CA that
+/// signs the client certificates it accepts.
+pub struct TlsFiles {
+    /// The server's certificate chain (its SAN should name `localhost`).
+    pub cert: PathBuf,
+    /// The server's private key.
+    pub key: PathBuf,
+    /// The CA of client certificates (`--tls-ca-cert-file`).
+    pub client_ca: PathBuf,
 }
 
 impl RedisServer {
@@ -49,13 +82,62 @@ impl RedisServer {
         RedisServer::start_node(false)
     }
 
+    /// A standalone server with TLS on a port of its own
+    /// ([`RedisServer::tls_url`]), requiring client certificates if
+    /// `require_client_certificates`. The plain port stays open on
+    /// loopback for the harness's own `redis-cli` (ACLs, INFO); what a test
+    /// proves over TLS it proves through the TLS port.
+    pub fn start_tls(files: &TlsFiles, require_client_certificates: bool) -> RedisServer {
+        let path = |path: &Path| path.to_string_lossy().into_owned();
+        let extra = vec![
+            "--tls-cert-file".into(),
+            path(&files.cert),
+            "--tls-key-file".into(),
+            path(&files.key),
+            "--tls-ca-cert-file".into(),
+            path(&files.client_ca),
+            "--tls-auth-clients".into(),
+            if require_client_certificates {
+                "yes"
+            } else {
+                "no"
+            }
+            .into(),
+        ];
+        RedisServer::start_with(false, true, extra, 2000)
+    }
+
+    /// A standalone server run with further `redis-server` arguments
+    /// (`--replicaof`, `--user`, ...).
+    pub fn start_with_arguments(arguments: &[&str]) -> RedisServer {
+        let extra = arguments
+            .iter()
+            .map(|argument| argument.to_string())
+            .collect();
+        RedisServer::start_with(false, false, extra, 2000)
+    }
+
     fn start_node(cluster: bool) -> RedisServer {
+        RedisServer::start_with(cluster, false, Vec::new(), 2000)
+    }
+
+    fn start_with(
+        cluster: bool,
+        tls: bool,
+        extra: Vec<String>,
+        cluster_node_timeout_ms: u32,
+    ) -> RedisServer {
         let mut last_log = String::new();
         // A free port may be taken between choosing and binding it: retry.
         for _ in 0..5 {
             let mut server = RedisServer {
-                port: free_port(),
+                // The cluster bus listens on port + 10000 by default; the
+                // harness names it, but keeps ports low enough anyway.
+                port: free_cluster_port(cluster),
                 cluster_port: cluster.then(free_port),
+                tls_port: tls.then(free_port),
+                extra: extra.clone(),
+                cluster_node_timeout_ms,
                 child: None,
                 dir: tempfile::tempdir().expect("temporary directory"),
             };
@@ -104,6 +186,10 @@ impl RedisServer {
         .iter()
         .map(|argument| argument.to_string())
         .collect();
+        if let Some(tls_port) = self.tls_port {
+            arguments.extend(["--tls-port".to_owned(), tls_port.to_string()]);
+        }
+        arguments.extend(self.extra.iter().cloned());
         if let Some(bus) = self.cluster_port {
             arguments.extend(
                 [
@@ -114,7 +200,7 @@ impl RedisServer {
                     "--cluster-port",
                     &bus.to_string(),
                     "--cluster-node-timeout",
-                    "2000",
+                    &self.cluster_node_timeout_ms.to_string(),
                 ]
                 .iter()
                 .map(|argument| argument.to_string()),
@@ -155,6 +241,14 @@ impl RedisServer {
     /// `redis://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// `rediss://localhost:<tls port>`, for a server started with
+    /// [`RedisServer::start_tls`]: `localhost`, so that the certificate's
+    /// name is checked.
+    pub fn tls_url(&self) -> String {
+        let port = self.tls_port.expect("a server started with start_tls");
+        format!("rediss://localhost:{port}")
     }
 
     /// The working directory (cluster config, log).
@@ -260,7 +354,7 @@ fn ping(port: u16) -> bool {
     }
 }
 
-/// A Redis Cluster of masters only, every slot assigned.
+/// A Redis Cluster, every slot assigned: masters only, or a replica each.
 pub struct RedisCluster {
     /// The nodes, in creation order.
     pub nodes: Vec<RedisServer>,
@@ -294,6 +388,92 @@ impl RedisCluster {
         let cluster = RedisCluster { nodes };
         cluster.wait_until_ok();
         cluster
+    }
+
+    /// Starts `masters` (at least 3) masters and a replica of each, with
+    /// `--cluster-node-timeout 1000` (a killed master's replica takes over
+    /// about 2–3 s later) and `--cluster-require-full-coverage no`; returns once every replica has synced, so that a
+    /// failover can happen.
+    pub fn start_with_replicas(masters: usize) -> RedisCluster {
+        assert!(masters >= 3, "Redis Cluster needs at least 3 masters");
+        let nodes: Vec<RedisServer> = (0..masters * 2)
+            .map(|_| {
+                // Without this, every master answers CLUSTERDOWN while any
+                // slot is unserved (between a master's failure and its
+                // replica's promotion): as operators should run it for
+                // retryd (README.md), so that a lost master stays local.
+                let partial = ["--cluster-require-full-coverage", "no"];
+                let extra = partial
+                    .iter()
+                    .map(|argument| argument.to_string())
+                    .collect();
+                RedisServer::start_with(true, false, extra, 1000)
+            })
+            .collect();
+        let addresses: Vec<String> = nodes
+            .iter()
+            .map(|node| format!("127.0.0.1:{}", node.port()))
+            .collect();
+        let output = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addresses)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .unwrap_or_else(|error| panic!("cannot run redis-cli --cluster create: {error}"));
+        assert!(
+            output.status.success(),
+            "redis-cli --cluster create failed:\n{}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let cluster = RedisCluster { nodes };
+        cluster.wait_until_ok();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let synced = cluster
+                .nodes
+                .iter()
+                .map(|node| node.cli(&["INFO", "replication"]))
+                .filter(|info| info.contains("role:slave"))
+                .filter(|info| info.contains("master_link_status:up"))
+                .count();
+            if synced == masters {
+                return cluster;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "only {synced} of {masters} replicas synced"
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The index of the live node serving `key`'s slot as a master, as the
+    /// first live node's `CLUSTER SLOTS` says.
+    pub fn master_of(&mut self, key: &str) -> Option<usize> {
+        let live = (0..self.nodes.len()).find(|&index| self.nodes[index].is_running())?;
+        let slot: u16 = self.nodes[live]
+            .cli(&["CLUSTER", "KEYSLOT", key])
+            .trim()
+            .parse()
+            .ok()?;
+        // redis-cli prints each range as start, end, host, port, id, ...
+        let nodes_text = self.nodes[live].cli(&["CLUSTER", "NODES"]);
+        let port = nodes_text.lines().find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let is_master = fields.get(2)?.contains("master") && !fields[2].contains("fail");
+            let serves = fields.iter().skip(8).any(|range| {
+                let (low, high) = range.split_once('-').unwrap_or((range, range));
+                matches!(
+                    (low.parse::<u16>(), high.parse::<u16>()),
+                    (Ok(low), Ok(high)) if (low..=high).contains(&slot)
+                )
+            });
+            let address = fields.get(1)?.split('@').next()?;
+            (is_master && serves).then(|| address.rsplit(':').next()?.parse::<u16>().ok())?
+        })?;
+        self.nodes.iter().position(|node| node.port() == port)
     }
 
     /// Waits until every node sees every slot served.

@@ -106,11 +106,11 @@ fn configuration_errors_name_the_key_without_the_password() {
     let cases = [
         (
             url_line(&format!("\"http://:{PASSWORD}@cache:6379\"")),
-            "store.url: \"http://***@cache:6379\" is not a redis:// URL",
+            "store.url: \"http://***@cache:6379\" is not a redis:// or rediss:// URL",
         ),
         (
-            url_line(&format!("\"rediss://:{PASSWORD}@cache:6380\"")),
-            "store.url: \"rediss://***@cache:6380\": TLS",
+            url_line(&format!("\"rediss://:{PASSWORD}@cache:x6380\"")),
+            "store.url: \"rediss://***@cache:***\": the port is not a number",
         ),
         (
             url_line(&format!("[\"redis://a:7000\", \"redis://:{PASSWORD}\"]")),
@@ -156,8 +156,16 @@ fn configuration_errors_name_the_key_without_the_password() {
             ("RETRYD__STORE__URL".to_string(), url),
         ])
     };
+    // rediss:// is accepted now (TLS to Redis); a bad one is refused
+    // like any URL.
+    let settings = Settings::from_sources(
+        "",
+        Some(environment(format!("rediss://:{PASSWORD}@cache:6380"))),
+    )
+    .unwrap();
+    assert!(Config::try_from(settings).is_ok());
     for url in [
-        format!("rediss://:{PASSWORD}@cache:6380"),
+        format!("ftp://:{PASSWORD}@cache:6380"),
         format!("http://:{PASSWORD}@cache:6379"),
     ] {
         let settings = Settings::from_sources("", Some(environment(url))).unwrap();

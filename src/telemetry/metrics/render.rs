@@ -148,7 +148,7 @@ impl Metrics {
     pub fn render(
         &self,
         budgets: &[BudgetSnapshot],
-        store_available: bool,
+        store_available: f64,
         store: &StoreStats,
     ) -> String {
         let load = |counter: &AtomicU64| Number::Int(counter.load(Ordering::Relaxed));
@@ -359,8 +359,16 @@ impl Metrics {
         ));
         families.push(gauge(
             METRIC_STORE_AVAILABLE,
-            "1 while the budget store's backend is reachable.",
-            one(Number::Int(u64::from(store_available))),
+            "The share of the budget store's backend believed reachable: 1 when all of it, 0 during an outage, the share of slots whose master answers while one Redis Cluster master is down.",
+            // 0 and 1 exactly as before (alerts compare with them); a
+            // fraction only for a partly reachable Cluster.
+            one(if store_available >= 1.0 {
+                Number::Int(1)
+            } else if store_available <= 0.0 {
+                Number::Int(0)
+            } else {
+                Number::Float(store_available)
+            }),
         ));
         let store_counters: [(&'static str, &'static str, Number); 7] = [
             (

@@ -78,7 +78,7 @@ fn every_store_operation_has_its_own_series() {
     let metrics = Metrics::new(["payments"]);
     metrics.record_store(StoreOp::Deposit, Duration::from_micros(30), true);
     metrics.record_store(StoreOp::Withdraw, Duration::from_micros(30), false);
-    let page = metrics.render(&[], true, &StoreStats::default());
+    let page = metrics.render(&[], 1.0, &StoreStats::default());
     let errors = counter_lines(&page, METRIC_STORE_ERRORS);
     let labels: Vec<&str> = StoreOp::VARIANTS.iter().map(|op| op.label()).collect();
     assert_eq!(labels, ["view", "withdraw", "admit", "deposit", "admin"]);
@@ -105,7 +105,7 @@ fn decisions_are_counted_by_upstream_verdict_and_reason() {
     metrics.record_decision("payments", "anonymous", &exhausted, elapsed, None);
     // An upstream nobody configured counts as `_other`.
     metrics.record_decision("made-up", "anonymous", &exhausted, elapsed, None);
-    let page = metrics.render(&[], true, &StoreStats::default());
+    let page = metrics.render(&[], 1.0, &StoreStats::default());
     let mut lines = counter_lines(&page, METRIC_DECISIONS);
     lines.sort();
     assert_eq!(
@@ -141,7 +141,7 @@ fn every_metric_has_help_and_type_once() {
     let metrics = Metrics::new(["payments"]);
     let page = metrics.render(
         &[budget("payments", 1.0, true)],
-        true,
+        1.0,
         &StoreStats::default(),
     );
     let mut types = std::collections::HashMap::new();
@@ -191,7 +191,7 @@ fn gauges_name_configured_upstreams_and_sum_the_others() {
         budget("payments\u{200b}", 1.0, false),
         budget("zzz", 0.5, true),
     ];
-    let page = metrics.render(&budgets, true, &StoreStats::default());
+    let page = metrics.render(&budgets, 1.0, &StoreStats::default());
     assert_eq!(
         gauge_lines(&page),
         [
@@ -212,7 +212,7 @@ fn without_unconfigured_upstreams_there_is_no_other_series() {
     let metrics = Metrics::new(["payments"]);
     let page = metrics.render(
         &[budget("payments", 1.0, true)],
-        true,
+        1.0,
         &StoreStats::default(),
     );
     assert_eq!(
@@ -222,7 +222,7 @@ fn without_unconfigured_upstreams_there_is_no_other_series() {
             "retryd_retries_enabled{upstream=\"payments\"} 1",
         ]
     );
-    let empty = Metrics::new(["payments"]).render(&[], true, &StoreStats::default());
+    let empty = Metrics::new(["payments"]).render(&[], 1.0, &StoreStats::default());
     assert!(gauge_lines(&empty).is_empty(), "{empty}");
 }
 
@@ -231,7 +231,7 @@ fn an_upstream_configured_as_other_is_one_series_with_the_others() {
     let metrics = Metrics::new(["_other", "payments"]);
     let page = metrics.render(
         &[budget("_other", 1.0, true), budget("unlisted", 2.0, true)],
-        true,
+        1.0,
         &StoreStats::default(),
     );
     assert_eq!(
@@ -250,7 +250,7 @@ fn configured_names_are_escaped_as_the_text_format_requires() {
     let names = ["we\"ird", "back\\slash", "new\nline", "tab\tand ü"];
     let metrics = Metrics::new(names);
     let budgets: Vec<BudgetSnapshot> = names.iter().map(|name| budget(name, 1.0, true)).collect();
-    let page = metrics.render(&budgets, true, &StoreStats::default());
+    let page = metrics.render(&budgets, 1.0, &StoreStats::default());
     for escaped in [
         "\"back\\\\slash\"",
         "\"new\\nline\"",

@@ -10,6 +10,7 @@ local previous = ARGV[8]
 if previous ~= '' and redis.call('ZREM', KEYS[3], previous) == 1 then
   local leased = tonumber(string.match(previous, ':(%d+)$')) or 0
   room = math.min(cap, room + leased)
+  lease_back(leased)
   add(math.min(tonumber(ARGV[9]), leased))
 end
 local take = math.min(tonumber(ARGV[6]), math.floor(tokens / UNIT) * UNIT)
@@ -17,6 +18,7 @@ if take > 0 then
   local ttl = tonumber(ARGV[7])
   tokens = tokens - take
   redis.call('ZADD', KEYS[3], int(now_ms + ttl), ARGV[5] .. ':' .. int(take))
+  lease_out(take, now_ms + ttl)
   if redis.call('PTTL', KEYS[3]) < ttl then
     redis.call('PEXPIRE', KEYS[3], ttl)
   end

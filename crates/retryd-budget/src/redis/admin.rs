@@ -91,7 +91,11 @@ impl<M: Operations> Core<M> {
         let mut invocation = self.scripts.list.prepare_invoke();
         invocation.key(self.keys.index());
         let names: Vec<String> = self
-            .call(self.deadline(), self.connection.invoke(&invocation))
+            .call(
+                Some(self.keys.index()),
+                self.deadline(),
+                self.connection.invoke(&invocation),
+            )
             .await
             .map_err(Failure::into_error)?;
         let wanted: Vec<(String, BucketConfig)> = names

@@ -27,15 +27,14 @@ local clock = redis.call('TIME')
 local now_us = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 local now_ms = math.floor(now_us / 1000)
 
--- Expired leases are spent: drop them; live ones occupy room in the bucket.
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. int(now_ms))
-local out = 0
-for _, member in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
-  out = out + (tonumber(string.match(member, ':(%d+)$')) or 0)
-end
-local room = math.max(cap - out, 0)
-
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'us', 'ns')
+-- The bucket hash caches what would otherwise cost a command per call: the
+-- units leased out (`out`) and the earliest live lease's expiry (`lexp`),
+-- the kill switch (`off`), and the key's expiry (`exp`). A missing field
+-- (a new bucket, or one written by an older retryd) means "read it from
+-- the source", so the slow path is also the upgrade path; in steady state a
+-- decision runs TIME, HMGET and HSET only (issue 19: <= 4 commands with the
+-- EVALSHA).
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'us', 'ns', 'out', 'lexp', 'off', 'exp')
 local existed = state[1] ~= false
 local tokens, us, ns
 if existed then
@@ -43,8 +42,47 @@ if existed then
 else
   tokens, us, ns = init, now_us, 0
 end
+
+-- Expired leases are spent: drop them; live ones occupy room in the bucket.
+-- The set is read only when the cache is unknown or a cached lease may have
+-- expired (`lexp` is a lower bound: a lease returned early leaves it as it
+-- was, which costs one needless rescan, never a wrong count).
+local out, lexp = tonumber(state[4]), tonumber(state[5])
+if out == nil or lexp == nil or (out > 0 and lexp < now_ms) then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. int(now_ms))
+  out, lexp = 0, 0
+  local members = redis.call('ZRANGE', KEYS[3], 0, -1, 'WITHSCORES')
+  for i = 1, #members, 2 do
+    out = out + (tonumber(string.match(members[i], ':(%d+)$')) or 0)
+  end
+  -- Ascending by score: the first is the earliest expiry.
+  if #members > 0 then
+    lexp = tonumber(members[2])
+  end
+end
+local room = math.max(cap - out, 0)
 tokens = math.min(tokens, room)
-local enabled = redis.call('EXISTS', KEYS[2]) == 0
+
+local enabled
+if state[6] == '0' then
+  enabled = true
+elseif state[6] == '1' then
+  enabled = false
+else
+  enabled = redis.call('EXISTS', KEYS[2]) == 0
+end
+
+-- A lease taken (`units` out until `expiry`) or handed back, in the cache.
+local function lease_out(units, expiry)
+  if out == 0 or lexp == 0 or expiry < lexp then
+    lexp = expiry
+  end
+  out = out + units
+end
+
+local function lease_back(units)
+  out = math.max(out - units, 0)
+end
 
 local function add(units)
   tokens = math.min(tokens + units, room)
@@ -77,9 +115,12 @@ end
 -- never give more than it would have held: the time the floor needs to bring
 -- it back to `init` (plus a unit and a second of slack), at least `idle_ttl`.
 -- Without a floor a bucket below `init` never refills by itself, so it never
--- expires. Returns the TTL in ms, or -1 for none.
+-- expires. The key's expiry is moved only when it would fall short of that,
+-- and then to 1.5 times it, so that a busy bucket runs PEXPIRE about once a
+-- third of its TTL rather than on every write (a later expiry never
+-- over-grants; it only keeps an idle bucket longer). Returns the key's
+-- expiry in server ms, or -1 for none.
 local function save()
-  redis.call('HSET', KEYS[1], 'tokens', int(tokens), 'us', int(us), 'ns', int(ns))
   local ttl = idle_ttl
   if tokens < init then
     if upn > 0 then
@@ -91,26 +132,44 @@ local function save()
       ttl = -1
     end
   end
+  local expiry = tonumber(state[7])
+  local command = nil
   if ttl < 0 then
+    if expiry ~= -1 then
+      command = 'PERSIST'
+    end
+    expiry = -1
+  elseif expiry == nil or expiry < 0 or expiry < now_ms + ttl then
+    ttl = ttl + math.floor(ttl / 2)
+    command = 'PEXPIRE'
+    expiry = now_ms + ttl
+  end
+  local off = '0'
+  if not enabled then
+    off = '1'
+  end
+  redis.call('HSET', KEYS[1], 'tokens', int(tokens), 'us', int(us), 'ns', int(ns),
+    'out', int(out), 'lexp', int(lexp), 'off', off, 'exp', int(expiry))
+  if command == 'PERSIST' then
     redis.call('PERSIST', KEYS[1])
-  else
+  elseif command == 'PEXPIRE' then
     redis.call('PEXPIRE', KEYS[1], ttl)
   end
-  return ttl
+  return expiry
 end
 
 -- {result, tokens, enabled, tracked, index, now_ms}; index: -1 retries off,
 -- -2 nothing saved, -3 saved without expiry, else the bucket's expiry (ms).
-local function reply(result, ttl)
+local function reply(result, expiry)
   local index
   if not enabled then
     index = -1
-  elseif ttl == nil then
+  elseif expiry == nil then
     index = -2
-  elseif ttl < 0 then
+  elseif expiry < 0 then
     index = -3
   else
-    index = now_ms + ttl
+    index = expiry
   end
   local tracked = 0
   if existed or not enabled then

@@ -1,4 +1,4 @@
-//! Whether Redis is believed reachable. After a failure, requests stop
+//! Whether one Redis (a node, or the whole store) is believed reachable. After a failure, requests stop
 //! waiting on Redis and answer from their fallback at once; one request
 //! (or the background task) re-probes every `PROBE_INTERVAL`, and the first
 //! success closes the circuit again. Lock-free: two atomics.
@@ -15,7 +15,6 @@ pub(super) struct Circuit {
     up: AtomicBool,
     /// Milliseconds since `origin` before which no probe is sent.
     next_probe: AtomicU64,
-    opened: AtomicU64,
 }
 
 /// What a success or failure changed, for logging once per transition.
@@ -32,7 +31,6 @@ impl Circuit {
             origin: Instant::now(),
             up: AtomicBool::new(true),
             next_probe: AtomicU64::new(0),
-            opened: AtomicU64::new(0),
         }
     }
 
@@ -83,16 +81,10 @@ impl Circuit {
             Ordering::Release,
         );
         if self.up.swap(false, Ordering::AcqRel) {
-            self.opened.fetch_add(1, Ordering::Relaxed);
             Transition::Opened
         } else {
             Transition::None
         }
-    }
-
-    /// How many times Redis was found down.
-    pub(super) fn times_opened(&self) -> u64 {
-        self.opened.load(Ordering::Relaxed)
     }
 }
 
@@ -112,6 +104,5 @@ mod tests {
         assert!(!circuit.allow(), "and only one");
         assert_eq!(circuit.success(), Transition::Closed);
         assert!(circuit.allow());
-        assert_eq!(circuit.times_opened(), 1);
     }
 }

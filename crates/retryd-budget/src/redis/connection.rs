@@ -1,6 +1,7 @@
-//! The connection to Redis: one node or a Cluster behind one type (no
-//! `dyn`), opened with the version checked on every node and every script
-//! loaded, within 5 s. It owns nothing of the store's state and, once
+//! The connection to Redis: one node, a Cluster or a primary under
+//! Sentinel behind one type (no `dyn`), over TLS for `rediss://` and as the
+//! configured ACL user, opened with the version checked on every node and
+//! every script loaded, within 5 s. It owns nothing of the store's state and, once
 //! connected, neither times requests out nor retries them: the core does
 //! (`shared.rs`).
 
@@ -9,9 +10,14 @@ use std::time::Duration;
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::ClusterClientBuilder;
 use ::redis::cluster_async::ClusterConnection;
-use ::redis::{Cmd, FromRedisValue, RedisResult, Script, ScriptInvocation, Value};
+use ::redis::{
+    Client, ClientTlsConfig, Cmd, ConnectionAddr, ConnectionInfo, FromRedisValue,
+    IntoConnectionInfo, RedisResult, Script, ScriptInvocation, TlsCertificates, TlsMode, Value,
+};
 
+use super::config::{RedisAccess, RedisTls};
 use super::scripts::Scripts;
+use super::sentinel::SentinelConnection;
 use super::{RedisConfig, RedisStoreError, RedisUrl, unavailable};
 use crate::StoreError;
 
@@ -21,11 +27,13 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// replication by default).
 pub(super) const MIN_VERSION: (u32, u32) = (5, 0);
 
-/// One node or a Cluster, behind one type (no `dyn`).
+/// One node, a Cluster or a primary under Sentinel, behind one type (no
+/// `dyn`).
 #[derive(Clone)]
 pub(super) enum Connection {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+    Sentinel(SentinelConnection),
 }
 
 impl Connection {
@@ -64,6 +72,23 @@ impl Connection {
             Connection::Cluster(connection) => {
                 invocation.invoke_async(&mut connection.clone()).await
             }
+            Connection::Sentinel(sentinel) => {
+                let (generation, mut connection) = sentinel.connection().await?;
+                let answer = invocation.invoke_async(&mut connection).await;
+                if let Err(error) = &answer {
+                    sentinel.failed(generation, error);
+                }
+                answer
+            }
+        }
+    }
+
+    /// A request of the core's timed out: a Sentinel connection is dropped,
+    /// since its primary may be gone without a word (the other kinds
+    /// reconnect by themselves).
+    pub(super) fn timed_out(&self) {
+        if let Connection::Sentinel(sentinel) = self {
+            sentinel.forget_current();
         }
     }
 
@@ -71,6 +96,14 @@ impl Connection {
         match self {
             Connection::Single(connection) => command.query_async(&mut connection.clone()).await,
             Connection::Cluster(connection) => command.query_async(&mut connection.clone()).await,
+            Connection::Sentinel(sentinel) => {
+                let (generation, mut connection) = sentinel.connection().await?;
+                let answer = command.query_async(&mut connection).await;
+                if let Err(error) = &answer {
+                    sentinel.failed(generation, error);
+                }
+                answer
+            }
         }
     }
 
@@ -78,7 +111,70 @@ impl Connection {
         match self {
             Connection::Single(connection) => script.load_async(&mut connection.clone()).await,
             Connection::Cluster(connection) => script.load_async(&mut connection.clone()).await,
+            Connection::Sentinel(sentinel) => {
+                let (generation, mut connection) = sentinel.connection().await?;
+                let answer = script.load_async(&mut connection).await;
+                if let Err(error) = &answer {
+                    sentinel.failed(generation, error);
+                }
+                answer
+            }
         }
+    }
+}
+
+/// The client's certificates from the validated TLS material.
+pub(super) fn certificates(tls: &RedisTls) -> TlsCertificates {
+    TlsCertificates {
+        client_tls: tls
+            .client_pem
+            .as_ref()
+            .map(|(certificate, key)| ClientTlsConfig {
+                client_cert: certificate.clone(),
+                client_key: key.clone(),
+            }),
+        root_cert: tls.ca_pem.clone(),
+    }
+}
+
+/// The URL's connection details with the configured user, password and
+/// verification applied. The one place the password leaves its
+/// `RedisUrl` or `RedisPassword`: to connect.
+fn connection_info(url: &RedisUrl, access: &RedisAccess) -> RedisResult<ConnectionInfo> {
+    let mut info = url.expose_credentials().into_connection_info()?;
+    let mut settings = info.redis_settings().clone();
+    if let Some(username) = &access.username {
+        settings = settings.set_username(username);
+    }
+    if let Some(password) = &access.password {
+        settings = settings.set_password(password.expose());
+    }
+    info = info.set_redis_settings(settings);
+    if access.tls.insecure_skip_verify {
+        if let ConnectionAddr::TcpTls {
+            host,
+            port,
+            tls_params,
+            ..
+        } = info.addr().clone()
+        {
+            info = info.set_addr(ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: true,
+                tls_params,
+            });
+        }
+    }
+    Ok(info)
+}
+
+fn single_client(url: &RedisUrl, access: &RedisAccess) -> RedisResult<Client> {
+    let info = connection_info(url, access)?;
+    if url.is_tls() {
+        Client::build_with_tls(info, certificates(&access.tls))
+    } else {
+        Client::open(info)
     }
 }
 
@@ -86,10 +182,17 @@ async fn open(config: &RedisConfig) -> Result<Connection, RedisStoreError> {
     let Some(first) = config.urls.first() else {
         return Err(RedisStoreError::Reply("no Redis URL configured".into()));
     };
+    let access = &config.access;
+    if let Some(sentinel) = &access.sentinel {
+        let connection =
+            Connection::Sentinel(SentinelConnection::new(config, &sentinel.master_name)?);
+        let info = text_of(&connection.query::<Value>(&::redis::cmd("INFO")).await?);
+        check_version(&info)?;
+        return Ok(connection);
+    }
     // One URL may still name a Cluster node: INFO says so.
     if config.urls.len() == 1 {
-        // The one place the password leaves its `RedisUrl`: to connect.
-        let client = ::redis::Client::open(first.expose_credentials())?;
+        let client = single_client(first, access)?;
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(1)))
             .set_min_delay(Duration::from_millis(20))
@@ -103,14 +206,34 @@ async fn open(config: &RedisConfig) -> Result<Connection, RedisStoreError> {
             return Ok(connection);
         }
     }
-    let client = ClusterClientBuilder::new(config.urls.iter().map(RedisUrl::expose_credentials))
+    let nodes = config
+        .urls
+        .iter()
+        .map(|url| connection_info(url, access))
+        .collect::<RedisResult<Vec<_>>>()?;
+    let mut builder = ClusterClientBuilder::new(nodes)
         .connection_timeout(Duration::from_secs(1))
         .response_timeout(config.timeout.max(Duration::from_millis(100)))
         .retries(3)
         .min_retry_wait(10)
-        .max_retry_wait(100)
-        .build()?;
-    let connection = Connection::Cluster(client.get_async_connection().await?);
+        .max_retry_wait(100);
+    if let Some(username) = &access.username {
+        builder = builder.username(username);
+    }
+    if let Some(password) = &access.password {
+        builder = builder.password(password.expose());
+    }
+    if first.is_tls() {
+        // The nodes a Cluster names are reached as the configured ones.
+        builder = builder
+            .tls(if access.tls.insecure_skip_verify {
+                TlsMode::Insecure
+            } else {
+                TlsMode::Secure
+            })
+            .certs(certificates(&access.tls));
+    }
+    let connection = Connection::Cluster(builder.build()?.get_async_connection().await?);
     let info = text_of(&connection.query::<Value>(&::redis::cmd("INFO")).await?);
     check_version(&info)?;
     Ok(connection)

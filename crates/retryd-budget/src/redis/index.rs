@@ -54,7 +54,11 @@ impl<M: Operations> Core<M> {
             .arg(self.limit_for(config))
             .arg(INDEX_SLACK_MS);
         let values: Vec<i64> = self
-            .call(deadline, self.connection.invoke(&invocation))
+            .call(
+                Some(self.keys.index()),
+                deadline,
+                self.connection.invoke(&invocation),
+            )
             .await
             .map_err(Ok)?;
         match Admission::parse_one(&values).map_err(|error| Ok(Failure::Unknown(error)))? {
@@ -76,7 +80,7 @@ impl<M: Operations> Core<M> {
         &self,
         upstreams: &[(&str, &BucketConfig)],
     ) -> Result<(), StoreError> {
-        if !self.circuit.is_up() {
+        if !self.reach.is_up_for(self.keys.index()) {
             return self.admit_locally(upstreams, Failure::NotSent).await;
         }
         let soon = self.now_ms().saturating_add(ADMISSION_MARGIN_MS);
@@ -134,7 +138,11 @@ impl<M: Operations> Core<M> {
             invocation.arg(*upstream);
         }
         let values: Vec<i64> = match self
-            .call(self.deadline(), self.connection.invoke(&invocation))
+            .call(
+                Some(self.keys.index()),
+                self.deadline(),
+                self.connection.invoke(&invocation),
+            )
             .await
         {
             Ok(values) => values,
@@ -222,7 +230,11 @@ impl<M: Operations> Core<M> {
         let mut command = ::redis::cmd("ZADD");
         command.arg(self.keys.index()).arg(score_text).arg(upstream);
         if self
-            .call(deadline, self.connection.query::<i64>(&command))
+            .call(
+                Some(self.keys.index()),
+                deadline,
+                self.connection.query::<i64>(&command),
+            )
             .await
             .is_err()
         {

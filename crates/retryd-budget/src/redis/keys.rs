@@ -46,6 +46,11 @@ impl KeySpace {
         format!("{}:{}:report", self.prefix, tag("r", id))
     }
 
+    /// The deployment's prefix.
+    pub(super) fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
     /// The sorted set indexing tracked upstreams.
     pub(super) fn index(&self) -> &str {
         &self.index

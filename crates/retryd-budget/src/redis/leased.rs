@@ -256,7 +256,7 @@ impl Core<Leased> {
         let cached = state
             .mode
             .cached(now, self.mode.view_cache)
-            .filter(|_| self.circuit.is_up());
+            .filter(|_| self.is_up_for(upstream));
         let reading = match cached {
             Some(reading) => reading,
             None => {
@@ -359,7 +359,7 @@ impl Core<Leased> {
         let held = &state.mode;
         // `deny` means no retry while Redis is down, lease or not; `local`
         // spends what its lease already reserved before its local bucket.
-        if !self.circuit.is_up() && config.on_unavailable == OnUnavailable::Deny {
+        if !self.is_up_for(upstream) && config.on_unavailable == OnUnavailable::Deny {
             return self
                 .fallback_withdraw(upstream, config, Failure::NotSent)
                 .await;
@@ -403,7 +403,7 @@ impl Core<Leased> {
             Ok(None) => (EMPTY, Ok(None)),
             // Redis is believed down: the tasks that waited for this answer
             // take it too rather than each trying in turn.
-            Err(failure) if !self.circuit.is_up() => (
+            Err(failure) if !self.is_up_for(upstream) => (
                 FAILED,
                 self.fallback_withdraw(upstream, config, failure).await,
             ),
@@ -439,7 +439,7 @@ impl Core<Leased> {
             }
             Err(Err(refused)) => return Err(refused),
         };
-        if !self.circuit.is_up() {
+        if !self.is_up_for(upstream) {
             // Not batched for a Redis that is down: the policy answers.
             return self
                 .fallback_deposit(upstream, config, requests, Failure::NotSent)

@@ -10,6 +10,7 @@ local leased = tonumber(string.match(ARGV[5], ':(%d+)$')) or 0
 -- Refill within the room the lease occupied, as time went by, then free it.
 refill()
 room = math.min(cap, room + leased)
+lease_back(leased)
 local before = tokens
 add(math.min(tonumber(ARGV[6]), leased))
 return reply(tokens - before, save())

@@ -35,7 +35,7 @@ impl<M: Operations> Core<M> {
             .arg(window_ms(window))
             .arg(CLAIM_LEASE_NANOS / 1_000_000);
         let reply: Vec<i64> = self
-            .call(deadline, self.connection.invoke(&invocation))
+            .call(Some(&key), deadline, self.connection.invoke(&invocation))
             .await
             .map_err(Failure::into_error)?;
         match reply.as_slice() {
@@ -60,14 +60,15 @@ impl<M: Operations> Core<M> {
         applied: u32,
         deadline: Instant,
     ) -> Result<(), StoreError> {
+        let key = self.keys.report(id);
         let mut command = cmd("SET");
         command
-            .arg(self.keys.report(id))
+            .arg(&key)
             .arg(format!("d:{digest:016x}:{applied}"))
             .arg("XX")
             .arg("KEEPTTL");
         let _: Option<String> = self
-            .call(deadline, self.connection.query(&command))
+            .call(Some(&key), deadline, self.connection.query(&command))
             .await
             .map_err(Failure::into_error)?;
         Ok(())

@@ -19,6 +19,8 @@ use super::shared::{Core, FAN_OUT, Operations, Upstream, UpstreamState, bump, lo
 
 /// The kill-switch cache and the local map are tidied this often.
 const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(1);
+/// A Cluster's slot map is re-read this often while a master is down.
+const DEGRADED_SLOTS_INTERVAL: Duration = Duration::from_millis(50);
 
 pub(super) fn spawn_supervised<M: Operations>(store: Weak<Core<M>>) {
     // The background task must not die silently: if it ever panics, it is
@@ -59,28 +61,70 @@ async fn run_background<M: Operations>(store: Weak<Core<M>>) {
 
 impl<M: Operations> Core<M> {
     async fn background_round(self: &Arc<Self>, last_housekeeping: &mut Instant) {
-        if !self.circuit.is_up() && self.circuit.claim_probe() {
-            let invocation = self.scripts.probe.prepare_invoke();
+        // Each circuit believed down is re-probed on its own: a Cluster
+        // master's probe carries a key of its slots, so it goes there.
+        for (_, probe_key) in self.reach.claim_probes() {
+            let mut invocation = self.scripts.probe.prepare_invoke();
+            if let Some(key) = &probe_key {
+                invocation.key(key);
+            }
             let _ = self
                 .send(
+                    probe_key.as_deref(),
                     Instant::now() + self.timeout,
                     self.connection.invoke::<i64>(&invocation),
                 )
                 .await;
         }
         M::round(self).await;
+        // A Cluster's slot map: once a second, and every 50 ms while a
+        // master is down, to see its replica promoted soon (its slots are
+        // then shared again at once, through the new master's circuit).
+        if self.reach.is_cluster() {
+            let every = if self.reach.is_cluster_degraded() {
+                DEGRADED_SLOTS_INTERVAL
+            } else {
+                HOUSEKEEPING_INTERVAL
+            };
+            if self.reach.claim_refresh(every) {
+                self.refresh_slots().await;
+            }
+        }
         if last_housekeeping.elapsed() >= HOUSEKEEPING_INTERVAL {
             *last_housekeeping = Instant::now();
             self.housekeeping().await;
         }
     }
 
+    /// Reads `CLUSTER SLOTS` from some node (any answers for the whole
+    /// Cluster), outside every node's circuit: it is bookkeeping, and a
+    /// dead node's failure must not count against a live one.
+    pub(super) async fn refresh_slots(&self) {
+        let mut command = ::redis::cmd("CLUSTER");
+        command.arg("SLOTS");
+        let answer = tokio::time::timeout(
+            self.timeout.max(Duration::from_millis(100)),
+            self.connection.query::<::redis::Value>(&command),
+        )
+        .await;
+        match answer {
+            Ok(Ok(reply)) => {
+                if let Err(error) = self.reach.update(&reply, self.keys.prefix()) {
+                    tracing::warn!(%error, "cannot read the Redis Cluster's slot map");
+                }
+            }
+            Ok(Err(error)) => tracing::debug!(%error, "CLUSTER SLOTS failed"),
+            Err(_) => tracing::debug!("CLUSTER SLOTS timed out"),
+        }
+    }
+
     async fn housekeeping(self: &Arc<Self>) {
-        if self.circuit.is_up() {
+        if self.reach.is_up_for(self.keys.index()) {
             let mut command = ::redis::cmd("ZRANGEBYSCORE");
             command.arg(self.keys.index()).arg("+inf").arg("+inf");
             if let Ok(names) = self
                 .call(
+                    Some(self.keys.index()),
                     Instant::now() + self.timeout,
                     self.connection.query::<Vec<String>>(&command),
                 )

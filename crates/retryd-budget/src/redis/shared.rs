@@ -17,9 +17,10 @@ use ::redis::{RedisResult, Script};
 use dashmap::DashMap;
 use tokio::time::Instant;
 
-use super::circuit::{Circuit, Transition};
+use super::circuit::Transition;
 use super::connection::Connection;
 use super::keys::KeySpace;
+use super::reachability::{Reachability, Route};
 use super::replies::Reply;
 use super::scripts::Scripts;
 use super::{Failure, RedisConfig, RedisStoreError, rounds};
@@ -187,7 +188,8 @@ pub struct Core<M: Operations> {
     pub(super) keys: KeySpace,
     pub(super) timeout: Duration,
     pub(super) max_upstreams: usize,
-    pub(super) circuit: Circuit,
+    /// Which part of Redis is believed reachable (per Cluster master).
+    pub(super) reach: Reachability,
     pub(super) fallback: MemoryBudgetStore,
     pub(super) upstreams: DashMap<Box<str>, Arc<Upstream<M::Upstream>>>,
     /// Upstreams whose retries are known to be off, for outages.
@@ -208,13 +210,14 @@ impl<M: Operations> Core<M> {
         max_upstreams: usize,
     ) -> Result<Arc<Core<M>>, StoreError> {
         let (connection, scripts) = Connection::open_with_scripts(config).await?;
+        let reach = Reachability::new(connection.is_cluster());
         let core = Arc::new(Core {
             connection,
             scripts,
             keys: KeySpace::new(&config.key_prefix),
             timeout: config.timeout,
             max_upstreams,
-            circuit: Circuit::new(),
+            reach,
             fallback: MemoryBudgetStore::new(max_upstreams),
             upstreams: DashMap::new(),
             disabled: RwLock::new(HashSet::new()),
@@ -223,6 +226,10 @@ impl<M: Operations> Core<M> {
             closed: AtomicBool::new(false),
             mode: M::new(config),
         });
+        // A Cluster's per-node circuits need its slot map from the start.
+        if core.reach.is_cluster() {
+            core.refresh_slots().await;
+        }
         rounds::spawn_supervised(Arc::downgrade(&core));
         Ok(core)
     }
@@ -233,7 +240,7 @@ impl<M: Operations> Core<M> {
         StoreStats {
             backend_errors: load(&counters.errors),
             backend_timeouts: load(&counters.timeouts),
-            outages: self.circuit.times_opened(),
+            outages: self.reach.times_opened(),
             fallbacks: load(&counters.fallbacks),
             unavailable_answers: load(&counters.unavailable),
             forfeited_tokens: units_to_tokens(load(&counters.forfeited_units)),
@@ -248,6 +255,14 @@ impl<M: Operations> Core<M> {
         !self.closed.swap(true, Ordering::AcqRel)
     }
 
+    /// True if the node serving `upstream`'s keys is believed reachable.
+    pub(super) fn is_up_for(&self, upstream: &str) -> bool {
+        if !self.reach.is_cluster() {
+            return self.reach.is_up();
+        }
+        self.reach.is_up_for(&self.keys.upstream(upstream).bucket)
+    }
+
     pub(super) fn now_ms(&self) -> u64 {
         self.origin.elapsed().as_millis() as u64
     }
@@ -260,32 +275,62 @@ impl<M: Operations> Core<M> {
         Instant::now() + self.timeout
     }
 
-    fn note(&self, transition: Transition) {
-        match transition {
-            Transition::Opened => tracing::warn!(
+    /// Logs a circuit's state change, once per change: the whole store's,
+    /// or one Cluster master's (with the slots whose upstreams it affects).
+    fn note(&self, transition: Transition, route: &Route) {
+        self.reach.count(transition);
+        match (transition, &route.node) {
+            (Transition::None, _) => {}
+            (Transition::Opened, None) => tracing::warn!(
                 "Redis budget store unreachable; answering from each upstream's on_unavailable policy"
             ),
-            Transition::Closed => tracing::info!("Redis budget store reachable again"),
-            Transition::None => {}
+            (Transition::Closed, None) => tracing::info!("Redis budget store reachable again"),
+            (Transition::Opened, Some((node, slots))) => tracing::warn!(
+                node = %node,
+                slots = %slots,
+                reachable = self.reach.fraction_up(),
+                "Redis Cluster node unreachable; the upstreams in its slots answer from their on_unavailable policy, the others stay shared"
+            ),
+            (Transition::Closed, Some((node, slots))) => tracing::info!(
+                node = %node,
+                slots = %slots,
+                reachable = self.reach.fraction_up(),
+                "Redis Cluster node reachable again"
+            ),
         }
     }
 
-    /// Sends one request, bounded by the timeout and by `deadline`, unless
-    /// the circuit is open and this caller does not hold the next probe.
+    /// Sends one request for `key` (routed to the Cluster node serving its
+    /// slot; `None` for a request naming no key), bounded by the timeout
+    /// and by `deadline`, unless that node's circuit is open and this
+    /// caller does not hold its next probe.
     pub(super) async fn call<T>(
         &self,
+        key: Option<&str>,
         deadline: Instant,
         request: impl Future<Output = RedisResult<T>>,
     ) -> Result<T, Failure> {
-        if !self.circuit.allow() {
+        let route = self.reach.route(key);
+        if !route.circuit.allow() {
             return Err(Failure::NotSent);
         }
-        self.send(deadline, request).await
+        self.send_on(&route, deadline, request).await
     }
 
-    /// Sends one request whatever the circuit says (the probe).
+    /// Sends one request whatever the circuit says (a probe).
     pub(super) async fn send<T>(
         &self,
+        key: Option<&str>,
+        deadline: Instant,
+        request: impl Future<Output = RedisResult<T>>,
+    ) -> Result<T, Failure> {
+        let route = self.reach.route(key);
+        self.send_on(&route, deadline, request).await
+    }
+
+    async fn send_on<T>(
+        &self,
+        route: &Route,
         deadline: Instant,
         request: impl Future<Output = RedisResult<T>>,
     ) -> Result<T, Failure> {
@@ -296,24 +341,25 @@ impl<M: Operations> Core<M> {
         }
         match tokio::time::timeout_at(limit, request).await {
             Ok(Ok(value)) => {
-                self.note(self.circuit.success());
+                self.note(route.circuit.success(), route);
                 Ok(value)
             }
             Ok(Err(error)) => {
                 bump(&self.counters.errors, 1);
                 tracing::debug!(%error, "Redis budget store call failed");
-                self.note(self.circuit.failure());
+                self.note(route.circuit.failure(), route);
                 Err(Failure::Unknown(RedisStoreError::Redis(error)))
             }
             Err(_) => {
                 bump(&self.counters.errors, 1);
                 bump(&self.counters.timeouts, 1);
+                self.connection.timed_out();
                 // A request that had at least half the timeout to answer
                 // says Redis is slow; one sent with only the end of its
                 // call's deadline left (after a slow admission, or a wait
                 // for another task's lease) says little about it.
                 if limit.duration_since(started) >= self.timeout / 2 {
-                    self.note(self.circuit.failure());
+                    self.note(route.circuit.failure(), route);
                 }
                 Err(Failure::Unknown(RedisStoreError::Timeout))
             }
@@ -345,7 +391,11 @@ impl<M: Operations> Core<M> {
             invocation.arg(*argument);
         }
         let values: Vec<i64> = self
-            .call(deadline, self.connection.invoke(&invocation))
+            .call(
+                Some(&keys.bucket),
+                deadline,
+                self.connection.invoke(&invocation),
+            )
             .await?;
         Reply::parse(&values).map_err(Failure::Unknown)
     }

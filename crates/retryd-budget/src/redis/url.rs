@@ -18,6 +18,13 @@ impl RedisUrl {
     }
 }
 
+impl RedisUrl {
+    /// True for `rediss://`: TLS.
+    pub fn is_tls(&self) -> bool {
+        self.0.starts_with("rediss://")
+    }
+}
+
 impl From<String> for RedisUrl {
     fn from(url: String) -> RedisUrl {
         RedisUrl(url)
@@ -52,20 +59,14 @@ impl fmt::Debug for RedisUrl {
 }
 
 impl RedisUrl {
-    /// A URL the client can connect to: `redis://[[USER]:PASSWORD@]HOST[:PORT][/DB]`.
+    /// A URL the client can connect to:
+    /// `redis[s]://[[USER]:PASSWORD@]HOST[:PORT][/DB]` (`rediss` for TLS).
     /// The reason for a refusal shows the URL redacted. What the client
     /// would refuse only at connect time is refused here.
     pub fn parse(url: &str) -> Result<RedisUrl, String> {
         let shown = redact_url(url);
-        // TLS to Redis (rediss://) is not built in: refuse it here rather
-        // than fail at connect time.
-        if url.starts_with("rediss://") {
-            return Err(format!(
-                "{shown:?}: TLS to Redis is not supported by this build; use redis:// over a trusted network or a TLS proxy"
-            ));
-        }
-        if !url.starts_with("redis://") {
-            return Err(format!("{shown:?} is not a redis:// URL"));
+        if !url.starts_with("redis://") && !url.starts_with("rediss://") {
+            return Err(format!("{shown:?} is not a redis:// or rediss:// URL"));
         }
         match UrlParts::of(url).filter(|parts| !parts.host.is_empty()) {
             None => Err(format!(

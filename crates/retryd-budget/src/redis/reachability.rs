@@ -1,0 +1,345 @@
+//! Which part of Redis is believed reachable. One node or a primary under
+//! Sentinel is one circuit; a Cluster has one circuit per master, found
+//! through a slot map (`CLUSTER SLOTS`, refreshed by the background task),
+//! so that a failed master opens only its own circuit and only the
+//! upstreams whose slots it serves answer from their fallback, while every
+//! other upstream stays shared. Each node's circuit re-probes on its own
+//! and its state changes are logged once. Nothing here sends a request:
+//! the core does (`shared.rs`) and the background task refreshes the map
+//! (`rounds.rs`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use ::redis::Value;
+
+use super::circuit::{Circuit, Transition};
+
+/// Slots of a Redis Cluster.
+const SLOTS: usize = 16384;
+
+/// The circuits of one store.
+pub(super) struct Reachability {
+    /// The whole store (one node, Sentinel), and a Cluster's requests that
+    /// name no key, or whose slot's owner is not known yet.
+    whole: Arc<Circuit>,
+    /// A Cluster's slot map; `None` for one node or Sentinel.
+    cluster: Option<RwLock<Option<Arc<SlotMap>>>>,
+    opened: AtomicU64,
+    origin: Instant,
+    /// Milliseconds since `origin` of the last slot-map refresh claimed.
+    refreshed: AtomicU64,
+}
+
+/// Who serves each slot, and each master's circuit.
+struct SlotMap {
+    /// Per slot, an index into `nodes` (`u16::MAX`: not served).
+    owner: Vec<u16>,
+    nodes: Vec<Node>,
+}
+
+/// One master of a Cluster.
+pub(super) struct Node {
+    /// `host:port`, as the Cluster names it.
+    pub(super) address: String,
+    /// Its slot ranges, for the log (`0-5460`).
+    pub(super) slots: String,
+    pub(super) circuit: Arc<Circuit>,
+    /// A key in one of its slots, to route its probe there.
+    pub(super) probe_key: String,
+    served: usize,
+}
+
+/// The circuit a request goes through, and what to call it in the log.
+pub(super) struct Route {
+    pub(super) circuit: Arc<Circuit>,
+    /// The Cluster node, if the request is routed to one.
+    pub(super) node: Option<(String, String)>,
+}
+
+impl Reachability {
+    pub(super) fn new(is_cluster: bool) -> Reachability {
+        Reachability {
+            whole: Arc::new(Circuit::new()),
+            cluster: is_cluster.then(|| RwLock::new(None)),
+            opened: AtomicU64::new(0),
+            origin: Instant::now(),
+            refreshed: AtomicU64::new(0),
+        }
+    }
+
+    fn map(&self) -> Option<Arc<SlotMap>> {
+        self.cluster
+            .as_ref()?
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The circuit of the node serving `key`'s slot (the whole store's if
+    /// not a Cluster, or the owner is unknown).
+    pub(super) fn route(&self, key: Option<&str>) -> Route {
+        if let (Some(key), Some(map)) = (key, self.map()) {
+            let owner = map.owner[slot(key)];
+            if let Some(node) = map.nodes.get(usize::from(owner)) {
+                return Route {
+                    circuit: Arc::clone(&node.circuit),
+                    node: Some((node.address.clone(), node.slots.clone())),
+                };
+            }
+        }
+        Route {
+            circuit: Arc::clone(&self.whole),
+            node: None,
+        }
+    }
+
+    /// True if the node serving `key` is believed reachable.
+    pub(super) fn is_up_for(&self, key: &str) -> bool {
+        self.route(Some(key)).circuit.is_up()
+    }
+
+    /// True while every part of the store is believed reachable.
+    pub(super) fn is_up(&self) -> bool {
+        self.fraction_up() >= 1.0
+    }
+
+    /// The share of the store believed reachable: of a Cluster's slots,
+    /// those whose master's circuit is closed; else 1 or 0.
+    pub(super) fn fraction_up(&self) -> f64 {
+        let Some(map) = self.map() else {
+            return if self.whole.is_up() { 1.0 } else { 0.0 };
+        };
+        let up: usize = map
+            .nodes
+            .iter()
+            .filter(|node| node.circuit.is_up())
+            .map(|node| node.served)
+            .sum();
+        up as f64 / SLOTS as f64
+    }
+
+    /// Counts a transition to down (for `StoreStats::outages`).
+    pub(super) fn count(&self, transition: Transition) {
+        if transition == Transition::Opened {
+            self.opened.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    pub(super) fn times_opened(&self) -> u64 {
+        self.opened.load(Ordering::Relaxed)
+    }
+
+    /// Every circuit believed down whose probe is due and now claimed, with
+    /// the key that routes a probe to it (`None`: the whole store).
+    pub(super) fn claim_probes(&self) -> Vec<(Arc<Circuit>, Option<String>)> {
+        let mut due = Vec::new();
+        if !self.whole.is_up() && self.whole.claim_probe() {
+            due.push((Arc::clone(&self.whole), None));
+        }
+        if let Some(map) = self.map() {
+            for node in &map.nodes {
+                if !node.circuit.is_up() && node.circuit.claim_probe() {
+                    due.push((Arc::clone(&node.circuit), Some(node.probe_key.clone())));
+                }
+            }
+        }
+        due
+    }
+
+    /// True for a Cluster with a node believed down (the map is then
+    /// refreshed more often, to see its replica promoted).
+    pub(super) fn is_cluster_degraded(&self) -> bool {
+        self.map()
+            .is_some_and(|map| map.nodes.iter().any(|node| !node.circuit.is_up()))
+    }
+
+    /// True if the slot map was last refreshed at least `every` ago (and
+    /// this caller is the one to refresh it now).
+    pub(super) fn claim_refresh(&self, every: Duration) -> bool {
+        let now = self.origin.elapsed().as_millis() as u64;
+        let last = self.refreshed.load(Ordering::Acquire);
+        now.saturating_sub(last) >= every.as_millis() as u64
+            && self
+                .refreshed
+                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+    }
+
+    pub(super) fn is_cluster(&self) -> bool {
+        self.cluster.is_some()
+    }
+
+    /// Takes a `CLUSTER SLOTS` answer as the new map, keeping the circuit
+    /// of every master that is still one; `prefix` names the probe keys.
+    /// A master that no longer serves a slot is forgotten, circuit and all.
+    pub(super) fn update(&self, reply: &Value, prefix: &str) -> Result<(), String> {
+        let Some(lock) = &self.cluster else {
+            return Ok(());
+        };
+        let ranges = parse_slots(reply)?;
+        let previous = self.map();
+        let mut owner = vec![u16::MAX; SLOTS];
+        let mut nodes: Vec<Node> = Vec::new();
+        for (start, end, address) in ranges {
+            let index = match nodes.iter().position(|node| node.address == address) {
+                Some(index) => index,
+                None => {
+                    let circuit = previous
+                        .as_ref()
+                        .and_then(|map| map.nodes.iter().find(|node| node.address == address))
+                        .map(|node| Arc::clone(&node.circuit))
+                        .unwrap_or_else(|| Arc::new(Circuit::new()));
+                    nodes.push(Node {
+                        address,
+                        slots: String::new(),
+                        circuit,
+                        probe_key: String::new(),
+                        served: 0,
+                    });
+                    nodes.len() - 1
+                }
+            };
+            let node = &mut nodes[index];
+            if !node.slots.is_empty() {
+                node.slots.push(',');
+            }
+            node.slots.push_str(&format!("{start}-{end}"));
+            owner[start..=end].fill(index as u16);
+            node.served += end + 1 - start;
+        }
+        for (index, node) in nodes.iter_mut().enumerate() {
+            node.probe_key = (0u64..)
+                .map(|n| format!("{prefix}:{{probe:{n}}}"))
+                .find(|key| usize::from(owner[slot(key)]) == index)
+                .unwrap_or_default();
+        }
+        // A master believed down that serves nothing now was replaced (its
+        // replica promoted): said once, here, since its circuit goes.
+        for gone in previous.iter().flat_map(|map| map.nodes.iter()) {
+            if !gone.circuit.is_up() && !nodes.iter().any(|node| node.address == gone.address) {
+                tracing::info!(
+                    node = %gone.address,
+                    slots = %gone.slots,
+                    "Redis Cluster node replaced by a promoted replica; the upstreams in its slots are shared again"
+                );
+            }
+        }
+        *lock.write().unwrap_or_else(PoisonError::into_inner) =
+            Some(Arc::new(SlotMap { owner, nodes }));
+        Ok(())
+    }
+}
+
+/// `[[start, end, [host, port, ...], replicas...], ...]` as
+/// `(start, end, "host:port")`.
+fn parse_slots(reply: &Value) -> Result<Vec<(usize, usize, String)>, String> {
+    let Value::Array(entries) = reply else {
+        return Err(format!("CLUSTER SLOTS answered {reply:?}"));
+    };
+    let int = |value: &Value| match value {
+        Value::Int(n) if (0..SLOTS as i64).contains(n) => Some(*n as usize),
+        _ => None,
+    };
+    let text = |value: &Value| match value {
+        Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+        Value::SimpleString(text) => Some(text.clone()),
+        _ => None,
+    };
+    entries
+        .iter()
+        .map(|entry| {
+            let Value::Array(fields) = entry else {
+                return None;
+            };
+            let (start, end) = (int(fields.first()?)?, int(fields.get(1)?)?);
+            let Value::Array(master) = fields.get(2)? else {
+                return None;
+            };
+            let host = text(master.first()?)?;
+            let Value::Int(port) = master.get(1)? else {
+                return None;
+            };
+            (start <= end).then(|| (start, end, format!("{host}:{port}")))
+        })
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| "CLUSTER SLOTS answered an entry of another shape".to_owned())
+}
+
+/// The Cluster slot of `key`: CRC16 (XMODEM) of its hash tag, as Redis
+/// computes it.
+pub(super) fn slot(key: &str) -> usize {
+    let bytes = key.as_bytes();
+    let tagged = bytes
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &bytes[open + 1..];
+            let close = rest.iter().position(|&b| b == b'}')?;
+            (close > 0).then(|| &rest[..close])
+        })
+        .unwrap_or(bytes);
+    usize::from(crc16_xmodem(tagged)) % SLOTS
+}
+
+fn crc16_xmodem(bytes: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &byte in bytes {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_the_ones_redis_computes() {
+        // From the Redis Cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(crc16_xmodem(b"123456789"), 0x31C3);
+        assert_eq!(slot("foo"), 12182);
+        assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
+        assert_eq!(slot("foo{}{bar}"), slot("foo{}{bar}"));
+        assert_eq!(slot("{}x"), usize::from(crc16_xmodem(b"{}x")) % SLOTS);
+    }
+
+    #[test]
+    fn a_map_keeps_the_circuits_of_masters_that_stay() {
+        let reachability = Reachability::new(true);
+        let entry = |start: i64, end: i64, port: i64| {
+            Value::Array(vec![
+                Value::Int(start),
+                Value::Int(end),
+                Value::Array(vec![
+                    Value::BulkString(b"127.0.0.1".to_vec()),
+                    Value::Int(port),
+                ]),
+            ])
+        };
+        let first = Value::Array(vec![entry(0, 8191, 7000), entry(8192, 16383, 7001)]);
+        reachability.update(&first, "p").unwrap();
+        assert_eq!(reachability.fraction_up(), 1.0);
+        let route = reachability.route(Some("foo"));
+        assert_eq!(route.node.as_ref().unwrap().0, "127.0.0.1:7001");
+        route.circuit.failure();
+        assert_eq!(reachability.fraction_up(), 0.5);
+        assert!(!reachability.is_up_for("foo"));
+        // 7001's slots move to 7002 (its replica promoted): shared again.
+        let promoted = Value::Array(vec![entry(0, 8191, 7000), entry(8192, 16383, 7002)]);
+        reachability.update(&promoted, "p").unwrap();
+        assert_eq!(reachability.fraction_up(), 1.0);
+        assert!(reachability.is_up_for("foo"));
+        let map = reachability.map().unwrap();
+        assert!(map.nodes.iter().all(|node| slot(&node.probe_key) < SLOTS));
+        assert!(reachability.update(&Value::Int(1), "p").is_err());
+    }
+}
