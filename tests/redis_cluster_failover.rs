@@ -43,7 +43,9 @@ fn bucket_key(prefix: &str, upstream: &str) -> String {
 async fn a_lost_master_affects_only_the_upstreams_it_served() {
     // The store's node transitions, in the test's output: each once.
     let _ = tracing_subscriber::fmt()
-        .with_env_filter("retryd_budget=info")
+        .with_env_filter(
+            std::env::var("RETRYD_TEST_LOG").unwrap_or_else(|_| "retryd_budget=info".into()),
+        )
         .try_init();
     let mut cluster = RedisCluster::start_with_replicas(3);
     let prefix = redis_harness::fresh_prefix("failover");

@@ -347,7 +347,12 @@ impl<M: Operations> Core<M> {
             Ok(Err(error)) => {
                 bump(&self.counters.errors, 1);
                 tracing::debug!(%error, "Redis budget store call failed");
-                self.note(route.circuit.failure(), route);
+                // A Cluster redirect is an answer from a live node whose
+                // slot moved (a failover in progress): that call fails,
+                // but the node's circuit, and its other upstreams, stay.
+                if !matches!(error.code(), Some("MOVED" | "ASK" | "TRYAGAIN")) {
+                    self.note(route.circuit.failure(), route);
+                }
                 Err(Failure::Unknown(RedisStoreError::Redis(error)))
             }
             Err(_) => {
