@@ -1,5 +1,9 @@
 //! The embedded budget store: lock-free token buckets in one process.
 //!
+//! About 600 lines: the buckets, the per-thread index and its consistency
+//! with eviction are one mechanism and are read together; the sweep itself
+//! is `memory/eviction.rs` and the tests `memory/tests.rs`.
+//!
 //! Each bucket is two atomics: the tokens (in units) and the instant up to
 //! which the floor has been credited. A refill claims an interval by moving
 //! that instant forward with a compare-and-swap, so every nanosecond is

@@ -1,5 +1,9 @@
 """Blocking and asyncio clients of retryd.v1.
 
+About 650 lines because the blocking and asyncio clients are written out side
+by side (the same calls, one with ``await``), so that each reads on its own;
+their shared request building and answers are helpers here.
+
 Both clients put a short timeout on every decision (``timeout``, 200 ms by
 default, further bounded by the caller's own remaining deadline), attach the
 active OpenTelemetry trace context, and fall back to the conservative local

@@ -1,5 +1,8 @@
 """grpcio interceptors: honest evidence from failed gRPC calls, and retryd-governed retries.
 
+About 590 lines: the classification table, the sync interceptor and its
+asyncio twin, which mirror each other line for line (grpcio's two APIs).
+
 Classification (what each grpcio outcome proves; checked against the real
 failures on 127.0.0.1 by tests/test_grpc.py, for the grpcio version pinned
 in constraints.txt):

@@ -1,5 +1,9 @@
 """httpx adapter: honest evidence from httpx outcomes, and retryd-governed retries.
 
+About 580 lines: one responsibility (an httpx call under retryd's decisions),
+written twice, for ``httpx.Client`` and ``httpx.AsyncClient``, beside the
+classification they share.
+
 Classification (what each httpx outcome proves):
 
 ======================================  ==================  =========================
