@@ -40,15 +40,20 @@ async fn redis_store<M: Mode>(urls: &[String], max_upstreams: usize) -> RedisBud
         .expect("connect to the test Redis")
 }
 
+/// A generous guard against a hang, never a latency claim: a loaded
+/// machine may delay leased mode's background flush by any amount, and
+/// only the state it reaches is asserted.
+const HANG_GUARD: Duration = Duration::from_secs(30);
+
 /// Leased mode flushes deposits in the background: views may take a few
-/// milliseconds to show them. Every store must get there within 2 s.
+/// milliseconds to show them.
 async fn settles_to<S: BudgetStore>(
     store: &S,
     upstream: &str,
     config: &BucketConfig,
     expected: f64,
 ) {
-    let deadline = Instant::now() + Duration::from_secs(2);
+    let deadline = Instant::now() + HANG_GUARD;
     loop {
         let tokens = store.view(upstream, config).await.unwrap().tokens;
         if (tokens - expected).abs() < 1e-9 {
@@ -119,19 +124,33 @@ async fn deposits_add_ratio_times_requests_capped_at_capacity<S: BudgetStore>(st
     settles_to(store, "traffic", &config, 5.5).await;
     store.deposit("traffic", &config, 1000).await.unwrap();
     settles_to(store, "traffic", &config, 10.0).await;
-    // Leased mode flushes deposits every 5 ms; a withdrawal sees them then.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Leased mode flushes deposits in the background, so a withdrawal may
+    // be refused until the flush lands. On a bucket that starts empty such
+    // a refusal spends nothing, so refusals are waited out, and what is
+    // checked is that exactly the capacity is granted, never more.
+    let config = bucket(10.0, 0.0, 0.5, 0.0);
+    store.deposit("funded", &config, 1000).await.unwrap();
+    settles_to(store, "funded", &config, 10.0).await;
+    let deadline = Instant::now() + HANG_GUARD;
     let mut granted = 0;
-    while store
-        .try_withdraw("traffic", &config)
-        .await
-        .unwrap()
-        .is_some()
-    {
-        granted += 1;
-        assert!(granted <= 10, "never more than capacity");
+    while granted < 10 {
+        if store
+            .try_withdraw("funded", &config)
+            .await
+            .unwrap()
+            .is_some()
+        {
+            granted += 1;
+        } else {
+            assert!(Instant::now() < deadline, "{granted} of 10 granted");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
-    assert_eq!(granted, 10);
+    assert_eq!(
+        store.try_withdraw("funded", &config).await.unwrap(),
+        None,
+        "never more than capacity"
+    );
 }
 
 async fn looking_never_spends<S: BudgetStore>(store: &S) {

@@ -2,24 +2,36 @@
 //! call answers within the store timeout with the upstream's configured
 //! fallback (`local`: a local bucket with no initial tokens and no floor;
 //! `deny`: `StoreError::Unavailable`); when Redis returns, shared decisions
-//! resume within a second. No panic, no hang.
+//! resume within a few probe intervals. No panic, no hang.
+//!
+//! The outages run on tokio's paused clock (`retryd_testkit::clock`): with
+//! Redis dead or stalled nothing is in flight, so the clock jumps to the
+//! next deadline and a call's measured time is what the store's timers
+//! allow, to the millisecond, however loaded the machine. The recoveries
+//! talk to a live Redis again, so they hold the clock still
+//! (`clock::freeze`) and move it by hand.
 
+use retryd_testkit::clock;
 use retryd_testkit::redis as redis_harness;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use redis_harness::{RedisCluster, RedisServer};
 use retryd_budget::redis::{Exact, Leased, Mode, RedisAccess, RedisConfig, RedisMode};
 use retryd_budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore, StoreError};
+use tokio::time::Instant;
 
 const TIMEOUT: Duration = Duration::from_millis(50);
-/// The promise is the timeout; at so short a one, these outage checks
-/// allow twice that, and the timer wheel's millisecond granularity and a
-/// busy 2-core machine a few milliseconds more. The slow-Redis checks
-/// below hold the promise itself, at a longer timeout.
-const ANSWER_WITHIN: Duration = Duration::from_millis(2 * 50 + 15);
+/// The timer wheel's unit: a deadline fires at most this late.
+const TICK: Duration = Duration::from_millis(1);
+/// What the promise allows a call, on the paused clock.
+const ANSWER_WITHIN: Duration = TIMEOUT.saturating_add(TICK);
+/// How long leased mode trusts its reading of the shared bucket.
+const VIEW_CACHE: Duration = Duration::from_millis(100);
+/// The circuit re-probes a down Redis this often (`circuit.rs`).
+const PROBE_INTERVAL: Duration = Duration::from_millis(150);
 
 fn bucket(on_unavailable: OnUnavailable) -> BucketConfig {
     BucketConfig {
@@ -53,7 +65,7 @@ async fn store<M: Mode>(urls: Vec<String>) -> RedisBudgetStore<M> {
         .expect("connect to the test Redis")
 }
 
-/// Runs `call` and checks it answered in time.
+/// Runs `call` and checks it answered in time, on the paused clock.
 async fn timed<T>(what: &str, call: impl Future<Output = T>) -> T {
     let started = Instant::now();
     let answer = call.await;
@@ -113,8 +125,10 @@ async fn answers_while_down<M: Mode>(store: &RedisBudgetStore<M>, lasting: Durat
     (granted, reported)
 }
 
-/// Waits until a view of a never-seen upstream comes from Redis (a fresh
-/// shared bucket holds `initial`; the local fallback would hold nothing).
+/// With Redis back and the clock frozen: moves the clock 10 ms at a time
+/// until a view of a never-seen upstream comes from Redis (a fresh shared
+/// bucket holds `initial`; the local fallback would hold nothing), and
+/// returns how far it moved.
 async fn shared_again_within<M: Mode>(store: &RedisBudgetStore<M>, limit: Duration) -> Duration {
     let local = bucket(OnUnavailable::Local);
     let started = Instant::now();
@@ -132,7 +146,8 @@ async fn shared_again_within<M: Mode>(store: &RedisBudgetStore<M>, limit: Durati
             started.elapsed() < limit,
             "shared decisions not back after {limit:?}"
         );
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::time::advance(Duration::from_millis(10)).await;
+        clock::settle().await;
     }
 }
 
@@ -157,10 +172,11 @@ async fn killed_and_restarted<M: Mode>() {
     );
     assert!(store.is_available());
 
+    tokio::time::pause();
     server.kill();
     // Nothing tells a store that Redis died until it talks to it: exact
     // mode does on every call; leased mode may first answer from its lease
-    // and its reading of the shared bucket (fresh for at most 100 ms).
+    // and its reading of the shared bucket, for at most VIEW_CACHE.
     let killed = Instant::now();
     let mut reported_before = 0;
     while store.is_available() {
@@ -170,13 +186,16 @@ async fn killed_and_restarted<M: Mode>() {
             .await
             .unwrap();
         assert!(
-            killed.elapsed()
-                <= Duration::from_millis(100) + 2 * TIMEOUT + Duration::from_millis(20),
+            killed.elapsed() <= VIEW_CACHE + Duration::from_millis(2) + ANSWER_WITHIN,
             "the outage went unnoticed for {:?}",
             killed.elapsed()
         );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    eprintln!(
+        "{mode:?}: the outage was noticed after {:?}",
+        killed.elapsed()
+    );
     let (granted, reported) = answers_while_down(&store, Duration::from_millis(700)).await;
     let reported = reported + reported_before;
     assert!(!store.is_available());
@@ -193,26 +212,33 @@ async fn killed_and_restarted<M: Mode>() {
         "{granted} granted from {reported} reported"
     );
 
-    server.restart();
+    let _frozen = clock::freeze();
+    let _server = tokio::task::spawn_blocking(move || {
+        server.restart();
+        server
+    })
+    .await
+    .unwrap();
+    // A probe interval, and the reconnection's own backoff (at most 200 ms).
     let took = shared_again_within(&store, Duration::from_secs(1)).await;
-    eprintln!("{mode:?}: shared decisions back {took:?} after the restart");
+    eprintln!("{mode:?}: shared decisions back {took:?} after the restart (paused clock)");
     // Redis lost its data: the bucket starts afresh, from Redis.
     let after = store.try_withdraw("after-restart", &local).await.unwrap();
     assert_eq!(after, Some(49.0));
     assert_eq!(store.background_restarts(), 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test]
 async fn exact_mode_survives_redis_killed_and_restarted() {
     killed_and_restarted::<Exact>().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test]
 async fn leased_mode_survives_redis_killed_and_restarted() {
     killed_and_restarted::<Leased>().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test]
 async fn a_paused_redis_is_an_outage_until_it_answers() {
     let server = RedisServer::start();
     let store = store::<Exact>(vec![server.url()]).await;
@@ -221,10 +247,15 @@ async fn a_paused_redis_is_an_outage_until_it_answers() {
         store.try_withdraw("paused", &local).await.unwrap(),
         Some(49.0)
     );
-    server.pause(Duration::from_millis(600));
+    tokio::time::pause();
+    // Stalled for as long as the test needs: every reply waits.
+    server.stop();
     answers_while_down(&store, Duration::from_millis(400)).await;
-    let took = shared_again_within(&store, Duration::from_secs(1)).await;
-    eprintln!("paused: shared decisions back {took:?} after the probe window");
+    assert!(!store.is_available());
+    let _frozen = clock::freeze();
+    server.cont();
+    let took = shared_again_within(&store, PROBE_INTERVAL * 4).await;
+    eprintln!("paused: shared decisions back {took:?} after the pause ended (paused clock)");
     // Nothing was lost: the shared bucket kept its state.
     assert_eq!(
         store.try_withdraw("paused", &local).await.unwrap(),
@@ -232,7 +263,7 @@ async fn a_paused_redis_is_an_outage_until_it_answers() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test]
 async fn a_killed_cluster_node_is_answered_in_time_and_recovers() {
     let mut cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3))
         .await
@@ -249,15 +280,23 @@ async fn a_killed_cluster_node_is_answered_in_time_and_recovers() {
                 .is_some()
         );
     }
+    tokio::time::pause();
     cluster.nodes[0].kill();
+    // The other nodes are alive, and the paused clock may jump while one
+    // of their replies is on its way: such a call then times out, early
+    // in real time but never later than its deadline, which is what is
+    // checked here (that the others stay shared is tests/redis_cluster_failover.rs).
     let started = Instant::now();
     while started.elapsed() < Duration::from_millis(700) {
         for upstream in &upstreams {
             let answer = timed("withdraw", store.try_withdraw(upstream, &local)).await;
             assert!(answer.is_ok(), "{answer:?}");
         }
+        // Answers from the fallback take no time at all: time moves here.
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
     assert!(store.stats().outages > 0);
+    let _frozen = clock::freeze();
     let _cluster = tokio::task::spawn_blocking(move || {
         cluster.nodes[0].restart();
         cluster.wait_until_ok();
@@ -267,7 +306,7 @@ async fn a_killed_cluster_node_is_answered_in_time_and_recovers() {
     .unwrap();
     // Every upstream is served by Redis again: a fresh one reads initial.
     let took = shared_again_within(&store, Duration::from_secs(10)).await;
-    eprintln!("cluster: shared decisions back {took:?} after the node rejoined");
+    eprintln!("cluster: shared decisions back {took:?} after the node rejoined (paused clock)");
     for upstream in &upstreams {
         timed("withdraw after", store.try_withdraw(upstream, &local))
             .await
@@ -308,7 +347,8 @@ impl SlowProxy {
                 std::thread::spawn(move || {
                     let _ = std::io::copy(&mut from_client, &mut to_server);
                 });
-                let (sender, receiver) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
+                let (sender, receiver) =
+                    std::sync::mpsc::channel::<(std::time::Instant, Vec<u8>)>();
                 let delay = Arc::clone(&delay);
                 let mut from_server = server;
                 std::thread::spawn(move || {
@@ -317,8 +357,8 @@ impl SlowProxy {
                         if read == 0 {
                             return;
                         }
-                        let due =
-                            Instant::now() + Duration::from_millis(delay.load(Ordering::Acquire));
+                        let due = std::time::Instant::now()
+                            + Duration::from_millis(delay.load(Ordering::Acquire));
                         if sender.send((due, buffer[..read].to_vec())).is_err() {
                             return;
                         }
@@ -327,7 +367,9 @@ impl SlowProxy {
                 let mut to_client = client;
                 std::thread::spawn(move || {
                     for (due, bytes) in receiver {
-                        std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                        std::thread::sleep(
+                            due.saturating_duration_since(std::time::Instant::now()),
+                        );
                         if to_client.write_all(&bytes).is_err() {
                             return;
                         }

@@ -4,6 +4,7 @@
 //! an idle replica come back; the kill switch crosses replicas; scripts
 //! survive SCRIPT FLUSH and a restart, on one node and in a Cluster.
 
+use retryd_testkit::clock;
 use retryd_testkit::redis as redis_harness;
 
 use std::sync::Arc;
@@ -13,6 +14,9 @@ use std::time::{Duration, Instant};
 use redis_harness::{RedisCluster, RedisServer};
 use retryd_budget::redis::{Exact, Leased, Mode, RedisAccess, RedisConfig, RedisMode};
 use retryd_budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore};
+
+/// How long leased mode trusts its reading of the shared bucket.
+const VIEW_CACHE: Duration = Duration::from_millis(100);
 
 fn bucket(capacity: f64, initial: f64, ratio: f64, min_per_second: f64) -> BucketConfig {
     BucketConfig {
@@ -164,12 +168,45 @@ async fn stranded_lease_tokens_are_usable_elsewhere_within_lease_ttl() {
         idle.try_withdraw("stranded", &config).await.unwrap(),
         Some(4.0)
     );
-    let started = Instant::now();
+    // Redis's clock expires leases, so Redis's clock states the bound: the
+    // lease ends within lease_ttl of now. (The test's own wall clock would
+    // add however long a loaded machine takes to poll.)
+    let redis_now_ms = {
+        let time = server.cli(&["TIME"]);
+        let mut fields = time
+            .split_whitespace()
+            .map(|field| field.parse::<u64>().unwrap());
+        let (seconds, micros) = (fields.next().unwrap(), fields.next().unwrap());
+        seconds * 1000 + micros / 1000
+    };
+    let leases = server.cli(&[
+        "ZRANGE",
+        &format!("{}:{{u:stranded}}:leases", setup.prefix),
+        "0",
+        "-1",
+        "WITHSCORES",
+    ]);
+    let ends: Vec<u64> = leases
+        .split_whitespace()
+        .skip(1)
+        .step_by(2)
+        .map(|score| score.parse().unwrap())
+        .collect();
+    assert_eq!(ends.len(), 1, "one lease: {leases:?}");
+    assert!(
+        ends[0] <= redis_now_ms + setup.lease_ttl.as_millis() as u64,
+        "the lease ends at {} ms, {} ms from Redis's now",
+        ends[0],
+        ends[0].saturating_sub(redis_now_ms)
+    );
     assert_eq!(busy.try_withdraw("stranded", &config).await.unwrap(), None);
+    // Once it has ended, the four stranded tokens are the other replica's
+    // (30 s only so that a stuck test fails instead of hanging).
+    let started = Instant::now();
     let mut granted = 0;
     while granted < 4 {
         assert!(
-            started.elapsed() <= setup.lease_ttl,
+            started.elapsed() < Duration::from_secs(30),
             "stranded tokens not usable after {:?}",
             started.elapsed()
         );
@@ -184,11 +221,13 @@ async fn stranded_lease_tokens_are_usable_elsewhere_within_lease_ttl() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
+    eprintln!("stranded tokens usable after {:?}", started.elapsed());
     assert_eq!(busy.try_withdraw("stranded", &config).await.unwrap(), None);
     assert_eq!(idle.stats().forfeited_tokens, 0.0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// On the current-thread runtime, whose clock a test can pause.
+#[tokio::test]
 async fn the_kill_switch_crosses_replicas() {
     let server = RedisServer::start();
     let config = bucket(10.0, 10.0, 0.0, 0.0);
@@ -222,12 +261,16 @@ async fn the_kill_switch_crosses_replicas() {
         .unwrap();
     assert!(one.view("switched", &config).await.unwrap().retries_enabled);
 
-    // Leased mode caches the shared reading for at most 100 ms.
+    // Leased mode trusts its reading of the shared bucket for 100 ms: on a
+    // paused clock held still (every Redis reply comes back at the same
+    // instant), the first view once that time has passed obeys.
     let leased = Setup::new(vec![server.url()]);
     let (one, other) = (
         leased.replica::<Leased>().await,
         leased.replica::<Leased>().await,
     );
+    tokio::time::pause();
+    let _frozen = clock::freeze();
     other.try_withdraw("switched", &config).await.unwrap();
     assert!(
         other
@@ -236,26 +279,19 @@ async fn the_kill_switch_crosses_replicas() {
             .unwrap()
             .retries_enabled
     );
-    let started = Instant::now();
     one.set_retries_enabled("switched", &config, false)
         .await
         .unwrap();
-    while other
-        .view("switched", &config)
-        .await
-        .unwrap()
-        .retries_enabled
-    {
-        // The replica re-reads the switch on its background tick (tens of
-        // milliseconds); a loaded 2-core machine can delay that tick by
-        // hundreds, so the bound is a second and the time is printed.
-        assert!(
-            started.elapsed() < Duration::from_secs(1),
-            "not obeyed within 1 s"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    eprintln!("the kill switch was obeyed after {:?}", started.elapsed());
+    tokio::time::advance(VIEW_CACHE).await;
+    clock::settle().await;
+    assert!(
+        !other
+            .view("switched", &config)
+            .await
+            .unwrap()
+            .retries_enabled,
+        "leased mode: obeyed once its reading is {VIEW_CACHE:?} old"
+    );
 }
 
 /// Replicas withdraw and report traffic, optionally while Redis is paused
@@ -408,7 +444,8 @@ async fn survives_lost_scripts<M: Mode>(
     assert_eq!(store.stats().backend_errors, 0, "{:?}", store.stats());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// On the current-thread runtime, whose clock a test can pause.
+#[tokio::test]
 async fn scripts_survive_script_flush_and_restart() {
     let mut server = RedisServer::start();
     let upstreams: Vec<String> = (0..5).map(|index| format!("flushed-{index}")).collect();
@@ -423,8 +460,18 @@ async fn scripts_survive_script_flush_and_restart() {
         store.try_withdraw("restarted", &config).await.unwrap(),
         Some(9.0)
     );
-    server.restart();
-    let started = Instant::now();
+    // From the restart on, the clock is paused and held still: it moves
+    // only 10 ms at a time between tries, so the bound counts the store's
+    // own probe interval and reconnection backoff, not a busy machine.
+    tokio::time::pause();
+    let _frozen = clock::freeze();
+    let _server = tokio::task::spawn_blocking(move || {
+        server.restart();
+        server
+    })
+    .await
+    .unwrap();
+    let started = tokio::time::Instant::now();
     // Without persistence the bucket starts afresh: 9 left means Redis
     // answered (the fallback bucket holds nothing).
     loop {
@@ -435,8 +482,13 @@ async fn scripts_survive_script_flush_and_restart() {
             started.elapsed() < Duration::from_secs(1),
             "not back within 1 s"
         );
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::time::advance(Duration::from_millis(10)).await;
+        clock::settle().await;
     }
+    eprintln!(
+        "shared again {:?} after the restart (paused clock)",
+        started.elapsed()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

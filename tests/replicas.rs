@@ -1,6 +1,8 @@
 //! Several real retryd processes sharing one Redis (and one Redis Cluster):
 //! the fleet behaves as one budget, the kill switch crosses replicas, and a
-//! Redis outage under load is answered in time and recovered from.
+//! Redis outage under load is answered from the fallback and recovered
+//! from. What only processes show is checked here; how fast, to the
+//! millisecond, is checked in process on a paused clock.
 
 use retryd_testkit as support;
 
@@ -14,6 +16,10 @@ use tonic::transport::Channel;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
+
+/// Guards against a hang; never a latency claim (those are made on a paused
+/// clock, in process: tests/redis_outage.rs, tests/redis_replicas.rs).
+const HANG_GUARD: Duration = Duration::from_secs(30);
 
 fn replica_config(urls: &[String], mode: &str, extra: &str) -> String {
     let urls: Vec<String> = urls.iter().map(|url| format!("\"{url}\"")).collect();
@@ -137,8 +143,11 @@ async fn the_kill_switch_crosses_replicas() {
             })
             .await
             .unwrap();
-        // The stated bound: the next decision in exact mode; within the
-        // lease cache (100 ms) in leased mode.
+        // Exact mode obeys on the next decision. Leased mode obeys once its
+        // reading of the shared bucket is 100 ms old, which
+        // tests/redis_replicas.rs shows on a paused clock; here, through
+        // two processes on a machine that may be busy, only that it
+        // crosses is checked (30 s guards against a hang, not a latency).
         loop {
             let response = on_b.decide(retryable("search")).await.unwrap().into_inner();
             if response.deny_reason() == pb::DenyReason::RetriesDisabled {
@@ -146,8 +155,8 @@ async fn the_kill_switch_crosses_replicas() {
             }
             assert!(mode == "leased", "exact mode must obey at once");
             assert!(
-                switched_at.elapsed() < Duration::from_millis(250),
-                "{mode}: not obeyed within 250 ms"
+                switched_at.elapsed() < HANG_GUARD,
+                "{mode}: not obeyed within {HANG_GUARD:?}"
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -202,26 +211,12 @@ async fn redis_killed_under_load_then_restarted() {
     }
 
     redis.kill();
-    // Every call is answered within the 50 ms store timeout, plus what the
-    // machine itself adds: a health check (no store call) timed in the
-    // same loop measures that, so a busy CI machine slows both alike.
+    // Every call is answered, from its upstream's fallback. That each is
+    // answered within the store timeout is shown to the millisecond on a
+    // paused clock in tests/redis_outage.rs; two processes on a busy
+    // machine can only show wall times, so they are printed, not bounded.
     let mut slowest = Duration::ZERO;
-    let mut slowest_baseline = Duration::ZERO;
-    let mut baselines: Vec<_> = Vec::new();
-    for replica in &replicas {
-        baselines.push(HealthClient::new(replica.channel().await));
-    }
     for round in 0..40 {
-        for health in &mut baselines {
-            let started = Instant::now();
-            health
-                .check(HealthCheckRequest {
-                    service: String::new(),
-                })
-                .await
-                .unwrap();
-            slowest_baseline = slowest_baseline.max(started.elapsed());
-        }
         for client in &mut clients {
             let (strict, took) = timed_decide(client, "strict").await;
             slowest = slowest.max(took);
@@ -236,22 +231,13 @@ async fn redis_killed_under_load_then_restarted() {
             assert_eq!(local.verdict(), pb::Verdict::Deny, "round {round}");
         }
     }
-    eprintln!(
-        "slowest answer while Redis was down: {slowest:?} (slowest health check: {slowest_baseline:?})"
-    );
-    let bound = Duration::from_millis(50) + 2 * slowest_baseline + Duration::from_millis(100);
-    assert!(
-        slowest < bound,
-        "slowest {slowest:?}, bound {bound:?} (health checks up to {slowest_baseline:?})"
-    );
+    eprintln!("slowest answer while Redis was down: {slowest:?}");
     for replica in &replicas {
         assert!(replica.scrape().contains("retryd_store_available 0"));
     }
-    // The health entry follows within its 250 ms polling period (the calls
-    // above may all have been answered sooner than that).
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // The health entry follows on its next poll (every 250 ms).
     for replica in &replicas {
-        assert_eq!(store_health(replica).await, ServingStatus::NotServing);
+        store_health_becomes(replica, ServingStatus::NotServing).await;
     }
 
     redis.restart();
@@ -262,11 +248,11 @@ async fn redis_killed_under_load_then_restarted() {
         if response.verdict() == pb::Verdict::Retry {
             break;
         }
-        // The circuit re-probes every 150 ms; a generous bound for a busy
-        // machine, the time taken is printed below.
+        // The circuit re-probes every 150 ms (tests/redis_outage.rs bounds
+        // the return on a paused clock); here the time is printed.
         assert!(
-            restarted.elapsed() < Duration::from_secs(5),
-            "shared decisions did not resume within 5 s"
+            restarted.elapsed() < HANG_GUARD,
+            "shared decisions did not resume within {HANG_GUARD:?}"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -274,9 +260,19 @@ async fn redis_killed_under_load_then_restarted() {
         "shared decisions resumed {:?} after the restart",
         restarted.elapsed()
     );
-    // The health entry follows within its 250 ms polling period.
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    assert_eq!(store_health(&replicas[0]).await, ServingStatus::Serving);
+    store_health_becomes(&replicas[0], ServingStatus::Serving).await;
+}
+
+/// Waits for the store's health entry to read `status`.
+async fn store_health_becomes(replica: &Server, status: ServingStatus) {
+    let started = Instant::now();
+    while store_health(replica).await != status {
+        assert!(
+            started.elapsed() < HANG_GUARD,
+            "the store's health entry is not {status:?} after {HANG_GUARD:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// What the health service says of the budget store.

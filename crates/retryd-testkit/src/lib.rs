@@ -6,6 +6,7 @@
 //! `retryd` beside the running test in cargo's target directory, which
 //! `cargo test` builds for the server's own tests.
 
+pub mod clock;
 pub mod redis;
 
 use std::io::{BufRead, BufReader, Read};

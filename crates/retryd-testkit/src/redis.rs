@@ -330,6 +330,32 @@ impl RedisServer {
         let answer = self.cli(&["SCRIPT", "FLUSH"]);
         assert!(answer.contains("OK"), "SCRIPT FLUSH answered {answer:?}");
     }
+
+    /// SIGSTOP: the server stalls entirely (connections stay open, nothing
+    /// is answered) for as long as the test needs, until [`RedisServer::cont`].
+    /// (`CLIENT PAUSE` would also hold back the `CLIENT UNPAUSE` that ends it.)
+    pub fn stop(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT: a stopped server runs again, answering what queued up.
+    pub fn cont(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self
+            .child
+            .as_ref()
+            .expect("the server is running")
+            .id()
+            .to_string();
+        let status = Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {signal} {pid}: {status}");
+    }
 }
 
 impl Drop for RedisServer {

@@ -76,11 +76,13 @@ fn a_paced_run_offers_its_rate() {
         &server.grpc.to_string(),
         &["--rate", "400", "--warmup", "0s", "--duration", "1s"],
     );
-    // 400 evenly spaced arrivals in the measured second; the bounds are
-    // wide because this machine is shared, and the point is that the pacer
-    // neither floods nor stalls.
+    // The pacer releases exactly 400 evenly spaced tickets in the second,
+    // however late its thread wakes (it releases what fell due at once):
+    // it neither floods nor stalls. What a busy machine's server answers
+    // by the window's end may be fewer, never more.
+    assert_eq!(count(&report, "released"), 400, "{report}");
     let answered = count(&report, "answered");
-    assert!((300..=420).contains(&answered), "{report}");
+    assert!((1..=400).contains(&answered), "{report}");
     assert_eq!(count(&report, "errors"), 0, "{report}");
 }
 

@@ -4,7 +4,10 @@
 //! success closes the circuit again. Lock-free: two atomics.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+// The store's one clock, tokio's (the same instant as `std` outside tests), so
+// that a test pausing it moves probes, deadlines and caches together.
+use tokio::time::Instant;
 
 /// How often Redis is re-tried while it is believed down.
 pub(super) const PROBE_INTERVAL: Duration = Duration::from_millis(150);

@@ -10,7 +10,10 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+// The store's one clock, tokio's (the same instant as `std` outside tests), so
+// that a test pausing it moves probes, deadlines and caches together.
+use tokio::time::Instant;
 
 use ::redis::Value;
 

@@ -31,7 +31,7 @@ mod requests;
 
 use std::fmt::Write as _;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -298,7 +298,9 @@ async fn connect(target: &str) -> anyhow::Result<Channel> {
         .with_context(|| format!("cannot connect to {target}"))
 }
 
-async fn run(args: &Args) -> anyhow::Result<(Tally, Duration)> {
+/// The run's tally, the measured window's length, and for a paced run the
+/// tickets its pacer released (warm-up included).
+async fn run(args: &Args) -> anyhow::Result<(Tally, Duration, Option<u64>)> {
     let mut channels = Vec::with_capacity(args.connections);
     for _ in 0..args.connections {
         channels.push(connect(&args.target).await?);
@@ -360,6 +362,7 @@ async fn run(args: &Args) -> anyhow::Result<(Tally, Duration)> {
             }
         }
     }
+    let released = tickets.released();
     drop(tickets);
 
     let mut total = Tally::new();
@@ -370,7 +373,8 @@ async fn run(args: &Args) -> anyhow::Result<(Tally, Duration)> {
         Some(_) => start.elapsed(),
         None => window.end - window.measure_from,
     };
-    Ok((total, measured))
+    let released = released.map(|count| count.load(Ordering::Relaxed));
+    Ok((total, measured, released))
 }
 
 fn micros(nanos: u64) -> f64 {
@@ -401,7 +405,7 @@ fn main() -> anyhow::Result<()> {
         runtime.worker_threads(threads);
     }
     let runtime = runtime.enable_all().build()?;
-    let (tally, measured) = runtime.block_on(run(&args))?;
+    let (tally, measured, released) = runtime.block_on(run(&args))?;
 
     let answered = tally.latency_ns.len();
     let throughput = answered as f64 / measured.as_secs_f64();
@@ -463,7 +467,8 @@ fn main() -> anyhow::Result<()> {
          \"concurrency\":{c},\"streams\":{s},\"rate\":{rate},\"upstreams\":{u},\
          \"duration_s\":{d:.3},\"answered\":{answered},\"throughput\":{throughput:.1},\
          \"p50_us\":{p50},\"p90_us\":{p90},\"p99_us\":{p99},\"p999_us\":{p999},\"max_us\":{max},\
-         \"mean_us\":{mean},\"retry\":{r},\"deny\":{de},\"ambiguous\":{a},\"errors\":{e}}}",
+         \"mean_us\":{mean},\"retry\":{r},\"deny\":{de},\"ambiguous\":{a},\"errors\":{e},\
+         \"released\":{released}}}",
         label = json_string(&args.label),
         mode = args.mode.as_str(),
         target = json_string(&args.target),
@@ -481,6 +486,9 @@ fn main() -> anyhow::Result<()> {
         de = tally.deny,
         a = tally.ambiguous,
         e = tally.errors,
+        // The pacer's own count, so a test can tell the offered load from
+        // what a slow server answered; null when not paced.
+        released = released.map_or_else(|| "null".to_string(), |count| count.to_string()),
     );
     println!("{json}");
     Ok(())

@@ -15,7 +15,12 @@ pub(crate) enum Tickets {
     FlatOut {
         end: Instant,
     },
-    Paced(Arc<Mutex<mpsc::UnboundedReceiver<Instant>>>),
+    Paced {
+        queue: Arc<Mutex<mpsc::UnboundedReceiver<Instant>>>,
+        /// Tickets the pacer has released so far: the offered load, which
+        /// a slow server cannot change.
+        released: Arc<AtomicU64>,
+    },
     /// Flat out, until this many tickets, shared by every sender, are gone.
     Counted(Arc<AtomicU64>),
 }
@@ -28,7 +33,7 @@ impl Tickets {
                 let now = Instant::now();
                 (now < *end).then_some(now)
             }
-            Tickets::Paced(queue) => queue.lock().await.recv().await,
+            Tickets::Paced { queue, .. } => queue.lock().await.recv().await,
             Tickets::Counted(left) => left
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
                 .is_ok()
@@ -37,7 +42,15 @@ impl Tickets {
     }
 
     pub(crate) fn is_paced(&self) -> bool {
-        matches!(self, Tickets::Paced(_))
+        matches!(self, Tickets::Paced { .. })
+    }
+
+    /// How many tickets a paced run has released (`None` when not paced).
+    pub(crate) fn released(&self) -> Option<Arc<AtomicU64>> {
+        match self {
+            Tickets::Paced { released, .. } => Some(Arc::clone(released)),
+            _ => None,
+        }
     }
 }
 
@@ -45,6 +58,8 @@ impl Tickets {
 /// `end`, on an OS thread.
 pub(crate) fn start_pacer(rate: f64, start: Instant, end: Instant) -> Tickets {
     let (tx, rx) = mpsc::unbounded_channel();
+    let released = Arc::new(AtomicU64::new(0));
+    let count = Arc::clone(&released);
     std::thread::spawn(move || {
         let interval = Duration::from_secs_f64(1.0 / rate);
         let mut due = start;
@@ -56,6 +71,7 @@ pub(crate) fn start_pacer(rate: f64, start: Instant, end: Instant) -> Tickets {
                 if tx.send(now).is_err() {
                     return;
                 }
+                count.fetch_add(1, Ordering::Relaxed);
                 due += interval;
             }
             if due > now {
@@ -63,5 +79,8 @@ pub(crate) fn start_pacer(rate: f64, start: Instant, end: Instant) -> Tickets {
             }
         }
     });
-    Tickets::Paced(Arc::new(Mutex::new(rx)))
+    Tickets::Paced {
+        queue: Arc::new(Mutex::new(rx)),
+        released,
+    }
 }
