@@ -287,14 +287,16 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
         );
     }
     for upstream in &healthy {
-        let state = seen[upstream].lock().unwrap();
-        assert_eq!(state.denies, 0, "{upstream}, on a live master, was denied");
+        let (retries, denies) = {
+            let state = seen[upstream].lock().unwrap();
+            (state.retries, state.denies)
+        };
+        assert_eq!(denies, 0, "{upstream}, on a live master, was denied");
         let tokens = store.view(upstream, &bucket()).await.unwrap().tokens;
         assert_eq!(
             tokens,
-            INITIAL - state.retries as f64,
-            "{upstream}: {} RETRYs over gRPC, but its bucket in Redis holds {tokens}",
-            state.retries
+            INITIAL - retries as f64,
+            "{upstream}: {retries} RETRYs over gRPC, but its bucket in Redis holds {tokens}"
         );
     }
     for upstream in &affected {
