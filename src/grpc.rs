@@ -38,8 +38,16 @@ use crate::telemetry::{
 pub use connections::{Acceptor, Peer};
 pub use received::ReceivedAt;
 
-/// The health-service name that reports the budget store's reachability.
+/// The health-service name that reports the budget store's reachability:
+/// SERVING while all of it is reachable.
 pub const STORE_HEALTH_SERVICE: &str = "retryd.v1.BudgetStore";
+
+/// The health-service name that is SERVING while any part of the budget
+/// store is reachable (a Redis Cluster with a master down, say). With
+/// [`STORE_HEALTH_SERVICE`] it reads all (both SERVING), part (this one
+/// alone) or none (neither). "Any", not "Partial": its SERVING holds in
+/// the all case too, which "Partial" would seem to exclude.
+pub const STORE_ANY_HEALTH_SERVICE: &str = "retryd.v1.BudgetStore.Any";
 
 /// The encoded descriptor set of `proto/`, for server reflection.
 pub use retryd_proto::FILE_DESCRIPTOR_SET;
@@ -390,26 +398,32 @@ pub async fn serve<S: BudgetStore>(
     health_reporter
         .set_serving::<pb::retry_admin_server::RetryAdminServer<Service<S>>>()
         .await;
-    // The store's reachability has its own health entry: retryd keeps
+    // The store's reachability has its own health entries: retryd keeps
     // answering while Redis is down (with the configured fallback), so the
-    // decider stays SERVING, but operators and probes can see the outage.
+    // decider stays SERVING, but operators and probes can see the outage,
+    // and whether it is whole or partial: health has only SERVING and
+    // NOT_SERVING, so "all of it" and "any of it" are two entries.
     let store_health = tokio::spawn({
         let reporter = health_reporter.clone();
         let service = service.clone();
         async move {
             let mut last = None;
             loop {
-                let available = service.store().is_available();
-                if last != Some(available) {
-                    let status = if available {
-                        tonic_health::ServingStatus::Serving
-                    } else {
-                        tonic_health::ServingStatus::NotServing
-                    };
-                    reporter
-                        .set_service_status(STORE_HEALTH_SERVICE, status)
-                        .await;
-                    last = Some(available);
+                let store = service.store();
+                let reachable = (store.is_available(), store.availability() > 0.0);
+                if last != Some(reachable) {
+                    let (all, any) = reachable;
+                    for (name, serving) in
+                        [(STORE_HEALTH_SERVICE, all), (STORE_ANY_HEALTH_SERVICE, any)]
+                    {
+                        let status = if serving {
+                            tonic_health::ServingStatus::Serving
+                        } else {
+                            tonic_health::ServingStatus::NotServing
+                        };
+                        reporter.set_service_status(name, status).await;
+                    }
+                    last = Some(reachable);
                 }
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }

@@ -68,6 +68,12 @@ enum Command {
         /// The gRPC address to ask.
         #[arg(long, default_value = "127.0.0.1:50051")]
         addr: SocketAddr,
+        /// The health entry to ask about: `retryd.v1.RetryDecider` (the
+        /// decider, NOT_SERVING once a drain begins), `retryd.v1.BudgetStore`
+        /// (all of the store reachable), `retryd.v1.BudgetStore.Any` (any of
+        /// it), or "" (the server as a whole).
+        #[arg(long, default_value = "retryd.v1.RetryDecider")]
+        service: String,
         /// How long to wait for an answer.
         #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
         timeout: Duration,
@@ -79,7 +85,11 @@ fn main() -> ExitCode {
     let result = match cli.command.unwrap_or(Command::Serve { config: None }) {
         Command::Serve { config } => serve(config),
         Command::CheckConfig { file } => check_config(&file),
-        Command::Health { addr, timeout } => health(addr, timeout),
+        Command::Health {
+            addr,
+            service,
+            timeout,
+        } => health(addr, &service, timeout),
         Command::HashKey => hash_key(),
         Command::Replay { config, file, json } => replay(&config, &file, json),
     };
@@ -178,7 +188,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
-fn health(addr: SocketAddr, timeout: Duration) -> anyhow::Result<()> {
+fn health(addr: SocketAddr, service: &str, timeout: Duration) -> anyhow::Result<()> {
     runtime()?.block_on(async {
         let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
             .connect_timeout(timeout)
@@ -190,10 +200,10 @@ fn health(addr: SocketAddr, timeout: Duration) -> anyhow::Result<()> {
         let mut client = tonic_health::pb::health_client::HealthClient::new(channel);
         let response = client
             .check(tonic_health::pb::HealthCheckRequest {
-                service: "retryd.v1.RetryDecider".into(),
+                service: service.to_owned(),
             })
             .await
-            .context("health check failed")?;
+            .with_context(|| format!("health check of {service:?} failed"))?;
         let status = response.into_inner().status();
         println!("{status:?}");
         anyhow::ensure!(

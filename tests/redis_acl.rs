@@ -1,29 +1,40 @@
 //! Redis ACL users: retryd works as a user with a password and only the
-//! commands it needs (the ACL below is the one README.md states); a wrong
-//! password fails startup clearly; the password never appears in any log
-//! line, whether given in the TOML, a file or an environment variable.
+//! commands it needs (the ACL below is the one README.md states) on one
+//! node, on every node of a Cluster, and on the data nodes under Sentinel
+//! (whose sentinels have a password of their own, carried by their URLs);
+//! a wrong password fails clearly; neither password ever appears in any
+//! log line, whether given in the TOML, a URL, a file or an environment
+//! variable.
 
 use retryd_testkit as support;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use retryd_budget::redis::{Exact, Leased, Mode, RedisAccess, RedisConfig, RedisPassword};
+use retryd_budget::redis::{
+    Exact, Leased, Mode, RedisAccess, RedisConfig, RedisPassword, SentinelConfig,
+};
 use retryd_budget::{BucketConfig, BudgetStore, OnUnavailable, RedisBudgetStore, ReportClaim};
 use retryd_proto as pb;
-use support::redis::RedisServer;
+use support::redis::{RedisCluster, RedisSentinels, RedisServer, SentinelOptions};
 use support::{Server, binary, retryable};
 
 const PASSWORD: &str = "acl-secret-7c1e9d";
+/// The sentinels' own password (`requirepass`), in their URLs.
+const SENTINEL_PASSWORD: &str = "sentinel-secret-4a0b2f";
 const PREFIX: &str = "aclretryd";
 
 /// The least privileges retryd needs, as README.md states them: its own
-/// keys, the scripts, and the commands those scripts and the store run.
-fn acl(prefix: &str, password: &str) -> Vec<String> {
-    let rules = "-@all +evalsha +script|load +info \
-                 +zadd +zrangebyscore +set +time +hmget +hset +exists \
-                 +pexpire +persist +pttl +del +get +zcard +zrange +zrem +zremrangebyscore \
-                 +zscore +role";
+/// keys, the scripts, and the commands those scripts and the store run
+/// (`+cluster|slots` for a Cluster's slot map, `+role` for Sentinel's
+/// check that the node it names is the primary).
+const RULES: &str = "-@all +evalsha +script|load +info \
+                     +zadd +zrangebyscore +set +time +hmget +hset +exists \
+                     +pexpire +persist +pttl +del +get +zcard +zrange +zrem +zremrangebyscore \
+                     +zscore +role +cluster|slots";
+
+/// `ACL SETUSER retryd` with `rules` on keys `prefix:*`.
+fn acl(prefix: &str, password: &str, rules: &str) -> Vec<String> {
     let mut arguments = vec![
         "ACL".to_owned(),
         "SETUSER".to_owned(),
@@ -40,11 +51,44 @@ fn acl(prefix: &str, password: &str) -> Vec<String> {
 
 fn redis_with_user() -> RedisServer {
     let redis = RedisServer::start();
-    let arguments = acl(PREFIX, PASSWORD);
-    let arguments: Vec<&str> = arguments.iter().map(String::as_str).collect();
-    let answer = redis.cli(&arguments);
-    assert!(answer.contains("OK"), "ACL SETUSER answered {answer:?}");
+    add_user(&redis, RULES);
     redis
+}
+
+/// The user `retryd` on `node` with `rules` (ACLs are per node: neither
+/// a Cluster nor replication shares them).
+fn add_user(node: &RedisServer, rules: &str) {
+    let arguments = acl(PREFIX, PASSWORD, rules);
+    let arguments: Vec<&str> = arguments.iter().map(String::as_str).collect();
+    let answer = node.cli(&arguments);
+    assert!(answer.contains("OK"), "ACL SETUSER answered {answer:?}");
+}
+
+fn cluster_with_user(rules: &str) -> RedisCluster {
+    let cluster = RedisCluster::start(3);
+    cluster.nodes.iter().for_each(|node| add_user(node, rules));
+    cluster
+}
+
+/// A primary, a replica (both with the user) and sentinels that want
+/// `SENTINEL_PASSWORD`.
+fn sentinels_with_user() -> RedisSentinels {
+    let sentinels = RedisSentinels::start_with(&SentinelOptions {
+        sentinel_password: Some(SENTINEL_PASSWORD),
+        ..SentinelOptions::default()
+    });
+    add_user(&sentinels.primary, RULES);
+    add_user(&sentinels.replica, RULES);
+    sentinels
+}
+
+/// The sentinels' URLs with their password (no user: `requirepass`).
+fn sentinel_urls(sentinels: &RedisSentinels, password: &str) -> Vec<String> {
+    sentinels
+        .sentinels
+        .iter()
+        .map(|sentinel| format!("redis://:{password}@127.0.0.1:{}", sentinel.port()))
+        .collect()
 }
 
 fn bucket() -> BucketConfig {
@@ -62,8 +106,18 @@ async fn store<M: Mode>(
     redis: &RedisServer,
     password: &str,
 ) -> Result<RedisBudgetStore<M>, String> {
+    store_at::<M>(vec![redis.url()], None, password).await
+}
+
+/// A store on `urls` (the sentinels' if `sentinel`) as `retryd` with
+/// `password`; the error with its cause.
+async fn store_at<M: Mode>(
+    urls: Vec<String>,
+    sentinel: Option<&str>,
+    password: &str,
+) -> Result<RedisBudgetStore<M>, String> {
     let config = RedisConfig {
-        urls: vec![redis.url().into()],
+        urls: urls.into_iter().map(Into::into).collect(),
         mode: M::MODE,
         timeout: Duration::from_millis(500),
         lease_tokens: 2.0,
@@ -73,6 +127,9 @@ async fn store<M: Mode>(
         access: RedisAccess {
             username: Some("retryd".into()),
             password: Some(RedisPassword::new(password)),
+            sentinel: sentinel.map(|master_name| SentinelConfig {
+                master_name: master_name.into(),
+            }),
             ..RedisAccess::default()
         },
     };
@@ -86,6 +143,18 @@ async fn store<M: Mode>(
 async fn every_operation_works<M: Mode>(store: &RedisBudgetStore<M>) {
     let config = bucket();
     let name = format!("acl-{:?}", M::MODE);
+    // Upstreams in many slots, so that on a Cluster every master runs the
+    // scripts as this user.
+    for n in 0..12 {
+        let upstream = format!("acl-spread-{n}-{:?}", M::MODE);
+        assert!(
+            store
+                .check(&upstream, &config, true)
+                .await
+                .unwrap()
+                .withdrew
+        );
+    }
     store.admit(&[(&name, &config)]).await.unwrap();
     assert!(store.check(&name, &config, true).await.unwrap().withdrew);
     store.try_withdraw(&name, &config).await.unwrap();
@@ -247,4 +316,170 @@ async fn the_password_never_appears_in_a_log_line() {
         "the failure shows the password:\n{stderr}"
     );
     assert!(!stderr.contains(PASSWORD), "{stderr}");
+}
+
+/// A wrong password's error: it says the credentials are wrong, and shows
+/// no password.
+fn assert_refused_clearly(error: &str, wrong: &str) {
+    assert!(
+        error.to_lowercase().contains("authentication failed"),
+        "the error does not say the credentials are wrong: {error}"
+    );
+    assert!(
+        !error.contains(wrong) && !error.contains(PASSWORD) && !error.contains(SENTINEL_PASSWORD),
+        "the error shows a password: {error}"
+    );
+}
+
+#[tokio::test]
+async fn on_a_cluster_the_least_privileged_user_runs_every_operation_on_every_master() {
+    let cluster = cluster_with_user(RULES);
+    let exact = store_at::<Exact>(cluster.urls(), None, PASSWORD)
+        .await
+        .unwrap();
+    every_operation_works(&exact).await;
+    let leased = store_at::<Leased>(cluster.urls(), None, PASSWORD)
+        .await
+        .unwrap();
+    every_operation_works(&leased).await;
+    // Every master ran the scripts as `retryd`, not only the first node.
+    for node in &cluster.nodes {
+        let stats = node.cli(&["INFO", "commandstats"]);
+        assert!(stats.contains("cmdstat_evalsha"), "a master ran no script");
+    }
+
+    let wrong = "not-the-password-9d1";
+    let error = match store_at::<Exact>(cluster.urls(), None, wrong).await {
+        Ok(_) => panic!("a wrong password connected to the Cluster"),
+        Err(error) => error,
+    };
+    println!("Cluster, wrong password: {error}");
+    assert_refused_clearly(&error, wrong);
+}
+
+#[tokio::test]
+async fn on_a_cluster_the_user_needs_cluster_slots() {
+    // The README's ACL without `+cluster|slots`: the Cluster client cannot
+    // learn which node serves which slot, so retryd cannot connect.
+    let without = RULES.replace(" +cluster|slots", "");
+    let cluster = cluster_with_user(&without);
+    let error = match store_at::<Exact>(cluster.urls(), None, PASSWORD).await {
+        Ok(_) => panic!("connected to a Cluster without +cluster|slots"),
+        Err(error) => error,
+    };
+    println!("Cluster without +cluster|slots: {error}");
+    assert!(
+        error.contains("cluster|slots"),
+        "the error does not name the missing permission: {error}"
+    );
+}
+
+#[tokio::test]
+async fn under_sentinel_the_user_runs_every_operation_and_the_sentinels_password_comes_from_their_urls()
+ {
+    let sentinels = sentinels_with_user();
+    let master = Some(RedisSentinels::MASTER_NAME);
+    let urls = sentinel_urls(&sentinels, SENTINEL_PASSWORD);
+    let exact = store_at::<Exact>(urls.clone(), master, PASSWORD)
+        .await
+        .unwrap();
+    every_operation_works(&exact).await;
+    let leased = store_at::<Leased>(urls.clone(), master, PASSWORD)
+        .await
+        .unwrap();
+    every_operation_works(&leased).await;
+    let scripts = sentinels.primary.cli(&["INFO", "commandstats"]);
+    assert!(
+        scripts.contains("cmdstat_evalsha"),
+        "the primary ran no script"
+    );
+
+    // A wrong password for the data nodes, then for the sentinels.
+    let wrong = "not-the-password-2c7";
+    let error = match store_at::<Exact>(urls, master, wrong).await {
+        Ok(_) => panic!("a wrong data-node password connected"),
+        Err(error) => error,
+    };
+    println!("Sentinel, wrong data-node password: {error}");
+    assert_refused_clearly(&error, wrong);
+    let error = match store_at::<Exact>(sentinel_urls(&sentinels, wrong), master, PASSWORD).await {
+        Ok(_) => panic!("a wrong sentinel password connected"),
+        Err(error) => error,
+    };
+    println!("Sentinel, wrong sentinel password: {error}");
+    assert_refused_clearly(&error, wrong);
+}
+
+/// `retryd serve` on `store`, 5 decisions that must be RETRY, and its log.
+async fn serve_decide_and_log(store: &str, env: &[(&str, &str)]) -> String {
+    let mut server = Server::start_with_env(
+        &format!(
+            "[telemetry]\nlog_level = \"debug\"\n[defaults]\nbudget = {{ capacity = 100.0, initial = 10.0, ratio = 1.0, min_per_second = 0.0 }}\n{store}"
+        ),
+        env,
+    );
+    let mut decider = server.decider().await;
+    for _ in 0..5 {
+        let answer = decider
+            .decide(retryable("acl-upstream"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(answer.verdict, pb::Verdict::Retry as i32, "{answer:?}");
+    }
+    server.terminate(Duration::from_secs(5));
+    server.logs()
+}
+
+#[tokio::test]
+async fn on_a_cluster_and_under_sentinel_no_password_appears_in_a_log_line() {
+    let cluster = cluster_with_user(RULES);
+    let sentinels = sentinels_with_user();
+    let secrets = tempfile::tempdir().unwrap();
+    let password_file = secrets.path().join("redis-password");
+    std::fs::write(&password_file, format!("{PASSWORD}\n")).unwrap();
+    let toml_list = |urls: &[String]| {
+        urls.iter()
+            .map(|url| format!("\"{url}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let store = |urls: &[String], extra: &str| {
+        format!(
+            "[store]\nkind = \"redis\"\nurl = [{}]\nmode = \"exact\"\ntimeout = \"500ms\"\nkey_prefix = \"{PREFIX}\"\nusername = \"retryd\"\npassword_file = \"{}\"\n{extra}",
+            toml_list(urls),
+            password_file.display()
+        )
+    };
+    let on_cluster = store(&cluster.urls(), "");
+    let sentinel_table = format!(
+        "sentinel = {{ master_name = \"{}\" }}\n",
+        RedisSentinels::MASTER_NAME
+    );
+    let on_sentinels = store(
+        &sentinel_urls(&sentinels, SENTINEL_PASSWORD),
+        &sentinel_table,
+    );
+    for (topology, store) in [("Cluster", &on_cluster), ("Sentinel", &on_sentinels)] {
+        let logs = serve_decide_and_log(store, &[]).await;
+        assert!(logs.contains("Redis"), "no Redis log line at all:\n{logs}");
+        assert!(
+            !logs.contains(PASSWORD) && !logs.contains(SENTINEL_PASSWORD),
+            "{topology}: a log line shows a password:\n{logs}"
+        );
+        if topology == "Sentinel" {
+            // The sentinels' URLs, which carry their password, are logged
+            // redacted.
+            assert!(logs.contains("redis://***@127.0.0.1"), "{logs}");
+        }
+    }
+    // A wrong data-node password: startup fails, saying so, without it.
+    let wrong = "wrong-password-8f3a";
+    std::fs::write(&password_file, wrong).unwrap();
+    for (topology, store) in [("Cluster", &on_cluster), ("Sentinel", &on_sentinels)] {
+        let (served, stderr) = serve_and_fail(store, &[]);
+        assert!(!served, "{topology}: served with a wrong password");
+        assert_refused_clearly(&stderr, wrong);
+        assert!(stderr.contains("store.url"), "{topology}: {stderr}");
+    }
 }

@@ -1,7 +1,8 @@
-//! Real `redis-server` processes for tests: one node (plain or TLS), a
-//! Redis Cluster, or a primary under Sentinel (`redis/sentinel.rs`),
-//! each on free loopback ports, without persistence, killed when dropped,
-//! and able to be killed and restarted mid-test. Never the shared 6379.
+//! Real `redis-server` processes for tests: one node (plain, TLS beside
+//! plain, or TLS only), a Redis Cluster (plain or TLS only), or a primary
+//! under Sentinel (`redis/sentinel.rs`), each on free loopback ports,
+//! without persistence, killed when dropped, and able to be killed and
+//! restarted mid-test. Never the shared 6379.
 //!
 //! If `redis-server` cannot be started the test fails (panics): a missing
 //! Redis must never turn into a silently skipped test. Uses only `std`
@@ -16,7 +17,7 @@ use std::time::{Duration, Instant};
 
 mod sentinel;
 
-pub use self::sentinel::{RedisSentinels, SentinelProcess};
+pub use self::sentinel::{RedisSentinels, SentinelOptions, SentinelProcess};
 
 /// A key prefix no other store in this test process uses, so that stores
 /// sharing one Redis never see each other's budgets.
@@ -61,8 +62,35 @@ pub struct RedisServer {
     extra: Vec<String>,
     /// `--cluster-node-timeout`, for a cluster node.
     cluster_node_timeout_ms: u32,
+    /// For a server with TLS only (`--port 0`): how the harness's own
+    /// `redis-cli` reaches it, since no plain port is open.
+    tls_only: Option<TlsCli>,
     child: Option<Child>,
     dir: tempfile::TempDir,
+}
+
+/// The harness's TLS client side (`redis-cli --tls`) for TLS-only servers.
+#[derive(Clone)]
+pub(crate) struct TlsCli {
+    /// The CA the servers' certificates are checked against.
+    ca: PathBuf,
+}
+
+impl TlsCli {
+    pub(crate) fn new(files: &TlsFiles) -> TlsCli {
+        TlsCli {
+            ca: files.client_ca.clone(),
+        }
+    }
+
+    /// `redis-cli` arguments before the host and port.
+    pub(crate) fn arguments(&self) -> Vec<String> {
+        vec![
+            "--tls".into(),
+            "--cacert".into(),
+            self.ca.to_string_lossy().into_owned(),
+        ]
+    }
 }
 
 /// PEM files for a TLS server: its certificate and key, and the CA that
@@ -72,8 +100,36 @@ pub struct TlsFiles {
     pub cert: PathBuf,
     /// The server's private key.
     pub key: PathBuf,
-    /// The CA of client certificates (`--tls-ca-cert-file`).
+    /// The CA of client certificates (`--tls-ca-cert-file`). For a TLS-only
+    /// server it must also have signed `cert`: the nodes check each other
+    /// (replication, the Cluster bus) with it, and so does the harness's
+    /// `redis-cli`.
     pub client_ca: PathBuf,
+}
+
+impl TlsFiles {
+    /// `redis-server` arguments for a TLS-only server (`--port 0`), which
+    /// also replicates (and, in a Cluster, talks on its bus) over TLS.
+    /// Clients need no certificate (`--tls-auth-clients no`).
+    fn tls_only_arguments(&self, cluster: bool) -> Vec<String> {
+        let path = |path: &Path| path.to_string_lossy().into_owned();
+        let mut arguments = vec![
+            "--tls-cert-file".into(),
+            path(&self.cert),
+            "--tls-key-file".into(),
+            path(&self.key),
+            "--tls-ca-cert-file".into(),
+            path(&self.client_ca),
+            "--tls-auth-clients".into(),
+            "no".into(),
+            "--tls-replication".into(),
+            "yes".into(),
+        ];
+        if cluster {
+            arguments.extend(["--tls-cluster".into(), "yes".into()]);
+        }
+        arguments
+    }
 }
 
 impl RedisServer {
@@ -107,6 +163,17 @@ impl RedisServer {
         RedisServer::start_with(false, true, extra, 2000)
     }
 
+    /// A standalone server with TLS only: no plain port (`--port 0`),
+    /// replication over TLS, and further `redis-server` arguments
+    /// (`--replicaof`, ...). [`RedisServer::port`] is its TLS port,
+    /// [`RedisServer::url`] a `rediss://localhost` URL, and
+    /// [`RedisServer::cli`] speaks TLS.
+    pub fn start_tls_only(files: &TlsFiles, arguments: &[&str]) -> RedisServer {
+        let mut extra = files.tls_only_arguments(false);
+        extra.extend(arguments.iter().map(|argument| argument.to_string()));
+        RedisServer::start_configured(false, false, Some(TlsCli::new(files)), extra, 2000)
+    }
+
     /// A standalone server run with further `redis-server` arguments
     /// (`--replicaof`, `--user`, ...).
     pub fn start_with_arguments(arguments: &[&str]) -> RedisServer {
@@ -127,6 +194,18 @@ impl RedisServer {
         extra: Vec<String>,
         cluster_node_timeout_ms: u32,
     ) -> RedisServer {
+        RedisServer::start_configured(cluster, tls, None, extra, cluster_node_timeout_ms)
+    }
+
+    /// `tls`: a TLS port beside the plain one; `tls_only`: the TLS port
+    /// alone, reached by the harness as `tls_only` says.
+    fn start_configured(
+        cluster: bool,
+        tls: bool,
+        tls_only: Option<TlsCli>,
+        extra: Vec<String>,
+        cluster_node_timeout_ms: u32,
+    ) -> RedisServer {
         let mut last_log = String::new();
         // A free port may be taken between choosing and binding it: retry.
         for _ in 0..5 {
@@ -138,6 +217,7 @@ impl RedisServer {
                 tls_port: tls.then(free_port),
                 extra: extra.clone(),
                 cluster_node_timeout_ms,
+                tls_only: tls_only.clone(),
                 child: None,
                 dir: tempfile::tempdir().expect("temporary directory"),
             };
@@ -163,9 +243,14 @@ impl RedisServer {
         let port = self.port.to_string();
         let dir = self.dir.path().to_string_lossy().into_owned();
         let log = self.log_path().to_string_lossy().into_owned();
+        // A TLS-only server listens on `port` with TLS and nowhere else.
+        let (plain_port, tls_port) = match self.tls_only {
+            Some(_) => ("0".to_owned(), Some(port.clone())),
+            None => (port, self.tls_port.map(|port| port.to_string())),
+        };
         let mut arguments: Vec<String> = [
             "--port",
-            &port,
+            &plain_port,
             "--bind",
             "127.0.0.1",
             "--save",
@@ -186,8 +271,8 @@ impl RedisServer {
         .iter()
         .map(|argument| argument.to_string())
         .collect();
-        if let Some(tls_port) = self.tls_port {
-            arguments.extend(["--tls-port".to_owned(), tls_port.to_string()]);
+        if let Some(tls_port) = tls_port {
+            arguments.extend(["--tls-port".to_owned(), tls_port]);
         }
         arguments.extend(self.extra.iter().cloned());
         if let Some(bus) = self.cluster_port {
@@ -224,7 +309,7 @@ impl RedisServer {
                 self.child = None;
                 return false;
             }
-            if ping(self.port) {
+            if self.answers_ping() {
                 return true;
             }
             thread::sleep(Duration::from_millis(10));
@@ -233,22 +318,42 @@ impl RedisServer {
         false
     }
 
-    /// The port it listens on (127.0.0.1).
+    fn answers_ping(&self) -> bool {
+        match self.tls_only {
+            // No plain port to write PING to: redis-cli speaks TLS.
+            Some(_) => self.cli(&["PING"]).contains("PONG"),
+            None => ping(self.port),
+        }
+    }
+
+    /// The port it listens on (127.0.0.1): with TLS if TLS only.
     pub fn port(&self) -> u16 {
         self.port
     }
 
-    /// `redis://127.0.0.1:<port>`.
+    /// `redis://127.0.0.1:<port>`; for a TLS-only server its
+    /// [`RedisServer::tls_url`].
     pub fn url(&self) -> String {
+        if self.tls_only.is_some() {
+            return self.tls_url();
+        }
         format!("redis://127.0.0.1:{}", self.port)
     }
 
     /// `rediss://localhost:<tls port>`, for a server started with
-    /// [`RedisServer::start_tls`]: `localhost`, so that the certificate's
-    /// name is checked.
+    /// [`RedisServer::start_tls`] or with TLS only: `localhost`, so that
+    /// the certificate's name is checked.
     pub fn tls_url(&self) -> String {
+        if self.tls_only.is_some() {
+            return format!("rediss://localhost:{}", self.port);
+        }
         let port = self.tls_port.expect("a server started with start_tls");
         format!("rediss://localhost:{port}")
+    }
+
+    /// True for a server with no plain port.
+    pub fn is_tls_only(&self) -> bool {
+        self.tls_only.is_some()
     }
 
     /// The working directory (cluster config, log).
@@ -290,6 +395,7 @@ impl RedisServer {
     /// Runs `redis-cli` against this server and returns what it printed.
     pub fn cli(&self, arguments: &[&str]) -> String {
         let output = Command::new("redis-cli")
+            .args(self.tls_only.iter().flat_map(TlsCli::arguments))
             .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
             .args(arguments)
             .output()
@@ -394,15 +500,45 @@ impl RedisCluster {
         let nodes: Vec<RedisServer> = (0..masters)
             .map(|_| RedisServer::start_node(true))
             .collect();
+        RedisCluster::create(nodes, 0, None)
+    }
+
+    /// Starts `masters` (at least 3) nodes with TLS only (`--port 0`,
+    /// `--tls-cluster yes`, `--tls-replication yes`: clients, the bus and
+    /// replication all over TLS) and joins them into a cluster. The nodes
+    /// announce `127.0.0.1`, so a client that follows `CLUSTER SLOTS`
+    /// checks `files.cert` for that address: issue it for `127.0.0.1` as
+    /// well as `localhost`.
+    pub fn start_tls_only(masters: usize, files: &TlsFiles) -> RedisCluster {
+        assert!(masters >= 3, "Redis Cluster needs at least 3 masters");
+        let tls = TlsCli::new(files);
+        let nodes: Vec<RedisServer> = (0..masters)
+            .map(|_| {
+                RedisServer::start_configured(
+                    true,
+                    false,
+                    Some(tls.clone()),
+                    files.tls_only_arguments(true),
+                    2000,
+                )
+            })
+            .collect();
+        RedisCluster::create(nodes, 0, Some(&tls))
+    }
+
+    /// `redis-cli --cluster create` over `nodes`, `replicas` per master;
+    /// returns once every node reports `cluster_state:ok`.
+    fn create(nodes: Vec<RedisServer>, replicas: usize, tls: Option<&TlsCli>) -> RedisCluster {
         let addresses: Vec<String> = nodes
             .iter()
             .map(|node| format!("127.0.0.1:{}", node.port()))
             .collect();
         let output = Command::new("redis-cli")
+            .args(tls.iter().flat_map(|tls| tls.arguments()))
             .arg("--cluster")
             .arg("create")
             .args(&addresses)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .unwrap_or_else(|error| panic!("cannot run redis-cli --cluster create: {error}"));
         assert!(
@@ -436,25 +572,7 @@ impl RedisCluster {
                 RedisServer::start_with(true, false, extra, 1000)
             })
             .collect();
-        let addresses: Vec<String> = nodes
-            .iter()
-            .map(|node| format!("127.0.0.1:{}", node.port()))
-            .collect();
-        let output = Command::new("redis-cli")
-            .arg("--cluster")
-            .arg("create")
-            .args(&addresses)
-            .args(["--cluster-replicas", "1", "--cluster-yes"])
-            .output()
-            .unwrap_or_else(|error| panic!("cannot run redis-cli --cluster create: {error}"));
-        assert!(
-            output.status.success(),
-            "redis-cli --cluster create failed:\n{}\n{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let cluster = RedisCluster { nodes };
-        cluster.wait_until_ok();
+        let cluster = RedisCluster::create(nodes, 1, None);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let synced = cluster

@@ -1,12 +1,13 @@
 //! Redis Sentinel for tests: a primary, a replica and three
 //! `redis-server FILE --sentinel` processes on free loopback ports, killed
-//! when dropped.
+//! when dropped; plain, or with TLS only (data nodes and sentinels), and
+//! with or without a password on the sentinels themselves.
 
 use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::{RedisServer, STARTUP, free_port, ping};
+use super::{RedisServer, STARTUP, TlsCli, TlsFiles, free_port, ping};
 
 /// A primary, one replica and three sentinels watching it as
 /// [`RedisSentinels::MASTER_NAME`], each on free loopback ports; returns
@@ -19,6 +20,19 @@ pub struct RedisSentinels {
     pub replica: RedisServer,
     /// The sentinels.
     pub sentinels: Vec<SentinelProcess>,
+    /// TLS only, everywhere.
+    tls: bool,
+}
+
+/// How the sentinels are run ([`RedisSentinels::start_with`]).
+#[derive(Default)]
+pub struct SentinelOptions<'a> {
+    /// TLS only, for the data nodes and the sentinels alike (no plain
+    /// port anywhere; replication and the sentinels' own links over TLS).
+    pub tls: Option<&'a TlsFiles>,
+    /// The sentinels' own password (`requirepass`, and `sentinel
+    /// sentinel-pass` so that they still talk to each other).
+    pub sentinel_password: Option<&'a str>,
 }
 
 impl RedisSentinels {
@@ -27,17 +41,29 @@ impl RedisSentinels {
 
     /// Starts them all (failover after 1 s without an answer).
     pub fn start() -> RedisSentinels {
-        let primary = RedisServer::start();
+        RedisSentinels::start_with(&SentinelOptions::default())
+    }
+
+    /// Starts them all as `options` say (failover after 1 s without an
+    /// answer).
+    pub fn start_with(options: &SentinelOptions<'_>) -> RedisSentinels {
+        let primary = match options.tls {
+            Some(files) => RedisServer::start_tls_only(files, &[]),
+            None => RedisServer::start(),
+        };
         let primary_port = primary.port().to_string();
-        let replica =
-            RedisServer::start_with_arguments(&["--replicaof", "127.0.0.1", &primary_port]);
+        let replica_of = ["--replicaof", "127.0.0.1", &primary_port];
+        let replica = match options.tls {
+            Some(files) => RedisServer::start_tls_only(files, &replica_of),
+            None => RedisServer::start_with_arguments(&replica_of),
+        };
         wait_for("the replica to sync", Duration::from_secs(20), || {
             replica
                 .cli(&["INFO", "replication"])
                 .contains("master_link_status:up")
         });
         let sentinels: Vec<SentinelProcess> = (0..3)
-            .map(|_| SentinelProcess::start(primary.port()))
+            .map(|_| SentinelProcess::start(primary.port(), options))
             .collect();
         wait_for(
             "the sentinels to know the replica and each other",
@@ -55,14 +81,19 @@ impl RedisSentinels {
             primary,
             replica,
             sentinels,
+            tls: options.tls.is_some(),
         }
     }
 
-    /// The sentinels' URLs.
+    /// The sentinels' URLs (`rediss://localhost` with TLS, so that their
+    /// certificates' names are checked), without credentials.
     pub fn urls(&self) -> Vec<String> {
         self.sentinels
             .iter()
-            .map(|sentinel| format!("redis://127.0.0.1:{}", sentinel.port))
+            .map(|sentinel| match self.tls {
+                true => format!("rediss://localhost:{}", sentinel.port),
+                false => format!("redis://127.0.0.1:{}", sentinel.port),
+            })
             .collect()
     }
 
@@ -77,21 +108,43 @@ impl RedisSentinels {
 /// One `redis-server FILE --sentinel`.
 pub struct SentinelProcess {
     port: u16,
+    /// With TLS only: how the harness's `redis-cli` reaches it.
+    tls: Option<TlsCli>,
+    /// Its `requirepass`, for the harness's `redis-cli`.
+    password: Option<String>,
     child: Option<Child>,
     dir: tempfile::TempDir,
 }
 
 impl SentinelProcess {
-    fn start(primary_port: u16) -> SentinelProcess {
+    fn start(primary_port: u16, options: &SentinelOptions<'_>) -> SentinelProcess {
         for _ in 0..5 {
             let dir = tempfile::tempdir().expect("temporary directory");
             let port = free_port();
             let config = dir.path().join("sentinel.conf");
+            let listen = match options.tls {
+                // `tls-replication yes`: the sentinel reaches the data
+                // nodes and the other sentinels over TLS too.
+                Some(files) => format!(
+                    "port 0\ntls-port {port}\ntls-cert-file {}\ntls-key-file {}\n\
+                     tls-ca-cert-file {}\ntls-auth-clients no\ntls-replication yes\n",
+                    files.cert.display(),
+                    files.key.display(),
+                    files.client_ca.display()
+                ),
+                None => format!("port {port}\n"),
+            };
+            let auth = match options.sentinel_password {
+                Some(password) => {
+                    format!("requirepass {password}\nsentinel sentinel-pass {password}\n")
+                }
+                None => String::new(),
+            };
             // The file is the sentinel's own: it rewrites it as it learns.
             std::fs::write(
                 &config,
                 format!(
-                    "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {dir}\nlogfile {dir}/sentinel.log\n\
+                    "{listen}{auth}bind 127.0.0.1\nprotected-mode no\ndir {dir}\nlogfile {dir}/sentinel.log\n\
                      sentinel monitor {name} 127.0.0.1 {primary_port} 2\n\
                      sentinel down-after-milliseconds {name} 1000\n\
                      sentinel failover-timeout {name} 10000\n\
@@ -111,12 +164,14 @@ impl SentinelProcess {
                 .unwrap_or_else(|error| panic!("cannot run redis-server --sentinel ({error})"));
             let mut sentinel = SentinelProcess {
                 port,
+                tls: options.tls.map(TlsCli::new),
+                password: options.sentinel_password.map(str::to_owned),
                 child: Some(child),
                 dir,
             };
             let deadline = Instant::now() + STARTUP;
             while Instant::now() < deadline {
-                if ping(port) {
+                if sentinel.answers_ping() {
                     return sentinel;
                 }
                 if let Some(child) = sentinel.child.as_mut() {
@@ -141,9 +196,27 @@ impl SentinelProcess {
         std::fs::read_to_string(self.dir.path().join("sentinel.log")).unwrap_or_default()
     }
 
+    /// True once it answers (a password-protected sentinel answers PING
+    /// only after AUTH, which `cli` sends).
+    fn answers_ping(&self) -> bool {
+        if self.tls.is_none() && self.password.is_none() {
+            return ping(self.port);
+        }
+        self.cli(&["PING"]).contains("PONG")
+    }
+
     /// Runs `redis-cli` against this sentinel.
     pub fn cli(&self, arguments: &[&str]) -> String {
+        let password = self.password.iter().flat_map(|password| {
+            [
+                "--no-auth-warning".to_owned(),
+                "-a".to_owned(),
+                password.clone(),
+            ]
+        });
         let output = Command::new("redis-cli")
+            .args(self.tls.iter().flat_map(TlsCli::arguments))
+            .args(password)
             .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
             .args(arguments)
             .output()
