@@ -4,6 +4,63 @@
 //! Only this module (and `pb`) sees generated types. Errors become
 //! `tonic::Status` in one place, `grpc/status.rs`.
 
+/// `AsyncWrite` for a wrapper that changes only how it reads: every write
+/// goes to `$field` unchanged. Used by the connection types
+/// (`connections.rs`, `received.rs`).
+macro_rules! delegate_async_write {
+    ($wrapper:ty, $field:ident) => {
+        impl tokio::io::AsyncWrite for $wrapper {
+            fn poll_write(
+                self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+                buf: &[u8],
+            ) -> std::task::Poll<std::io::Result<usize>> {
+                tokio::io::AsyncWrite::poll_write(
+                    std::pin::Pin::new(&mut self.get_mut().$field),
+                    cx,
+                    buf,
+                )
+            }
+
+            fn poll_write_vectored(
+                self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+                bufs: &[std::io::IoSlice<'_>],
+            ) -> std::task::Poll<std::io::Result<usize>> {
+                tokio::io::AsyncWrite::poll_write_vectored(
+                    std::pin::Pin::new(&mut self.get_mut().$field),
+                    cx,
+                    bufs,
+                )
+            }
+
+            fn is_write_vectored(&self) -> bool {
+                tokio::io::AsyncWrite::is_write_vectored(&self.$field)
+            }
+
+            fn poll_flush(
+                self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                tokio::io::AsyncWrite::poll_flush(
+                    std::pin::Pin::new(&mut self.get_mut().$field),
+                    cx,
+                )
+            }
+
+            fn poll_shutdown(
+                self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                tokio::io::AsyncWrite::poll_shutdown(
+                    std::pin::Pin::new(&mut self.get_mut().$field),
+                    cx,
+                )
+            }
+        }
+    };
+}
+
 mod admin;
 mod candidate;
 mod connections;

@@ -31,21 +31,14 @@ use tonic::metadata::MetadataMap;
 use crate::telemetry::Metrics;
 use crate::telemetry::metrics::Expiry;
 
-/// A caller's deadline, and how long its call waited before retryd read it.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct CallerDeadline {
-    /// When the caller's `grpc-timeout` runs out.
-    pub(super) at: Instant,
-}
-
-/// The deadline `grpc-timeout` sets, counted from `received` (when the
-/// kernel received the call, if known) or else from now; `None` without a
-/// valid header (an invalid one is ignored, as tonic's own timeout layer
-/// does).
+/// When the caller's `grpc-timeout` runs out, counted from `received`
+/// (when the kernel received the call, if known) or else from now; `None`
+/// without a valid header (an invalid one is ignored, as tonic's own
+/// timeout layer does).
 pub(super) fn caller_deadline(
     metadata: &MetadataMap,
     received: Option<SystemTime>,
-) -> Option<CallerDeadline> {
+) -> Option<Instant> {
     let value = metadata.get("grpc-timeout")?.to_str().ok()?;
     let timeout = parse_timeout(value)?;
     let now = Instant::now();
@@ -54,9 +47,7 @@ pub(super) fn caller_deadline(
     let waited = received
         .and_then(|received| SystemTime::now().duration_since(received).ok())
         .unwrap_or_default();
-    Some(CallerDeadline {
-        at: now.checked_add(timeout.saturating_sub(waited))?,
-    })
+    now.checked_add(timeout.saturating_sub(waited))
 }
 
 /// `grpc-timeout` as the gRPC over HTTP/2 spec writes it: at most eight
@@ -108,13 +99,13 @@ impl Drop for CancelWatch {
 /// Yields once, so that a call its caller already reset is dropped here,
 /// then checks the deadline: `Err` if it passed, having counted it.
 pub(super) async fn still_wanted(
-    deadline: CallerDeadline,
+    deadline: Instant,
     metrics: &Arc<Metrics>,
 ) -> Result<(), tonic::Status> {
     let watch = CancelWatch::new(metrics);
     tokio::task::yield_now().await;
     watch.disarm();
-    expired(deadline.at, metrics)
+    expired(deadline, metrics)
 }
 
 /// An answer needs time to travel back: one that would reach the caller

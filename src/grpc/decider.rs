@@ -485,8 +485,7 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         // The stream's deadline covers every item: one arriving after it is
         // answered DEADLINE_EXCEEDED in place, and spends nothing.
         let received = peer(&request).and_then(|peer| peer.received.get());
-        let deadline =
-            deadline::caller_deadline(request.metadata(), received).map(|deadline| deadline.at);
+        let deadline = deadline::caller_deadline(request.metadata(), received);
         // Every item's span is a child of the stream's trace context.
         let parent = trace_context(request.metadata()).map(Arc::new);
         let peer = peer_addr(&request);
