@@ -15,7 +15,8 @@ use retryd_testkit::clock;
 use retryd_testkit::redis as redis_harness;
 
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use redis_harness::{RedisCluster, RedisServer};
@@ -314,67 +315,35 @@ async fn a_killed_cluster_node_is_answered_in_time_and_recovers() {
     }
 }
 
-/// A TCP proxy in front of a Redis that holds every reply back by a delay
-/// the test sets (none at first, so that connecting is quick): a slow but
-/// answering Redis, the case where an operation of several calls could
-/// add their timeouts up. Plain threads, so that a busy runtime does not
-/// delay the proxy itself.
+/// A proxy in front of a Redis that holds every reply back by a delay the
+/// test sets, on tokio's clock (none at first, so that connecting is
+/// quick): a slow but answering Redis, the case where an operation of
+/// several calls could add their timeouts up.
+///
+/// It runs on the test's paused runtime. Each round trip to Redis runs as
+/// a blocking task, during which tokio does not move a paused clock, and
+/// the hop between the store and the proxy is loopback, readable as soon
+/// as it is written: so the only time that passes is the delay, and the
+/// store's deadlines are measured against it exactly.
 struct SlowProxy {
     port: u16,
-    delay_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    delay_ms: Arc<AtomicU64>,
 }
 
 impl SlowProxy {
-    fn start(redis_port: u16) -> SlowProxy {
-        use std::io::{Read, Write};
-        use std::net::{TcpListener, TcpStream};
-        use std::sync::Arc;
-        use std::sync::atomic::AtomicU64;
-
-        let listener = TcpListener::bind("127.0.0.1:0").expect("a loopback port for the proxy");
+    async fn start(redis_port: u16) -> SlowProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a loopback port for the proxy");
         let port = listener.local_addr().unwrap().port();
         let delay_ms = Arc::new(AtomicU64::new(0));
         let delay = Arc::clone(&delay_ms);
-        std::thread::spawn(move || {
-            for client in listener.incoming() {
-                let Ok(client) = client else { return };
-                let Ok(server) = TcpStream::connect(("127.0.0.1", redis_port)) else {
-                    return;
-                };
-                let _ = (client.set_nodelay(true), server.set_nodelay(true));
-                let (mut to_server, mut from_client) =
-                    (server.try_clone().unwrap(), client.try_clone().unwrap());
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut from_client, &mut to_server);
-                });
-                let (sender, receiver) =
-                    std::sync::mpsc::channel::<(std::time::Instant, Vec<u8>)>();
-                let delay = Arc::clone(&delay);
-                let mut from_server = server;
-                std::thread::spawn(move || {
-                    let mut buffer = vec![0u8; 64 * 1024];
-                    while let Ok(read) = from_server.read(&mut buffer) {
-                        if read == 0 {
-                            return;
-                        }
-                        let due = std::time::Instant::now()
-                            + Duration::from_millis(delay.load(Ordering::Acquire));
-                        if sender.send((due, buffer[..read].to_vec())).is_err() {
-                            return;
-                        }
-                    }
-                });
-                let mut to_client = client;
-                std::thread::spawn(move || {
-                    for (due, bytes) in receiver {
-                        std::thread::sleep(
-                            due.saturating_duration_since(std::time::Instant::now()),
-                        );
-                        if to_client.write_all(&bytes).is_err() {
-                            return;
-                        }
-                    }
-                });
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let redis = std::net::TcpStream::connect(("127.0.0.1", redis_port))
+                    .expect("the proxy connects to Redis");
+                let _ = (client.set_nodelay(true), redis.set_nodelay(true));
+                tokio::spawn(relay(client, redis, Arc::clone(&delay)));
             }
         });
         SlowProxy { port, delay_ms }
@@ -390,6 +359,76 @@ impl SlowProxy {
     }
 }
 
+/// One store connection through the proxy: each request goes to Redis at
+/// once; its reply is handed back `delay` later, in order.
+async fn relay(client: tokio::net::TcpStream, redis: std::net::TcpStream, delay: Arc<AtomicU64>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut from_client, mut to_client) = client.into_split();
+    let (replies, mut queued) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    tokio::spawn(async move {
+        while let Some((due, reply)) = queued.recv().await {
+            tokio::time::sleep_until(due).await;
+            if to_client.write_all(&reply).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut redis = Some(redis);
+    let mut buffer = vec![0u8; 64 * 1024];
+    loop {
+        let read = match from_client.read(&mut buffer).await {
+            Ok(0) | Err(_) => return,
+            Ok(read) => read,
+        };
+        let request = buffer[..read].to_vec();
+        let mut connection = redis.take().expect("one round trip at a time");
+        let (connection, reply) = tokio::task::spawn_blocking(move || {
+            let reply = round_trip(&mut connection, &request);
+            (connection, reply)
+        })
+        .await
+        .unwrap();
+        redis = Some(connection);
+        let Some(reply) = reply else { return };
+        if reply.is_empty() {
+            continue;
+        }
+        let due = Instant::now() + Duration::from_millis(delay.load(Ordering::Acquire));
+        if replies.send((due, reply)).is_err() {
+            return;
+        }
+    }
+}
+
+/// Sends `request` to Redis and reads what it answered: everything that
+/// comes until it has been quiet for 5 ms (a pipelined request's replies
+/// come together). Empty if nothing came within 200 ms (a request split
+/// across reads is answered after its rest); `None` once Redis is gone.
+fn round_trip(redis: &mut std::net::TcpStream, request: &[u8]) -> Option<Vec<u8>> {
+    use std::io::{Read, Write};
+    redis.write_all(request).ok()?;
+    let mut reply = Vec::new();
+    let mut chunk = vec![0u8; 64 * 1024];
+    let mut wait = Duration::from_millis(200);
+    loop {
+        redis.set_read_timeout(Some(wait)).ok()?;
+        match redis.read(&mut chunk) {
+            Ok(0) => return None,
+            Ok(read) => reply.extend_from_slice(&chunk[..read]),
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Some(reply);
+            }
+            Err(_) => return None,
+        }
+        wait = Duration::from_millis(5);
+    }
+}
+
 /// A Redis that answers every call in 0.8 × the timeout: a decision that
 /// needs two calls (a new upstream's admission, then its check; in leased
 /// mode a view, the admission and a lease) still answers within the one
@@ -400,11 +439,8 @@ async fn a_slow_redis_is_answered_within_the_timeout<M: Mode>() {
     // Below the connection's own 500 ms response timeout, so the first call
     // answers; two of them take 800 ms.
     const REPLY_DELAY: Duration = Duration::from_millis(400);
-    // The promise is the timeout; a busy 2-core machine gets 200 ms more,
-    // still short of the 800 ms two calls would take.
-    const WITHIN: Duration = Duration::from_millis(500 + 200);
     let server = RedisServer::start();
-    let proxy = SlowProxy::start(server.port());
+    let proxy = SlowProxy::start(server.port()).await;
     let config = RedisConfig {
         urls: vec![proxy.url().into()],
         mode,
@@ -418,6 +454,7 @@ async fn a_slow_redis_is_answered_within_the_timeout<M: Mode>() {
     let store = RedisBudgetStore::<M>::connect(&config, 1000)
         .await
         .expect("connect to the test Redis through the proxy");
+    tokio::time::pause();
     proxy.delay_replies(REPLY_DELAY);
     let (local, deny) = (bucket(OnUnavailable::Local), bucket(OnUnavailable::Deny));
     for round in 0..3 {
@@ -427,8 +464,14 @@ async fn a_slow_redis_is_answered_within_the_timeout<M: Mode>() {
             .await
             .unwrap();
         let took = started.elapsed();
-        eprintln!("{mode:?}: a slow check answered in {took:?}");
-        assert!(took <= WITHIN, "{mode:?}: a check took {took:?}");
+        eprintln!("{mode:?}: a slow check answered in {took:?} (paused clock)");
+        // It waited for Redis's first answer (the circuit stays closed: a
+        // request cut short by its call's deadline says little about
+        // Redis), and no longer than the one timeout.
+        assert!(
+            (REPLY_DELAY..=SLOW_TIMEOUT + TICK).contains(&took),
+            "{mode:?}: a check took {took:?}"
+        );
         assert!(!check.withdrew, "the local bucket starts empty: {check:?}");
 
         let started = Instant::now();
@@ -436,35 +479,40 @@ async fn a_slow_redis_is_answered_within_the_timeout<M: Mode>() {
             .check(&format!("slow-deny-{round}"), &deny, true)
             .await;
         let took = started.elapsed();
-        assert!(took <= WITHIN, "{mode:?}: a check took {took:?}");
+        assert!(
+            took <= SLOW_TIMEOUT + TICK,
+            "{mode:?}: a check took {took:?}"
+        );
         assert!(
             matches!(check, Err(StoreError::Unavailable(_))),
             "{check:?}"
         );
     }
     assert!(store.stats().backend_timeouts > 0, "{:?}", store.stats());
+    assert!(store.is_available(), "{:?}", store.stats());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test]
 async fn exact_mode_answers_a_slow_redis_within_the_timeout() {
     a_slow_redis_is_answered_within_the_timeout::<Exact>().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test]
 async fn leased_mode_answers_a_slow_redis_within_the_timeout() {
     a_slow_redis_is_answered_within_the_timeout::<Leased>().await;
 }
 
 /// Leased mode, one-token leases behind a Redis that answers in 400 ms,
-/// a 1 s timeout: tasks queue for the lease, each acquiring in turn. The
-/// third gets the lock with too little of its deadline left and falls back;
-/// that says nothing about Redis, so a fourth task that came later still
-/// takes a lease within its own deadline instead of inheriting the third's
-/// failure.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// a 1 s timeout: tasks queue for the lease, each acquiring in turn. On
+/// the paused clock: the first leases at 400 ms, the second at 800; the
+/// third gets the lock at 800 with 240 ms of its deadline left and falls
+/// back; that says nothing about Redis, so a fourth task that started at
+/// 700 ms still takes a lease within its own deadline (lock at 1040, reply
+/// at 1440, deadline 1700) instead of inheriting the third's failure.
+#[tokio::test]
 async fn a_lease_waiter_out_of_time_does_not_fail_the_next() {
     let server = RedisServer::start();
-    let proxy = SlowProxy::start(server.port());
+    let proxy = SlowProxy::start(server.port()).await;
     let config = RedisConfig {
         urls: vec![proxy.url().into()],
         mode: RedisMode::Leased,
@@ -475,7 +523,7 @@ async fn a_lease_waiter_out_of_time_does_not_fail_the_next() {
         key_prefix: redis_harness::fresh_prefix("queue"),
         access: RedisAccess::default(),
     };
-    let store = std::sync::Arc::new(
+    let store = Arc::new(
         RedisBudgetStore::<Leased>::connect(&config, 1000)
             .await
             .expect("connect to the test Redis through the proxy"),
@@ -486,17 +534,15 @@ async fn a_lease_waiter_out_of_time_does_not_fail_the_next() {
         store.try_withdraw("queued", &local).await.unwrap(),
         Some(49.0)
     );
+    tokio::time::pause();
     proxy.delay_replies(Duration::from_millis(400));
     let withdraw_after = |delay: Duration| {
-        let store = std::sync::Arc::clone(&store);
+        let store = Arc::clone(&store);
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;
             store.try_withdraw("queued", &local).await.unwrap()
         })
     };
-    // Three at once: leases at ~400 and ~800 ms; the third has ~200 ms
-    // left for a 400 ms round trip. The fourth starts at 700 ms and gets
-    // the lock at ~1 s with ~700 ms of its own.
     let first = withdraw_after(Duration::ZERO);
     let second = withdraw_after(Duration::from_millis(20));
     let third = withdraw_after(Duration::from_millis(40));
@@ -507,16 +553,10 @@ async fn a_lease_waiter_out_of_time_does_not_fail_the_next() {
         third.await.unwrap(),
         fourth.await.unwrap(),
     ];
-    // Which of the first three runs out depends on how the machine
-    // schedules them (on a loaded one the second can be the late one); one
-    // of them must, and the fourth must not inherit it.
-    assert!(
-        answers[..3].contains(&None),
-        "one of the first three ran out of time: {answers:?}"
-    );
-    assert!(
-        answers[3].is_some(),
-        "the fourth took its own lease: {answers:?}"
+    assert_eq!(
+        answers.map(|answer| answer.is_some()),
+        [true, true, false, true],
+        "the third ran out of time, the fourth took its own lease: {answers:?}"
     );
     assert!(store.is_available(), "{:?}", store.stats());
 }

@@ -50,7 +50,9 @@ impl SentinelConnection {
         }
         let tls = config.urls.iter().any(RedisUrl::is_tls);
         let mut builder =
-            SentinelClientBuilder::new(sentinels, master_name, SentinelServerType::Master)?;
+            SentinelClientBuilder::new(sentinels, master_name, SentinelServerType::Master)?
+                .set_client_to_sentinel_tcp_settings(super::connection::tcp_settings())
+                .set_client_to_redis_tcp_settings(super::connection::tcp_settings());
         if let Some((username, password)) = sentinel_auth {
             if let Some(username) = username {
                 builder = builder.set_client_to_sentinel_username(username);
