@@ -1,7 +1,8 @@
 //! The `retryd` command: `serve` (the default), `check-config`, `replay`, `health` and
 //! `hash-key`.
 //! Startup wiring only: load and validate configuration, start telemetry,
-//! choose the budget store once, serve until SIGTERM or SIGINT.
+//! choose the budget store once, serve until SIGTERM or SIGINT. (About 500
+//! lines: one function per subcommand, each reading top to bottom.)
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

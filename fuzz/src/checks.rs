@@ -10,6 +10,10 @@
 //! path, so it may use only what both crates have: retryd, prost,
 //! prost-types and httpdate. It must not depend on retryd's private code
 //! either: the invariants are restated here, independently of the engine.
+//!
+//! Long (about 1,300 lines) because it is that independent restatement, one
+//! oracle per fuzz target, shared by two crates that can include only one
+//! file; it is test code, not shipped.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

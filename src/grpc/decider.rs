@@ -1,4 +1,10 @@
 //! `RetryDecider`: Decide and DecideStream (ReportTraffic is `report.rs`).
+//!
+//! Long (about 580 lines) because it is the decision path end to end, read
+//! in one place: `begin` (authorise, validate, decide as if the budget
+//! allowed), the one store call, `conclude` (settle, span, log, counters),
+//! and the two RPCs that drive them, each in a synchronous form for a store
+//! that answers at once and an asynchronous one for Redis.
 
 use std::pin::Pin;
 use std::sync::Arc;

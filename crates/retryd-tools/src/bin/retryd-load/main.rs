@@ -23,6 +23,9 @@
 //! pacer sleeps on the OS timer (tens of µs of slack), not on tokio's 1 ms
 //! timer wheel, which would send in bursts and inflate the tail it measures.
 //!
+//! About 500 lines: the arguments, the two senders (unary, stream), the
+//! run and the report, one tool; pacing and the request mix are modules.
+//!
 //! It only talks to the address it is given; bench scripts give it
 //! loopback ones.
 
