@@ -700,6 +700,30 @@ async fn health_reflection_and_graceful_shutdown() {
             "{service:?}"
         );
     }
+    // The memory store is all there is and always reachable: both store
+    // entries read SERVING once the health task has set them.
+    for service in ["retryd.v1.BudgetStore", "retryd.v1.BudgetStore.Any"] {
+        let started = std::time::Instant::now();
+        loop {
+            let status = health
+                .check(tonic_health::pb::HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await
+                .map(|response| response.into_inner().status());
+            if matches!(
+                status,
+                Ok(tonic_health::pb::health_check_response::ServingStatus::Serving)
+            ) {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "{service}: {status:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
     let probe = std::process::Command::new(support::binary())
         .args(["health", "--addr", &server.grpc.to_string()])
         .output()
