@@ -214,12 +214,7 @@ async fn killed_and_restarted<M: Mode>() {
     );
 
     let _frozen = clock::freeze();
-    let _server = tokio::task::spawn_blocking(move || {
-        server.restart();
-        server
-    })
-    .await
-    .unwrap();
+    let _server = server.restarted().await;
     // A probe interval, and the reconnection's own backoff (at most 200 ms).
     let took = shared_again_within(&store, Duration::from_secs(1)).await;
     eprintln!("{mode:?}: shared decisions back {took:?} after the restart (paused clock)");

@@ -447,7 +447,7 @@ async fn survives_lost_scripts<M: Mode>(
 // On the current-thread runtime, whose clock a test can pause.
 #[tokio::test]
 async fn scripts_survive_script_flush_and_restart() {
-    let mut server = RedisServer::start();
+    let server = RedisServer::start();
     let upstreams: Vec<String> = (0..5).map(|index| format!("flushed-{index}")).collect();
     let exact = Setup::new(vec![server.url()]).replica::<Exact>().await;
     survives_lost_scripts(&exact, &upstreams, || server.flush_scripts()).await;
@@ -465,12 +465,7 @@ async fn scripts_survive_script_flush_and_restart() {
     // own probe interval and reconnection backoff, not a busy machine.
     tokio::time::pause();
     let _frozen = clock::freeze();
-    let _server = tokio::task::spawn_blocking(move || {
-        server.restart();
-        server
-    })
-    .await
-    .unwrap();
+    let _server = server.restarted().await;
     let started = tokio::time::Instant::now();
     // Without persistence the bucket starts afresh: 9 left means Redis
     // answered (the fallback bucket holds nothing).

@@ -439,6 +439,18 @@ impl RedisServer {
         assert!(answer.contains("OK"), "SCRIPT FLUSH answered {answer:?}");
     }
 
+    /// [`RedisServer::restart`] from async code: on a blocking thread, so
+    /// the runtime goes on (and, as any blocking task, holds a paused
+    /// clock still meanwhile: see [`crate::clock`]).
+    pub async fn restarted(mut self) -> RedisServer {
+        tokio::task::spawn_blocking(move || {
+            self.restart();
+            self
+        })
+        .await
+        .expect("restarting redis-server")
+    }
+
     /// SIGSTOP: the server stalls entirely (connections stay open, nothing
     /// is answered) for as long as the test needs, until [`RedisServer::cont`].
     /// (`CLIENT PAUSE` would also hold back the `CLIENT UNPAUSE` that ends it.)
