@@ -1,9 +1,12 @@
 package retryd
 
 import (
+	"context"
 	"math"
 	"strings"
 	"time"
+
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	pb "github.com/retryd/retryd/clients/go/retrydv1"
 )
@@ -81,3 +84,20 @@ func verdictName(d Decision) string {
 }
 
 var nan = math.NaN()
+
+// setTiming fills in what retryd needs to know of time: the deadline left
+// on ctx (none if it has none; zero once it has passed) and the backoff
+// waited before this attempt, if any. The Transport and the interceptor
+// report both alike.
+func setTiming(ctx context.Context, req *pb.DecideRequest, previousBackoff time.Duration) {
+	if deadline, ok := ctx.Deadline(); ok {
+		remaining := time.Until(deadline)
+		if remaining < 0 {
+			remaining = 0
+		}
+		req.DeadlineRemaining = durationpb.New(remaining)
+	}
+	if previousBackoff > 0 {
+		req.PreviousBackoff = durationpb.New(previousBackoff)
+	}
+}

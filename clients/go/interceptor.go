@@ -10,7 +10,6 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/types/known/durationpb"
 )
 
 // InterceptorOptions configures [Client.UnaryClientInterceptor]. The zero
@@ -129,16 +128,7 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 					decideReq.Failure = pb.FailureKind_FAILURE_KIND_CONNECTION_RESET
 				}
 			}
-			if deadline, ok := ctx.Deadline(); ok {
-				remaining := time.Until(deadline)
-				if remaining < 0 {
-					remaining = 0
-				}
-				decideReq.DeadlineRemaining = durationpb.New(remaining)
-			}
-			if previousBackoff > 0 {
-				decideReq.PreviousBackoff = durationpb.New(previousBackoff)
-			}
+			setTiming(ctx, decideReq, previousBackoff)
 			decision, decideErr := c.Decide(ctx, decideReq)
 			if decideErr != nil {
 				return &Error{Err: decideErr, Attempts: attempt, Decisions: decisions}

@@ -19,7 +19,6 @@ import (
 	"time"
 
 	pb "github.com/retryd/retryd/clients/go/retrydv1"
-	"google.golang.org/protobuf/types/known/durationpb"
 )
 
 // DefaultRetryStatuses are the statuses the Transport asks retryd about;
@@ -407,16 +406,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			AuthRefreshAttempted: authRefreshed,
 			MaxAttempts:          call.MaxAttempts,
 		}
-		if deadline, ok := ctx.Deadline(); ok {
-			remaining := time.Until(deadline)
-			if remaining < 0 {
-				remaining = 0
-			}
-			decideReq.DeadlineRemaining = durationpb.New(remaining)
-		}
-		if previousBackoff > 0 {
-			decideReq.PreviousBackoff = durationpb.New(previousBackoff)
-		}
+		setTiming(ctx, decideReq, previousBackoff)
 		decision, err := t.Client.Decide(decideCtx, decideReq)
 		if err != nil {
 			// An invalid request (a bug, not an outage): say so, with the
