@@ -199,10 +199,10 @@ async fn every_panel_and_alert_evaluates_on_a_real_prometheus_scraping_retryd() 
     let server = Server::start(
         "[telemetry]\notlp_endpoint = \"http://127.0.0.1:9\"\n\
          [upstreams.pay]\nmax_attempts = 10\n\
+         budget = { capacity = 1000.0, initial = 1000.0 }\n\
          [upstreams.tiny]\nbudget = { capacity = 2.0, initial = 2.0, min_per_second = 0.0 }\n\
          [upstreams.ledger]\n",
     );
-    let prometheus = Prometheus::start(server.metrics);
     let mut decider = server.decider().await;
     let mut admin = server.admin().await;
     let drive = async |decider: &mut pb::retry_decider_client::RetryDeciderClient<_>| {
@@ -241,6 +241,9 @@ async fn every_panel_and_alert_evaluates_on_a_real_prometheus_scraping_retryd() 
             .unwrap();
     };
     drive(&mut decider).await;
+    // Started after a whole drive: its first scrape sees every series, each
+    // at a drive's end, so the rates below start from one consistent point.
+    let prometheus = Prometheus::start(server.metrics);
     admin
         .set_retries_enabled(pb::SetRetriesEnabledRequest {
             upstream: "ledger".into(),
@@ -285,17 +288,71 @@ async fn every_panel_and_alert_evaluates_on_a_real_prometheus_scraping_retryd() 
         let result = prometheus.wait_for(&expr);
         assert!(!result.is_empty(), "panel {title:?}: {expr}");
     }
-    let amplification =
-        prometheus.query("upstream:retryd_retry_amplification:ratio_rate5m{upstream=\"pay\"}");
-    let value: f64 = amplification[0]["value"][1]
-        .as_str()
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!(
-        (0.4..=0.6).contains(&value),
-        "5 retries per 10 reported: {value}"
+    // The amplification rule against what retryd counted. Pay's budget never
+    // runs dry, so every drive adds the same retries per reported request,
+    // and both series extrapolate alike. Traffic stops;
+    // once Prometheus holds retryd's final counts, every sample in the
+    // window was taken between drives (the first after a whole one), both
+    // series share their scrape times, and the rule must come to exactly
+    // the counted retries per reported request. Which scrapes fell where
+    // changes nothing; a busy machine only makes it take longer.
+    let counted = |name: &str| -> f64 {
+        let scrape = server.scrape();
+        scrape
+            .lines()
+            .find(|line| line.starts_with(&format!("{name}{{upstream=\"pay\"}} ")))
+            .and_then(|line| line.rsplit(' ').next())
+            .and_then(|value| value.parse().ok())
+            .unwrap_or_else(|| panic!("{name} for pay in {scrape}"))
+    };
+    let (retries, reported) = (
+        counted("retryd_retries_granted_total"),
+        counted("retryd_upstream_reported_requests_total"),
     );
+    let sample = |expr: &str| -> Vec<f64> {
+        prometheus
+            .query(expr)
+            .first()
+            .and_then(|series| series["values"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .map(|point| point[1].as_str().unwrap().parse().unwrap())
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let (retry_samples, report_samples) = loop {
+        let retry_samples = sample("retryd_retries_granted_total{upstream=\"pay\"}[10m]");
+        let report_samples =
+            sample("retryd_upstream_reported_requests_total{upstream=\"pay\"}[10m]");
+        if retry_samples.last() == Some(&retries) && report_samples.last() == Some(&reported) {
+            break (retry_samples, report_samples);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Prometheus never scraped {retries} retries, {reported} reported"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    let expected = (retries - retry_samples[0]) / (reported - report_samples[0]);
+    assert!(
+        (0.4..=0.6).contains(&expected),
+        "5 or 6 retries per 10 reported: {expected}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let value: Option<f64> = prometheus
+            .query("upstream:retryd_retry_amplification:ratio_rate5m{upstream=\"pay\"}")
+            .first()
+            .and_then(|series| series["value"][1].as_str()?.parse().ok());
+        if value.is_some_and(|value| (value - expected).abs() < 1e-3 * expected) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "amplification {value:?}, counted {expected}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
 
     for (alert, expr) in rules() {
         // The ones the test caused are waited for (spans are counted lost

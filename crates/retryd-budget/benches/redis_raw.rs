@@ -2,10 +2,11 @@
 //! of exactly the script the exact-mode store runs once per decision (the
 //! `bucket.lua` prelude plus `check.lua`, withdrawing), with the same keys
 //! and arguments, through the same client (redis-rs, one multiplexed
-//! `ConnectionManager`), against `RedisBudgetStore::check` of an
-//! `ExactStore` and a `LeasedStore` (what a decision calls), each from the
-//! same number of tasks.
-//! The three alternate in short slices (`--rounds`), so that load from other
+//! `ConnectionManager`, with TCP_NODELAY as the store sets it), against
+//! `RedisBudgetStore::check` of an `ExactStore` and a `LeasedStore` (what a
+//! decision calls), each from the same number of tasks; and the raw script
+//! once more with redis-rs's default, Nagle on, to show what NODELAY does.
+//! The four alternate in short slices (`--rounds`), so that load from other
 //! work hits them alike, and the median of the per-round ratios is reported
 //! next to the totals.
 //!
@@ -203,8 +204,15 @@ fn store_call<M: Mode>(store: RedisBudgetStore<M>, config: BucketConfig) -> Call
     })
 }
 
-async fn run(url: String, args: Args) -> Result<(), String> {
-    let client = redis::Client::open(url.as_str()).map_err(|err| err.to_string())?;
+/// The script called directly on a `ConnectionManager` of its own, with
+/// TCP_NODELAY as the store sets it, or with redis-rs's default (Nagle on).
+async fn raw_call(url: &str, nodelay: bool, config: BucketConfig) -> Result<Call, String> {
+    let mut info =
+        redis::IntoConnectionInfo::into_connection_info(url).map_err(|err| err.to_string())?;
+    if nodelay {
+        info = info.set_tcp_settings(redis::io::tcp::TcpSettings::default().set_nodelay(true));
+    }
+    let client = redis::Client::open(info).map_err(|err| err.to_string())?;
     let connection = ConnectionManager::new(client)
         .await
         .map_err(|err| format!("cannot connect to {url}: {err}"))?;
@@ -219,7 +227,7 @@ async fn run(url: String, args: Args) -> Result<(), String> {
         ..BucketConfig::default()
     };
     let floor: Arc<str> = format!("{:?}", config.floor_units_per_nano()).into();
-    let raw: Call = Arc::new(move || {
+    Ok(Arc::new(move || {
         let mut connection = connection.clone();
         let (script, floor) = (Arc::clone(&script), Arc::clone(&floor));
         Box::pin(async move {
@@ -239,30 +247,44 @@ async fn run(url: String, args: Args) -> Result<(), String> {
                 .map(|values| values.first() == Some(&1))
                 .map_err(|err| err.to_string())
         })
-    });
-    let sides: [(&str, Call); 3] = [
-        ("raw", raw),
+    }))
+}
+
+async fn run(url: String, args: Args) -> Result<(), String> {
+    // The bucket retryd's bench configuration uses: it never runs dry.
+    let config = BucketConfig {
+        capacity: 1e9,
+        initial: 1e9,
+        ratio: 0.1,
+        min_per_second: 1000.0,
+        ..BucketConfig::default()
+    };
+    let sides: [(&str, Call); 4] = [
+        ("raw", raw_call(&url, true, config).await?),
         ("exact", store_call(store::<Exact>(&url).await?, config)),
         ("leased", store_call(store::<Leased>(&url).await?, config)),
+        // What TCP_NODELAY changes, on the same script.
+        ("raw_nagle", raw_call(&url, false, config).await?),
     ];
     for (_, call) in &sides {
         slice(call, args.tasks, args.warmup / 3, None).await;
     }
     let length = args.duration / args.rounds;
     let mut tallies: Vec<Tally> = sides.iter().map(|_| Tally::new()).collect();
-    let mut ratios: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    let mut ratios: [Vec<f64>; 3] = [Vec::new(), Vec::new(), Vec::new()];
     for _ in 0..args.rounds {
-        let mut rates = [0.0; 3];
+        let mut rates = [0.0; 4];
         for (index, (_, call)) in sides.iter().enumerate() {
             rates[index] = slice(call, args.tasks, length, Some(&mut tallies[index])).await;
         }
         ratios[0].push(rates[1] / rates[0]);
         ratios[1].push(rates[2] / rates[0]);
+        ratios[2].push(rates[3] / rates[0]);
     }
     let micros = |nanos: u64| (nanos as f64 / 100.0).round() / 10.0;
     for ((name, _), tally) in sides.iter().zip(&tallies) {
-        let label = if *name == "raw" {
-            "redis.raw".to_owned()
+        let label = if name.starts_with("raw") {
+            format!("redis.{name}")
         } else {
             format!("redis.store.{name}")
         };
@@ -293,12 +315,14 @@ async fn run(url: String, args: Args) -> Result<(), String> {
         values[values.len() / 2]
     };
     let (exact, leased) = (median(&mut ratios[0]), median(&mut ratios[1]));
+    let nagle = median(&mut ratios[2]);
     eprintln!(
-        "store ÷ raw script, median of {} rounds: exact {exact:.3}, leased {leased:.3}",
+        "store ÷ raw script, median of {} rounds: exact {exact:.3}, leased {leased:.3}; \
+         raw script with Nagle ÷ with TCP_NODELAY {nagle:.3}",
         args.rounds
     );
     println!(
-        "{{\"label\":\"redis.store_ratio\",\"rounds\":{},\"exact_vs_raw\":{exact:.4},\"leased_vs_raw\":{leased:.4}}}",
+        "{{\"label\":\"redis.store_ratio\",\"rounds\":{},\"exact_vs_raw\":{exact:.4},\"leased_vs_raw\":{leased:.4},\"nagle_vs_nodelay\":{nagle:.4}}}",
         args.rounds
     );
     Ok(())
