@@ -218,14 +218,6 @@ async fn raw_call(url: &str, nodelay: bool, config: BucketConfig) -> Result<Call
         .map_err(|err| format!("cannot connect to {url}: {err}"))?;
     // Shared, not cloned per call: a `Script` clone copies its text.
     let script = Arc::new(redis::Script::new(SCRIPT));
-    // The bucket retryd's bench configuration uses: it never runs dry.
-    let config = BucketConfig {
-        capacity: 1e9,
-        initial: 1e9,
-        ratio: 0.1,
-        min_per_second: 1000.0,
-        ..BucketConfig::default()
-    };
     let floor: Arc<str> = format!("{:?}", config.floor_units_per_nano()).into();
     Ok(Arc::new(move || {
         let mut connection = connection.clone();
