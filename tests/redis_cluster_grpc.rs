@@ -130,13 +130,17 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
         .iter()
         .map(|url| format!("\"{url}\""))
         .collect();
+    // A 1 s store timeout: long enough that a live master on a loaded
+    // machine answers within it (the test is about which upstreams fall
+    // back, not about latency; tests/redis_cluster_failover.rs saw live
+    // masters' upstreams fall back at 100 ms under stress-ng).
     let mut server = Server::start(&format!(
         r#"
         [store]
         kind = "redis"
         url = [{}]
         mode = "exact"
-        timeout = "300ms"
+        timeout = "1s"
         on_unavailable = "local"
         key_prefix = "{prefix}"
 

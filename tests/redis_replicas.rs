@@ -444,8 +444,7 @@ async fn survives_lost_scripts<M: Mode>(
     assert_eq!(store.stats().backend_errors, 0, "{:?}", store.stats());
 }
 
-// On the current-thread runtime, whose clock a test can pause.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scripts_survive_script_flush_and_restart() {
     let server = RedisServer::start();
     let upstreams: Vec<String> = (0..5).map(|index| format!("flushed-{index}")).collect();
@@ -460,13 +459,10 @@ async fn scripts_survive_script_flush_and_restart() {
         store.try_withdraw("restarted", &config).await.unwrap(),
         Some(9.0)
     );
-    // From the restart on, the clock is paused and held still: it moves
-    // only 10 ms at a time between tries, so the bound counts the store's
-    // own probe interval and reconnection backoff, not a busy machine.
-    tokio::time::pause();
-    let _frozen = clock::freeze();
+    // Coming back takes a reconnection, real I/O at the machine's pace: a
+    // liveness check, with a guard against a hang (30 s), not a latency.
     let _server = server.restarted().await;
-    let started = tokio::time::Instant::now();
+    let started = Instant::now();
     // Without persistence the bucket starts afresh: 9 left means Redis
     // answered (the fallback bucket holds nothing).
     loop {
@@ -474,16 +470,12 @@ async fn scripts_survive_script_flush_and_restart() {
             break;
         }
         assert!(
-            started.elapsed() < Duration::from_secs(1),
-            "not back within 1 s"
+            started.elapsed() < Duration::from_secs(30),
+            "not back within 30 s"
         );
-        tokio::time::advance(Duration::from_millis(10)).await;
-        clock::settle().await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    eprintln!(
-        "shared again {:?} after the restart (paused clock)",
-        started.elapsed()
-    );
+    eprintln!("shared again {:?} after the restart", started.elapsed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
