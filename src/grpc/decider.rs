@@ -54,22 +54,18 @@ struct Begun<'r> {
 }
 
 impl<S: BudgetStore> Service<S> {
-    /// Decides one request under the caller's trace context: validate,
-    /// decide as if the budget allowed, make the one store call (a read,
-    /// plus a withdrawal only if that decision is RETRY), settle the
-    /// decision on what the store said, and record it as a span, a log line
-    /// and counters. `live` is the configuration the whole decision uses,
-    /// loaded once by the caller, so that a reload never splits one
-    /// decision.
-    pub(super) async fn decide_one(
+    /// Finishes one decision that [`Service::begin`] started (validated,
+    /// decided as if the budget allowed, under the caller's trace context
+    /// and the one configuration `live` the caller loaded, so that a reload
+    /// never splits a decision): makes the one store call (a read, plus a
+    /// withdrawal only if that decision is RETRY), settles the decision on
+    /// what the store said, and records it as a span, a log line and
+    /// counters.
+    async fn decide_one(
         &self,
-        live: &Live,
-        principal: &Principal,
-        request: &pb::DecideRequest,
+        begun: Begun<'_>,
         parent: Option<&TraceContext>,
-        method: &'static str,
     ) -> Result<pb::DecideResponse, Status> {
-        let begun = self.begin(live, principal, request, parent, method)?;
         let store = &self.inner.store;
         let asked = Instant::now();
         let checked = store
@@ -90,15 +86,11 @@ impl<S: BudgetStore> Service<S> {
     /// answers are ready when returned (`BudgetStore::ANSWERS_AT_ONCE`):
     /// no future is boxed or queued per decision, and the store call is not
     /// timed apart (it is part of the decision's duration).
-    pub(super) fn decide_one_now(
+    fn decide_one_now(
         &self,
-        live: &Live,
-        principal: &Principal,
-        request: &pb::DecideRequest,
+        begun: Begun<'_>,
         parent: Option<&TraceContext>,
-        method: &'static str,
     ) -> Result<pb::DecideResponse, Status> {
-        let begun = self.begin(live, principal, request, parent, method)?;
         let checked = self
             .inner
             .store
@@ -454,23 +446,17 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
             deadline::still_wanted(deadline, &self.inner.metrics).await?;
         }
         let parent = trace_context(request.metadata());
-        let answer = if S::ANSWERS_AT_ONCE {
-            self.decide_one_now(
-                &live,
-                principal,
-                request.get_ref(),
-                parent.as_ref(),
-                "Decide",
-            )
-        } else {
-            self.decide_one(
-                &live,
-                principal,
-                request.get_ref(),
-                parent.as_ref(),
-                "Decide",
-            )
-            .await
+        let begun = self.begin(
+            &live,
+            principal,
+            request.get_ref(),
+            parent.as_ref(),
+            "Decide",
+        );
+        let answer = match begun {
+            Ok(begun) if S::ANSWERS_AT_ONCE => self.decide_one_now(begun, parent.as_ref()),
+            Ok(begun) => self.decide_one(begun, parent.as_ref()).await,
+            Err(status) => Err(status),
         };
         if let Err(status) = &answer {
             let peer = peer_addr(&request);
@@ -518,15 +504,19 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
             // no future per item to box, queue and reorder.
             Box::pin(items.map(move |item| {
                 item.map(|request| {
-                    let answer = service.within(deadline).and_then(|()| {
-                        service.decide_one_now(
-                            &service.live(),
-                            &principal,
-                            &request,
-                            parent.as_deref(),
-                            "DecideStream",
-                        )
-                    });
+                    let live = service.live();
+                    let answer = service
+                        .within(deadline)
+                        .and_then(|()| {
+                            service.begin(
+                                &live,
+                                &principal,
+                                &request,
+                                parent.as_deref(),
+                                "DecideStream",
+                            )
+                        })
+                        .and_then(|begun| service.decide_one_now(begun, parent.as_deref()));
                     answered(&service, &principal, answer)
                 })
             }))
@@ -539,18 +529,18 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
                         let principal = Arc::clone(&principal);
                         async move {
                             let request = item?;
-                            let answer = match service.within(deadline) {
-                                Ok(()) => {
-                                    service
-                                        .decide_one(
-                                            &service.live(),
-                                            &principal,
-                                            &request,
-                                            parent.as_deref(),
-                                            "DecideStream",
-                                        )
-                                        .await
-                                }
+                            let live = service.live();
+                            let begun = service.within(deadline).and_then(|()| {
+                                service.begin(
+                                    &live,
+                                    &principal,
+                                    &request,
+                                    parent.as_deref(),
+                                    "DecideStream",
+                                )
+                            });
+                            let answer = match begun {
+                                Ok(begun) => service.decide_one(begun, parent.as_deref()).await,
                                 Err(status) => Err(status),
                             };
                             Ok(answered(&service, &principal, answer))
