@@ -101,3 +101,19 @@ func setTiming(ctx context.Context, req *pb.DecideRequest, previousBackoff time.
 		req.PreviousBackoff = durationpb.New(previousBackoff)
 	}
 }
+
+// waitBackoff waits out a backoff, or returns ctx's error as soon as ctx
+// is done: a caller's deadline bounds the wait as well as the attempts.
+func waitBackoff(ctx context.Context, backoff time.Duration) error {
+	if backoff <= 0 {
+		return nil
+	}
+	timer := time.NewTimer(backoff)
+	defer timer.Stop()
+	select {
+	case <-timer.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}

@@ -152,14 +152,8 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 				authRefreshed = true
 			}
 			previousBackoff = decision.Backoff
-			if decision.Backoff > 0 {
-				timer := time.NewTimer(decision.Backoff)
-				select {
-				case <-timer.C:
-				case <-ctx.Done():
-					timer.Stop()
-					return &Error{Err: status.FromContextError(ctx.Err()).Err(), Attempts: attempt, Decisions: decisions}
-				}
+			if err := waitBackoff(ctx, decision.Backoff); err != nil {
+				return &Error{Err: status.FromContextError(err).Err(), Attempts: attempt, Decisions: decisions}
 			}
 		}
 	}

@@ -452,15 +452,9 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			authRefreshed = true
 		}
 		previousBackoff = decision.Backoff
-		if decision.Backoff > 0 {
-			timer := time.NewTimer(decision.Backoff)
-			select {
-			case <-timer.C:
-			case <-ctx.Done():
-				timer.Stop()
-				closeBody(replay)
-				return nil, &Error{Err: ctx.Err(), Attempts: attempt, Decisions: decisions}
-			}
+		if err := waitBackoff(ctx, decision.Backoff); err != nil {
+			closeBody(replay)
+			return nil, &Error{Err: err, Attempts: attempt, Decisions: decisions}
 		}
 		next = replay
 	}
