@@ -3,6 +3,7 @@
 //! Redis Cluster in both modes, all started by the test itself. Every store
 //! must give the same answers.
 
+use retryd_testkit::HANG_GUARD;
 use retryd_testkit::redis as redis_harness;
 
 use std::future::Future;
@@ -39,11 +40,6 @@ async fn redis_store<M: Mode>(urls: &[String], max_upstreams: usize) -> RedisBud
         .await
         .expect("connect to the test Redis")
 }
-
-/// A generous guard against a hang, never a latency claim: a loaded
-/// machine may delay leased mode's background flush by any amount, and
-/// only the state it reaches is asserted.
-const HANG_GUARD: Duration = Duration::from_secs(30);
 
 /// Leased mode flushes deposits in the background: views may take a few
 /// milliseconds to show them.

@@ -683,46 +683,19 @@ async fn too_many_upstreams_is_resource_exhausted() {
 #[tokio::test]
 async fn health_reflection_and_graceful_shutdown() {
     let mut server = Server::start("");
-    let channel = server.channel().await;
-    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
     for service in ["", "retryd.v1.RetryDecider", "retryd.v1.RetryAdmin"] {
-        let status = health
-            .check(tonic_health::pb::HealthCheckRequest {
-                service: service.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .status();
         assert_eq!(
-            status,
-            tonic_health::pb::health_check_response::ServingStatus::Serving,
+            server.health(service).await.unwrap(),
+            support::ServingStatus::Serving,
             "{service:?}"
         );
     }
     // The memory store is all there is and always reachable: both store
     // entries read SERVING once the health task has set them.
     for service in ["retryd.v1.BudgetStore", "retryd.v1.BudgetStore.Any"] {
-        let started = std::time::Instant::now();
-        loop {
-            let status = health
-                .check(tonic_health::pb::HealthCheckRequest {
-                    service: service.into(),
-                })
-                .await
-                .map(|response| response.into_inner().status());
-            if matches!(
-                status,
-                Ok(tonic_health::pb::health_check_response::ServingStatus::Serving)
-            ) {
-                break;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "{service}: {status:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        server
+            .health_becomes(service, support::ServingStatus::Serving)
+            .await;
     }
     let probe = std::process::Command::new(support::binary())
         .args(["health", "--addr", &server.grpc.to_string()])

@@ -24,10 +24,7 @@ use retryd_budget::redis::{Exact, RedisAccess, RedisConfig, RedisMode};
 use retryd_budget::{BucketConfig, BudgetStore, ExactStore, OnUnavailable, RedisBudgetStore};
 use retryd_proto as pb;
 use support::redis::{RedisCluster, fresh_prefix};
-use support::{Server, binary, retryable};
-use tonic_health::pb::HealthCheckRequest;
-use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::health_client::HealthClient;
+use support::{Server, ServingStatus, binary, retryable};
 
 const INITIAL: f64 = 1.0e6;
 const ALL: &str = "retryd.v1.BudgetStore";
@@ -63,20 +60,6 @@ struct Seen {
     last_deny: Option<Instant>,
     /// The last answer was a RETRY.
     last_was_retry: bool,
-}
-
-async fn status(
-    health: &mut HealthClient<tonic::transport::Channel>,
-    service: &str,
-) -> ServingStatus {
-    health
-        .check(HealthCheckRequest {
-            service: service.into(),
-        })
-        .await
-        .unwrap_or_else(|status| panic!("health of {service}: {status}"))
-        .into_inner()
-        .status()
 }
 
 /// `retryd health --service SERVICE`: whether it exited 0, and what it
@@ -149,7 +132,6 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
         "#,
         urls.join(", ")
     ));
-    let mut health = HealthClient::new(server.channel().await);
 
     // A task per upstream, deciding until `stop`.
     let stop = Arc::new(AtomicBool::new(false));
@@ -190,8 +172,8 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
         }));
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(status(&mut health, ALL).await, ServingStatus::Serving);
-    assert_eq!(status(&mut health, ANY).await, ServingStatus::Serving);
+    assert_eq!(server.health(ALL).await.unwrap(), ServingStatus::Serving);
+    assert_eq!(server.health(ANY).await.unwrap(), ServingStatus::Serving);
     for (upstream, state) in &seen {
         let state = state.lock().unwrap();
         assert!(
@@ -208,8 +190,8 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
     // 250 ms, so the partial state is seen well inside the 2–3 s before
     // the promotion.
     let partial_seen = loop {
-        let all = status(&mut health, ALL).await;
-        let any = status(&mut health, ANY).await;
+        let all = server.health(ALL).await.unwrap();
+        let any = server.health(ANY).await.unwrap();
         if all == ServingStatus::NotServing {
             assert_eq!(any, ServingStatus::Serving, "part of the store is up");
             break killed.elapsed();
@@ -240,8 +222,8 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
         if last_deny.elapsed() < Duration::from_millis(500) {
             continue;
         }
-        if status(&mut health, ALL).await == ServingStatus::Serving {
-            assert_eq!(status(&mut health, ANY).await, ServingStatus::Serving);
+        if server.health(ALL).await.unwrap() == ServingStatus::Serving {
+            assert_eq!(server.health(ANY).await.unwrap(), ServingStatus::Serving);
             break last_deny.duration_since(killed);
         }
     };
@@ -353,8 +335,8 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
     let gone = Instant::now();
     loop {
         decide_all().await;
-        if status(&mut health, ALL).await == ServingStatus::NotServing {
-            assert_eq!(status(&mut health, ANY).await, ServingStatus::Serving);
+        if server.health(ALL).await.unwrap() == ServingStatus::NotServing {
+            assert_eq!(server.health(ANY).await.unwrap(), ServingStatus::Serving);
             break;
         }
         assert!(gone.elapsed() < WITHIN, "{ALL} never turned NOT_SERVING");
@@ -379,8 +361,8 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
     let gone = Instant::now();
     loop {
         decide_all().await;
-        if status(&mut health, ANY).await == ServingStatus::NotServing {
-            assert_eq!(status(&mut health, ALL).await, ServingStatus::NotServing);
+        if server.health(ANY).await.unwrap() == ServingStatus::NotServing {
+            assert_eq!(server.health(ALL).await.unwrap(), ServingStatus::NotServing);
             break;
         }
         assert!(gone.elapsed() < WITHIN, "{ANY} never turned NOT_SERVING");

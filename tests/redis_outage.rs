@@ -12,6 +12,7 @@
 //! machine's pace, so they are checked for liveness only. The slow Redis
 //! is a proxy on the paused clock (below).
 
+use retryd_testkit::HANG_GUARD;
 use retryd_testkit::redis as redis_harness;
 
 use std::future::Future;
@@ -31,8 +32,6 @@ const TICK: Duration = Duration::from_millis(1);
 const ANSWER_WITHIN: Duration = TIMEOUT.saturating_add(TICK);
 /// How long leased mode trusts its reading of the shared bucket.
 const VIEW_CACHE: Duration = Duration::from_millis(100);
-/// A guard against a hang in the recoveries, never a latency claim.
-const HANG_GUARD: Duration = Duration::from_secs(30);
 
 fn bucket(on_unavailable: OnUnavailable) -> BucketConfig {
     BucketConfig {

@@ -4,8 +4,8 @@
 //! an idle replica come back; the kill switch crosses replicas; scripts
 //! survive SCRIPT FLUSH and a restart, on one node and in a Cluster.
 
-use retryd_testkit::clock;
 use retryd_testkit::redis as redis_harness;
+use retryd_testkit::{HANG_GUARD, clock};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -201,12 +201,12 @@ async fn stranded_lease_tokens_are_usable_elsewhere_within_lease_ttl() {
     );
     assert_eq!(busy.try_withdraw("stranded", &config).await.unwrap(), None);
     // Once it has ended, the four stranded tokens are the other replica's
-    // (30 s only so that a stuck test fails instead of hanging).
+    // (HANG_GUARD only so that a stuck test fails instead of hanging).
     let started = Instant::now();
     let mut granted = 0;
     while granted < 4 {
         assert!(
-            started.elapsed() < Duration::from_secs(30),
+            started.elapsed() < HANG_GUARD,
             "stranded tokens not usable after {:?}",
             started.elapsed()
         );
@@ -460,7 +460,7 @@ async fn scripts_survive_script_flush_and_restart() {
         Some(9.0)
     );
     // Coming back takes a reconnection, real I/O at the machine's pace: a
-    // liveness check, with a guard against a hang (30 s), not a latency.
+    // liveness check, with a guard against a hang, not a latency.
     let _server = server.restarted().await;
     let started = Instant::now();
     // Without persistence the bucket starts afresh: 9 left means Redis
@@ -470,8 +470,8 @@ async fn scripts_survive_script_flush_and_restart() {
             break;
         }
         assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "not back within 30 s"
+            started.elapsed() < HANG_GUARD,
+            "not back within {HANG_GUARD:?}"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

@@ -11,15 +11,8 @@ use std::time::{Duration, Instant};
 use retryd_proto as pb;
 use retryd_proto::retry_decider_client::RetryDeciderClient;
 use support::redis::{RedisCluster, RedisServer};
-use support::{Server, retryable};
+use support::{HANG_GUARD, Server, ServingStatus, retryable};
 use tonic::transport::Channel;
-use tonic_health::pb::HealthCheckRequest;
-use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::health_client::HealthClient;
-
-/// Guards against a hang; never a latency claim (those are made on a paused
-/// clock, in process: tests/redis_outage.rs, tests/redis_replicas.rs).
-const HANG_GUARD: Duration = Duration::from_secs(30);
 
 fn replica_config(urls: &[String], mode: &str, extra: &str) -> String {
     let urls: Vec<String> = urls.iter().map(|url| format!("\"{url}\"")).collect();
@@ -238,8 +231,12 @@ async fn redis_killed_under_load_then_restarted() {
     // The health entries follow on their next poll (every 250 ms): one
     // node down is none of the store, so neither reads SERVING.
     for replica in &replicas {
-        store_health_becomes(replica, STORE, ServingStatus::NotServing).await;
-        store_health_becomes(replica, STORE_ANY, ServingStatus::NotServing).await;
+        replica
+            .health_becomes(STORE, ServingStatus::NotServing)
+            .await;
+        replica
+            .health_becomes(STORE_ANY, ServingStatus::NotServing)
+            .await;
     }
 
     redis.restart();
@@ -262,35 +259,14 @@ async fn redis_killed_under_load_then_restarted() {
         "shared decisions resumed {:?} after the restart",
         restarted.elapsed()
     );
-    store_health_becomes(&replicas[0], STORE, ServingStatus::Serving).await;
-    store_health_becomes(&replicas[0], STORE_ANY, ServingStatus::Serving).await;
+    replicas[0]
+        .health_becomes(STORE, ServingStatus::Serving)
+        .await;
+    replicas[0]
+        .health_becomes(STORE_ANY, ServingStatus::Serving)
+        .await;
 }
 
 /// The store's health entries: all of it reachable, and any of it.
 const STORE: &str = "retryd.v1.BudgetStore";
 const STORE_ANY: &str = "retryd.v1.BudgetStore.Any";
-
-/// Waits for one of the store's health entries to read `status`.
-async fn store_health_becomes(replica: &Server, service: &str, status: ServingStatus) {
-    let started = Instant::now();
-    while store_health(replica, service).await != status {
-        assert!(
-            started.elapsed() < HANG_GUARD,
-            "{service} is not {status:?} after {HANG_GUARD:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// What the health service says of the budget store.
-async fn store_health(replica: &Server, service: &str) -> ServingStatus {
-    let mut health = HealthClient::new(replica.channel().await);
-    health
-        .check(HealthCheckRequest {
-            service: service.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status()
-}

@@ -53,8 +53,7 @@ async fn budget(admin: &mut RetryAdminClient<Channel>, upstream: &str) -> pb::Bu
 
 /// Waits for a (possibly batched) budget to read `expected` tokens.
 async fn settles_to(admin: &mut RetryAdminClient<Channel>, upstream: &str, expected: f64) {
-    // A guard against a hang, not a latency claim.
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + support::HANG_GUARD;
     loop {
         let tokens = budget(admin, upstream).await.tokens;
         if tokens == expected {

@@ -18,6 +18,12 @@ use retryd_proto as pb;
 use retryd_proto::retry_admin_client::RetryAdminClient;
 use retryd_proto::retry_decider_client::RetryDeciderClient;
 use tonic::transport::Channel;
+pub use tonic_health::pb::health_check_response::ServingStatus;
+
+/// How long a test waits for a state it expects to reach before failing:
+/// a guard against a hang, never a latency claim (those are made on a
+/// paused clock, see [`clock`]), so long that a loaded machine never hits it.
+pub const HANG_GUARD: Duration = Duration::from_secs(30);
 
 /// A running `retryd serve`, killed when dropped.
 pub struct Server {
@@ -164,6 +170,34 @@ impl Server {
             .connect()
             .await
             .expect("connect to retryd")
+    }
+
+    /// What the gRPC health service says of `service` ("" for the server).
+    pub async fn health(&self, service: &str) -> Result<ServingStatus, tonic::Status> {
+        use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+        let answer = HealthClient::new(self.channel().await)
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await?;
+        Ok(answer.into_inner().status())
+    }
+
+    /// Waits (up to [`HANG_GUARD`]) until the health service says `status`
+    /// of `service`: the store's entries follow its reachability on a poll.
+    pub async fn health_becomes(&self, service: &str, status: ServingStatus) {
+        let started = Instant::now();
+        loop {
+            let now = self.health(service).await;
+            if now.as_ref().is_ok_and(|now| *now == status) {
+                return;
+            }
+            assert!(
+                started.elapsed() < HANG_GUARD,
+                "{service} is {now:?}, not {status:?}, after {HANG_GUARD:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// A RetryDecider client.
