@@ -118,6 +118,11 @@ pub struct DecisionLine {
     pub tokens_remaining: f64,
     /// The decision was answered as not enforced.
     pub shadow: bool,
+    /// Set when the attempt may have taken effect upstream, whatever the
+    /// verdict: `reconcile` or `resend_with_key` (absent in logs written
+    /// before the field existed, and when the outcome is not in doubt).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unknown_outcome: Option<String>,
 }
 
 /// One deposited entry of a traffic report.
@@ -278,6 +283,9 @@ impl DecisionLog {
             backoff_ns,
             tokens_remaining,
             shadow,
+            unknown_outcome: decision
+                .unknown_outcome
+                .map(|mark| mark.as_str().to_owned()),
         })));
     }
 

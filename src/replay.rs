@@ -39,6 +39,9 @@ pub struct UpstreamReplay {
     pub retries_now_budget_denials: u64,
     /// Replayed denials by reason.
     pub replayed_denials: BTreeMap<String, u64>,
+    /// Replayed decisions whose attempt may have taken effect upstream
+    /// (the mark depends on the facts alone, so another policy keeps it).
+    pub unknown_outcomes: u64,
 }
 
 /// Counts by verdict.
@@ -170,8 +173,16 @@ fn tally(upstream: &mut UpstreamReplay, recorded: &DecisionLine, replayed: &Deci
         Verdict::Deny(reason) => Some(reason.as_str()),
         _ => None,
     };
+    let replayed_mark = replayed.unknown_outcome.map(|mark| mark.as_str());
+    if replayed_mark.is_some() {
+        upstream.unknown_outcomes += 1;
+    }
+    // A log from before the mark existed has none to compare.
+    let mark_changed =
+        recorded.unknown_outcome.is_some() && recorded.unknown_outcome.as_deref() != replayed_mark;
     if replayed.verdict.as_str() != recorded.verdict
         || replayed_reason != recorded.deny_reason.as_deref()
+        || mark_changed
     {
         upstream.changed += 1;
     }
@@ -190,26 +201,28 @@ impl Replay {
     /// The replay as a table, one row per upstream.
     pub fn table(&self) -> String {
         let mut out = format!(
-            "{:<24} {:>9} {:>9} {:>15} {:>15} {:>8} {:>12}\n",
+            "{:<24} {:>9} {:>9} {:>15} {:>15} {:>8} {:>12} {:>8}\n",
             "upstream",
             "decisions",
             "reported",
             "recorded r/d/a",
             "replayed r/d/a",
             "changed",
-            "retry→budget"
+            "retry→budget",
+            "unknown"
         );
         for (name, upstream) in &self.upstreams {
             let triple = |v: &Verdicts| format!("{}/{}/{}", v.retry, v.deny, v.ambiguous);
             out.push_str(&format!(
-                "{:<24} {:>9} {:>9} {:>15} {:>15} {:>8} {:>12}\n",
+                "{:<24} {:>9} {:>9} {:>15} {:>15} {:>8} {:>12} {:>8}\n",
                 name,
                 upstream.decisions,
                 upstream.reported,
                 triple(&upstream.recorded),
                 triple(&upstream.replayed),
                 upstream.changed,
-                upstream.retries_now_budget_denials
+                upstream.retries_now_budget_denials,
+                upstream.unknown_outcomes
             ));
         }
         out

@@ -93,6 +93,9 @@ pub mod attr {
     pub const CANDIDATE_RULE: &str = "retry.candidate.rule";
     /// Tokens left in the candidate's budget.
     pub const CANDIDATE_TOKENS_REMAINING: &str = "retry.candidate.tokens_remaining";
+    /// Set when the attempt may have taken effect upstream, whatever the
+    /// verdict: `reconcile` or `resend_with_key` (absent otherwise).
+    pub const UNKNOWN_OUTCOME: &str = "retry.unknown_outcome";
     /// The raw `grpc-retry-pushback-ms` the attempt reported.
     pub const GRPC_PUSHBACK: &str = "retry.grpc.pushback_ms";
     /// Entries in a traffic report.

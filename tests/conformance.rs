@@ -301,6 +301,18 @@ fn check_decision(expect: &Value, response: &pb::DecideResponse) -> Vec<String> 
             ));
         }
     }
+    // Every case states it: a DENY must never hide a possibly-executed call.
+    let want_mark = expect["unknown_outcome"]
+        .as_str()
+        .expect("expect.unknown_outcome");
+    if pb::UnknownOutcome::try_from(response.unknown_outcome).map(|v| v.as_str_name())
+        != Ok(want_mark)
+    {
+        problems.push(format!(
+            "unknown_outcome {} != {want_mark}",
+            name_of(response.unknown_outcome, pb::UnknownOutcome::try_from)
+        ));
+    }
     if let Some(want) = expect.get("refresh_credentials").and_then(Value::as_bool) {
         if response.refresh_credentials != want {
             problems.push(format!(

@@ -3,11 +3,10 @@
 
 use retryd_testkit as support;
 
-use std::path::Path;
 use std::process::Command;
 
 use retryd_proto as pb;
-use support::{Server, binary, retryable};
+use support::{Server, binary, replay_json, retryable};
 
 const SERVER: &str = "[server]\nlisten = \"127.0.0.1:0\"\nmetrics_listen = \"127.0.0.1:0\"\nshutdown_grace = \"2s\"\n";
 
@@ -173,21 +172,6 @@ fn bad_shadow_and_candidate_settings_are_refused_naming_the_key() {
     }
 }
 
-fn replay(config: &Path, log: &Path) -> serde_json::Value {
-    let output = Command::new(binary())
-        .args(["replay", "--json", "--config"])
-        .arg(config)
-        .arg(log)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).unwrap()
-}
-
 /// A recorded log replayed under its own configuration gives back every
 /// recorded verdict; under the candidate promoted to live, the candidate
 /// counts the metrics showed for the same traffic.
@@ -231,7 +215,7 @@ async fn replay_reproduces_the_log_and_matches_the_candidate_metrics() {
     let scrape = server.scrape();
     server.terminate(std::time::Duration::from_secs(10));
 
-    let same = replay(&live_config, &log);
+    let same = replay_json(&live_config, &log);
     for upstream in ["pay", "elsewhere"] {
         let replayed = &same["upstreams"][upstream];
         assert_eq!(replayed["changed"], 0, "{same:#}");
@@ -247,7 +231,7 @@ async fn replay_reproduces_the_log_and_matches_the_candidate_metrics() {
         "[upstreams.pay]\nbudget = { capacity = 100.0, initial = 1.0, ratio = 0.1, min_per_second = 0.0 }\n",
     )
     .unwrap();
-    let candidate = replay(&promoted, &log);
+    let candidate = replay_json(&promoted, &log);
     let pay = &candidate["upstreams"]["pay"];
     let counted = |verdict: &str, reason: &str| -> f64 {
         ["retry", "deny", "ambiguous"]

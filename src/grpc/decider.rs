@@ -20,7 +20,7 @@ use super::validate::ValidDecideRequest;
 use super::{Live, Service, peer, peer_addr, trace_context, validate};
 use crate::auth::{Denied, Principal};
 use crate::budget::{BudgetCheck, BudgetStore, StoreError};
-use crate::engine::{self, BudgetView, Decision, DenyReason, Evidence, Verdict};
+use crate::engine::{self, BudgetView, Decision, DenyReason, Evidence, UnknownOutcome, Verdict};
 use crate::pb;
 use crate::policy::UpstreamPolicy;
 use crate::settle::Settled;
@@ -244,6 +244,7 @@ impl<S: BudgetStore> Service<S> {
             deny_reason,
             backoff_ms,
             rule = decision.rule.number(),
+            unknown_outcome = decision.unknown_outcome.map(UnknownOutcome::as_str),
             "decided"
         );
         if let Some(span) = begun.span {
@@ -327,6 +328,9 @@ impl<S: BudgetStore> Service<S> {
         if let Some(pushback) = valid.reported.grpc_pushback {
             attributes.push((attr::GRPC_PUSHBACK, Attribute::Text(pushback.to_owned())));
         }
+        if let Some(mark) = decision.unknown_outcome {
+            attributes.push((attr::UNKNOWN_OUTCOME, Attribute::Static(mark.as_str())));
+        }
         match decision.verdict {
             Verdict::Retry { backoff, .. } => {
                 attributes.push((
@@ -402,6 +406,15 @@ fn response(decision: &Decision, decision_id: String, tokens_remaining: f64) -> 
         explanation: decision.explanation(),
         error: None,
         shadow: false,
+        unknown_outcome: unknown_outcome(decision.unknown_outcome) as i32,
+    }
+}
+
+fn unknown_outcome(mark: Option<UnknownOutcome>) -> pb::UnknownOutcome {
+    match mark {
+        None => pb::UnknownOutcome::None,
+        Some(UnknownOutcome::Reconcile) => pb::UnknownOutcome::Reconcile,
+        Some(UnknownOutcome::ResendWithKey) => pb::UnknownOutcome::ResendWithKey,
     }
 }
 

@@ -36,10 +36,14 @@ use self::policy_checks::PolicyChecks;
 pub use self::policy_checks::{METRIC_CANDIDATE_DECISIONS, METRIC_SHADOW_DECISIONS};
 pub use self::server::serve_metrics;
 
-use crate::engine::{Decision, DenyReason, VariantArray, Verdict};
+use crate::engine::{Decision, DenyReason, UnknownOutcome, VariantArray, Verdict};
 
 /// Counter of decisions, by upstream, verdict and reason.
 pub const METRIC_DECISIONS: &str = "retryd_decisions_total";
+/// Counter of decisions whose attempt may have taken effect upstream, by
+/// upstream, deciding rule and what the caller must do (`reconcile`,
+/// `resend_with_key`): the writes of unknown outcome, however decided.
+pub const METRIC_UNKNOWN_OUTCOMES: &str = "retryd_unknown_outcomes_total";
 /// Histogram of the time to decide, store round trips included.
 pub const METRIC_DECISION_SECONDS: &str = "retryd_decision_duration_seconds";
 /// Counter of real requests reported through ReportTraffic.
@@ -170,7 +174,27 @@ struct DecisionShard {
     decisions: Vec<[AtomicU64; OUTCOMES]>,
     /// By principal label, then verdict (retry, ambiguous, deny).
     principals: Vec<[AtomicU64; 3]>,
+    /// By upstream label, then deciding rule (1 to 9), then mark
+    /// (reconcile, resend with key).
+    unknown_outcomes: Vec<[[AtomicU64; UNKNOWN_OUTCOME_KINDS]; RULES]>,
     latency: Histogram,
+}
+
+/// The rules of the decision order, 1 to 9.
+const RULES: usize = 9;
+/// `UnknownOutcome`'s variants, in `unknown_outcome_index` order.
+const UNKNOWN_OUTCOME_KINDS: usize = 2;
+
+fn unknown_outcome_index(mark: UnknownOutcome) -> usize {
+    match mark {
+        UnknownOutcome::Reconcile => 0,
+        UnknownOutcome::ResendWithKey => 1,
+    }
+}
+
+/// The `outcome` label of an unknown-outcome column.
+fn unknown_outcome_label(index: usize) -> &'static str {
+    [UnknownOutcome::Reconcile, UnknownOutcome::ResendWithKey][index].as_str()
 }
 
 /// The shard the calling thread records into, among `shards`.
@@ -286,6 +310,7 @@ impl Metrics {
                     .iter()
                     .map(|_| Default::default())
                     .collect(),
+                unknown_outcomes: labels.iter().map(|_| Default::default()).collect(),
                 latency: Histogram::default(),
             })
             .collect();
@@ -373,6 +398,11 @@ impl Metrics {
             .copied()
             .unwrap_or(self.principal_labels.len() - 1);
         shard.principals[principal_row][outcome.min(2)].fetch_add(1, Ordering::Relaxed);
+        if let Some(mark) = decision.unknown_outcome {
+            let rule = usize::from(decision.rule.number()).clamp(1, RULES) - 1;
+            shard.unknown_outcomes[row][rule][unknown_outcome_index(mark)]
+                .fetch_add(1, Ordering::Relaxed);
+        }
         shard.latency.record_traced(elapsed, trace_id);
     }
 

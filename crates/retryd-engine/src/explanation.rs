@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use super::{Decision, DenyReason, Rule, Verdict};
+use super::{Decision, DenyReason, Rule, UnknownOutcome, Verdict};
 
 impl Decision {
     /// One line for humans, the text of `Display`, built only when asked
@@ -104,6 +104,17 @@ impl Decision {
         if self.evidence_adjusted {
             text.push_str("; the claimed evidence was weakened to ");
             text.push_str(evidence);
+        }
+        // An AMBIGUOUS answer already says it; a DENY must say it too, or
+        // the caller reads "failed" where the truth is "unknown".
+        match (self.unknown_outcome, self.verdict) {
+            (Some(UnknownOutcome::Reconcile), Verdict::Ambiguous) | (None, _) => {}
+            (Some(UnknownOutcome::Reconcile), _) => text.push_str(
+                "; the outcome upstream is unknown: reconcile before reporting a failure",
+            ),
+            (Some(UnknownOutcome::ResendWithKey), _) => text.push_str(
+                "; the outcome upstream is unknown: re-send only with the same idempotency key",
+            ),
         }
         text
     }

@@ -20,6 +20,7 @@ mod body;
 mod evidence;
 mod explanation;
 mod grpc;
+mod outcome;
 mod retry_after;
 #[cfg(test)]
 mod tests;
@@ -30,6 +31,7 @@ pub use backoff::{Backoff, Jitter};
 pub use body::{Body, Replayability};
 pub use evidence::{Evidence, FailureKind, effective_evidence};
 pub use grpc::{GrpcCode, GrpcCodes, Pushback, parse_pushback};
+pub use outcome::UnknownOutcome;
 pub use retry_after::parse_retry_after;
 /// `VARIANTS`, the derived list of every variant of [`DenyReason`],
 /// [`FailureKind`] and [`GrpcCode`].
@@ -282,6 +284,10 @@ pub struct Decision {
     pub effective_evidence: Evidence,
     /// Whether the caller's claim was weakened.
     pub evidence_adjusted: bool,
+    /// Whether the attempt may have taken effect upstream, whatever the
+    /// verdict: a DENY carrying it must reach the caller as an
+    /// unknown-outcome error, never as a plain failure.
+    pub unknown_outcome: Option<UnknownOutcome>,
     /// The status, for the explanation.
     http_status: Option<u16>,
     /// The gRPC code, for the explanation.
@@ -314,11 +320,15 @@ pub fn decide(facts: &Facts<'_>, policy: &Policy) -> Decision {
     let answered = facts.http_status.is_some() || facts.grpc_pushback.is_some();
     let (effective, evidence_adjusted) =
         effective_evidence(facts.claimed_evidence, facts.failure, answered);
+    // Computed from the facts, before any rule, so that no rule can hide
+    // a possibly-executed call behind a plain denial.
+    let unknown_outcome = outcome::unknown_outcome(facts, effective);
     let answer = |verdict, rule| Decision {
         verdict,
         rule,
         effective_evidence: effective,
         evidence_adjusted,
+        unknown_outcome,
         http_status: facts.http_status,
         grpc_status: facts.grpc_status,
     };

@@ -699,6 +699,7 @@ fn every_explanation_word_for_word() {
         rule,
         effective_evidence: Evidence::SentNoResponse,
         evidence_adjusted: adjusted,
+        unknown_outcome: None,
         http_status: status,
         grpc_status: None,
     };
@@ -1407,4 +1408,342 @@ fn grpc_explanations_word_for_word() {
         explain(case().grpc(GrpcCode::Unauthenticated).idempotency(Safe)),
         "retry after 0ms: refresh credentials and replay once (rule 9, unauthenticated)"
     );
+}
+
+/// Issue 36: whichever rule decides, a call that may have taken effect says
+/// so. Each case of the issue's table, on a POST (NON_IDEMPOTENT) whose
+/// response timed out unless the case says otherwise, and the controls.
+#[test]
+fn the_unknown_outcome_survives_every_rule() {
+    let timed_out = || Case {
+        idempotency: NonIdempotent,
+        failure: Some(FailureKind::ResponseHeaderTimeout),
+        ..case()
+    };
+    let mark = |c: Case| c.run(&Policy::default()).unknown_outcome;
+    let reconcile = Some(UnknownOutcome::Reconcile);
+    let cases: Vec<(&str, Case, Expect, Option<UnknownOutcome>)> = vec![
+        (
+            "budget empty",
+            Case {
+                tokens: 0.0,
+                ..timed_out()
+            },
+            Expect::Deny(BudgetExhausted),
+            reconcile,
+        ),
+        (
+            "budget unreachable",
+            Case {
+                unavailable: true,
+                ..timed_out()
+            },
+            Expect::Deny(BudgetUnavailable),
+            reconcile,
+        ),
+        (
+            "attempts used up",
+            Case {
+                attempt: 3,
+                ..timed_out()
+            },
+            Expect::Deny(MaxAttempts),
+            reconcile,
+        ),
+        (
+            "deadline spent",
+            Case {
+                deadline: Some(Duration::from_millis(10)),
+                ..timed_out()
+            },
+            Expect::Deny(Deadline),
+            reconcile,
+        ),
+        (
+            "one-shot body",
+            Case {
+                body: Body::InputStream,
+                ..timed_out()
+            },
+            Expect::Deny(BodyNotReplayable),
+            reconcile,
+        ),
+        (
+            "draining",
+            Case {
+                draining: true,
+                ..timed_out()
+            },
+            Expect::Deny(RuntimeDraining),
+            reconcile,
+        ),
+        (
+            "kill switch",
+            Case {
+                enabled: false,
+                ..timed_out()
+            },
+            Expect::Deny(RetriesDisabled),
+            reconcile,
+        ),
+        (
+            "first byte delivered",
+            Case {
+                first_byte_delivered: true,
+                failure: Some(FailureKind::DecodeReset),
+                ..timed_out()
+            },
+            Expect::Deny(ResponseAlreadyDelivered),
+            reconcile,
+        ),
+        (
+            "encoding failed after the headers left",
+            Case {
+                failure: Some(FailureKind::RequestEncoding),
+                ..timed_out()
+            },
+            Expect::Deny(PermanentFailure),
+            reconcile,
+        ),
+        (
+            "502 on a POST, last attempt",
+            Case {
+                attempt: 3,
+                ..timed_out().status(502)
+            },
+            Expect::Deny(MaxAttempts),
+            reconcile,
+        ),
+        (
+            "504 on a POST, budget empty",
+            Case {
+                tokens: 0.0,
+                ..timed_out().status(504)
+            },
+            Expect::Deny(BudgetExhausted),
+            reconcile,
+        ),
+        (
+            "503 on a POST",
+            timed_out().status(503),
+            Expect::Ambiguous,
+            reconcile,
+        ),
+        (
+            "a timeout with budget left",
+            timed_out(),
+            Expect::Ambiguous,
+            reconcile,
+        ),
+        (
+            "gRPC UNAVAILABLE, budget empty",
+            Case {
+                tokens: 0.0,
+                ..timed_out().grpc(GrpcCode::Unavailable)
+            },
+            Expect::Deny(BudgetExhausted),
+            reconcile,
+        ),
+        (
+            "gRPC DEADLINE_EXCEEDED",
+            timed_out().grpc(GrpcCode::DeadlineExceeded),
+            Expect::Ambiguous,
+            reconcile,
+        ),
+        (
+            "gRPC UNAVAILABLE with a do-not-retry pushback",
+            timed_out().grpc(GrpcCode::Unavailable).pushback("-1"),
+            Expect::Deny(ServerPushback),
+            reconcile,
+        ),
+        // A keyed call may have happened too, but re-sending with its key is safe.
+        (
+            "keyed, budget empty",
+            Case {
+                tokens: 0.0,
+                idempotency: IdempotentWithKey,
+                ..timed_out()
+            },
+            Expect::Deny(BudgetExhausted),
+            Some(UnknownOutcome::ResendWithKey),
+        ),
+        (
+            "keyed, retried",
+            Case {
+                idempotency: IdempotentWithKey,
+                ..timed_out()
+            },
+            Expect::Retry,
+            Some(UnknownOutcome::ResendWithKey),
+        ),
+        // The controls: proven not sent, a final response, a call without side effects.
+        (
+            "proven NOT_SENT, budget empty",
+            Case {
+                failure: Some(FailureKind::Connect),
+                tokens: 0.0,
+                ..timed_out()
+            },
+            Expect::Deny(BudgetExhausted),
+            None,
+        ),
+        (
+            "a 4xx settles it",
+            timed_out().status(409),
+            Expect::Deny(StatusNotRetryable),
+            None,
+        ),
+        (
+            "a 500 settles it",
+            timed_out().status(500),
+            Expect::Deny(StatusNotRetryable),
+            None,
+        ),
+        (
+            "gRPC INVALID_ARGUMENT settles it",
+            timed_out().grpc(GrpcCode::InvalidArgument),
+            Expect::Deny(StatusNotRetryable),
+            None,
+        ),
+        (
+            "SAFE, budget empty",
+            Case {
+                tokens: 0.0,
+                idempotency: Safe,
+                ..timed_out()
+            },
+            Expect::Deny(BudgetExhausted),
+            None,
+        ),
+        (
+            "IDEMPOTENT, 503",
+            Case {
+                idempotency: Idempotent,
+                ..timed_out().status(503)
+            },
+            Expect::Retry,
+            None,
+        ),
+    ];
+    for (name, c, expect, expected_mark) in cases {
+        let decision = c.run(&Policy::default());
+        let got = match decision.verdict {
+            Verdict::Retry { .. } => Expect::Retry,
+            Verdict::Deny(reason) => Expect::Deny(reason),
+            Verdict::Ambiguous => Expect::Ambiguous,
+        };
+        assert_eq!(got, expect, "{name}: {decision}");
+        assert_eq!(mark(c), expected_mark, "{name}: {decision}");
+    }
+}
+
+/// The same facts with rules 1 to 7 unable to apply and every gRPC code
+/// retryable: what rule 8 or the status rules answer on their own.
+fn with_early_rules_neutralised(case: &Case) -> (Case, Policy) {
+    let neutral = Case {
+        attempt: 1,
+        max_attempts: None,
+        tokens: 10.0,
+        enabled: true,
+        unavailable: false,
+        body: Body::Bytes,
+        first_byte_delivered: false,
+        draining: false,
+        deadline: None,
+        // The built-in permanent failures, each replaced by one with the
+        // same evidence that is not permanent.
+        failure: match case.failure {
+            Some(FailureKind::RequestEncoding) => Some(FailureKind::GenericIo),
+            Some(FailureKind::ProfileRejection | FailureKind::TlsCertificateInvalid) => {
+                Some(FailureKind::Connect)
+            }
+            other => other,
+        },
+        // A do-not-retry pushback is still an answer from the server (it
+        // keeps RESPONSE_RECEIVED); a valid one does the same and lets the
+        // code speak.
+        pushback: case.pushback.map(|raw| match parse_pushback(raw) {
+            Pushback::DoNotRetry => "0",
+            Pushback::Wait(_) => raw,
+        }),
+        ..case.clone()
+    };
+    let policy = Policy {
+        grpc_retryable: GrpcCode::VARIANTS.iter().copied().collect(),
+        ..Policy::default()
+    };
+    (neutral, policy)
+}
+
+proptest! {
+    /// Issue 36's definition, checked against the engine's own rules: the
+    /// mark is set if and only if, with no earlier rule able to deny, rule
+    /// 8 or the status rules would answer AMBIGUOUS for the call made
+    /// NON_IDEMPOTENT; RECONCILE for a NON_IDEMPOTENT call, RESEND_WITH_KEY
+    /// for a keyed one, never for SAFE or IDEMPOTENT. And it never depends
+    /// on the verdict: the budget, the attempt, the deadline change nothing.
+    #[test]
+    fn the_mark_is_the_ambiguity_no_rule_can_hide(case in any_case()) {
+        let decision = case.run(&Policy::default());
+        let (neutral, permissive) = with_early_rules_neutralised(&case);
+        let would_be_ambiguous = Case { idempotency: NonIdempotent, ..neutral }
+            .run(&permissive)
+            .verdict
+            == Verdict::Ambiguous;
+        let expected = match case.idempotency {
+            NonIdempotent if would_be_ambiguous => Some(UnknownOutcome::Reconcile),
+            IdempotentWithKey if would_be_ambiguous => Some(UnknownOutcome::ResendWithKey),
+            _ => None,
+        };
+        prop_assert_eq!(decision.unknown_outcome, expected, "{}", decision);
+        if decision.effective_evidence == Evidence::NotSent {
+            prop_assert_eq!(decision.unknown_outcome, None);
+        }
+        // A non-idempotent call of unknown outcome is never retried.
+        if decision.unknown_outcome == Some(UnknownOutcome::Reconcile) {
+            prop_assert!(!matches!(decision.verdict, Verdict::Retry { .. }), "{}", decision);
+        }
+    }
+}
+
+#[test]
+fn explanations_say_the_outcome_is_unknown() {
+    let decision = |verdict, unknown_outcome| Decision {
+        verdict,
+        rule: Rule::BUDGET,
+        effective_evidence: Evidence::SentNoResponse,
+        evidence_adjusted: false,
+        unknown_outcome,
+        http_status: None,
+        grpc_status: None,
+    };
+    let cases = [
+        (
+            decision(
+                Verdict::Deny(BudgetExhausted),
+                Some(UnknownOutcome::Reconcile),
+            ),
+            "deny: the upstream's retry budget is empty (rule 2); the outcome upstream is \
+             unknown: reconcile before reporting a failure",
+        ),
+        (
+            decision(
+                Verdict::Deny(BudgetExhausted),
+                Some(UnknownOutcome::ResendWithKey),
+            ),
+            "deny: the upstream's retry budget is empty (rule 2); the outcome upstream is \
+             unknown: re-send only with the same idempotency key",
+        ),
+        (
+            Decision {
+                rule: Rule::AMBIGUOUS_SEND,
+                ..decision(Verdict::Ambiguous, Some(UnknownOutcome::Reconcile))
+            },
+            "ambiguous: the request was sent and may have taken effect; the operation is not \
+             idempotent, so reconcile (rule 8)",
+        ),
+    ];
+    for (decision, text) in cases {
+        assert_eq!(decision.to_string(), text, "{decision:?}");
+    }
 }

@@ -60,6 +60,23 @@ pub fn binary() -> &'static str {
     })
 }
 
+/// `retryd replay --json --config CONFIG LOG`, parsed; panics with its
+/// stderr if it fails.
+pub fn replay_json(config: &std::path::Path, log: &std::path::Path) -> serde_json::Value {
+    let output = Command::new(binary())
+        .args(["replay", "--json", "--config"])
+        .arg(config)
+        .arg(log)
+        .output()
+        .expect("retryd replay runs");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("replay prints JSON")
+}
+
 impl Server {
     /// Starts retryd with `extra` appended to a configuration that listens
     /// on ephemeral loopback ports.

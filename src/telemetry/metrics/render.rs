@@ -184,6 +184,36 @@ impl Metrics {
             "Retry decisions by upstream, verdict and deny reason.",
             decisions,
         ));
+        let mut unknown_outcomes = Vec::new();
+        for (row, label) in self.labels.iter().enumerate() {
+            for rule in 0..RULES {
+                for kind in 0..UNKNOWN_OUTCOME_KINDS {
+                    let value: u64 = self
+                        .shards
+                        .iter()
+                        .map(|shard| {
+                            shard.unknown_outcomes[row][rule][kind].load(Ordering::Relaxed)
+                        })
+                        .sum();
+                    if value == 0 {
+                        continue;
+                    }
+                    unknown_outcomes.push((
+                        vec![
+                            ("upstream", label.clone()),
+                            ("rule", (rule + 1).to_string()),
+                            ("outcome", unknown_outcome_label(kind).to_owned()),
+                        ],
+                        Number::Int(value),
+                    ));
+                }
+            }
+        }
+        families.push(counter(
+            METRIC_UNKNOWN_OUTCOMES,
+            "Decisions whose attempt may have taken effect upstream (whatever the verdict), by upstream, deciding rule and what the caller must do.",
+            unknown_outcomes,
+        ));
         families.push(counter(
             METRIC_RETRIES_GRANTED,
             "Retries granted (RETRY verdicts) by upstream.",

@@ -150,6 +150,7 @@ fn canned(
         explanation: explanation.into(),
         error: None,
         shadow: false,
+        unknown_outcome: pb::UnknownOutcome::None as i32,
     }
 }
 
