@@ -7,6 +7,7 @@
 //! wires them together.
 
 pub mod auth;
+pub mod build;
 pub mod config;
 pub mod decision_log;
 pub mod grpc;

@@ -21,7 +21,7 @@ use retryd_budget::{BudgetStore, ExactStore, LeasedStore, MemoryBudgetStore, Red
 
 #[derive(Parser)]
 #[command(
-    version,
+    version = retryd::build::LONG_VERSION,
     about = "Decides whether a failed outbound call may be retried."
 )]
 struct Cli {

@@ -857,3 +857,42 @@ async fn bad_grpc_outcomes_name_the_field_and_spend_nothing() {
     assert_eq!(granted.verdict(), pb::Verdict::Retry, "{granted:?}");
     assert_eq!(granted.tokens_remaining, 4.0);
 }
+
+/// The build's identity (issue 30): `retryd --version` names the version,
+/// the git revision the binary was built from and the profile, and the
+/// `retryd_build_info` gauge carries the same labels.
+#[tokio::test]
+async fn the_build_names_its_version_revision_and_profile() {
+    let identity = support::build_identity();
+    assert_eq!(identity.version, env!("CARGO_PKG_VERSION"));
+    assert!(
+        identity.revision == "unknown"
+            || (identity.revision.len() == 12
+                && identity.revision.bytes().all(|b| b.is_ascii_hexdigit())),
+        "{identity:?}"
+    );
+    assert!(
+        ["debug", "release"].contains(&identity.profile.as_str()),
+        "{identity:?}"
+    );
+    // Built from this checkout (unless the tests were pointed at a binary
+    // elsewhere): the revision is this checkout's HEAD.
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|output| output.status.success())
+        .map(|output| String::from_utf8_lossy(&output.stdout).trim().to_owned());
+    let ours = std::path::Path::new(support::binary()).starts_with(env!("CARGO_MANIFEST_DIR"));
+    if let (true, Some(head)) = (ours, head) {
+        assert_eq!(identity.revision, head, "rebuilt since the last commit?");
+    }
+    let server = Server::start("");
+    let scrape = server.scrape();
+    let series = format!(
+        "retryd_build_info{{version=\"{}\",revision=\"{}\",profile=\"{}\"}} 1",
+        identity.version, identity.revision, identity.profile
+    );
+    assert!(scrape.contains(&series), "{series} in {scrape}");
+}

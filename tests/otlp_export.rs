@@ -280,6 +280,11 @@ fn check_decision_span(resource: &[KeyValue], span: &Span, service_name: &str) {
     );
     let instance = text(resource, "service.instance.id").expect("service.instance.id");
     assert_eq!(instance.len(), 36, "a UUID: {instance}");
+    // The build's identity, the same that `retryd --version` prints.
+    let version = text(resource, "service.version").expect("service.version");
+    let (semver, revision) = version.split_once('+').expect("version+revision");
+    assert_eq!(semver, env!("CARGO_PKG_VERSION"), "{version}");
+    assert_eq!(revision, support::build_identity().revision, "{version}");
 }
 
 #[tokio::test]

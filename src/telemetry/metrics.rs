@@ -40,6 +40,9 @@ use crate::engine::{Decision, DenyReason, UnknownOutcome, VariantArray, Verdict}
 
 /// Counter of decisions, by upstream, verdict and reason.
 pub const METRIC_DECISIONS: &str = "retryd_decisions_total";
+/// Gauge, always 1, whose labels name the build (`version`, `revision`,
+/// `profile`): the Prometheus convention for joining a build to its series.
+pub const METRIC_BUILD_INFO: &str = "retryd_build_info";
 /// Counter of decisions whose attempt may have taken effect upstream, by
 /// upstream, deciding rule and what the caller must do (`reconcile`,
 /// `resend_with_key`): the writes of unknown outcome, however decided.

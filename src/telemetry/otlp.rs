@@ -82,7 +82,7 @@ pub(super) fn resource(config: &TelemetryConfig) -> Resource {
     let mut attributes = config.resource_attributes.clone();
     attributes
         .entry("service.version".into())
-        .or_insert_with(|| env!("CARGO_PKG_VERSION").into());
+        .or_insert_with(|| crate::build::SERVICE_VERSION.into());
     attributes
         .entry("service.instance.id".into())
         .or_insert_with(random_uuid);

@@ -60,6 +60,39 @@ pub fn binary() -> &'static str {
     })
 }
 
+/// What `retryd --version` says of the binary under test.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BuildIdentity {
+    /// The package version.
+    pub version: String,
+    /// The git revision (12 hex digits) or `unknown`.
+    pub revision: String,
+    /// The Cargo profile.
+    pub profile: String,
+}
+
+/// Runs `retryd --version` and reads `retryd 0.1.0 (revision R, PROFILE)`.
+pub fn build_identity() -> BuildIdentity {
+    let output = Command::new(binary())
+        .arg("--version")
+        .output()
+        .expect("retryd --version runs");
+    assert!(output.status.success(), "retryd --version failed");
+    let text = String::from_utf8(output.stdout).expect("UTF-8");
+    let parse = || -> Option<BuildIdentity> {
+        let rest = text.trim().strip_prefix("retryd ")?;
+        let (version, rest) = rest.split_once(" (revision ")?;
+        let (revision, rest) = rest.split_once(", ")?;
+        let profile = rest.strip_suffix(')')?;
+        Some(BuildIdentity {
+            version: version.to_owned(),
+            revision: revision.to_owned(),
+            profile: profile.to_owned(),
+        })
+    };
+    parse().unwrap_or_else(|| panic!("retryd --version printed {text:?}"))
+}
+
 /// `retryd replay --json --config CONFIG LOG`, parsed; panics with its
 /// stderr if it fails.
 pub fn replay_json(config: &std::path::Path, log: &std::path::Path) -> serde_json::Value {

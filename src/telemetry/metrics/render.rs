@@ -159,7 +159,18 @@ impl Metrics {
                 .map(|(row, label)| (vec![("upstream", label.clone())], Number::Int(value(row))))
                 .collect()
         };
-        let mut families = Vec::new();
+        let mut families = vec![gauge(
+            METRIC_BUILD_INFO,
+            "The build serving: its version, git revision and Cargo profile (always 1).",
+            vec![(
+                vec![
+                    ("version", crate::build::VERSION.to_owned()),
+                    ("revision", crate::build::REVISION.to_owned()),
+                    ("profile", crate::build::PROFILE.to_owned()),
+                ],
+                Number::Int(1),
+            )],
+        )];
 
         let mut decisions = Vec::new();
         for (row, label) in self.labels.iter().enumerate() {
