@@ -25,6 +25,23 @@ pub use tonic_health::pb::health_check_response::ServingStatus;
 /// paused clock, see [`clock`]), so long that a loaded machine never hits it.
 pub const HANG_GUARD: Duration = Duration::from_secs(30);
 
+/// Polls `probe` every 20 ms until it returns `Some`, for up to
+/// [`HANG_GUARD`]; then fails naming `what`. The one way a test waits for
+/// a state instead of sleeping and hoping it was reached.
+pub async fn eventually<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
+    let started = Instant::now();
+    loop {
+        if let Some(value) = probe() {
+            return value;
+        }
+        assert!(
+            started.elapsed() < HANG_GUARD,
+            "{what}: not reached within {HANG_GUARD:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A running `retryd serve`, killed when dropped.
 pub struct Server {
     child: Option<Child>,
