@@ -8,6 +8,10 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::CertificateDer;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+
 use super::otel::{self, Origin};
 use super::{InvalidConfig, LogFormat, TelemetrySettings, invalid, parse_duration};
 
@@ -41,10 +45,38 @@ pub struct OtlpExport {
     pub headers: Vec<(String, String)>,
     /// The CA file that signed the collector's certificate, for `https`.
     pub ca_file: Option<PathBuf>,
-    /// Its PEM, read at validation like every other certificate.
+    /// Its PEM, read and parsed at validation like every other
+    /// certificate (so `check-config` refuses a bad one, and nothing binds
+    /// a port first); [`OtlpExport::ca_roots`] turns it into trust roots.
     pub ca_pem: Option<Vec<u8>>,
     /// How long one export may take.
     pub timeout: Duration,
+}
+
+impl OtlpExport {
+    /// The trust roots of `ca_pem`, if one was configured. Validation
+    /// already parsed them, so this fails only if that was skipped.
+    pub fn ca_roots(&self) -> Result<Option<rustls::RootCertStore>, String> {
+        self.ca_pem
+            .as_deref()
+            .map(|pem| ca_roots(pem).map_err(|reason| format!("telemetry.otlp_ca_file: {reason}")))
+            .transpose()
+    }
+}
+
+/// Every certificate of `pem` as a trust root; at least one.
+fn ca_roots(pem: &[u8]) -> Result<rustls::RootCertStore, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    for certificate in CertificateDer::pem_slice_iter(pem) {
+        let certificate = certificate.map_err(|err| format!("not a PEM certificate: {err}"))?;
+        roots
+            .add(certificate)
+            .map_err(|err| format!("not a usable CA certificate: {err}"))?;
+    }
+    if roots.is_empty() {
+        return Err("no certificate in the file".into());
+    }
+    Ok(roots)
 }
 
 /// Which spans are recorded: the SDK's samplers, as `OTEL_TRACES_SAMPLER`
@@ -179,10 +211,10 @@ fn otlp_export(
                 Origin::Toml(name) | Origin::Env(name) => *name,
                 Origin::Default => "telemetry.otlp_ca_file",
             };
-            Some(
-                std::fs::read(path)
-                    .map_err(|err| invalid(key, format!("cannot read {path:?}: {err}")))?,
-            )
+            let pem = std::fs::read(path)
+                .map_err(|err| invalid(key, format!("cannot read {path:?}: {err}")))?;
+            ca_roots(&pem).map_err(|reason| invalid(key, format!("{path:?}: {reason}")))?;
+            Some(pem)
         }
         None => None,
     };

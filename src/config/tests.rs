@@ -516,3 +516,26 @@ fn report_id_limits_are_validated() {
     );
     assert_eq!(parsed.report_ids.max_ids, 7);
 }
+
+/// A garbage OTLP CA is refused at validation, naming its key: before any
+/// port is bound, and by `check-config` (it used to be parsed only when the
+/// exporter was built, after both ports were bound).
+#[test]
+fn a_garbage_otlp_ca_file_is_refused_naming_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let garbage = dir.path().join("ca.pem");
+    std::fs::write(&garbage, "not a certificate at all\n").unwrap();
+    let broken = dir.path().join("broken.pem");
+    std::fs::write(
+        &broken,
+        "-----BEGIN CERTIFICATE-----\nbm90IGRlcg==\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    for path in [&garbage, &broken] {
+        let error = error_of(&format!(
+            "[telemetry]\notlp_endpoint = \"https://127.0.0.1:4317\"\notlp_ca_file = {:?}\n",
+            path.display().to_string()
+        ));
+        assert!(error.starts_with("telemetry.otlp_ca_file"), "{error}");
+    }
+}

@@ -29,8 +29,6 @@ use rand::Rng;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_rustls::rustls;
-use tokio_rustls::rustls::pki_types::CertificateDer;
-use tokio_rustls::rustls::pki_types::pem::PemObject;
 
 use super::Metrics;
 use crate::config::{OtlpExport, OtlpProtocol, Sampling, TelemetryConfig};
@@ -169,10 +167,7 @@ pub(super) fn start(
 }
 
 fn exporter(export: &OtlpExport) -> Result<opentelemetry_otlp::SpanExporter, String> {
-    let roots = match &export.ca_pem {
-        Some(pem) => Some(ca_roots(pem)?),
-        None => None,
-    };
+    let roots = export.ca_roots()?;
     let built = match export.protocol {
         OtlpProtocol::Grpc => {
             let mut metadata = tonic::metadata::MetadataMap::new();
@@ -230,20 +225,6 @@ fn exporter(export: &OtlpExport) -> Result<opentelemetry_otlp::SpanExporter, Str
         }
     };
     built.map_err(|err| format!("telemetry: cannot build the OTLP exporter: {err}"))
-}
-
-fn ca_roots(pem: &[u8]) -> Result<rustls::RootCertStore, String> {
-    let mut roots = rustls::RootCertStore::empty();
-    for certificate in CertificateDer::pem_slice_iter(pem) {
-        let certificate = certificate.map_err(|err| format!("telemetry.otlp_ca_file: {err}"))?;
-        roots
-            .add(certificate)
-            .map_err(|err| format!("telemetry.otlp_ca_file: {err}"))?;
-    }
-    if roots.is_empty() {
-        return Err("telemetry.otlp_ca_file: no certificate in the file".into());
-    }
-    Ok(roots)
 }
 
 /// The export task: batches of up to `MAX_BATCH` spans, or what arrived
