@@ -39,6 +39,7 @@ pub use self::enums::{
     ClientAuth, FailureKindName, JitterName, LogFormat, OnUnavailableName, StoreKind, StoreMode,
 };
 pub use self::otel::{Origin, VARIABLES as OTEL_VARIABLES};
+pub use self::otel::{OtlpProtocol, Sampling};
 pub use self::server::{ServerLimits, TlsConfig};
 pub use self::settings::{
     AuthSettings, BackoffSettings, BudgetSettings, DecisionLogSettings, LimitSettings,
@@ -46,7 +47,7 @@ pub use self::settings::{
     StoreSettings, StoreTlsSettings, TelemetrySettings, TlsSettings, Urls,
 };
 pub use self::store::StoreConfig;
-pub use self::telemetry::{OtlpExport, OtlpProtocol, Sampling, TelemetryConfig};
+pub use self::telemetry::{OtlpExport, TelemetryConfig};
 
 /// The prefix of environment overrides: `RETRYD__STORE__KIND=redis`.
 pub const ENV_PREFIX: &str = "RETRYD";

@@ -11,12 +11,44 @@
 //! whatever the file says, as it does in every SDK. The variables come
 //! from `Settings::otel` (loading.rs): nothing here reads the process
 //! environment.
+//!
+//! The OpenTelemetry vocabulary the settings are written in (the transport,
+//! the sampler) is defined here; `telemetry.rs` builds on it, never the
+//! other way round.
 
 use std::collections::BTreeMap;
 use std::fmt;
 
-use super::telemetry::{OtlpProtocol, Sampling};
 use super::{InvalidConfig, TelemetrySettings, invalid};
+
+/// The OTLP transport.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OtlpProtocol {
+    /// OTLP/gRPC (port 4317 by convention).
+    Grpc,
+    /// OTLP/HTTP with protobuf bodies (port 4318, path `/v1/traces`).
+    HttpProtobuf,
+}
+
+impl OtlpProtocol {
+    /// The name `OTEL_EXPORTER_OTLP_PROTOCOL` uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OtlpProtocol::Grpc => "grpc",
+            OtlpProtocol::HttpProtobuf => "http/protobuf",
+        }
+    }
+}
+
+/// Which spans are recorded: the SDK's samplers, as `OTEL_TRACES_SAMPLER`
+/// names them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    /// Follow a caller's sampled flag (the `parentbased_*` samplers).
+    pub parent_based: bool,
+    /// The fraction of the rest (roots, or all without `parent_based`).
+    pub ratio: f64,
+}
 
 /// Where a resolved setting came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -12,27 +12,8 @@ use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::CertificateDer;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 
-use super::otel::{self, Origin};
+use super::otel::{self, Origin, OtlpProtocol, Sampling};
 use super::{InvalidConfig, LogFormat, TelemetrySettings, invalid, parse_duration};
-
-/// The OTLP transport.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OtlpProtocol {
-    /// OTLP/gRPC (port 4317 by convention).
-    Grpc,
-    /// OTLP/HTTP with protobuf bodies (port 4318, path `/v1/traces`).
-    HttpProtobuf,
-}
-
-impl OtlpProtocol {
-    /// The name `OTEL_EXPORTER_OTLP_PROTOCOL` uses.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OtlpProtocol::Grpc => "grpc",
-            OtlpProtocol::HttpProtobuf => "http/protobuf",
-        }
-    }
-}
 
 /// Where and how spans are exported.
 #[derive(Clone, Debug, PartialEq)]
@@ -77,16 +58,6 @@ fn ca_roots(pem: &[u8]) -> Result<rustls::RootCertStore, String> {
         return Err("no certificate in the file".into());
     }
     Ok(roots)
-}
-
-/// Which spans are recorded: the SDK's samplers, as `OTEL_TRACES_SAMPLER`
-/// names them.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Sampling {
-    /// Follow a caller's sampled flag (the `parentbased_*` samplers).
-    pub parent_based: bool,
-    /// The fraction of the rest (roots, or all without `parent_based`).
-    pub ratio: f64,
 }
 
 /// The validated `[telemetry]`.

@@ -27,6 +27,7 @@ mod rounds;
 mod scripts;
 mod sentinel;
 mod shared;
+mod socket;
 mod url;
 
 use std::fmt;

@@ -10,7 +10,7 @@ use futures::StreamExt;
 use tokio::time::Instant;
 
 use super::Failure;
-use super::index::INF_SCORE;
+use super::replies::INF_SCORE;
 use super::shared::{Core, FAN_OUT, Operations, UpstreamState};
 use crate::{BucketConfig, BudgetSnapshot, StoreError, units_to_tokens};
 

@@ -11,13 +11,14 @@ use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::cluster::ClusterClientBuilder;
 use ::redis::cluster_async::ClusterConnection;
 use ::redis::{
-    Client, ClientTlsConfig, Cmd, ConnectionAddr, ConnectionInfo, FromRedisValue,
-    IntoConnectionInfo, RedisResult, Script, ScriptInvocation, TlsCertificates, TlsMode, Value,
+    Client, Cmd, ConnectionAddr, ConnectionInfo, FromRedisValue, IntoConnectionInfo, RedisResult,
+    Script, ScriptInvocation, TlsMode, Value,
 };
 
-use super::config::{RedisAccess, RedisTls};
+use super::config::RedisAccess;
 use super::scripts::Scripts;
 use super::sentinel::SentinelConnection;
+use super::socket::{certificates, tcp_settings};
 use super::{RedisConfig, RedisStoreError, RedisUrl, unavailable};
 use crate::StoreError;
 
@@ -123,20 +124,6 @@ impl Connection {
     }
 }
 
-/// The client's certificates from the validated TLS material.
-pub(super) fn certificates(tls: &RedisTls) -> TlsCertificates {
-    TlsCertificates {
-        client_tls: tls
-            .client_pem
-            .as_ref()
-            .map(|(certificate, key)| ClientTlsConfig {
-                client_cert: certificate.clone(),
-                client_key: key.clone(),
-            }),
-        root_cert: tls.ca_pem.clone(),
-    }
-}
-
 /// The URL's connection details with the configured user, password and
 /// verification applied. The one place the password leaves its
 /// `RedisUrl` or `RedisPassword`: to connect.
@@ -169,17 +156,6 @@ fn connection_info(url: &RedisUrl, access: &RedisAccess) -> RedisResult<Connecti
         }
     }
     Ok(info)
-}
-
-/// TCP_NODELAY on every connection to Redis (redis-rs leaves Nagle on).
-/// The connection is multiplexed: with Nagle, a request written while an
-/// earlier one is unacknowledged waits for that ACK, which the receiver
-/// delays or sends only with its reply, so each request waits for the one
-/// before it. Measured through a proxy that delays replies by 400 ms: a
-/// second PING 10 ms after the first left only after the first's reply
-/// (`tests/redis_outage.rs`).
-pub(super) fn tcp_settings() -> ::redis::io::tcp::TcpSettings {
-    ::redis::io::tcp::TcpSettings::default().set_nodelay(true)
 }
 
 fn single_client(url: &RedisUrl, access: &RedisAccess) -> RedisResult<Client> {

@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use tokio::time::Instant;
 
 use super::Failure;
-use super::replies::{Admission, Reply};
+use super::replies::{Admission, INF_SCORE, Reply};
 use super::shared::{Core, Operations, Upstream, UpstreamState, lock};
 use crate::{BucketConfig, StoreError};
 
@@ -25,8 +25,6 @@ const ADMISSION_MARGIN_MS: u64 = 10_000;
 /// Index score of a bucket that never expires (no floor, below initial):
 /// far in the future, yet distinct from the `+inf` of a kill switch.
 const FAR_SCORE: u64 = 1_000_000_000_000_000;
-/// Local marker for the `+inf` score of an upstream whose retries are off.
-pub(super) const INF_SCORE: u64 = u64::MAX;
 
 /// An admission that went nowhere: Redis gave no answer (the caller falls
 /// back), or it refused the upstream.

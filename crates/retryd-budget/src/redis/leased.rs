@@ -9,13 +9,13 @@
 //! never spend a token it does not hold in a live lease.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::leases::{ACQUIRED, EMPTY, FAILED, Lease, Return};
+use super::leases::{Acquisition, LastAcquisition, Lease, Return};
 use super::replies::Reply;
 use super::shared::{Core, Operations, Upstream, UpstreamState, lock};
 use super::{Failure, Mode, RedisConfig, RedisMode, RedisStoreError};
@@ -71,7 +71,7 @@ pub struct LeaseState {
     /// One lease acquisition at a time; the others wait for its outcome.
     acquiring: tokio::sync::Mutex<()>,
     acquisitions: AtomicU64,
-    last_acquisition: AtomicU8,
+    last_acquisition: LastAcquisition,
     reading: Mutex<Option<Reading>>,
     /// Reported requests not yet flushed to Redis.
     pub(super) pending_requests: AtomicU64,
@@ -86,7 +86,7 @@ impl LeaseState {
             lease_size: AtomicU64::new(lease_units),
             acquiring: tokio::sync::Mutex::new(()),
             acquisitions: AtomicU64::new(0),
-            last_acquisition: AtomicU8::new(ACQUIRED),
+            last_acquisition: LastAcquisition::new(Acquisition::Acquired),
             reading: Mutex::new(None),
             pending_requests: AtomicU64::new(0),
             in_flight_units: AtomicU64::new(0),
@@ -379,15 +379,15 @@ impl Core<Leased> {
             if let Some(left) = held.spend(Instant::now()) {
                 return Ok(Some(held.left(left, config)));
             }
-            match held.last_acquisition.load(Ordering::Acquire) {
-                EMPTY => return Ok(None),
-                FAILED => {
+            match held.last_acquisition.load() {
+                Acquisition::Empty => return Ok(None),
+                Acquisition::Failed => {
                     return self
                         .fallback_withdraw(upstream, config, Failure::NotSent)
                         .await;
                 }
                 // Others spent that lease already: take a new one.
-                _ => {}
+                Acquisition::Acquired => {}
             }
         }
         // Out of time after waiting: answer from the fallback and leave the
@@ -399,19 +399,19 @@ impl Core<Leased> {
         }
         let outcome = self.acquire(upstream, config, state, deadline).await;
         let (code, answer) = match outcome {
-            Ok(Some(left)) => (ACQUIRED, Ok(Some(held.left(left, config)))),
-            Ok(None) => (EMPTY, Ok(None)),
+            Ok(Some(left)) => (Acquisition::Acquired, Ok(Some(held.left(left, config)))),
+            Ok(None) => (Acquisition::Empty, Ok(None)),
             // Redis is believed down: the tasks that waited for this answer
             // take it too rather than each trying in turn.
             Err(failure) if !self.is_up_for(upstream) => (
-                FAILED,
+                Acquisition::Failed,
                 self.fallback_withdraw(upstream, config, failure).await,
             ),
             // Redis is up and only this task ran short of its deadline (it
             // waited long for the lock): the next one tries for itself.
             Err(failure) => return self.fallback_withdraw(upstream, config, failure).await,
         };
-        held.last_acquisition.store(code, Ordering::Release);
+        held.last_acquisition.store(code);
         held.acquisitions.fetch_add(1, Ordering::AcqRel);
         answer
     }

@@ -8,7 +8,7 @@
 //! by `rounds.rs`.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 use tokio::time::Instant;
 
@@ -19,9 +19,38 @@ use crate::{BucketConfig, UNITS_PER_TOKEN};
 
 /// How the last acquisition of an upstream went, for the tasks that waited
 /// for it.
-pub(super) const ACQUIRED: u8 = 0;
-pub(super) const EMPTY: u8 = 1;
-pub(super) const FAILED: u8 = 2;
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Acquisition {
+    /// A lease was granted.
+    Acquired,
+    /// The shared bucket had no whole token.
+    Empty,
+    /// Redis did not answer and is believed down.
+    Failed,
+}
+
+/// The last [`Acquisition`], written by the task that asked Redis and read
+/// by the tasks that waited for it (one byte, so no lock).
+#[derive(Debug)]
+pub(super) struct LastAcquisition(AtomicU8);
+
+impl LastAcquisition {
+    pub(super) fn new(acquisition: Acquisition) -> LastAcquisition {
+        LastAcquisition(AtomicU8::new(acquisition as u8))
+    }
+
+    pub(super) fn load(&self) -> Acquisition {
+        match self.0.load(Ordering::Acquire) {
+            1 => Acquisition::Empty,
+            2 => Acquisition::Failed,
+            _ => Acquisition::Acquired,
+        }
+    }
+
+    pub(super) fn store(&self, acquisition: Acquisition) {
+        self.0.store(acquisition as u8, Ordering::Release);
+    }
+}
 
 /// Whole tokens taken from the shared bucket, spent by this replica alone.
 #[derive(Debug)]

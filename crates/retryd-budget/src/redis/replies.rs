@@ -4,7 +4,10 @@
 //! talks to Redis or acts on a reply.
 
 use super::RedisStoreError;
-use super::index::INF_SCORE;
+
+/// Local marker for the `+inf` score of an upstream whose retries are off
+/// (a reply carries it as a negative number).
+pub(super) const INF_SCORE: u64 = u64::MAX;
 
 /// What every bucket script answers. Public only in name, as
 /// [`super::shared::UpstreamState`] names it.

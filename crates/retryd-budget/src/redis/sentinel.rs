@@ -14,7 +14,7 @@ use ::redis::aio::MultiplexedConnection;
 use ::redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use ::redis::{AsyncConnectionConfig, IntoConnectionInfo, RedisError, RedisResult, TlsMode};
 
-use super::connection::certificates;
+use super::socket::{certificates, tcp_settings};
 use super::{RedisConfig, RedisUrl};
 
 /// The primary's connection, shared by every clone.
@@ -51,8 +51,8 @@ impl SentinelConnection {
         let tls = config.urls.iter().any(RedisUrl::is_tls);
         let mut builder =
             SentinelClientBuilder::new(sentinels, master_name, SentinelServerType::Master)?
-                .set_client_to_sentinel_tcp_settings(super::connection::tcp_settings())
-                .set_client_to_redis_tcp_settings(super::connection::tcp_settings());
+                .set_client_to_sentinel_tcp_settings(tcp_settings())
+                .set_client_to_redis_tcp_settings(tcp_settings());
         if let Some((username, password)) = sentinel_auth {
             if let Some(username) = username {
                 builder = builder.set_client_to_sentinel_username(username);
