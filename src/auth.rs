@@ -11,7 +11,7 @@
 //! This module knows nothing of gRPC: the edge passes in what it read from
 //! the request and maps [`Denied`] to a status.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
@@ -73,6 +73,29 @@ impl Principal {
         self.upstreams
             .iter()
             .any(|pattern| pattern.matches(upstream))
+    }
+}
+
+/// A principal, its key hashes and its identities.
+type Held<'a> = (&'a Arc<Principal>, BTreeSet<[u8; 32]>, BTreeSet<&'a str>);
+
+/// Who may call, changed: principals by name. A principal is changed when
+/// its upstreams, its admin role or any of its credentials differ.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrincipalChanges {
+    /// Principals only the new configuration names (`anonymous` when
+    /// authentication would be switched off).
+    pub added: Vec<String>,
+    /// Principals only the old configuration names.
+    pub removed: Vec<String>,
+    /// Principals both name, with different rights or credentials.
+    pub changed: Vec<String>,
+}
+
+impl PrincipalChanges {
+    /// Whether nothing changed.
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.removed.is_empty() && self.changed.is_empty()
     }
 }
 
@@ -151,6 +174,51 @@ impl Auth {
         names.sort_unstable();
         names.dedup();
         names
+    }
+
+    /// What changes from these principals to `new`'s, by name: for the
+    /// audit line a reload writes whenever who may call changes.
+    pub fn changes_to(&self, new: &Auth) -> PrincipalChanges {
+        let (old, new) = (self.by_name(), new.by_name());
+        let mut changes = PrincipalChanges::default();
+        for (name, held) in &old {
+            match new.get(name) {
+                None => changes.removed.push((*name).to_owned()),
+                Some(now) if now != held => changes.changed.push((*name).to_owned()),
+                Some(_) => {}
+            }
+        }
+        changes.added = new
+            .keys()
+            .filter(|name| !old.contains_key(*name))
+            .map(|name| (*name).to_owned())
+            .collect();
+        changes
+    }
+
+    /// Each principal by name with what it may do and the credentials that
+    /// name it, in an order that compares.
+    fn by_name(&self) -> BTreeMap<&str, Held<'_>> {
+        let mut principals: BTreeMap<&str, Held<'_>> = BTreeMap::new();
+        if let Some(anonymous) = &self.anonymous {
+            principals.insert(
+                &anonymous.name,
+                (anonymous, BTreeSet::new(), BTreeSet::new()),
+            );
+        }
+        for (hash, principal) in &self.by_key_hash {
+            let held = principals
+                .entry(&principal.name)
+                .or_insert_with(|| (principal, BTreeSet::new(), BTreeSet::new()));
+            held.1.insert(*hash);
+        }
+        for (identity, principal) in &self.by_identity {
+            let held = principals
+                .entry(&principal.name)
+                .or_insert_with(|| (principal, BTreeSet::new(), BTreeSet::new()));
+            held.2.insert(identity);
+        }
+        principals
     }
 
     /// Whether callers must authenticate.

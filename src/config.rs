@@ -111,6 +111,9 @@ pub struct Config {
     pub tls: Option<TlsConfig>,
     /// Transport limits.
     pub server_limits: ServerLimits,
+    /// `server.allow_unauthenticated`: the operator insists on serving a
+    /// non-loopback address without `[auth]`.
+    pub allow_unauthenticated: bool,
     /// Who may call, and what for.
     pub auth: Auth,
     /// The budget store.
@@ -164,6 +167,7 @@ impl TryFrom<Settings> for Config {
             shutdown_grace,
             tls,
             server_limits,
+            allow_unauthenticated: settings.server.allow_unauthenticated,
             auth,
             store,
             telemetry,
@@ -287,6 +291,29 @@ impl Config {
     /// Loads and validates: what `serve` and `check-config` run.
     pub fn load(path: Option<&Path>) -> Result<Config, InvalidConfig> {
         Config::try_from(Settings::load(path)?)
+    }
+
+    /// Loads and validates a file for a reload: as [`Config::load`], but a
+    /// file that sets nothing is refused. At startup an empty file means
+    /// the defaults; on a reload it is far more often a file caught between
+    /// an editor's truncate and its write, and applying it would replace
+    /// every principal and policy with the defaults.
+    pub fn load_for_reload(path: Option<&Path>) -> Result<Config, InvalidConfig> {
+        let Some(path) = path else {
+            return Config::load(None);
+        };
+        let toml = std::fs::read_to_string(path)
+            .map_err(|err| invalid(path.display().to_string(), format!("cannot read: {err}")))?;
+        if toml
+            .parse::<toml::Table>()
+            .is_ok_and(|table| table.is_empty())
+        {
+            return Err(invalid(
+                path.display().to_string(),
+                "sets nothing (empty, or caught while being written); a reload needs the whole configuration, so the running one is kept",
+            ));
+        }
+        Config::try_from(Settings::from_sources(&toml, None)?)
     }
 }
 

@@ -451,7 +451,7 @@ async fn reload_on_sighup<S: BudgetStore>(service: Service<S>) {
         };
         while hangups.recv().await.is_some() {
             tracing::info!("SIGHUP: reloading the configuration");
-            let _ = service.reload();
+            let _ = service.reload().await;
         }
     }
     #[cfg(not(unix))]

@@ -256,7 +256,7 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
         request: Request<pb::ReloadConfigRequest>,
     ) -> Result<Response<pb::ReloadConfigResponse>, Status> {
         // Global: it applies the file the operator wrote, whatever it names.
-        let call = |_: Arc<Live>, _: Arc<Principal>| async { Ok(self.reload()?) };
+        let call = |_: Arc<Live>, _: Arc<Principal>| async { Ok(self.try_reload().await?) };
         let describe = |_: &(usize, Vec<&'static str>), principal: &Principal| {
             vec![(attr::PRINCIPAL, Attribute::Text(principal.name.clone()))]
         };
