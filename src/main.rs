@@ -384,19 +384,22 @@ async fn run<S: BudgetStore>(
     let store_for_shutdown = service.clone();
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // The budget gauges come from a snapshot: a scrape lists the store at
+    // most once per interval, never once per request.
+    let gauges = Arc::new(telemetry::BudgetGauges::new());
     let scrape = {
         let service = service.clone();
         let metrics = Arc::clone(&metrics);
         move || {
             let service = service.clone();
             let metrics = Arc::clone(&metrics);
+            let gauges = Arc::clone(&gauges);
             async move {
                 let live = service.policies();
                 let store = service.store();
-                let budgets = store
-                    .list(|upstream| live.policies.get(upstream).bucket)
-                    .await
-                    .unwrap_or_default();
+                let budgets = gauges
+                    .budgets(|| store.list(|upstream| live.policies.get(upstream).bucket))
+                    .await;
                 metrics.render(&budgets, store.availability(), &store.stats())
             }
         }

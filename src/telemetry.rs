@@ -20,7 +20,9 @@ use tracing_subscriber::EnvFilter;
 
 use crate::config::{LogFormat, TelemetryConfig};
 
-pub use metrics::{Metrics, StoreOp, UpstreamLimit, serve_metrics};
+pub use metrics::{
+    BUDGET_GAUGES_INTERVAL, BudgetGauges, Metrics, StoreOp, UpstreamLimit, serve_metrics,
+};
 pub use trace::{Attribute, SpanStart, TraceContext, Tracer, TracerGuard, hex};
 
 /// The span of one decision.

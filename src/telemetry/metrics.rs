@@ -24,6 +24,7 @@ type LabelIndex = HashMap<String, usize, foldhash::fast::RandomState>;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+mod budgets;
 mod histogram;
 mod policy_checks;
 mod render;
@@ -31,6 +32,7 @@ mod server;
 #[cfg(test)]
 mod tests;
 
+pub use self::budgets::{BUDGET_GAUGES_INTERVAL, BudgetGauges};
 use self::histogram::Histogram;
 use self::policy_checks::PolicyChecks;
 pub use self::policy_checks::{METRIC_CANDIDATE_DECISIONS, METRIC_SHADOW_DECISIONS};

@@ -1,0 +1,97 @@
+//! `/metrics` scrapes against the Redis store (issue 29, finding 4): the
+//! budget gauges come from a snapshot the scrapes share, so that a crowd of
+//! anonymous scrapers costs Redis one listing per interval, not one per
+//! scrape (a listing reads every tracked upstream; one scrape was 30,006
+//! Redis commands with 10,000 upstreams, and eight scrapers tripped the
+//! decisions' circuit).
+//!
+//! Black-box: the real binary on loopback and a `redis-server` of the
+//! test's own, whose command counter says what the scrapes cost.
+
+use retryd_testkit as support;
+
+use std::time::Instant;
+
+use support::redis::RedisServer;
+use support::{Server, retryable};
+
+/// Commands Redis has processed since it started.
+fn commands(redis: &RedisServer) -> u64 {
+    let stats = redis.cli(&["INFO", "stats"]);
+    stats
+        .lines()
+        .find_map(|line| line.strip_prefix("total_commands_processed:"))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no command count in {stats:?}"))
+}
+
+fn tracked(scrape: &str) -> u64 {
+    scrape
+        .lines()
+        .find_map(|line| line.strip_prefix("retryd_tracked_upstreams "))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no retryd_tracked_upstreams in {scrape}"))
+}
+
+#[tokio::test]
+async fn concurrent_scrapes_share_one_listing_of_the_budgets() {
+    let redis = RedisServer::start();
+    let server = Server::start(&format!(
+        "[store]\nkind = \"redis\"\nurl = \"{}\"\nmode = \"exact\"\n",
+        redis.url()
+    ));
+    let mut decider = server.decider().await;
+    let requests = tokio_stream::iter((0..300).map(|i| retryable(&format!("upstream-{i:03}"))));
+    let mut answers = decider.decide_stream(requests).await.unwrap().into_inner();
+    while answers.message().await.unwrap().is_some() {}
+
+    // The first scrape lists the budgets.
+    let first = server.scrape();
+    let upstreams = tracked(&first);
+    assert!(
+        upstreams >= 100,
+        "the setup tracks most of its 300 upstreams in Redis: {upstreams}"
+    );
+
+    // Twenty scrapers at once, well within one interval.
+    let before = commands(&redis);
+    let started = Instant::now();
+    let scrapers: Vec<_> = (0..20)
+        .map(|_| {
+            let metrics = server.metrics;
+            std::thread::spawn(move || {
+                use std::io::{Read, Write};
+                let mut stream = std::net::TcpStream::connect(metrics).unwrap();
+                stream
+                    .write_all(
+                        b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+                    )
+                    .unwrap();
+                let mut response = String::new();
+                stream.read_to_string(&mut response).unwrap();
+                response
+            })
+        })
+        .collect();
+    for scraper in scrapers {
+        let response = scraper.join().unwrap();
+        assert!(
+            response.contains(&format!("retryd_tracked_upstreams {upstreams}")),
+            "every scrape shows the budgets: {response}"
+        );
+    }
+    let elapsed = started.elapsed();
+    let spent = commands(&redis) - before;
+    eprintln!("20 scrapes of {upstreams} upstreams in {elapsed:?}: {spent} Redis commands");
+    assert!(
+        elapsed < retryd::telemetry::BUDGET_GAUGES_INTERVAL,
+        "the scrapes took {elapsed:?}, longer than one interval: the bound below assumes one"
+    );
+    // At most one listing (the snapshot may age past the interval between
+    // the first scrape and these), plus the INFO calls and the store's own
+    // probes; one listing per scrape would be 20 × (upstreams + 1).
+    assert!(
+        spent <= upstreams + 60,
+        "20 scrapes cost {spent} Redis commands for {upstreams} upstreams"
+    );
+}
