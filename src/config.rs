@@ -262,21 +262,31 @@ fn report_ids(limits: &LimitSettings) -> Result<ReportIds, InvalidConfig> {
 fn limits(settings: &Settings, auth: &Auth) -> Result<(Option<usize>, Duration), InvalidConfig> {
     const PER_PRINCIPAL: &str = "limits.max_upstreams_per_principal";
     let limits = &settings.limits;
+    // Principals, not names: without authentication there is one, the
+    // anonymous caller.
+    let principals = if auth.is_enabled() {
+        auth.principal_names().len()
+    } else {
+        1
+    };
     let per_principal = match limits.max_upstreams_per_principal {
-        0 => None,
-        _ if !auth.is_enabled() => {
+        // Unset with several principals: equal shares, which sum to at most
+        // `max_upstreams`, so each principal always has room of its own.
+        None if principals > 1 => Some((limits.max_upstreams / principals).max(1)),
+        None | Some(0) => None,
+        Some(_) if !auth.is_enabled() => {
             return Err(invalid(
                 PER_PRINCIPAL,
                 "needs [auth] principals: without authentication every caller is one",
             ));
         }
-        share if share > limits.max_upstreams => {
+        Some(share) if share > limits.max_upstreams => {
             return Err(invalid(
                 PER_PRINCIPAL,
                 "must be at most limits.max_upstreams",
             ));
         }
-        share => Some(share),
+        Some(share) => Some(share),
     };
     let idle = parse_duration("limits.evict_idle_after", &limits.evict_idle_after)?;
     // A sweep runs a few times per idle period; below a second it would

@@ -489,20 +489,33 @@ impl<S: BudgetStore> Service<S> {
         self.inner
             .shares
             .claim(&principal.name, upstreams)
-            .map_err(|full| {
-                self.inner
-                    .metrics
-                    .record_upstream_refusal(UpstreamLimit::Principal);
-                self.inner.full_shares.log(|suppressed| {
-                    tracing::warn!(
-                        principal = full.principal,
-                        limit = full.limit,
-                        suppressed,
-                        "a principal holds its whole share of unconfigured upstreams (limits.max_upstreams_per_principal); its new upstreams are refused"
-                    );
-                });
-                tonic::Status::resource_exhausted(full.to_string())
-            })
+            .map_err(|full| self.share_refusal(full))
+    }
+
+    /// [`Service::claim_share`] for an upstream switched off: held in the
+    /// principal's share until switched on again.
+    fn pin_share(&self, principal: &Principal, upstream: &str) -> Result<(), tonic::Status> {
+        self.inner
+            .shares
+            .pin(&principal.name, upstream)
+            .map_err(|full| self.share_refusal(full))
+    }
+
+    /// A full share as a status: counted, and warned about (naming the
+    /// principal) at most once per interval.
+    fn share_refusal(&self, full: shares::ShareFull) -> tonic::Status {
+        self.inner
+            .metrics
+            .record_upstream_refusal(UpstreamLimit::Principal);
+        self.inner.full_shares.log(|suppressed| {
+            tracing::warn!(
+                principal = full.principal,
+                limit = full.limit,
+                suppressed,
+                "a principal holds its whole share of unconfigured upstreams (limits.max_upstreams_per_principal); its new upstreams are refused"
+            );
+        });
+        tonic::Status::resource_exhausted(full.to_string())
     }
 
     /// A store error as a status, counting a refusal for the upstream limit.

@@ -225,6 +225,13 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
         );
     }
     telemetry::init_logs(&config.telemetry).map_err(anyhow::Error::msg)?;
+    let principals = config.auth.principal_names().len();
+    if config.auth.is_enabled() && principals > 1 && config.max_upstreams_per_principal.is_none() {
+        tracing::warn!(
+            principals,
+            "limits.max_upstreams_per_principal = 0: the principals share limits.max_upstreams with no share of their own, so one team's flood of upstream names refuses every other team's new upstreams"
+        );
+    }
     let acceptor = grpc::Acceptor::try_new(config.tls.as_ref(), &config.server_limits)?;
     let decision_log = config
         .decision_log

@@ -362,7 +362,10 @@ pub struct LimitSettings {
     pub max_report_ids: usize,
     /// With `[auth]`, the most unconfigured upstreams one principal may
     /// hold at once; 0 = no share of its own (only `max_upstreams`).
-    pub max_upstreams_per_principal: usize,
+    /// Unset: with two or more principals, an equal share of
+    /// `max_upstreams` each (so that no team's flood refuses another's new
+    /// upstreams); with one, none.
+    pub max_upstreams_per_principal: Option<usize>,
     /// An unconfigured upstream idle this long, its bucket back at its
     /// initial tokens, is forgotten (memory store; Redis expires keys).
     pub evict_idle_after: String,
@@ -375,7 +378,7 @@ impl Default for LimitSettings {
             max_upstreams: 10_000,
             report_id_window: "10m".into(),
             max_report_ids: 100_000,
-            max_upstreams_per_principal: 0,
+            max_upstreams_per_principal: None,
             evict_idle_after: "60s".to_owned(),
         }
     }
