@@ -246,9 +246,19 @@ impl Auth {
                 .ok_or(Denied::Unauthenticated(
                     "authorization must be \"Bearer <api key>\"",
                 ))?;
+            // No key this short is ever issued (`retryd hash-key` refuses
+            // one), and the configuration refuses the hash of the empty
+            // key: refused before any hashing, so an empty `Bearer ` can
+            // never match.
+            let token = normalize_key(token);
+            if token.len() < MIN_KEY_LEN {
+                return Err(Denied::Unauthenticated(
+                    "API key too short: keys have at least 16 characters",
+                ));
+            }
             return self
                 .by_key_hash
-                .get(&hash_key(token.trim()))
+                .get(&hash_key(token))
                 .ok_or(Denied::Unauthenticated("unknown API key"));
         }
         certificate_identities
@@ -259,6 +269,11 @@ impl Auth {
             ))
     }
 }
+
+/// The fewest characters an API key has (after [`normalize_key`]):
+/// `retryd hash-key` refuses shorter keys, and the server refuses them
+/// before hashing.
+pub const MIN_KEY_LEN: usize = 16;
 
 /// An API key as it is hashed: without leading or trailing whitespace
 /// (`str::trim`). The server trims what follows `Bearer `, and
@@ -367,7 +382,7 @@ mod tests {
         let auth = Auth::new(vec![
             (
                 principal("checkout", &["payments-*"], false),
-                vec![hash_key("s3cret")],
+                vec![hash_key("s3cret-0123456789")],
                 vec![],
             ),
             (
@@ -377,11 +392,13 @@ mod tests {
             ),
         ]);
         assert!(auth.is_enabled());
-        let checkout = auth.authenticate(Some("Bearer s3cret"), []).unwrap();
+        let checkout = auth
+            .authenticate(Some("Bearer s3cret-0123456789"), [])
+            .unwrap();
         assert_eq!(checkout.name, "checkout");
         assert!(checkout.may_use("payments-api") && !checkout.may_use("ledger"));
         assert_eq!(
-            auth.authenticate(Some("Bearer wrong"), ["ops.example"]),
+            auth.authenticate(Some("Bearer wrong-0123456789"), ["ops.example"]),
             Err(Denied::Unauthenticated("unknown API key"))
         );
         assert!(matches!(
@@ -439,6 +456,31 @@ mod tests {
         assert!(auth.authenticate(None, [uri.as_str()]).is_ok());
         let other_case = identity_key("spiffe://example/ops");
         assert!(auth.authenticate(None, [other_case.as_str()]).is_err());
+    }
+
+    #[test]
+    fn empty_and_short_keys_are_refused_before_hashing() {
+        // Even a principal holding the hash of the empty key (which the
+        // configuration refuses) or of a short one is never matched.
+        let auth = Auth::new(vec![(
+            principal("empty", &["*"], true),
+            vec![hash_key(""), hash_key("short")],
+            vec![],
+        )]);
+        for presented in [
+            "Bearer ",
+            "Bearer    ",
+            "Bearer short",
+            "bearer 0123456789abcde",
+        ] {
+            assert_eq!(
+                auth.authenticate(Some(presented), []),
+                Err(Denied::Unauthenticated(
+                    "API key too short: keys have at least 16 characters"
+                )),
+                "{presented:?}"
+            );
+        }
     }
 
     #[test]

@@ -87,7 +87,7 @@ use crate::config::{Config, InvalidConfig};
 use crate::decision_log::DecisionLog;
 use crate::policy::Policies;
 use crate::telemetry::{
-    Attribute, Metrics, SpanStart, Throttle, TraceContext, Tracer, UpstreamLimit, attr,
+    Attribute, Metrics, Refusal, SpanStart, Throttle, TraceContext, Tracer, UpstreamLimit, attr,
 };
 pub use connections::{Acceptor, Peer};
 pub use received::ReceivedAt;
@@ -437,12 +437,14 @@ impl<S: BudgetStore> Service<S> {
         principal: Option<&str>,
         status: &tonic::Status,
     ) {
-        if !matches!(
-            status.code(),
-            tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
-        ) {
-            return;
-        }
+        let refusal = match status.code() {
+            tonic::Code::Unauthenticated => Refusal::Unauthenticated,
+            tonic::Code::PermissionDenied => Refusal::PermissionDenied,
+            _ => return,
+        };
+        // Counted always: the log below is throttled, and global, so one
+        // peer's flood would otherwise hide another's refusals.
+        self.inner.metrics.record_call_refused(refusal);
         self.inner.refusals.log(|suppressed| {
             tracing::warn!(
                 target: "retryd::audit",
@@ -453,6 +455,19 @@ impl<S: BudgetStore> Service<S> {
                 reason = status.message(),
                 suppressed,
                 "call refused"
+            );
+        });
+    }
+
+    /// Logs how many refused calls the audit throttle held back since its
+    /// last line, if any: `main` runs it every second, so that the end of
+    /// a burst is logged when it ends.
+    pub fn flush_refusals(&self) {
+        self.inner.refusals.flush(|suppressed| {
+            tracing::warn!(
+                target: "retryd::audit",
+                suppressed,
+                "calls refused and not logged one by one (see retryd_calls_refused_total)"
             );
         });
     }

@@ -176,7 +176,7 @@ fn check_key(key: &str) -> anyhow::Result<()> {
         );
     }
     anyhow::ensure!(
-        key.len() >= 16,
+        key.len() >= retryd::auth::MIN_KEY_LEN,
         "an API key should be at least 16 characters"
     );
     Ok(())
@@ -388,6 +388,7 @@ async fn run<S: BudgetStore>(
         None => service,
     };
     tokio::spawn(reload_on_sighup(service.clone()));
+    tokio::spawn(flush_refusals(service.clone()));
     let store_for_shutdown = service.clone();
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -466,6 +467,17 @@ async fn reload_on_sighup<S: BudgetStore>(service: Service<S>) {
     }
     #[cfg(not(unix))]
     let _ = service;
+}
+
+/// Every second, logs the count of refused calls the audit throttle held
+/// back, so that a burst's count never waits for the next refusal.
+async fn flush_refusals<S: BudgetStore>(service: Service<S>) {
+    let mut every_second = tokio::time::interval(Duration::from_secs(1));
+    every_second.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every_second.tick().await;
+        service.flush_refusals();
+    }
 }
 
 /// SIGTERM (what orchestrators and background shells send) or SIGINT.

@@ -1,12 +1,16 @@
 //! The low and medium findings of issue 29 that the edge and the
 //! configuration answer, against the real binary on loopback: a scoped
-//! admin's kill switch on made-up names counts against its share (5);
-//! several principals get a share each by default (10).
+//! admin's kill switch on made-up names counts against its share (5); the
+//! hash of the empty key is refused (7); refusals are counted by code and
+//! a burst's held-back count is logged when the burst ends (9); several
+//! principals get a share each by default (10).
 
 use retryd_testkit as support;
 
+use std::time::{Duration, Instant};
+
 use retryd_proto as pb;
-use support::{Server, retryable};
+use support::{HANG_GUARD, Server, retryable};
 use tonic::Code;
 use tonic::metadata::MetadataValue;
 
@@ -126,4 +130,102 @@ async fn several_principals_have_a_share_each_by_default() {
         "{}",
         insisted.logs()
     );
+}
+
+/// Finding 7: a configuration holding the SHA-256 of the empty string as
+/// a key hash is refused before a port is bound (it would let
+/// `authorization: Bearer ` in), and short keys are refused unhashed.
+#[tokio::test]
+async fn the_hash_of_the_empty_key_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("retryd.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[[auth.principals]]\nname = \"nobody\"\napi_keys_sha256 = [\"{}\"]\nupstreams = [\"*\"]\nadmin = true\n",
+            sha("")
+        ),
+    )
+    .unwrap();
+    let output = std::process::Command::new(support::binary())
+        .arg("check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "accepted: {stderr}");
+    assert!(
+        stderr
+            .contains("auth.principals[0].api_keys_sha256[0]: is the SHA-256 of the empty string"),
+        "{stderr}"
+    );
+
+    let server = Server::start(&two_teams(""));
+    let mut decider = server.decider().await;
+    for presented in ["Bearer ", "Bearer short-key"] {
+        let mut request = tonic::Request::new(retryable("payments-api"));
+        request
+            .metadata_mut()
+            .insert("authorization", MetadataValue::try_from(presented).unwrap());
+        let status = decider.decide(request).await.unwrap_err();
+        assert_eq!(status.code(), Code::Unauthenticated, "{presented:?}");
+        assert!(status.message().contains("too short"), "{status:?}");
+    }
+}
+
+/// Finding 9: every refusal is counted by code, and the count the audit
+/// throttle held back during a burst is logged once the burst is over,
+/// without waiting for another refusal.
+#[tokio::test]
+async fn refusals_are_counted_and_a_bursts_count_is_logged_when_it_ends() {
+    let server = Server::start(&two_teams(""));
+    let mut decider = server.decider().await;
+    for _ in 0..30 {
+        let status = decider
+            .decide(with_key(retryable("payments-api"), "not-a-key-at-all-0123"))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Unauthenticated);
+    }
+    for _ in 0..3 {
+        let status = decider
+            .decide(with_key(retryable("payments-api"), OTHER_KEY))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::PermissionDenied);
+    }
+    let scrape = server.scrape();
+    for wanted in [
+        "retryd_calls_refused_total{code=\"unauthenticated\"} 30",
+        "retryd_calls_refused_total{code=\"permission_denied\"} 3",
+    ] {
+        assert!(scrape.contains(wanted), "{wanted}\n{scrape}");
+    }
+    // Ten logged at once; of the other 23, those held back are logged as a
+    // count once the throttle's timer runs, with no refusal after them.
+    let started = Instant::now();
+    loop {
+        let logs = server.logs();
+        let one_by_one = logs.matches("call refused").count() as u64;
+        let held_back: u64 = logs
+            .lines()
+            .filter(|line| line.contains("calls refused and not logged one by one"))
+            .filter_map(|line| line.split("suppressed=").nth(1))
+            .filter_map(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
+            .sum();
+        let counted_in_lines: u64 = logs
+            .lines()
+            .filter(|line| line.contains("call refused"))
+            .filter_map(|line| line.split("suppressed=").nth(1))
+            .filter_map(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
+            .sum();
+        if one_by_one + counted_in_lines + held_back == 33 {
+            break;
+        }
+        assert!(
+            started.elapsed() < HANG_GUARD,
+            "{one_by_one} refusals logged, {counted_in_lines} + {held_back} counted:\n{logs}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
