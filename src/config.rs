@@ -188,6 +188,8 @@ pub struct DecisionLogConfig {
     pub path: PathBuf,
     /// Lines waiting to be written, at most.
     pub queue: usize,
+    /// The most bytes the file may hold, if bounded.
+    pub max_bytes: Option<u64>,
 }
 
 fn decision_log(
@@ -205,6 +207,7 @@ fn decision_log(
     Ok(Some(DecisionLogConfig {
         path: PathBuf::from(path),
         queue: settings.queue,
+        max_bytes: (settings.max_bytes > 0).then_some(settings.max_bytes),
     }))
 }
 

@@ -222,6 +222,13 @@ impl<S: BudgetStore> Service<S> {
         self
     }
 
+    /// Has the decision log, if any, reopen its file (log rotation).
+    pub fn reopen_decision_log(&self) {
+        if let Some(log) = &self.inner.decision_log {
+            log.reopen();
+        }
+    }
+
     /// The policies in force now.
     pub fn policies(&self) -> Arc<Live> {
         self.inner.live.load_full()

@@ -237,7 +237,7 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
         .decision_log
         .as_ref()
         .map(|log| {
-            DecisionLog::open(&log.path, log.queue)
+            DecisionLog::open(&log.path, log.queue, log.max_bytes)
                 .with_context(|| format!("decision_log.path: cannot open {}", log.path.display()))
         })
         .transpose()?;
@@ -446,8 +446,9 @@ async fn run<S: BudgetStore>(
     Ok(())
 }
 
-/// Reloads policies and principals on every SIGHUP. A bad file is logged,
-/// counted and ignored (see `Service::reload`).
+/// Reloads policies and principals, and reopens the decision log, on every
+/// SIGHUP. A bad file is logged, counted and ignored (see
+/// `Service::reload`).
 async fn reload_on_sighup<S: BudgetStore>(service: Service<S>) {
     #[cfg(unix)]
     {
@@ -461,7 +462,9 @@ async fn reload_on_sighup<S: BudgetStore>(service: Service<S>) {
             }
         };
         while hangups.recv().await.is_some() {
-            tracing::info!("SIGHUP: reloading the configuration");
+            tracing::info!("SIGHUP: reloading the configuration and reopening the decision log");
+            // Log rotation moves the file first, then signals.
+            service.reopen_decision_log();
             let _ = service.reload().await;
         }
     }

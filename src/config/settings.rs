@@ -338,6 +338,10 @@ pub struct DecisionLogSettings {
     /// Lines waiting to be written, at most; beyond it lines are dropped
     /// (and counted) rather than slowing decisions.
     pub queue: usize,
+    /// The most bytes the file may hold, 0 for no bound; lines that would
+    /// pass it are dropped (and counted) until the file is rotated and
+    /// reopened (SIGHUP).
+    pub max_bytes: u64,
 }
 
 impl Default for DecisionLogSettings {
@@ -345,6 +349,7 @@ impl Default for DecisionLogSettings {
         DecisionLogSettings {
             path: None,
             queue: 65_536,
+            max_bytes: 0,
         }
     }
 }
