@@ -8,7 +8,7 @@
 //! used on the decision path.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::Mutex;
@@ -19,16 +19,34 @@ use crate::budget::BudgetSnapshot;
 /// How old a snapshot may be before a scrape refreshes it.
 pub const BUDGET_GAUGES_INTERVAL: Duration = Duration::from_secs(5);
 
-/// The last listing of the budgets, and when it was taken.
+/// The last listing of the budgets, and the lock of the scrape that lists.
 #[derive(Debug, Default)]
 pub struct BudgetGauges {
-    last: Mutex<Option<(Instant, Arc<Vec<BudgetSnapshot>>)>>,
+    /// Held by the one scrape that lists.
+    listing: Mutex<()>,
+    /// The last listing and when it was taken. A plain lock, never held
+    /// across an await: scrapes read it while another lists.
+    last: std::sync::Mutex<Option<Listing>>,
 }
+
+/// When a listing was taken, and what it said.
+type Listing = (Instant, Arc<Vec<BudgetSnapshot>>);
 
 impl BudgetGauges {
     /// No snapshot yet: the first scrape lists.
     pub fn new() -> BudgetGauges {
         BudgetGauges::default()
+    }
+
+    /// The last listing, if it is younger than `interval` (or any age,
+    /// with `None`).
+    fn last(&self, interval: Option<Duration>) -> Option<Arc<Vec<BudgetSnapshot>>> {
+        let last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        let (taken, budgets) = last.as_ref()?;
+        match interval {
+            Some(interval) if taken.elapsed() >= interval => None,
+            _ => Some(Arc::clone(budgets)),
+        }
     }
 
     /// The budgets to render. Lists (by running `list`) only when the
@@ -42,33 +60,30 @@ impl BudgetGauges {
         Fut: Future<Output = Result<Vec<BudgetSnapshot>, E>>,
         E: std::fmt::Display,
     {
-        let mut last = match self.last.try_lock() {
-            Ok(last) => last,
-            Err(_) => {
-                let last = self.last.lock().await;
-                // Another scrape listed while this one waited.
-                if let Some((_, budgets)) = &*last {
-                    return Arc::clone(budgets);
-                }
-                last
-            }
-        };
-        let now = Instant::now();
-        if let Some((taken, budgets)) = &*last {
-            if now.duration_since(*taken) < BUDGET_GAUGES_INTERVAL {
-                return Arc::clone(budgets);
-            }
+        if let Some(fresh) = self.last(Some(BUDGET_GAUGES_INTERVAL)) {
+            return fresh;
         }
+        let _listing = match self.listing.try_lock() {
+            Ok(listing) => listing,
+            Err(_) => match self.last(None) {
+                Some(previous) => return previous,
+                None => self.listing.lock().await,
+            },
+        };
+        // Another scrape may have listed while this one waited.
+        if let Some(fresh) = self.last(Some(BUDGET_GAUGES_INTERVAL)) {
+            return fresh;
+        }
+        let taken = Instant::now();
         let budgets = match list().await {
             Ok(budgets) => Arc::new(budgets),
             Err(error) => {
                 tracing::debug!(%error, "cannot list the budgets for /metrics; showing the last listing");
-                last.as_ref()
-                    .map(|(_, budgets)| Arc::clone(budgets))
-                    .unwrap_or_default()
+                self.last(None).unwrap_or_default()
             }
         };
-        *last = Some((now, Arc::clone(&budgets)));
+        *self.last.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some((taken, Arc::clone(&budgets)));
         budgets
     }
 }
@@ -114,11 +129,24 @@ mod tests {
         tokio::time::advance(BUDGET_GAUGES_INTERVAL).await;
         let fresh = gauges.budgets(|| list(Arc::clone(&listings))).await;
         assert_eq!(fresh[0].tokens, 1.0, "refreshed after the interval");
+        // While one scrape lists (slowly), another renders the last
+        // snapshot at once.
+        tokio::time::advance(BUDGET_GAUGES_INTERVAL).await;
+        let slow = {
+            let (gauges, listings) = (Arc::clone(&gauges), Arc::clone(&listings));
+            tokio::spawn(async move { gauges.budgets(|| list(listings)).await })
+        };
+        tokio::task::yield_now().await;
+        let started = Instant::now();
+        let meanwhile = gauges.budgets(|| list(Arc::clone(&listings))).await;
+        assert_eq!(started.elapsed(), Duration::ZERO, "no wait for the listing");
+        assert_eq!(meanwhile[0].tokens, 1.0);
+        assert_eq!(slow.await.unwrap()[0].tokens, 2.0);
         // A failed listing shows the last one.
         tokio::time::advance(BUDGET_GAUGES_INTERVAL).await;
         let kept = gauges
             .budgets(|| async { Err::<Vec<BudgetSnapshot>, _>("down") })
             .await;
-        assert_eq!(kept[0].tokens, 1.0);
+        assert_eq!(kept[0].tokens, 2.0);
     }
 }
