@@ -10,7 +10,7 @@
 //! Writing never slows a decision: lines go through a bounded queue to a
 //! thread of their own; when it is full, a line is dropped and counted
 //! (`retryd_decision_log_dropped_total`) and the log says so. The file is
-//! created 0600 and never opened through a symbolic link; it is reopened
+//! created 0600 and never opened when its path is a symbolic link; it is reopened
 //! on SIGHUP (log rotation) and, with `decision_log.max_bytes`, lines that
 //! would pass that size are dropped and counted the same way.
 
@@ -183,7 +183,7 @@ impl Drops {
 }
 
 /// Opens the log for appending: created owner-only (0600, whatever the
-/// umask), never through a symbolic link, since the file holds every
+/// umask), never when its path is a symbolic link, since the file holds every
 /// caller's upstreams and operations and a link planted at its path would
 /// have retryd write wherever it points. An existing file keeps its mode.
 fn open_file(path: &Path) -> std::io::Result<File> {
