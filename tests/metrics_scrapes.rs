@@ -83,6 +83,8 @@ async fn concurrent_scrapes_share_one_listing_of_the_budgets() {
     };
 
     // Twenty scrapers at once, well within one interval.
+    const OUTAGE: &str = "Redis budget store unreachable";
+    let outages_before = server.logs().matches(OUTAGE).count();
     let before = commands(&redis);
     let scraping = Instant::now();
     let scrapers: Vec<_> = (0..20)
@@ -102,13 +104,10 @@ async fn concurrent_scrapes_share_one_listing_of_the_budgets() {
             })
         })
         .collect();
-    for scraper in scrapers {
-        let response = scraper.join().unwrap();
-        assert!(
-            response.contains(&format!("retryd_tracked_upstreams {upstreams}")),
-            "every scrape shows the budgets: {response}"
-        );
-    }
+    let responses: Vec<String> = scrapers
+        .into_iter()
+        .map(|scraper| scraper.join().unwrap())
+        .collect();
     let elapsed = scraping.elapsed();
     let spent = commands(&redis) - before;
     eprintln!("20 scrapes of {upstreams} upstreams in {elapsed:?}: {spent} Redis commands");
@@ -123,4 +122,18 @@ async fn concurrent_scrapes_share_one_listing_of_the_budgets() {
         spent <= upstreams + 60,
         "20 scrapes cost {spent} Redis commands for {upstreams} upstreams"
     );
+    // Listing once per scrape, 20 scrapers at the default store timeout
+    // opened the decisions' circuit here: the outage the finding saw.
+    assert_eq!(
+        server.logs().matches(OUTAGE).count(),
+        outages_before,
+        "the scrapes opened the decisions' circuit:\n{}",
+        server.logs()
+    );
+    for response in responses {
+        assert!(
+            response.contains(&format!("retryd_tracked_upstreams {upstreams}")),
+            "every scrape shows the budgets: {response}"
+        );
+    }
 }
