@@ -11,7 +11,7 @@
 //! This module knows nothing of gRPC: the edge passes in what it read from
 //! the request and maps [`Denied`] to a status.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
@@ -73,6 +73,29 @@ impl Principal {
         self.upstreams
             .iter()
             .any(|pattern| pattern.matches(upstream))
+    }
+}
+
+/// A principal, its key hashes and its identities.
+type Held<'a> = (&'a Arc<Principal>, BTreeSet<[u8; 32]>, BTreeSet<&'a str>);
+
+/// Who may call, changed: principals by name. A principal is changed when
+/// its upstreams, its admin role or any of its credentials differ.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrincipalChanges {
+    /// Principals only the new configuration names (`anonymous` when
+    /// authentication would be switched off).
+    pub added: Vec<String>,
+    /// Principals only the old configuration names.
+    pub removed: Vec<String>,
+    /// Principals both name, with different rights or credentials.
+    pub changed: Vec<String>,
+}
+
+impl PrincipalChanges {
+    /// Whether nothing changed.
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.removed.is_empty() && self.changed.is_empty()
     }
 }
 
@@ -153,6 +176,51 @@ impl Auth {
         names
     }
 
+    /// What changes from these principals to `new`'s, by name: for the
+    /// audit line a reload writes whenever who may call changes.
+    pub fn changes_to(&self, new: &Auth) -> PrincipalChanges {
+        let (old, new) = (self.by_name(), new.by_name());
+        let mut changes = PrincipalChanges::default();
+        for (name, held) in &old {
+            match new.get(name) {
+                None => changes.removed.push((*name).to_owned()),
+                Some(now) if now != held => changes.changed.push((*name).to_owned()),
+                Some(_) => {}
+            }
+        }
+        changes.added = new
+            .keys()
+            .filter(|name| !old.contains_key(*name))
+            .map(|name| (*name).to_owned())
+            .collect();
+        changes
+    }
+
+    /// Each principal by name with what it may do and the credentials that
+    /// name it, in an order that compares.
+    fn by_name(&self) -> BTreeMap<&str, Held<'_>> {
+        let mut principals: BTreeMap<&str, Held<'_>> = BTreeMap::new();
+        if let Some(anonymous) = &self.anonymous {
+            principals.insert(
+                &anonymous.name,
+                (anonymous, BTreeSet::new(), BTreeSet::new()),
+            );
+        }
+        for (hash, principal) in &self.by_key_hash {
+            let held = principals
+                .entry(&principal.name)
+                .or_insert_with(|| (principal, BTreeSet::new(), BTreeSet::new()));
+            held.1.insert(*hash);
+        }
+        for (identity, principal) in &self.by_identity {
+            let held = principals
+                .entry(&principal.name)
+                .or_insert_with(|| (principal, BTreeSet::new(), BTreeSet::new()));
+            held.2.insert(identity);
+        }
+        principals
+    }
+
     /// Whether callers must authenticate.
     pub fn is_enabled(&self) -> bool {
         self.anonymous.is_none()
@@ -178,9 +246,19 @@ impl Auth {
                 .ok_or(Denied::Unauthenticated(
                     "authorization must be \"Bearer <api key>\"",
                 ))?;
+            // No key this short is ever issued (`retryd hash-key` refuses
+            // one), and the configuration refuses the hash of the empty
+            // key: refused before any hashing, so an empty `Bearer ` can
+            // never match.
+            let token = normalize_key(token);
+            if token.len() < MIN_KEY_LEN {
+                return Err(Denied::Unauthenticated(
+                    "API key too short: keys have at least 16 characters",
+                ));
+            }
             return self
                 .by_key_hash
-                .get(&hash_key(token.trim()))
+                .get(&hash_key(token))
                 .ok_or(Denied::Unauthenticated("unknown API key"));
         }
         certificate_identities
@@ -191,6 +269,11 @@ impl Auth {
             ))
     }
 }
+
+/// The fewest characters an API key has (after [`normalize_key`]):
+/// `retryd hash-key` refuses shorter keys, and the server refuses them
+/// before hashing.
+pub const MIN_KEY_LEN: usize = 16;
 
 /// An API key as it is hashed: without leading or trailing whitespace
 /// (`str::trim`). The server trims what follows `Bearer `, and
@@ -299,7 +382,7 @@ mod tests {
         let auth = Auth::new(vec![
             (
                 principal("checkout", &["payments-*"], false),
-                vec![hash_key("s3cret")],
+                vec![hash_key("s3cret-0123456789")],
                 vec![],
             ),
             (
@@ -309,11 +392,13 @@ mod tests {
             ),
         ]);
         assert!(auth.is_enabled());
-        let checkout = auth.authenticate(Some("Bearer s3cret"), []).unwrap();
+        let checkout = auth
+            .authenticate(Some("Bearer s3cret-0123456789"), [])
+            .unwrap();
         assert_eq!(checkout.name, "checkout");
         assert!(checkout.may_use("payments-api") && !checkout.may_use("ledger"));
         assert_eq!(
-            auth.authenticate(Some("Bearer wrong"), ["ops.example"]),
+            auth.authenticate(Some("Bearer wrong-0123456789"), ["ops.example"]),
             Err(Denied::Unauthenticated("unknown API key"))
         );
         assert!(matches!(
@@ -371,6 +456,31 @@ mod tests {
         assert!(auth.authenticate(None, [uri.as_str()]).is_ok());
         let other_case = identity_key("spiffe://example/ops");
         assert!(auth.authenticate(None, [other_case.as_str()]).is_err());
+    }
+
+    #[test]
+    fn empty_and_short_keys_are_refused_before_hashing() {
+        // Even a principal holding the hash of the empty key (which the
+        // configuration refuses) or of a short one is never matched.
+        let auth = Auth::new(vec![(
+            principal("empty", &["*"], true),
+            vec![hash_key(""), hash_key("short")],
+            vec![],
+        )]);
+        for presented in [
+            "Bearer ",
+            "Bearer    ",
+            "Bearer short",
+            "bearer 0123456789abcde",
+        ] {
+            assert_eq!(
+                auth.authenticate(Some(presented), []),
+                Err(Denied::Unauthenticated(
+                    "API key too short: keys have at least 16 characters"
+                )),
+                "{presented:?}"
+            );
+        }
     }
 
     #[test]

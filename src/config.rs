@@ -112,6 +112,9 @@ pub struct Config {
     pub tls: Option<TlsConfig>,
     /// Transport limits.
     pub server_limits: ServerLimits,
+    /// `server.allow_unauthenticated`: the operator insists on serving a
+    /// non-loopback address without `[auth]`.
+    pub allow_unauthenticated: bool,
     /// Who may call, and what for.
     pub auth: Auth,
     /// The budget store.
@@ -165,6 +168,7 @@ impl TryFrom<Settings> for Config {
             shutdown_grace,
             tls,
             server_limits,
+            allow_unauthenticated: settings.server.allow_unauthenticated,
             auth,
             store,
             telemetry,
@@ -185,6 +189,8 @@ pub struct DecisionLogConfig {
     pub path: PathBuf,
     /// Lines waiting to be written, at most.
     pub queue: usize,
+    /// The most bytes the file may hold, if bounded.
+    pub max_bytes: Option<u64>,
 }
 
 fn decision_log(
@@ -202,6 +208,7 @@ fn decision_log(
     Ok(Some(DecisionLogConfig {
         path: PathBuf::from(path),
         queue: settings.queue,
+        max_bytes: (settings.max_bytes > 0).then_some(settings.max_bytes),
     }))
 }
 
@@ -259,21 +266,31 @@ fn report_ids(limits: &LimitSettings) -> Result<ReportIds, InvalidConfig> {
 fn limits(settings: &Settings, auth: &Auth) -> Result<(Option<usize>, Duration), InvalidConfig> {
     const PER_PRINCIPAL: &str = "limits.max_upstreams_per_principal";
     let limits = &settings.limits;
+    // Principals, not names: without authentication there is one, the
+    // anonymous caller.
+    let principals = if auth.is_enabled() {
+        auth.principal_names().len()
+    } else {
+        1
+    };
     let per_principal = match limits.max_upstreams_per_principal {
-        0 => None,
-        _ if !auth.is_enabled() => {
+        // Unset with several principals: equal shares, which sum to at most
+        // `max_upstreams`, so each principal always has room of its own.
+        None if principals > 1 => Some((limits.max_upstreams / principals).max(1)),
+        None | Some(0) => None,
+        Some(_) if !auth.is_enabled() => {
             return Err(invalid(
                 PER_PRINCIPAL,
                 "needs [auth] principals: without authentication every caller is one",
             ));
         }
-        share if share > limits.max_upstreams => {
+        Some(share) if share > limits.max_upstreams => {
             return Err(invalid(
                 PER_PRINCIPAL,
                 "must be at most limits.max_upstreams",
             ));
         }
-        share => Some(share),
+        Some(share) => Some(share),
     };
     let idle = parse_duration("limits.evict_idle_after", &limits.evict_idle_after)?;
     // A sweep runs a few times per idle period; below a second it would
@@ -288,6 +305,29 @@ impl Config {
     /// Loads and validates: what `serve` and `check-config` run.
     pub fn load(path: Option<&Path>) -> Result<Config, InvalidConfig> {
         Config::try_from(Settings::load(path)?)
+    }
+
+    /// Loads and validates a file for a reload: as [`Config::load`], but a
+    /// file that sets nothing is refused. At startup an empty file means
+    /// the defaults; on a reload it is far more often a file caught between
+    /// an editor's truncate and its write, and applying it would replace
+    /// every principal and policy with the defaults.
+    pub fn load_for_reload(path: Option<&Path>) -> Result<Config, InvalidConfig> {
+        let Some(path) = path else {
+            return Config::load(None);
+        };
+        let toml = std::fs::read_to_string(path)
+            .map_err(|err| invalid(path.display().to_string(), format!("cannot read: {err}")))?;
+        if toml
+            .parse::<toml::Table>()
+            .is_ok_and(|table| table.is_empty())
+        {
+            return Err(invalid(
+                path.display().to_string(),
+                "sets nothing (empty, or caught while being written); a reload needs the whole configuration, so the running one is kept",
+            ));
+        }
+        Config::try_from(Settings::from_sources(&toml, None)?)
     }
 }
 

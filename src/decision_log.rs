@@ -9,14 +9,17 @@
 //!
 //! Writing never slows a decision: lines go through a bounded queue to a
 //! thread of their own; when it is full, a line is dropped and counted
-//! (`retryd_decision_log_dropped_total`) and the log says so.
+//! (`retryd_decision_log_dropped_total`) and the log says so. The file is
+//! created 0600 and never opened when its path is a symbolic link; it is reopened
+//! on SIGHUP (log rotation) and, with `decision_log.max_bytes`, lines that
+//! would pass that size are dropped and counted the same way.
 
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
-use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, SyncSender, TrySendError};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -160,49 +163,166 @@ pub struct SwitchLine {
 pub struct DecisionLog {
     lines: SyncSender<String>,
     clock: MonotonicClock,
+    /// Drops, shared with the writer thread (which drops over the size cap).
+    drops: Arc<Drops>,
+    /// Set by [`DecisionLog::reopen`]; the writer reopens the file before
+    /// its next write.
+    reopen: Arc<AtomicBool>,
+}
+
+/// Lines dropped, counted here and, once attached, in `/metrics`.
+#[derive(Debug, Default)]
+struct Drops {
     dropped: AtomicU64,
-    /// Where drops are counted for `/metrics`, once attached to a service.
-    metrics: Option<Arc<Metrics>>,
+    metrics: OnceLock<Arc<Metrics>>,
+}
+
+impl Drops {
+    /// Counts `n` dropped lines; true for the first drop since start.
+    fn count(&self, n: u64) -> bool {
+        if let Some(metrics) = self.metrics.get() {
+            metrics.decision_log_dropped.fetch_add(n, Ordering::Relaxed);
+        }
+        self.dropped.fetch_add(n, Ordering::Relaxed) == 0
+    }
+}
+
+/// Opens the log for appending: created owner-only (0600, whatever the
+/// umask), never when its path is a symbolic link, since the file holds every
+/// caller's upstreams and operations and a link planted at its path would
+/// have retryd write wherever it points. An existing file keeps its mode.
+fn open_file(path: &Path) -> std::io::Result<File> {
+    let mut options = OpenOptions::new();
+    options.create(true).append(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC);
+    }
+    options.open(path)
+}
+
+/// The writer thread: appends what comes, reopens when asked, keeps the
+/// file under `max_bytes`.
+struct Writer {
+    path: PathBuf,
+    out: BufWriter<File>,
+    /// Bytes in the file, as far as this writer knows.
+    written: u64,
+    max_bytes: Option<u64>,
+    reopen: Arc<AtomicBool>,
+    drops: Arc<Drops>,
+}
+
+impl Writer {
+    fn run(mut self, receiver: Receiver<String>) {
+        loop {
+            // Wakes at least once a second, so that a reopen asked for
+            // while nothing is logged still lets go of a rotated file.
+            let line = match receiver.recv_timeout(Duration::from_secs(1)) {
+                Ok(line) => Some(line),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+            if self.reopen.swap(false, Ordering::AcqRel) {
+                self.reopen_file();
+            }
+            let Some(line) = line else { continue };
+            // Writes what else is queued, then flushes: lines reach the
+            // file within a batch.
+            let mut ok = self.write(&line);
+            while let Ok(line) = receiver.try_recv() {
+                ok &= self.write(&line);
+            }
+            if !(ok && self.out.flush().is_ok()) {
+                tracing::warn!("cannot write the decision log");
+            }
+        }
+    }
+
+    fn write(&mut self, line: &str) -> bool {
+        let size = line.len() as u64 + 1;
+        if self
+            .max_bytes
+            .is_some_and(|max| self.written.saturating_add(size) > max)
+        {
+            if self.drops.count(1) {
+                tracing::warn!(
+                    "the decision log reached decision_log.max_bytes: dropping lines until it is rotated and reopened (SIGHUP), counted in retryd_decision_log_dropped_total"
+                );
+            }
+            return true;
+        }
+        self.written = self.written.saturating_add(size);
+        writeln!(self.out, "{line}").is_ok()
+    }
+
+    /// After a rotation (logrotate moves the file, then sends SIGHUP): the
+    /// lines so far stay in the old file, the next go to a new one.
+    fn reopen_file(&mut self) {
+        if self.out.flush().is_err() {
+            tracing::warn!("cannot write the decision log");
+        }
+        match open_file(&self.path) {
+            Ok(file) => {
+                self.written = file.metadata().map_or(0, |meta| meta.len());
+                self.out = BufWriter::new(file);
+                tracing::info!(path = %self.path.display(), "decision log reopened");
+            }
+            Err(error) => tracing::warn!(
+                %error,
+                path = %self.path.display(),
+                "cannot reopen the decision log; writing on to the file already open"
+            ),
+        }
+    }
 }
 
 impl DecisionLog {
-    /// Opens `path` for appending (created if missing) and starts the
-    /// writer thread, with room for `queue` lines.
-    pub fn open(path: &Path, queue: usize) -> std::io::Result<DecisionLog> {
-        let file = OpenOptions::new().create(true).append(true).open(path)?;
+    /// Opens `path` for appending (created 0600 if missing, never through
+    /// a symbolic link) and starts the writer thread, with room for `queue`
+    /// lines and, with `max_bytes`, a bound on the file's size.
+    pub fn open(path: &Path, queue: usize, max_bytes: Option<u64>) -> std::io::Result<DecisionLog> {
+        let file = open_file(path)?;
+        let written = file.metadata()?.len();
         let (lines, receiver) = mpsc::sync_channel::<String>(queue.max(1));
+        let drops = Arc::new(Drops::default());
+        let reopen = Arc::new(AtomicBool::new(false));
+        let writer = Writer {
+            path: path.to_owned(),
+            out: BufWriter::new(file),
+            written,
+            max_bytes,
+            reopen: Arc::clone(&reopen),
+            drops: Arc::clone(&drops),
+        };
         std::thread::Builder::new()
             .name("retryd-decision-log".into())
-            .spawn(move || {
-                let mut out = BufWriter::new(file);
-                // Blocks for the first line, writes what else is queued,
-                // then flushes: lines reach the file within a batch.
-                while let Ok(line) = receiver.recv() {
-                    let mut ok = writeln!(out, "{line}").is_ok();
-                    while let Ok(line) = receiver.try_recv() {
-                        ok &= writeln!(out, "{line}").is_ok();
-                    }
-                    if !(ok && out.flush().is_ok()) {
-                        tracing::warn!("cannot write the decision log");
-                    }
-                }
-            })?;
+            .spawn(move || writer.run(receiver))?;
         Ok(DecisionLog {
             lines,
             clock: MonotonicClock::default(),
-            dropped: AtomicU64::new(0),
-            metrics: None,
+            drops,
+            reopen,
         })
     }
 
     /// Counts drops in `metrics` too.
     pub fn count_drops_in(&mut self, metrics: Arc<Metrics>) {
-        self.metrics = Some(metrics);
+        let _ = self.drops.metrics.set(metrics);
     }
 
-    /// Lines dropped because the queue was full.
+    /// Lines dropped because the queue was full or the file at its bound.
     pub fn dropped(&self) -> u64 {
-        self.dropped.load(Ordering::Relaxed)
+        self.drops.dropped.load(Ordering::Relaxed)
+    }
+
+    /// Has the writer reopen the file by its path (within a second), for
+    /// log rotation: what SIGHUP does.
+    pub fn reopen(&self) {
+        self.reopen.store(true, Ordering::Release);
     }
 
     fn stamp(&self) -> (u64, u64) {
@@ -219,10 +339,7 @@ impl DecisionLog {
         match self.lines.try_send(text) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                if let Some(metrics) = &self.metrics {
-                    metrics.decision_log_dropped.fetch_add(1, Ordering::Relaxed);
-                }
-                if self.dropped.fetch_add(1, Ordering::Relaxed) == 0 {
+                if self.drops.count(1) {
                     tracing::warn!(
                         "the decision log cannot keep up: dropping lines (counted in retryd_decision_log_dropped_total)"
                     );

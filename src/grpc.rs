@@ -76,6 +76,7 @@ pub mod validate;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -86,7 +87,7 @@ use crate::config::{Config, InvalidConfig};
 use crate::decision_log::DecisionLog;
 use crate::policy::Policies;
 use crate::telemetry::{
-    Attribute, Metrics, SpanStart, Throttle, TraceContext, Tracer, UpstreamLimit, attr,
+    Attribute, Metrics, Refusal, SpanStart, Throttle, TraceContext, Tracer, UpstreamLimit, attr,
 };
 pub use connections::{Acceptor, Peer};
 pub use received::ReceivedAt;
@@ -138,6 +139,10 @@ struct Inner<S> {
     shares: shares::Shares,
     /// A principal at its share is logged at most once per interval.
     full_shares: Throttle,
+    /// Held by the reload in progress: when the last one ended.
+    reloads: tokio::sync::Mutex<Option<tokio::time::Instant>>,
+    /// Reloads running or waiting for `reloads`.
+    reloads_queued: AtomicUsize,
 }
 
 /// The reloadable part of the configuration.
@@ -197,6 +202,8 @@ impl<S: BudgetStore> Service<S> {
                     reload.startup.evict_idle_after,
                 ),
                 full_shares: Throttle::new(SHARE_WARNING_INTERVAL, 1),
+                reloads: tokio::sync::Mutex::new(None),
+                reloads_queued: AtomicUsize::new(0),
                 reload,
             }),
         }
@@ -215,6 +222,13 @@ impl<S: BudgetStore> Service<S> {
         self
     }
 
+    /// Has the decision log, if any, reopen its file (log rotation).
+    pub fn reopen_decision_log(&self) {
+        if let Some(log) = &self.inner.decision_log {
+            log.reopen();
+        }
+    }
+
     /// The policies in force now.
     pub fn policies(&self) -> Arc<Live> {
         self.inner.live.load_full()
@@ -228,10 +242,64 @@ impl<S: BudgetStore> Service<S> {
     }
 
     /// Re-reads the configuration file and swaps in its policies and
-    /// principals. An invalid file changes nothing. Returns the number of
-    /// named upstreams and the changed keys that need a restart.
-    pub fn reload(&self) -> Result<(usize, Vec<&'static str>), InvalidConfig> {
-        let result = Config::load(self.inner.reload.path.as_deref());
+    /// principals, after any reload already running (what SIGHUP does). An
+    /// invalid file changes nothing. Returns the number of named upstreams
+    /// and the changed keys that need a restart.
+    pub async fn reload(&self) -> Result<(usize, Vec<&'static str>), ReloadError> {
+        let _slot = ReloadSlot::take(&self.inner.reloads_queued);
+        let last = self.inner.reloads.lock().await;
+        // Not paced: a signal comes from the host, which the pace is not
+        // about, and its reload must read the file as it is now.
+        self.reload_after(last, Duration::ZERO).await
+    }
+
+    /// [`Service::reload`] for `ReloadConfig`: refused with
+    /// [`ReloadError::Busy`] when one reload is running and another already
+    /// waits its turn, so that a flood of calls costs one reload at a time,
+    /// at most one per [`RELOAD_INTERVAL`], and its refusals cost nothing.
+    pub async fn try_reload(&self) -> Result<(usize, Vec<&'static str>), ReloadError> {
+        let slot = ReloadSlot::take(&self.inner.reloads_queued);
+        if slot.ahead >= 2 {
+            return Err(ReloadError::Busy);
+        }
+        let last = self.inner.reloads.lock().await;
+        self.reload_after(last, RELOAD_INTERVAL).await
+    }
+
+    /// Reloads, holding the reload lock, once `pace` has passed since the
+    /// last reload ended.
+    async fn reload_after(
+        &self,
+        mut last: tokio::sync::MutexGuard<'_, Option<tokio::time::Instant>>,
+        pace: Duration,
+    ) -> Result<(usize, Vec<&'static str>), ReloadError> {
+        if let Some(last) = *last {
+            tokio::time::sleep_until(last + pace).await;
+        }
+        // Reading the file (and the TLS files it names) and validating it
+        // block: on a thread of their own, never on a runtime worker that
+        // decisions run on.
+        let path = self.inner.reload.path.clone();
+        let loaded = tokio::task::spawn_blocking(move || Config::load_for_reload(path.as_deref()))
+            .await
+            .unwrap_or_else(|_| {
+                Err(InvalidConfig::Load(
+                    "the reload's reading thread failed".into(),
+                ))
+            });
+        let applied = self.apply_reload(loaded);
+        *last = Some(tokio::time::Instant::now());
+        Ok(applied?)
+    }
+
+    /// Swaps in a loaded configuration's policies and principals, unless
+    /// it failed to load or would weaken authentication.
+    fn apply_reload(
+        &self,
+        loaded: Result<Config, InvalidConfig>,
+    ) -> Result<(usize, Vec<&'static str>), InvalidConfig> {
+        let live = self.live();
+        let result = loaded.and_then(|config| self.refuse_weaker_auth(&live.auth, config));
         self.inner.metrics.record_reload(result.is_ok());
         let config = match result {
             Ok(config) => config,
@@ -240,6 +308,18 @@ impl<S: BudgetStore> Service<S> {
                 return Err(error);
             }
         };
+        let changes = live.auth.changes_to(&config.auth);
+        if !changes.is_empty() {
+            // Who may call is the most sensitive thing a reload changes:
+            // loud, on the audit target, naming every principal concerned.
+            tracing::warn!(
+                target: "retryd::audit",
+                added = ?changes.added,
+                removed = ?changes.removed,
+                changed = ?changes.changed,
+                "principals changed by a configuration reload"
+            );
+        }
         let startup = &self.inner.reload.startup;
         let restart_required: Vec<&'static str> = [
             ("server.listen", config.listen != startup.listen),
@@ -289,6 +369,36 @@ impl<S: BudgetStore> Service<S> {
         Ok((named, restart_required))
     }
 
+    /// Refuses a reloaded configuration that would weaken authentication:
+    /// one naming no principal while the running one authenticates (a
+    /// truncated file, or one cut before its `[auth]`), since every caller
+    /// of the port, still bound, would become the all-powerful anonymous
+    /// principal; and one without `[auth]` whose non-loopback rule holds
+    /// only for its own `server.listen`, not for the address actually bound
+    /// (a reload binds nothing). Switching authentication off needs a
+    /// restart, which binds and checks afresh.
+    fn refuse_weaker_auth(&self, running: &Auth, config: Config) -> Result<Config, InvalidConfig> {
+        if config.auth.is_enabled() {
+            return Ok(config);
+        }
+        if running.is_enabled() {
+            return Err(InvalidConfig::Value {
+                key: "auth.principals".into(),
+                reason: "the running configuration authenticates callers and this file names no principal; a reload never switches authentication off (restart to do so)".into(),
+            });
+        }
+        let bound = self.inner.reload.startup.listen;
+        if !bound.ip().is_loopback() && !config.allow_unauthenticated {
+            return Err(InvalidConfig::Value {
+                key: "server.listen".into(),
+                reason: format!(
+                    "the server is bound to {bound}, which is not a loopback address, and [auth] names no principal; configure [auth] or set server.allow_unauthenticated = true"
+                ),
+            });
+        }
+        Ok(config)
+    }
+
     /// Who is calling `rpc`: the principal behind the request's API key or
     /// client certificate (anonymous when authentication is off), borrowed
     /// from the configuration (cloned only by a caller that keeps it). A
@@ -334,12 +444,14 @@ impl<S: BudgetStore> Service<S> {
         principal: Option<&str>,
         status: &tonic::Status,
     ) {
-        if !matches!(
-            status.code(),
-            tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
-        ) {
-            return;
-        }
+        let refusal = match status.code() {
+            tonic::Code::Unauthenticated => Refusal::Unauthenticated,
+            tonic::Code::PermissionDenied => Refusal::PermissionDenied,
+            _ => return,
+        };
+        // Counted always: the log below is throttled, and global, so one
+        // peer's flood would otherwise hide another's refusals.
+        self.inner.metrics.record_call_refused(refusal);
         self.inner.refusals.log(|suppressed| {
             tracing::warn!(
                 target: "retryd::audit",
@@ -350,6 +462,19 @@ impl<S: BudgetStore> Service<S> {
                 reason = status.message(),
                 suppressed,
                 "call refused"
+            );
+        });
+    }
+
+    /// Logs how many refused calls the audit throttle held back since its
+    /// last line, if any: `main` runs it every second, so that the end of
+    /// a burst is logged when it ends.
+    pub fn flush_refusals(&self) {
+        self.inner.refusals.flush(|suppressed| {
+            tracing::warn!(
+                target: "retryd::audit",
+                suppressed,
+                "calls refused and not logged one by one (see retryd_calls_refused_total)"
             );
         });
     }
@@ -386,20 +511,33 @@ impl<S: BudgetStore> Service<S> {
         self.inner
             .shares
             .claim(&principal.name, upstreams)
-            .map_err(|full| {
-                self.inner
-                    .metrics
-                    .record_upstream_refusal(UpstreamLimit::Principal);
-                self.inner.full_shares.log(|suppressed| {
-                    tracing::warn!(
-                        principal = full.principal,
-                        limit = full.limit,
-                        suppressed,
-                        "a principal holds its whole share of unconfigured upstreams (limits.max_upstreams_per_principal); its new upstreams are refused"
-                    );
-                });
-                tonic::Status::resource_exhausted(full.to_string())
-            })
+            .map_err(|full| self.share_refusal(full))
+    }
+
+    /// [`Service::claim_share`] for an upstream switched off: held in the
+    /// principal's share until switched on again.
+    fn pin_share(&self, principal: &Principal, upstream: &str) -> Result<(), tonic::Status> {
+        self.inner
+            .shares
+            .pin(&principal.name, upstream)
+            .map_err(|full| self.share_refusal(full))
+    }
+
+    /// A full share as a status: counted, and warned about (naming the
+    /// principal) at most once per interval.
+    fn share_refusal(&self, full: shares::ShareFull) -> tonic::Status {
+        self.inner
+            .metrics
+            .record_upstream_refusal(UpstreamLimit::Principal);
+        self.inner.full_shares.log(|suppressed| {
+            tracing::warn!(
+                principal = full.principal,
+                limit = full.limit,
+                suppressed,
+                "a principal holds its whole share of unconfigured upstreams (limits.max_upstreams_per_principal); its new upstreams are refused"
+            );
+        });
+        tonic::Status::resource_exhausted(full.to_string())
     }
 
     /// A store error as a status, counting a refusal for the upstream limit.
@@ -411,6 +549,42 @@ impl<S: BudgetStore> Service<S> {
         }
         status::store_status(error)
     }
+}
+
+/// The least time between a reload and a `ReloadConfig` call's: a flood of
+/// calls reloads ten times a second at most.
+pub const RELOAD_INTERVAL: Duration = Duration::from_millis(100);
+
+/// A place among the reloads running or waiting, given back when the
+/// reload ends or its caller goes away.
+struct ReloadSlot<'q> {
+    queued: &'q AtomicUsize,
+    /// Reloads that were running or waiting when this one came.
+    ahead: usize,
+}
+
+impl<'q> ReloadSlot<'q> {
+    fn take(queued: &'q AtomicUsize) -> ReloadSlot<'q> {
+        let ahead = queued.fetch_add(1, Ordering::AcqRel);
+        ReloadSlot { queued, ahead }
+    }
+}
+
+impl Drop for ReloadSlot<'_> {
+    fn drop(&mut self) {
+        self.queued.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Why a reload changed nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The file is invalid, or would weaken authentication.
+    #[error(transparent)]
+    Invalid(#[from] InvalidConfig),
+    /// Another reload is running or waiting: `ReloadConfig` does not queue.
+    #[error("a configuration reload is already running; try again once it is done")]
+    Busy,
 }
 
 /// How often at most a full share is logged.

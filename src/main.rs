@@ -176,7 +176,7 @@ fn check_key(key: &str) -> anyhow::Result<()> {
         );
     }
     anyhow::ensure!(
-        key.len() >= 16,
+        key.len() >= retryd::auth::MIN_KEY_LEN,
         "an API key should be at least 16 characters"
     );
     Ok(())
@@ -225,12 +225,19 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
         );
     }
     telemetry::init_logs(&config.telemetry).map_err(anyhow::Error::msg)?;
+    let principals = config.auth.principal_names().len();
+    if config.auth.is_enabled() && principals > 1 && config.max_upstreams_per_principal.is_none() {
+        tracing::warn!(
+            principals,
+            "limits.max_upstreams_per_principal = 0: the principals share limits.max_upstreams with no share of their own, so one team's flood of upstream names refuses every other team's new upstreams"
+        );
+    }
     let acceptor = grpc::Acceptor::try_new(config.tls.as_ref(), &config.server_limits)?;
     let decision_log = config
         .decision_log
         .as_ref()
         .map(|log| {
-            DecisionLog::open(&log.path, log.queue)
+            DecisionLog::open(&log.path, log.queue, log.max_bytes)
                 .with_context(|| format!("decision_log.path: cannot open {}", log.path.display()))
         })
         .transpose()?;
@@ -381,22 +388,26 @@ async fn run<S: BudgetStore>(
         None => service,
     };
     tokio::spawn(reload_on_sighup(service.clone()));
+    tokio::spawn(flush_refusals(service.clone()));
     let store_for_shutdown = service.clone();
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // The budget gauges come from a snapshot: a scrape lists the store at
+    // most once per interval, never once per request.
+    let gauges = Arc::new(telemetry::BudgetGauges::new());
     let scrape = {
         let service = service.clone();
         let metrics = Arc::clone(&metrics);
         move || {
             let service = service.clone();
             let metrics = Arc::clone(&metrics);
+            let gauges = Arc::clone(&gauges);
             async move {
                 let live = service.policies();
                 let store = service.store();
-                let budgets = store
-                    .list(|upstream| live.policies.get(upstream).bucket)
-                    .await
-                    .unwrap_or_default();
+                let budgets = gauges
+                    .budgets(|| store.list(|upstream| live.policies.get(upstream).bucket))
+                    .await;
                 metrics.render(&budgets, store.availability(), &store.stats())
             }
         }
@@ -435,8 +446,9 @@ async fn run<S: BudgetStore>(
     Ok(())
 }
 
-/// Reloads policies and principals on every SIGHUP. A bad file is logged,
-/// counted and ignored (see `Service::reload`).
+/// Reloads policies and principals, and reopens the decision log, on every
+/// SIGHUP. A bad file is logged, counted and ignored (see
+/// `Service::reload`).
 async fn reload_on_sighup<S: BudgetStore>(service: Service<S>) {
     #[cfg(unix)]
     {
@@ -450,12 +462,25 @@ async fn reload_on_sighup<S: BudgetStore>(service: Service<S>) {
             }
         };
         while hangups.recv().await.is_some() {
-            tracing::info!("SIGHUP: reloading the configuration");
-            let _ = service.reload();
+            tracing::info!("SIGHUP: reloading the configuration and reopening the decision log");
+            // Log rotation moves the file first, then signals.
+            service.reopen_decision_log();
+            let _ = service.reload().await;
         }
     }
     #[cfg(not(unix))]
     let _ = service;
+}
+
+/// Every second, logs the count of refused calls the audit throttle held
+/// back, so that a burst's count never waits for the next refusal.
+async fn flush_refusals<S: BudgetStore>(service: Service<S>) {
+    let mut every_second = tokio::time::interval(Duration::from_secs(1));
+    every_second.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every_second.tick().await;
+        service.flush_refusals();
+    }
 }
 
 /// SIGTERM (what orchestrators and background shells send) or SIGINT.

@@ -9,8 +9,8 @@
 //! store, the log on from its start), a log gives back the recorded
 //! verdicts; against a candidate, what the candidate would have answered.
 
-use std::collections::BTreeMap;
-use std::io::BufRead;
+use std::collections::{BTreeMap, HashSet};
+use std::io::{BufRead, Read};
 
 use futures::FutureExt;
 use serde::Serialize;
@@ -20,6 +20,7 @@ use crate::budget::{BudgetStore, MemoryBudgetStore};
 use crate::config::Config;
 use crate::decision_log::{DecisionLine, Line, body_of, facts_of};
 use crate::engine::{BudgetView, Decision, Verdict};
+use crate::grpc::validate;
 use crate::settle::Settled;
 
 /// What the replay found for one upstream.
@@ -74,22 +75,47 @@ pub struct Replay {
     pub upstreams: BTreeMap<String, UpstreamReplay>,
 }
 
+/// The longest line read, in bytes. A recorded line is at most a few KiB
+/// (every name in it bounded as the live edge bounds it); reading a longer
+/// one whole would let a hostile or corrupt file take memory without limit.
+pub const MAX_LINE_BYTES: usize = 64 * 1024;
+
 /// Replays `log` under `config`. An unreadable line is an error naming its
-/// number.
-pub fn replay(config: &Config, log: impl BufRead) -> Result<Replay, String> {
+/// number, as is one the live edge would have refused: longer than
+/// [`MAX_LINE_BYTES`], an upstream name it would not accept, a report
+/// larger than it allows, or an upstream beyond `limits.max_upstreams`
+/// distinct ones (the live store would not have tracked it).
+pub fn replay(config: &Config, mut log: impl BufRead) -> Result<Replay, String> {
     let clock = ManualClock::default();
+    // Bounded by `check_line`: at most `limits.max_upstreams` unconfigured
+    // upstreams, as the live store tracks.
     let store = MemoryBudgetStore::with_clock(usize::MAX, clock.clone());
+    let mut unconfigured = HashSet::new();
     let mut replay = Replay::default();
     let mut last_clock: Option<u64> = None;
-    for (index, text) in log.lines().enumerate() {
-        let number = index + 1;
-        let text = text.map_err(|error| format!("line {number}: {error}"))?;
+    let mut bytes = Vec::new();
+    for number in 1.. {
+        bytes.clear();
+        let read = (&mut log)
+            .take(MAX_LINE_BYTES as u64 + 1)
+            .read_until(b'\n', &mut bytes)
+            .map_err(|error| format!("line {number}: {error}"))?;
+        if read == 0 {
+            break;
+        }
+        if bytes.len() > MAX_LINE_BYTES {
+            return Err(format!("line {number}: longer than {MAX_LINE_BYTES} bytes"));
+        }
+        let text =
+            std::str::from_utf8(&bytes).map_err(|error| format!("line {number}: {error}"))?;
         if text.trim().is_empty() {
             continue;
         }
         let line: Line =
-            serde_json::from_str(&text).map_err(|error| format!("line {number}: {error}"))?;
-        replay.lines += 1;
+            serde_json::from_str(text).map_err(|error| format!("line {number}: {error}"))?;
+        check_line(config, &mut unconfigured, &line)
+            .map_err(|error| format!("line {number}: {error}"))?;
+        replay.lines = replay.lines.saturating_add(1);
         let clock_ns = match &line {
             Line::Decision(line) => line.clock_ns,
             Line::Report(line) => line.clock_ns,
@@ -106,11 +132,9 @@ pub fn replay(config: &Config, log: impl BufRead) -> Result<Replay, String> {
                 let _ = store
                     .deposit(&report.upstream, &policy.bucket, report.requests)
                     .now_or_never();
-                replay
-                    .upstreams
-                    .entry(report.upstream)
-                    .or_default()
-                    .reported += report.requests;
+                // Saturating: a log's sums must not wrap into nonsense.
+                let upstream = replay.upstreams.entry(report.upstream).or_default();
+                upstream.reported = upstream.reported.saturating_add(report.requests);
             }
             Line::RetriesEnabled(switch) => {
                 let policy = config.policies.get(&switch.upstream);
@@ -134,6 +158,44 @@ pub fn replay(config: &Config, log: impl BufRead) -> Result<Replay, String> {
     }
     Ok(replay)
 }
+
+/// The live edge's rules, applied to a line: an upstream name it accepts,
+/// a report it would take, and no more distinct unconfigured upstreams
+/// than the store tracks (`unconfigured`, those seen so far).
+fn check_line(
+    config: &Config,
+    unconfigured: &mut HashSet<String>,
+    line: &Line,
+) -> Result<(), String> {
+    let upstream = match line {
+        Line::Decision(line) => &line.upstream,
+        Line::Report(line) => {
+            if line.requests > MAX_REPORTED_REQUESTS {
+                return Err(format!(
+                    "requests: more than {MAX_REPORTED_REQUESTS} in one report"
+                ));
+            }
+            &line.upstream
+        }
+        Line::RetriesEnabled(line) => &line.upstream,
+    };
+    validate::upstream("upstream", upstream).map_err(|error| error.to_string())?;
+    if config.policies.get(upstream).bucket.configured || unconfigured.contains(upstream) {
+        return Ok(());
+    }
+    if unconfigured.len() >= config.max_upstreams {
+        return Err(format!(
+            "upstream: more than limits.max_upstreams ({}) distinct unconfigured upstreams; raise it in the replay's configuration",
+            config.max_upstreams
+        ));
+    }
+    unconfigured.insert(upstream.clone());
+    Ok(())
+}
+
+/// The most requests one traffic report entry may carry, as the edge
+/// (`validate::traffic_report`) allows.
+const MAX_REPORTED_REQUESTS: u64 = 1_000_000_000;
 
 fn decide_again(
     config: &Config,

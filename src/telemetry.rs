@@ -20,7 +20,9 @@ use tracing_subscriber::EnvFilter;
 
 use crate::config::{LogFormat, TelemetryConfig};
 
-pub use metrics::{Metrics, StoreOp, UpstreamLimit, serve_metrics};
+pub use metrics::{
+    BUDGET_GAUGES_INTERVAL, BudgetGauges, Metrics, Refusal, StoreOp, UpstreamLimit, serve_metrics,
+};
 pub use trace::{Attribute, SpanStart, TraceContext, Tracer, TracerGuard, hex};
 
 /// The span of one decision.
@@ -171,6 +173,17 @@ impl Throttle {
         }
         log(self.suppressed.swap(0, Ordering::Relaxed));
     }
+
+    /// Calls `log` with the number of lines held back since the last one,
+    /// if any were: run on a timer, so that the count of a burst is written
+    /// when the burst ends, not only with the next line, which may never
+    /// come.
+    pub fn flush(&self, log: impl FnOnce(u64)) {
+        let held_back = self.suppressed.swap(0, Ordering::Relaxed);
+        if held_back > 0 {
+            log(held_back);
+        }
+    }
 }
 
 /// Starts logging to stderr in the configured format and level.
@@ -207,5 +220,17 @@ mod tests {
             throttle.log(|suppressed| logged.push(suppressed));
         }
         assert_eq!(logged, [0, 0, 0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn a_flush_writes_what_was_held_back_once() {
+        let throttle = Throttle::new(Duration::from_secs(3600), 1);
+        for _ in 0..5 {
+            throttle.log(|_| {});
+        }
+        let mut flushed = Vec::new();
+        throttle.flush(|held_back| flushed.push(held_back));
+        throttle.flush(|held_back| flushed.push(held_back));
+        assert_eq!(flushed, [4], "four held back, written once");
     }
 }

@@ -104,6 +104,8 @@ async fn an_admin_reason_with_control_characters_changes_nothing() {
         "c1\u{85}",
         "bidi \u{202e}",
         "isolate \u{2066}",
+        // A line separator ends a line for JSON log readers (issue 29).
+        "line \u{2028}separator",
     ] {
         let status = admin
             .set_retries_enabled(pb::SetRetriesEnabledRequest {

@@ -44,6 +44,14 @@ pub(super) fn auth(settings: &AuthSettings) -> Result<Auth, InvalidConfig> {
                     "each entry must be 64 hex digits (retryd hash-key)",
                 )
             })?;
+            // The hash of the empty key: an empty `authorization: Bearer `
+            // would be that principal (the server refuses short keys too).
+            if hash == crate::auth::hash_key("") {
+                return Err(invalid(
+                    entry_key,
+                    "is the SHA-256 of the empty string, not of a key (retryd hash-key refuses keys under 16 characters)",
+                ));
+            }
             if let Some(holder) = keys.insert(hash, index) {
                 return Err(invalid(
                     entry_key,

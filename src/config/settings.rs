@@ -338,6 +338,10 @@ pub struct DecisionLogSettings {
     /// Lines waiting to be written, at most; beyond it lines are dropped
     /// (and counted) rather than slowing decisions.
     pub queue: usize,
+    /// The most bytes the file may hold, 0 for no bound; lines that would
+    /// pass it are dropped (and counted) until the file is rotated and
+    /// reopened (SIGHUP).
+    pub max_bytes: u64,
 }
 
 impl Default for DecisionLogSettings {
@@ -345,6 +349,7 @@ impl Default for DecisionLogSettings {
         DecisionLogSettings {
             path: None,
             queue: 65_536,
+            max_bytes: 0,
         }
     }
 }
@@ -362,7 +367,10 @@ pub struct LimitSettings {
     pub max_report_ids: usize,
     /// With `[auth]`, the most unconfigured upstreams one principal may
     /// hold at once; 0 = no share of its own (only `max_upstreams`).
-    pub max_upstreams_per_principal: usize,
+    /// Unset: with two or more principals, an equal share of
+    /// `max_upstreams` each (so that no team's flood refuses another's new
+    /// upstreams); with one, none.
+    pub max_upstreams_per_principal: Option<usize>,
     /// An unconfigured upstream idle this long, its bucket back at its
     /// initial tokens, is forgotten (memory store; Redis expires keys).
     pub evict_idle_after: String,
@@ -375,7 +383,7 @@ impl Default for LimitSettings {
             max_upstreams: 10_000,
             report_id_window: "10m".into(),
             max_report_ids: 100_000,
-            max_upstreams_per_principal: 0,
+            max_upstreams_per_principal: None,
             evict_idle_after: "60s".to_owned(),
         }
     }

@@ -189,12 +189,29 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             validate::reason("reason", &message.reason)?;
             permit(&principal, upstream)?;
             let policy = live.policies.get(upstream);
+            // An unconfigured name switched off takes a bucket the store
+            // never evicts (a kill switch is never lost): it holds a place
+            // in the admin's share for as long, so that a scoped admin
+            // cannot fill the table every team decides from with names.
+            if !policy.bucket.configured && !message.enabled {
+                self.pin_share(&principal, upstream)?;
+            }
             let previous = self
                 .inner
                 .store
                 .set_retries_enabled(upstream, &policy.bucket, message.enabled)
                 .await
-                .map_err(store_status)?;
+                .map_err(|error| {
+                    // Refused or unreachable: no bucket is pinned, so neither
+                    // is the name.
+                    if !policy.bucket.configured {
+                        self.inner.shares.unpin(upstream);
+                    }
+                    self.store_refusal(error)
+                })?;
+            if !policy.bucket.configured && message.enabled {
+                self.inner.shares.unpin(upstream);
+            }
             // A candidate sees the kill switch as the live policy does, so
             // that the switch is not counted as the candidate's divergence.
             if let Some(candidate) = &policy.candidate {
@@ -256,7 +273,7 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
         request: Request<pb::ReloadConfigRequest>,
     ) -> Result<Response<pb::ReloadConfigResponse>, Status> {
         // Global: it applies the file the operator wrote, whatever it names.
-        let call = |_: Arc<Live>, _: Arc<Principal>| async { Ok(self.reload()?) };
+        let call = |_: Arc<Live>, _: Arc<Principal>| async { Ok(self.try_reload().await?) };
         let describe = |_: &(usize, Vec<&'static str>), principal: &Principal| {
             vec![(attr::PRINCIPAL, Attribute::Text(principal.name.clone()))]
         };

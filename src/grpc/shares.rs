@@ -8,7 +8,9 @@
 //! an upstream from its first RETRY decision or traffic report for it (the
 //! calls that make the store track an upstream) until it has not used it
 //! for `limits.evict_idle_after`; a name several principals use is in the
-//! share of each. Nothing here is on the path of a configured upstream,
+//! share of each. An admin who switches an unconfigured upstream's retries
+//! off holds it in its share until they are switched on again, since the
+//! store keeps a switched-off bucket for good. Nothing here is on the path of a configured upstream,
 //! nor of any call when the limit is off.
 
 use std::collections::HashMap;
@@ -16,6 +18,9 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use dashmap::DashMap;
+
+/// The last use of a name pinned in a share, which no idle period reaches.
+const PINNED: u64 = u64::MAX;
 
 /// A principal's share is full: the caller gets RESOURCE_EXHAUSTED naming
 /// the limit.
@@ -86,9 +91,47 @@ impl Shares {
             });
         }
         for upstream in upstreams {
-            share.insert(upstream.into(), now);
+            share
+                .entry(upstream.into())
+                .and_modify(|used| {
+                    if *used != PINNED {
+                        *used = now;
+                    }
+                })
+                .or_insert(now);
         }
         Ok(())
+    }
+
+    /// Takes `upstream` into `principal`'s share, as [`Shares::claim`],
+    /// and keeps it there while its retries are switched off: the store
+    /// never evicts a switched-off bucket (a kill switch is never lost), so
+    /// the name must hold its place in the share of the admin who made it
+    /// for as long as it holds its place in the table.
+    pub(super) fn pin(&self, principal: &str, upstream: &str) -> Result<(), ShareFull> {
+        self.claim(principal, [upstream])?;
+        if let Some(share) = self.held.get(principal) {
+            let mut share = share.lock().unwrap_or_else(PoisonError::into_inner);
+            share.insert(upstream.into(), PINNED);
+        }
+        Ok(())
+    }
+
+    /// Retries are on again for `upstream`: whoever switched them off no
+    /// longer holds it pinned, and it leaves their share once idle.
+    pub(super) fn unpin(&self, upstream: &str) {
+        if self.limit.is_none() {
+            return;
+        }
+        let now = self.now_ms();
+        for share in self.held.iter() {
+            let mut share = share.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(used) = share.get_mut(upstream) {
+                if *used == PINNED {
+                    *used = now;
+                }
+            }
+        }
     }
 
     /// Forgets what each principal has not used for the idle period (and
@@ -102,7 +145,7 @@ impl Shares {
         let now = self.now_ms();
         self.held.retain(|_, share| {
             let share = share.get_mut().unwrap_or_else(PoisonError::into_inner);
-            share.retain(|_, used| now.saturating_sub(*used) < idle);
+            share.retain(|_, used| *used == PINNED || now.saturating_sub(*used) < idle);
             !share.is_empty()
         });
     }
@@ -130,6 +173,20 @@ mod tests {
         let off = Shares::new(None, Duration::from_secs(60));
         off.claim("flood", ["a", "b", "c"]).unwrap();
         assert!(off.held.is_empty());
+    }
+
+    #[test]
+    fn a_switched_off_name_stays_in_its_share_until_switched_on() {
+        let shares = Shares::new(Some(2), Duration::ZERO);
+        shares.pin("admin", "made-up").unwrap();
+        // A decision on it later does not unpin it.
+        shares.claim("admin", ["made-up"]).unwrap();
+        shares.forget_idle();
+        shares.pin("admin", "made-up-2").unwrap();
+        assert!(shares.pin("admin", "made-up-3").is_err(), "share full");
+        shares.unpin("made-up");
+        shares.forget_idle();
+        shares.pin("admin", "made-up-3").unwrap();
     }
 
     #[test]

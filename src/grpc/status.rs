@@ -26,6 +26,17 @@ impl From<InvalidConfig> for Status {
     }
 }
 
+impl From<super::ReloadError> for Status {
+    fn from(error: super::ReloadError) -> Status {
+        match error {
+            super::ReloadError::Invalid(invalid) => invalid.into(),
+            // Not UNAVAILABLE, which clients retry at once: the caller
+            // should wait for the running reload.
+            super::ReloadError::Busy => Status::resource_exhausted(error.to_string()),
+        }
+    }
+}
+
 impl From<InvalidRequest> for Status {
     fn from(error: InvalidRequest) -> Status {
         // The message starts with the field, so callers and tests can tell

@@ -299,6 +299,11 @@ pub fn reason<'a>(field: &str, raw: &'a str) -> Result<&'a str, InvalidRequest> 
     if raw.chars().any(is_bidi_control) {
         return Err(invalid(field, "contains bidirectional control characters"));
     }
+    // U+2028 and U+2029 are not control characters either, yet JSON log
+    // readers and JavaScript end a line at them: a forged audit line.
+    if raw.chars().any(|c| matches!(c, '\u{2028}' | '\u{2029}')) {
+        return Err(invalid(field, "contains line or paragraph separators"));
+    }
     Ok(raw)
 }
 
@@ -479,6 +484,8 @@ mod tests {
             ("rlo pay\u{202e}ments", "bidirectional"),
             ("lri \u{2066}", "bidirectional"),
             ("pdi \u{2069}", "bidirectional"),
+            ("ls \u{2028}forged", "separator"),
+            ("ps \u{2029}forged", "separator"),
         ];
         for (raw, kind) in refused {
             let error = reason("reason", raw).expect_err(raw);

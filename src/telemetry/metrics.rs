@@ -24,6 +24,7 @@ type LabelIndex = HashMap<String, usize, foldhash::fast::RandomState>;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
+mod budgets;
 mod histogram;
 mod policy_checks;
 mod render;
@@ -31,6 +32,7 @@ mod server;
 #[cfg(test)]
 mod tests;
 
+pub use self::budgets::{BUDGET_GAUGES_INTERVAL, BudgetGauges};
 use self::histogram::Histogram;
 use self::policy_checks::PolicyChecks;
 pub use self::policy_checks::{METRIC_CANDIDATE_DECISIONS, METRIC_SHADOW_DECISIONS};
@@ -114,6 +116,30 @@ pub const METRIC_UPSTREAM_EVICTIONS: &str = "retryd_upstream_evictions_total";
 /// Counter of calls refused because a new upstream would not fit, by the
 /// limit that refused it.
 pub const METRIC_UPSTREAM_REFUSALS: &str = "retryd_upstream_refusals_total";
+
+/// Counter of calls refused for want of a credential or a permission, by
+/// gRPC code: every one, whereas the audit log is throttled.
+pub const METRIC_CALLS_REFUSED: &str = "retryd_calls_refused_total";
+
+/// Why a call was refused, as the refused-calls counter labels it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// `UNAUTHENTICATED`: no credential, or an unknown one.
+    Unauthenticated = 0,
+    /// `PERMISSION_DENIED`: a known caller asking for what it may not.
+    PermissionDenied = 1,
+}
+
+impl Refusal {
+    const ALL: [Refusal; 2] = [Refusal::Unauthenticated, Refusal::PermissionDenied];
+
+    fn label(self) -> &'static str {
+        match self {
+            Refusal::Unauthenticated => "unauthenticated",
+            Refusal::PermissionDenied => "permission_denied",
+        }
+    }
+}
 
 /// Why a new upstream was refused, as the refusal counter labels it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -288,6 +314,7 @@ pub struct Metrics {
     expired: [AtomicU64; Expiry::VARIANTS.len()],
     policy_checks: PolicyChecks,
     upstream_refusals: [AtomicU64; UpstreamLimit::ALL.len()],
+    calls_refused: [AtomicU64; Refusal::ALL.len()],
 }
 
 impl Metrics {
@@ -336,6 +363,7 @@ impl Metrics {
             reloads: Default::default(),
             expired: Default::default(),
             upstream_refusals: Default::default(),
+            calls_refused: Default::default(),
             policy_checks: PolicyChecks::new(labels_len),
         }
     }
@@ -363,6 +391,11 @@ impl Metrics {
     /// Counts a call refused because its new upstream did not fit `limit`.
     pub fn record_upstream_refusal(&self, limit: UpstreamLimit) {
         self.upstream_refusals[limit as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a call refused for want of a credential or a permission.
+    pub fn record_call_refused(&self, refusal: Refusal) {
+        self.calls_refused[refusal as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a configuration reload, applied or refused.

@@ -329,6 +329,19 @@ impl Metrics {
                 .collect(),
         ));
         families.push(counter(
+            METRIC_CALLS_REFUSED,
+            "Calls refused for want of a credential or a permission, by gRPC code.",
+            Refusal::ALL
+                .iter()
+                .map(|refusal| {
+                    (
+                        vec![("code", refusal.label().to_owned())],
+                        load(&self.calls_refused[*refusal as usize]),
+                    )
+                })
+                .collect(),
+        ));
+        families.push(counter(
             METRIC_UPSTREAM_REFUSALS,
             "Calls refused because a new upstream did not fit, by limit.",
             UpstreamLimit::ALL

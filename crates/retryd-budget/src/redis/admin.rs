@@ -11,8 +11,12 @@ use tokio::time::Instant;
 
 use super::Failure;
 use super::replies::INF_SCORE;
-use super::shared::{Core, FAN_OUT, Operations, UpstreamState};
+use super::shared::{Circuited, Core, FAN_OUT, Operations, UpstreamState};
 use crate::{BucketConfig, BudgetSnapshot, StoreError, units_to_tokens};
+
+/// The longest a whole `list` may take, however many upstreams it reads
+/// (each read is bounded by the store timeout too).
+const LIST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl<M: Operations> Core<M> {
     /// Remembers the kill switch a reply showed, for answers during an
@@ -79,8 +83,10 @@ impl<M: Operations> Core<M> {
     }
 
     /// [`crate::BudgetStore::list`]: the index, then every live bucket (32
-    /// reads at a time, each with a timeout of its own), plus what this
-    /// replica holds of each.
+    /// reads at a time, each bounded by the store timeout, all by
+    /// `LIST_DEADLINE`), plus what this replica holds of each. Outside the
+    /// circuit (`Circuited::No`): a scrape listing thousands of upstreams
+    /// must never open it for the decisions, whose path this is not.
     pub(super) async fn list<F>(
         self: &Arc<Self>,
         config_of: F,
@@ -90,10 +96,11 @@ impl<M: Operations> Core<M> {
     {
         let mut invocation = self.scripts.list.prepare_invoke();
         invocation.key(self.keys.index());
+        let deadline = Instant::now() + LIST_DEADLINE;
         let names: Vec<String> = self
-            .call(
+            .call_outside_circuit(
                 Some(self.keys.index()),
-                self.deadline(),
+                deadline,
                 self.connection.invoke(&invocation),
             )
             .await
@@ -108,12 +115,13 @@ impl<M: Operations> Core<M> {
         let readings: Vec<_> = futures::stream::iter(wanted)
             .map(|(name, config)| async move {
                 let reply = self
-                    .run_bucket(
+                    .run_bucket_with(
                         &self.scripts.view,
                         &name,
                         &config,
                         &[],
-                        Instant::now() + self.timeout,
+                        deadline,
+                        Circuited::No,
                     )
                     .await;
                 (name, config, reply)

@@ -314,7 +314,27 @@ impl<M: Operations> Core<M> {
         if !route.circuit.allow() {
             return Err(Failure::NotSent);
         }
-        self.send_on(&route, deadline, request).await
+        self.send_on(&route, deadline, request, Circuited::Yes)
+            .await
+    }
+
+    /// Sends one request for `key` outside the circuit, for what is not on
+    /// the decision path (`list`, which a `/metrics` scrape runs): nothing
+    /// is sent while the node's circuit is open (nor is its probe taken),
+    /// and a failure or timeout neither opens the circuit nor resets the
+    /// connection, so that a scrape's many reads can never turn into an
+    /// outage for the decisions.
+    pub(super) async fn call_outside_circuit<T>(
+        &self,
+        key: Option<&str>,
+        deadline: Instant,
+        request: impl Future<Output = RedisResult<T>>,
+    ) -> Result<T, Failure> {
+        let route = self.reach.route(key);
+        if !route.circuit.is_up() {
+            return Err(Failure::NotSent);
+        }
+        self.send_on(&route, deadline, request, Circuited::No).await
     }
 
     /// Sends one request whatever the circuit says (a probe).
@@ -325,7 +345,8 @@ impl<M: Operations> Core<M> {
         request: impl Future<Output = RedisResult<T>>,
     ) -> Result<T, Failure> {
         let route = self.reach.route(key);
-        self.send_on(&route, deadline, request).await
+        self.send_on(&route, deadline, request, Circuited::Yes)
+            .await
     }
 
     async fn send_on<T>(
@@ -333,7 +354,9 @@ impl<M: Operations> Core<M> {
         route: &Route,
         deadline: Instant,
         request: impl Future<Output = RedisResult<T>>,
+        circuited: Circuited,
     ) -> Result<T, Failure> {
+        let counted = circuited == Circuited::Yes;
         let started = Instant::now();
         let limit = (started + self.timeout).min(deadline);
         if limit <= started {
@@ -341,7 +364,9 @@ impl<M: Operations> Core<M> {
         }
         match tokio::time::timeout_at(limit, request).await {
             Ok(Ok(value)) => {
-                self.note(route.circuit.success(), route);
+                if counted {
+                    self.note(route.circuit.success(), route);
+                }
                 Ok(value)
             }
             Ok(Err(error)) => {
@@ -350,7 +375,7 @@ impl<M: Operations> Core<M> {
                 // A Cluster redirect is an answer from a live node whose
                 // slot moved (a failover in progress): that call fails,
                 // but the node's circuit, and its other upstreams, stay.
-                if !matches!(error.code(), Some("MOVED" | "ASK" | "TRYAGAIN")) {
+                if counted && !matches!(error.code(), Some("MOVED" | "ASK" | "TRYAGAIN")) {
                     self.note(route.circuit.failure(), route);
                 }
                 Err(Failure::Unknown(RedisStoreError::Redis(error)))
@@ -358,6 +383,9 @@ impl<M: Operations> Core<M> {
             Err(_) => {
                 bump(&self.counters.errors, 1);
                 bump(&self.counters.timeouts, 1);
+                if !counted {
+                    return Err(Failure::Unknown(RedisStoreError::Timeout));
+                }
                 self.connection.timed_out();
                 // A request that had at least half the timeout to answer
                 // says Redis is slow; one sent with only the end of its
@@ -380,6 +408,21 @@ impl<M: Operations> Core<M> {
         extra: &[&str],
         deadline: Instant,
     ) -> Result<Reply, Failure> {
+        self.run_bucket_with(script, upstream, config, extra, deadline, Circuited::Yes)
+            .await
+    }
+
+    /// [`Core::run_bucket`], inside the circuit or outside it (see
+    /// [`Core::call_outside_circuit`]).
+    pub(super) async fn run_bucket_with(
+        &self,
+        script: &Script,
+        upstream: &str,
+        config: &BucketConfig,
+        extra: &[&str],
+        deadline: Instant,
+        circuited: Circuited,
+    ) -> Result<Reply, Failure> {
         let keys = self.keys.upstream(upstream);
         let mut invocation = script.prepare_invoke();
         invocation
@@ -395,13 +438,24 @@ impl<M: Operations> Core<M> {
         for argument in extra {
             invocation.arg(*argument);
         }
-        let values: Vec<i64> = self
-            .call(
-                Some(&keys.bucket),
-                deadline,
-                self.connection.invoke(&invocation),
-            )
-            .await?;
+        let request = self.connection.invoke(&invocation);
+        let values: Vec<i64> = match circuited {
+            Circuited::Yes => self.call(Some(&keys.bucket), deadline, request).await?,
+            Circuited::No => {
+                self.call_outside_circuit(Some(&keys.bucket), deadline, request)
+                    .await?
+            }
+        };
         Reply::parse(&values).map_err(Failure::Unknown)
     }
+}
+
+/// Whether a request's outcome tells the circuit about Redis: yes on the
+/// decision path, no for `list`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Circuited {
+    /// Counted: failures open the circuit, timeouts reset the connection.
+    Yes,
+    /// Not counted, and not sent while the circuit is open.
+    No,
 }
