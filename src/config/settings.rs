@@ -82,6 +82,16 @@ pub struct ServerSettings {
     /// Longest a new connection may take to finish its TLS handshake and
     /// send the HTTP/2 preface before it is closed.
     pub handshake_timeout: String,
+    /// Longest a connection may go, once past its handshake, without a
+    /// call that authenticated; then it is closed (only with `[auth]`).
+    pub authenticate_timeout: String,
+    /// Longest a connection may stay open with no call in progress.
+    pub idle_timeout: String,
+    /// Most connections open at once from one IP address.
+    pub max_connections_per_address: usize,
+    /// Longest a request message may take to arrive in full (a unary
+    /// call: to arrive and be answered), whatever `request_timeout` says.
+    pub receive_timeout: String,
     /// `[server.tls]`: TLS, and mTLS with a client CA.
     pub tls: Option<TlsSettings>,
 }
@@ -147,6 +157,10 @@ impl Default for ServerSettings {
             request_timeout: "0s".into(),
             max_connections: 10_000,
             handshake_timeout: "10s".into(),
+            authenticate_timeout: "5s".into(),
+            idle_timeout: "5m".into(),
+            max_connections_per_address: 1000,
+            receive_timeout: "10s".into(),
             tls: None,
         }
     }
