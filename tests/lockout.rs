@@ -182,6 +182,49 @@ impl Setup {
     }
 }
 
+impl Setup {
+    /// An anonymous connection with `HALF_SENT_PER_ATTACKER` half-sent
+    /// Decide messages on it, once the server has answered them (so it
+    /// holds a place); `None` where the handshake needs a certificate it
+    /// lacks, or where the server closed it first.
+    async fn half_sent_attacker(
+        &self,
+        deadline: tokio::time::Instant,
+    ) -> Option<h2::client::SendRequest<Bytes>> {
+        let addr = self.server.grpc;
+        let tcp = TcpStream::connect(addr).await.ok()?;
+        let (answers, client) = match self.mode {
+            Mode::MtlsRequired => return None,
+            Mode::Plain => half_sent_on(tcp, addr, HALF_SENT_PER_ATTACKER, deadline).await,
+            Mode::Tls | Mode::MtlsOptional => {
+                use tokio_rustls::rustls;
+                let mut roots = rustls::RootCertStore::empty();
+                let ca = rustls::pki_types::pem::PemObject::from_pem_slice(self.pki.ca.as_bytes())
+                    .unwrap();
+                roots.add(ca).unwrap();
+                let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+                    rustls::crypto::ring::default_provider(),
+                ))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+                config.alpn_protocols = vec![b"h2".to_vec()];
+                let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+                let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+                    .connect(name, tcp)
+                    .await
+                    .ok()?;
+                half_sent_on(tls, addr, HALF_SENT_PER_ATTACKER, deadline).await
+            }
+        };
+        answers.iter().all(Option::is_some).then_some(client)
+    }
+}
+
+/// Half-sent streams on each half-sent attacker of the lockout tests.
+const HALF_SENT_PER_ATTACKER: usize = 8;
+
 /// One Decide for payments on `channel`, with checkout's key if `key`.
 async fn decide(channel: &Channel, key: bool) -> Result<(), tonic::Status> {
     let mut request = tonic::Request::new(retryable("payments"));
@@ -208,19 +251,27 @@ async fn silent(addr: SocketAddr, count: usize) -> Vec<TcpStream> {
     held
 }
 
-/// Holds more than the bound with anonymous idle and silent connections,
-/// then checks that every new credentialed caller is answered, and that
-/// the callers already in stay in while more attackers arrive.
+/// Holds more than the bound with anonymous idle, half-sent and silent
+/// connections, then checks that every new credentialed caller is
+/// answered, and that the callers already in stay in while more attackers
+/// arrive.
 async fn callers_get_in_past_anonymous_connections(mode: Mode) {
     let setup = start(mode);
     let mut attackers = Vec::new();
     let mut idle = Vec::new();
-    for _ in 0..ATTACKERS / 2 {
+    let mut half_sent = Vec::new();
+    // One bound for all the attackers' answers, which the server gave at
+    // once (before, never).
+    let deadline = tokio::time::Instant::now() + HANG_GUARD;
+    for _ in 0..ATTACKERS / 3 {
         if let Some(channel) = setup.idle_attacker().await {
             idle.push(channel);
         }
+        if let Some(connection) = setup.half_sent_attacker(deadline).await {
+            half_sent.push(connection);
+        }
     }
-    attackers.extend(silent(setup.server.grpc, ATTACKERS - idle.len()).await);
+    attackers.extend(silent(setup.server.grpc, ATTACKERS - idle.len() - half_sent.len()).await);
 
     let mut answered = Vec::new();
     let mut failures = Vec::new();
@@ -231,8 +282,9 @@ async fn callers_get_in_past_anonymous_connections(mode: Mode) {
         }
     }
     eprintln!(
-        "{mode:?}: {} idle and {} silent anonymous connections held; {} of {CALLERS} new callers answered",
+        "{mode:?}: {} idle, {} half-sent and {} silent anonymous connections held; {} of {CALLERS} new callers answered",
         idle.len(),
+        half_sent.len(),
         attackers.len(),
         answered.len()
     );
@@ -305,14 +357,29 @@ type Answer = Option<u32>;
 /// reset each. Returns the answers and the connection, kept open.
 async fn half_sent(addr: SocketAddr) -> (Vec<Answer>, h2::client::SendRequest<Bytes>) {
     let tcp = TcpStream::connect(addr).await.unwrap();
-    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    let deadline = tokio::time::Instant::now() + HANG_GUARD;
+    half_sent_on(tcp, addr, HALF_SENT_STREAMS, deadline).await
+}
+
+/// [`half_sent`] with `streams` streams over `io`, a connection to `addr`
+/// (plain or TLS), waiting for answers until `deadline`.
+async fn half_sent_on<T>(
+    io: T,
+    addr: SocketAddr,
+    streams: usize,
+    deadline: tokio::time::Instant,
+) -> (Vec<Answer>, h2::client::SendRequest<Bytes>)
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (client, connection) = h2::client::handshake(io).await.unwrap();
     tokio::spawn(connection);
     let mut message = vec![0u8; SENT];
     message[1..5].copy_from_slice(&DECLARED.to_be_bytes());
     let message = Bytes::from(message);
     let mut calls = Vec::new();
     let mut client = client;
-    for _ in 0..HALF_SENT_STREAMS {
+    for _ in 0..streams {
         client = client.ready().await.unwrap();
         let request = http::Request::post(format!("http://{addr}/retryd.v1.RetryDecider/Decide"))
             .header("content-type", "application/grpc")
@@ -325,7 +392,6 @@ async fn half_sent(addr: SocketAddr) -> (Vec<Answer>, h2::client::SendRequest<By
         calls.push((response, body));
     }
     let mut answers = Vec::new();
-    let deadline = tokio::time::Instant::now() + HANG_GUARD;
     for (response, _body) in calls {
         let answer = tokio::time::timeout_at(deadline, response).await;
         answers.push(match answer {
@@ -446,9 +512,11 @@ async fn metrics_connections_leave_the_grpc_port_its_descriptors() {
             }
         }
     }
-    let scraping = scrapers.iter().filter(|task| !task.is_finished()).count();
+    let descriptors = std::fs::read_dir(format!("/proc/{}/fd", server.pid()))
+        .unwrap()
+        .count();
     eprintln!(
-        "{SCRAPERS} keep-alive scrapers: {scraping} still connected; {answered} of 10 gRPC callers answered"
+        "{SCRAPERS} keep-alive scrapers: the server holds {descriptors} descriptors of 256; {answered} of 10 gRPC callers answered"
     );
     assert_eq!(answered, 10, "{}", server.logs());
     for scraper in scrapers {
