@@ -193,3 +193,32 @@ fn positive_duration(key: &str, raw: &str, why: &str) -> Result<Duration, Invali
     }
     Ok(duration)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Config, Settings};
+    use std::time::Duration;
+
+    #[test]
+    fn connection_deadlines_default_to_what_an_operator_wants_and_refuse_zero() {
+        let limits = Config::try_from(Settings::from_toml("").unwrap())
+            .unwrap()
+            .server_limits;
+        assert_eq!(limits.authenticate_timeout, Duration::from_secs(5));
+        assert_eq!(limits.idle_timeout, Duration::from_secs(300));
+        assert_eq!(limits.receive_timeout, Duration::from_secs(10));
+        assert_eq!(limits.max_connections_per_address, 1000);
+        for (key, value) in [
+            ("authenticate_timeout", "\"0s\""),
+            ("idle_timeout", "\"0s\""),
+            ("receive_timeout", "\"0s\""),
+            ("max_connections_per_address", "0"),
+        ] {
+            let toml = format!("[server]\n{key} = {value}\n");
+            let error = Config::try_from(Settings::from_toml(&toml).unwrap())
+                .expect_err("zero is refused")
+                .to_string();
+            assert!(error.contains(&format!("server.{key}")), "{error}");
+        }
+    }
+}

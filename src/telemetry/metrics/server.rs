@@ -78,7 +78,17 @@ pub async fn serve_metrics<F, Fut>(
                 .timer(TokioTimer::new())
                 .header_read_timeout(SCRAPE_HEAD_TIMEOUT)
                 .serve_connection(TokioIo::new(stream), service);
-            let _ = tokio::time::timeout(SCRAPE_CONNECTION_LIFETIME, connection).await;
+            tokio::pin!(connection);
+            if tokio::time::timeout(SCRAPE_CONNECTION_LIFETIME, connection.as_mut())
+                .await
+                .is_err()
+            {
+                // At the end of its lifetime a scrape in progress is
+                // finished (within the head timeout), not cut off: the
+                // short lifetime must not fail Prometheus's scrapes.
+                connection.as_mut().graceful_shutdown();
+                let _ = tokio::time::timeout(SCRAPE_HEAD_TIMEOUT, connection).await;
+            }
         });
         open.push_back(task.abort_handle());
     }
