@@ -481,9 +481,9 @@ fn certificates(key: &str, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, I
 /// closes. The preface it already sent is read again first, by the HTTP/2
 /// server.
 ///
-/// It closes itself: a read returns end of file once it is evicted or past
-/// a deadline, and the HTTP/2 server, which always has a read pending,
-/// then drops it. The deadlines are one timer per connection, polled by
+/// It closes itself: a read returns end of file, and a write an error,
+/// once it is evicted or past a deadline, and the HTTP/2 server, which
+/// always has a read or a flush pending, then drops it. The deadlines are one timer per connection, polled by
 /// that read, so they cost nothing per call.
 pub struct Connection {
     io: Io,
@@ -609,4 +609,55 @@ impl AsyncRead for Connection {
     }
 }
 
-delegate_async_write!(Connection, io);
+/// The error a write gets once the connection is to close: a peer that
+/// reads nothing can leave the HTTP/2 server waiting to flush, and then it
+/// never reads the end of file that `poll_read` gives, so writes end the
+/// connection too.
+fn closed_for_writing() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        "connection closed by the server (evicted, or past a deadline)",
+    )
+}
+
+impl AsyncWrite for Connection {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.is_closing(cx) {
+            return Poll::Ready(Err(closed_for_writing()));
+        }
+        Pin::new(&mut this.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.is_closing(cx) {
+            return Poll::Ready(Err(closed_for_writing()));
+        }
+        Pin::new(&mut this.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.is_closing(cx) {
+            return Poll::Ready(Err(closed_for_writing()));
+        }
+        Pin::new(&mut this.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
