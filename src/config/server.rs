@@ -62,8 +62,8 @@ pub struct ServerLimits {
     pub idle_timeout: Duration,
     /// Most connections open at once from one IP address.
     pub max_connections_per_address: usize,
-    /// Time a request message has to arrive in full (a unary call: to
-    /// arrive and be answered).
+    /// Time a request message has to arrive in full (a unary call's body
+    /// from the call's start, a stream's each message from its first byte).
     pub receive_timeout: Duration,
 }
 

@@ -76,8 +76,10 @@ pub struct ServerSettings {
     /// sets no timer, since every store operation is already bounded by
     /// `store.timeout`.
     pub request_timeout: String,
-    /// Most connections open at once; more are closed as soon as they are
-    /// accepted (and the bound is lowered to fit the process's file limit).
+    /// Most connections open at once (lowered to fit the process's file
+    /// limit); at the bound a new connection takes the place of one that
+    /// has not authenticated, or an idle one, and is closed at once only
+    /// when every connection is authenticated and busy.
     pub max_connections: usize,
     /// Longest a new connection may take to finish its TLS handshake and
     /// send the HTTP/2 preface before it is closed.
@@ -89,8 +91,9 @@ pub struct ServerSettings {
     pub idle_timeout: String,
     /// Most connections open at once from one IP address.
     pub max_connections_per_address: usize,
-    /// Longest a request message may take to arrive in full (a unary
-    /// call: to arrive and be answered), whatever `request_timeout` says.
+    /// Longest a request message may take to arrive in full, whatever
+    /// `request_timeout` says: a unary call's body from the call's start,
+    /// each message of a stream from its first byte.
     pub receive_timeout: String,
     /// `[server.tls]`: TLS, and mTLS with a client CA.
     pub tls: Option<TlsSettings>,
