@@ -300,10 +300,16 @@ async fn accept_loop(
         tokio::spawn(async move {
             let deadline = acceptor.handshake_timeout;
             let standing = Arc::clone(slot.standing());
-            let handshake = tokio::time::timeout(
-                deadline,
-                acceptor.handshake(stream, remote_addr, Arc::clone(&standing)),
-            );
+            let handshake = tokio::time::timeout(deadline, async {
+                // A caller speaks at once (a TLS ClientHello, the HTTP/2
+                // preface); a connection that does not goes first when
+                // room must be made.
+                stream.readable().await?;
+                slot.spoke();
+                acceptor
+                    .handshake(stream, remote_addr, Arc::clone(&standing))
+                    .await
+            });
             // Evicted to make room while still handshaking: dropping the
             // handshake closes the socket.
             let evicted = std::future::poll_fn(|cx| standing.poll_closing(cx));

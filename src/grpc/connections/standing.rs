@@ -9,12 +9,12 @@
 //! HTTP/2 connection with no stream lives as long as it answers PINGs. So
 //! at the bound (or at `server.max_connections_per_address` for one
 //! address) a newcomer is not refused while some connection can go
-//! instead: the oldest that has not authenticated (handshaking or
-//! unproven), else the one idle longest. Only when every connection is
-//! authenticated and busy is the newcomer closed. Since an eviction takes
-//! the oldest unproven connection first, a caller that authenticates is
-//! safe from it once it has made its first call, and before that it
-//! outlives every attacker connection opened before it.
+//! instead: the oldest that has not sent a byte, else the first to speak
+//! that has not authenticated, else the one idle longest. Only when every
+//! connection is authenticated and busy is the newcomer closed. A caller
+//! that authenticates is safe from eviction once it has made its first
+//! call; before that, every silent connection and every connection that
+//! spoke before it goes first.
 //!
 //! This module decides nothing about credentials: the request path says a
 //! connection authenticated ([`Standing::authenticated`]).
@@ -55,6 +55,8 @@ pub struct Standing {
     closing: AtomicBool,
     /// Set under the registry's lock when the registry chose to evict it.
     evicted: AtomicBool,
+    /// Set under the registry's lock when its first bytes arrived.
+    spoke: AtomicBool,
     /// The task that reads the connection (its handshake first), woken to
     /// close it.
     reader: AtomicWaker,
@@ -200,10 +202,17 @@ struct Open {
     evicting: usize,
     by_id: HashMap<u64, Arc<Standing>>,
     by_address: HashMap<IpAddr, usize>,
-    /// Connections in the order they were accepted, those that have
-    /// authenticated or closed dropped lazily from the front: the
-    /// candidates for eviction, oldest first.
-    unproven: VecDeque<Arc<Standing>>,
+    /// Connections that have not sent a byte, in the order they were
+    /// accepted, those that have spoken, authenticated or closed dropped
+    /// lazily from the front: the first candidates for eviction.
+    silent: VecDeque<Arc<Standing>>,
+    /// Connections that have spoken but not authenticated, in the order
+    /// they spoke, likewise: the next candidates. A caller is at risk of
+    /// eviction only between its first byte and its first call, and while
+    /// silent connections are left it is not at risk at all, however fast
+    /// an attacker opens them (with `client_auth = "required"` an attacker
+    /// without a certificate can hold places only by saying nothing).
+    spoken: VecDeque<Arc<Standing>>,
 }
 
 /// Why a new connection was not admitted.
@@ -228,7 +237,8 @@ impl Registry {
                 evicting: 0,
                 by_id: HashMap::new(),
                 by_address: HashMap::new(),
-                unproven: VecDeque::new(),
+                silent: VecDeque::new(),
+                spoken: VecDeque::new(),
             }),
             evicted: tokio::sync::Notify::new(),
         }
@@ -283,18 +293,13 @@ impl Registry {
             idle_since: AtomicU64::new(0),
             closing: AtomicBool::new(false),
             evicted: AtomicBool::new(false),
+            spoke: AtomicBool::new(false),
             reader: AtomicWaker::new(),
         });
         open.by_id.insert(id, Arc::clone(&standing));
         *open.by_address.entry(remote_ip).or_default() += 1;
-        open.unproven.push_back(Arc::clone(&standing));
-        // Connections that authenticated or closed behind an old unproven
-        // one are not popped from the front: drop them now and then, so
-        // the queue stays within a small multiple of the bound.
-        if open.unproven.len() > 2 * open.max + 64 {
-            open.unproven
-                .retain(|standing| !standing.is_authenticated() && !standing.is_closing());
-        }
+        open.silent.push_back(Arc::clone(&standing));
+        open.compact();
         Ok(Slot {
             registry: Arc::clone(self),
             standing,
@@ -304,21 +309,37 @@ impl Registry {
 }
 
 impl Open {
-    /// The connection to close to make room (from `address` only, if
-    /// given): the oldest not yet authenticated, else the one idle longest.
-    fn victim(&mut self, address: Option<IpAddr>) -> Option<Arc<Standing>> {
-        while self
-            .unproven
-            .front()
-            .is_some_and(|front| front.is_authenticated() || front.is_closing())
-        {
-            self.unproven.pop_front();
+    /// Connections that moved on behind an old one are not popped from a
+    /// queue's front: drop them now and then, so that each queue stays
+    /// within a small multiple of the bound.
+    fn compact(&mut self) {
+        let bound = 2 * self.max + 64;
+        if self.silent.len() > bound {
+            self.silent.retain(|standing| is_silent(standing));
         }
+        if self.spoken.len() > bound {
+            self.spoken.retain(|standing| is_unproven(standing));
+        }
+    }
+
+    /// The connection to close to make room (from `address` only, if
+    /// given): the oldest that has said nothing, else the one that spoke
+    /// first without authenticating, else the one idle longest.
+    fn victim(&mut self, address: Option<IpAddr>) -> Option<Arc<Standing>> {
         let matches = |standing: &Standing| address.is_none_or(|ip| standing.remote_ip == ip);
-        if let Some(position) = self.unproven.iter().position(|standing| {
-            !standing.is_authenticated() && !standing.is_closing() && matches(standing)
-        }) {
-            return self.unproven.remove(position);
+        for (queue, candidate) in [
+            (&mut self.silent, is_silent as fn(&Standing) -> bool),
+            (&mut self.spoken, is_unproven),
+        ] {
+            while queue.front().is_some_and(|front| !candidate(front)) {
+                queue.pop_front();
+            }
+            if let Some(position) = queue
+                .iter()
+                .position(|standing| candidate(standing) && matches(standing))
+            {
+                return queue.remove(position);
+            }
         }
         // Every candidate has authenticated: only here is the whole table
         // walked, which an anonymous flood cannot bring about.
@@ -337,6 +358,16 @@ impl Open {
     }
 }
 
+/// Open, not authenticated.
+fn is_unproven(standing: &Standing) -> bool {
+    !standing.is_authenticated() && !standing.is_closing()
+}
+
+/// Open, not authenticated, and not a byte received.
+fn is_silent(standing: &Standing) -> bool {
+    is_unproven(standing) && !standing.spoke.load(Ordering::Relaxed)
+}
+
 /// A connection's place in the registry, given back when dropped.
 #[derive(Debug)]
 pub(super) struct Slot {
@@ -349,6 +380,16 @@ pub(super) struct Slot {
 impl Slot {
     pub(super) fn standing(&self) -> &Arc<Standing> {
         &self.standing
+    }
+
+    /// Its first bytes have arrived: it moves behind the silent connections
+    /// in the order of eviction.
+    pub(super) fn spoke(&self) {
+        let mut open = self.registry.lock();
+        if !self.standing.spoke.swap(true, Ordering::Relaxed) && is_unproven(&self.standing) {
+            open.spoken.push_back(Arc::clone(&self.standing));
+            open.compact();
+        }
     }
 
     /// The bound that was full when this connection was admitted, if one
@@ -408,6 +449,22 @@ mod tests {
         fourth.standing().authenticated();
         let _busy_too = fourth.standing().call_opened();
         assert_eq!(registry.admit(HERE).unwrap_err(), Full::Connections);
+    }
+
+    #[tokio::test]
+    async fn silent_connections_go_before_those_that_spoke() {
+        let registry = Arc::new(Registry::new(2, 100));
+        let caller = registry.admit(HERE).unwrap();
+        let silent = registry.admit(HERE).unwrap();
+        caller.spoke();
+        let newcomer = registry.admit(HERE).unwrap();
+        assert!(silent.standing().is_closing(), "the silent one goes first");
+        assert!(!caller.standing().is_closing());
+        drop(silent);
+        newcomer.spoke();
+        let _last = registry.admit(HERE).unwrap();
+        assert!(caller.standing().is_closing(), "then the first to speak");
+        assert!(!newcomer.standing().is_closing());
     }
 
     #[tokio::test]
