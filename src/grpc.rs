@@ -66,6 +66,7 @@ mod candidate;
 mod connections;
 mod deadline;
 mod decider;
+mod gate;
 mod received;
 mod report;
 mod serve;
@@ -89,7 +90,7 @@ use crate::policy::Policies;
 use crate::telemetry::{
     Attribute, Metrics, Refusal, SpanStart, Throttle, TraceContext, Tracer, UpstreamLimit, attr,
 };
-pub use connections::{Acceptor, Peer};
+pub use connections::{Acceptor, OpenCall, Peer, Standing};
 pub use received::ReceivedAt;
 pub use serve::{ServeError, bind, serve};
 
@@ -402,20 +403,46 @@ impl<S: BudgetStore> Service<S> {
     /// Who is calling `rpc`: the principal behind the request's API key or
     /// client certificate (anonymous when authentication is off), borrowed
     /// from the configuration (cloned only by a caller that keeps it). A
-    /// refusal is logged for audit.
+    /// refusal is logged for audit. The gate (`gate.rs`) has already
+    /// refused, on the headers, a call that would fail here; the handler
+    /// asks again so that it authorizes on the configuration it decides on.
     fn authenticate<'l, T>(
         &self,
         live: &'l Live,
         request: &tonic::Request<T>,
-        rpc: &'static str,
+        rpc: &str,
+    ) -> Result<&'l Arc<Principal>, tonic::Status> {
+        let authorization = request
+            .metadata()
+            .get("authorization")
+            .map(|value| value.as_encoded_bytes());
+        self.authenticate_caller(live, authorization, peer(request), rpc)
+    }
+
+    /// [`Service::authenticate`] on what a request's headers say: its
+    /// `authorization` value, and the connection it came on.
+    fn authenticate_caller<'l>(
+        &self,
+        live: &'l Live,
+        authorization: Option<&[u8]>,
+        peer: Option<&Peer>,
+        rpc: &str,
     ) -> Result<&'l Arc<Principal>, tonic::Status> {
         if !live.auth.is_enabled() {
             return Ok(live.auth.authenticate(None, [])?);
         }
-        let authenticated = match request.metadata().get("authorization") {
-            Some(value) => match value.to_str() {
-                Ok(text) => Ok(Some(text)),
-                Err(_) => Err(tonic::Status::unauthenticated(
+        let authenticated = match authorization {
+            // What an HTTP header value may read as text: visible ASCII
+            // and tabs (`HeaderValue::to_str`).
+            Some(bytes) => match std::str::from_utf8(bytes) {
+                Ok(text)
+                    if text
+                        .bytes()
+                        .all(|b| b == b'\t' || (b' '..=b'~').contains(&b)) =>
+                {
+                    Ok(Some(text))
+                }
+                _ => Err(tonic::Status::unauthenticated(
                     "authorization: not valid ASCII",
                 )),
             },
@@ -423,13 +450,13 @@ impl<S: BudgetStore> Service<S> {
         }
         .and_then(|authorization| {
             // Read from the leaf certificate once, when the connection was made.
-            let identities = peer(request).map(Peer::identities).unwrap_or_default();
+            let identities = peer.map(Peer::identities).unwrap_or_default();
             Ok(live
                 .auth
                 .authenticate(authorization, identities.iter().map(String::as_str))?)
         });
         if let Err(status) = &authenticated {
-            self.audit_refusal(rpc, peer_addr(request), None, status);
+            self.audit_refusal(rpc, peer.map(|peer| peer.remote_addr), None, status);
         }
         authenticated
     }
@@ -439,7 +466,7 @@ impl<S: BudgetStore> Service<S> {
     /// not logged here.
     fn audit_refusal(
         &self,
-        rpc: &'static str,
+        rpc: &str,
         peer: Option<SocketAddr>,
         principal: Option<&str>,
         status: &tonic::Status,
@@ -602,8 +629,13 @@ fn peer_addr<T>(request: &tonic::Request<T>) -> Option<SocketAddr> {
 
 /// The caller's W3C trace context from gRPC metadata, if it sent a valid one.
 fn trace_context(metadata: &tonic::metadata::MetadataMap) -> Option<TraceContext> {
-    let traceparent = metadata.get("traceparent")?.to_str().ok()?;
-    let tracestate = metadata
+    trace_context_of_headers(metadata.as_ref())
+}
+
+/// [`trace_context`] from the request's HTTP headers, for the gate.
+fn trace_context_of_headers(headers: &tonic::codegen::http::HeaderMap) -> Option<TraceContext> {
+    let traceparent = headers.get("traceparent")?.to_str().ok()?;
+    let tracestate = headers
         .get("tracestate")
         .and_then(|value| value.to_str().ok());
     TraceContext::parse(traceparent, tracestate)

@@ -108,7 +108,7 @@ async fn hold_silent_connections(wrapper: &[&str], extra: &str, silent_count: us
     let logs = server.logs();
     assert!(
         logs.contains("server.max_connections"),
-        "shedding is logged: {logs}"
+        "reaching the bound is logged: {logs}"
     );
 }
 

@@ -55,6 +55,16 @@ pub struct ServerLimits {
     pub max_connections: usize,
     /// Time a connection has for its TLS handshake and HTTP/2 preface.
     pub handshake_timeout: Duration,
+    /// Time a connection has, after its handshake, to make a call that
+    /// authenticates (with `[auth]`).
+    pub authenticate_timeout: Duration,
+    /// Time a connection may stay open with no call in progress.
+    pub idle_timeout: Duration,
+    /// Most connections open at once from one IP address.
+    pub max_connections_per_address: usize,
+    /// Time a request message has to arrive in full (a unary call's body
+    /// from the call's start, a stream's each message from its first byte).
+    pub receive_timeout: Duration,
 }
 
 /// Without authentication, anyone who can reach the port can drain budgets
@@ -138,6 +148,27 @@ pub(super) fn server_limits(server: &ServerSettings) -> Result<ServerLimits, Inv
             "must be more than 0s: a connection that never speaks would be kept forever",
         ));
     }
+    let authenticate_timeout = positive_duration(
+        "server.authenticate_timeout",
+        &server.authenticate_timeout,
+        "an anonymous connection would hold its place forever",
+    )?;
+    let idle_timeout = positive_duration(
+        "server.idle_timeout",
+        &server.idle_timeout,
+        "a connection with no call would be kept forever",
+    )?;
+    let receive_timeout = positive_duration(
+        "server.receive_timeout",
+        &server.receive_timeout,
+        "a half-sent message would be buffered forever",
+    )?;
+    if server.max_connections_per_address == 0 {
+        return Err(invalid(
+            "server.max_connections_per_address",
+            "must be at least 1",
+        ));
+    }
     Ok(ServerLimits {
         max_message_bytes: server.max_message_bytes,
         max_concurrent_streams: server.max_concurrent_streams,
@@ -146,5 +177,48 @@ pub(super) fn server_limits(server: &ServerSettings) -> Result<ServerLimits, Inv
         request_timeout: (!request_timeout.is_zero()).then_some(request_timeout),
         max_connections: server.max_connections,
         handshake_timeout,
+        authenticate_timeout,
+        idle_timeout,
+        max_connections_per_address: server.max_connections_per_address,
+        receive_timeout,
     })
+}
+
+/// `raw` as a duration that must not be zero, else refused naming `key`
+/// and saying `why` zero would be unsafe.
+fn positive_duration(key: &str, raw: &str, why: &str) -> Result<Duration, InvalidConfig> {
+    let duration = parse_duration(key, raw)?;
+    if duration.is_zero() {
+        return Err(invalid(key, format!("must be more than 0s: {why}")));
+    }
+    Ok(duration)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Config, Settings};
+    use std::time::Duration;
+
+    #[test]
+    fn connection_deadlines_default_to_what_an_operator_wants_and_refuse_zero() {
+        let limits = Config::try_from(Settings::from_toml("").unwrap())
+            .unwrap()
+            .server_limits;
+        assert_eq!(limits.authenticate_timeout, Duration::from_secs(5));
+        assert_eq!(limits.idle_timeout, Duration::from_secs(300));
+        assert_eq!(limits.receive_timeout, Duration::from_secs(10));
+        assert_eq!(limits.max_connections_per_address, 1000);
+        for (key, value) in [
+            ("authenticate_timeout", "\"0s\""),
+            ("idle_timeout", "\"0s\""),
+            ("receive_timeout", "\"0s\""),
+            ("max_connections_per_address", "0"),
+        ] {
+            let toml = format!("[server]\n{key} = {value}\n");
+            let error = Config::try_from(Settings::from_toml(&toml).unwrap())
+                .expect_err("zero is refused")
+                .to_string();
+            assert!(error.contains(&format!("server.{key}")), "{error}");
+        }
+    }
 }

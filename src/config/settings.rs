@@ -76,12 +76,25 @@ pub struct ServerSettings {
     /// sets no timer, since every store operation is already bounded by
     /// `store.timeout`.
     pub request_timeout: String,
-    /// Most connections open at once; more are closed as soon as they are
-    /// accepted (and the bound is lowered to fit the process's file limit).
+    /// Most connections open at once (lowered to fit the process's file
+    /// limit); at the bound a new connection takes the place of one that
+    /// has not authenticated, or an idle one, and is closed at once only
+    /// when every connection is authenticated and busy.
     pub max_connections: usize,
     /// Longest a new connection may take to finish its TLS handshake and
     /// send the HTTP/2 preface before it is closed.
     pub handshake_timeout: String,
+    /// Longest a connection may go, once past its handshake, without a
+    /// call that authenticated; then it is closed (only with `[auth]`).
+    pub authenticate_timeout: String,
+    /// Longest a connection may stay open with no call in progress.
+    pub idle_timeout: String,
+    /// Most connections open at once from one IP address.
+    pub max_connections_per_address: usize,
+    /// Longest a request message may take to arrive in full, whatever
+    /// `request_timeout` says: a unary call's body from the call's start,
+    /// each message of a stream from its first byte.
+    pub receive_timeout: String,
     /// `[server.tls]`: TLS, and mTLS with a client CA.
     pub tls: Option<TlsSettings>,
 }
@@ -147,6 +160,10 @@ impl Default for ServerSettings {
             request_timeout: "0s".into(),
             max_connections: 10_000,
             handshake_timeout: "10s".into(),
+            authenticate_timeout: "5s".into(),
+            idle_timeout: "5m".into(),
+            max_connections_per_address: 1000,
+            receive_timeout: "10s".into(),
             tls: None,
         }
     }

@@ -1,14 +1,19 @@
-//! Accepting connections: the bound on how many are open, the deadline for
-//! saying something, TLS, and who the client certificate names.
+//! Accepting connections: the bounds on how many are open, the deadlines
+//! for saying something, authenticating and staying busy, TLS, and who the
+//! client certificate names.
 //!
-//! Every connection holds one of `server.max_connections` permits until it
-//! closes; at the bound, a new connection is closed as soon as it is
-//! accepted, so a flood sheds instead of queueing. A connection must finish
-//! its TLS handshake and send the HTTP/2 preface within
-//! `server.handshake_timeout`, or it is closed: a connection that never
-//! speaks would otherwise hold its permit and file descriptor forever (HTTP/2
-//! keepalive starts only after the preface). An accept error such as EMFILE
-//! repeats at once, so the loop backs off instead of spinning.
+//! At most `server.max_connections` are open at once, and
+//! `server.max_connections_per_address` from one IP address; at a bound a
+//! newcomer takes the place of a connection that has not authenticated, or
+//! one that is idle, and is closed at once only when every connection is
+//! authenticated and busy (the registry, `standing.rs`). A connection must
+//! finish its TLS handshake and send the HTTP/2 preface within
+//! `server.handshake_timeout`, then (with `[auth]`) make a call that
+//! authenticates within `server.authenticate_timeout`, and it is closed
+//! after `server.idle_timeout` with no call open: an HTTP/2 connection
+//! with no stream otherwise lives as long as it answers PINGs, so anonymous
+//! peers could hold every place. An accept error such as EMFILE repeats at
+//! once, so the loop backs off instead of spinning.
 //!
 //! TLS is done here rather than by tonic so that the client certificate is
 //! parsed once per connection, not once per call, and from its leaf alone:
@@ -16,9 +21,13 @@
 //! so they vouch for nothing.
 //!
 //! This module must not decide who may do what: it hands [`Peer`] to the
-//! handlers, which ask `auth`.
+//! handlers, which ask `auth`, and the request path tells the connection's
+//! [`Standing`] that a call authenticated.
+
+mod standing;
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -28,7 +37,8 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::mpsc;
+use tokio::time::{Instant, Sleep};
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -39,6 +49,8 @@ use super::received::{ReceivedAt, TimedTcp};
 use crate::auth::certificate_identities;
 use crate::config::{InvalidConfig, ServerLimits, TlsConfig};
 use crate::telemetry::Throttle;
+use standing::{Deadlines, Full, Registry, Slot};
+pub use standing::{OpenCall, Standing};
 
 /// What every HTTP/2 client sends first (RFC 9113, section 3.4).
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -50,6 +62,11 @@ const RESERVED_FILES: u64 = 64;
 /// How long the accept loop waits after an error that repeats at once
 /// (out of file descriptors or memory).
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Longest the accept loop waits for evicted connections to close before
+/// it closes the newcomer instead: they close as soon as their tasks run,
+/// so only a stalled process waits this long.
+const EVICTION_WAIT: Duration = Duration::from_secs(1);
 
 /// At most one warning per this interval for shed connections and accept
 /// errors: a flood must not become a flood of log lines.
@@ -67,9 +84,17 @@ pub struct Peer {
     pub identities: Option<Arc<[String]>>,
     /// When the kernel received the bytes the connection read last.
     pub received: ReceivedAt,
+    /// Where the connection stands: whether a call authenticated, how many
+    /// are open.
+    standing: Arc<Standing>,
 }
 
 impl Peer {
+    /// Where the connection stands, for the request path to update.
+    pub fn standing(&self) -> &Arc<Standing> {
+        &self.standing
+    }
+
     /// The identities of the client certificate, empty without one.
     pub fn identities(&self) -> &[String] {
         self.identities.as_deref().unwrap_or_default()
@@ -82,6 +107,9 @@ pub struct Acceptor {
     tls: Option<tokio_rustls::TlsAcceptor>,
     handshake_timeout: Duration,
     max_connections: usize,
+    max_connections_per_address: usize,
+    authenticate_timeout: Duration,
+    idle_timeout: Duration,
 }
 
 impl std::fmt::Debug for Acceptor {
@@ -90,6 +118,12 @@ impl std::fmt::Debug for Acceptor {
             .field("tls", &self.tls.is_some())
             .field("handshake_timeout", &self.handshake_timeout)
             .field("max_connections", &self.max_connections)
+            .field(
+                "max_connections_per_address",
+                &self.max_connections_per_address,
+            )
+            .field("authenticate_timeout", &self.authenticate_timeout)
+            .field("idle_timeout", &self.idle_timeout)
             .finish()
     }
 }
@@ -109,6 +143,9 @@ impl Acceptor {
             tls,
             handshake_timeout: limits.handshake_timeout,
             max_connections: within_file_limit(limits.max_connections),
+            max_connections_per_address: limits.max_connections_per_address,
+            authenticate_timeout: limits.authenticate_timeout,
+            idle_timeout: limits.idle_timeout,
         })
     }
 
@@ -119,11 +156,23 @@ impl Acceptor {
 
     /// Accepts from `listener` until the returned stream is dropped, handing
     /// over each connection once it has finished its handshake.
-    pub fn incoming(self, listener: TcpListener) -> ReceiverStream<Result<Connection, Infallible>> {
+    /// `calls_authenticate` says, as each connection is handed over, whether
+    /// calls need a credential (`[auth]` names a principal), and so whether
+    /// `server.authenticate_timeout` applies to it.
+    pub fn incoming(
+        self,
+        listener: TcpListener,
+        calls_authenticate: impl Fn() -> bool + Send + Sync + 'static,
+    ) -> ReceiverStream<Result<Connection, Infallible>> {
         // A short queue: connections wait in it only while tonic is busy
         // taking the previous one.
         let (sender, receiver) = mpsc::channel(64);
-        tokio::spawn(accept_loop(listener, self, sender));
+        tokio::spawn(accept_loop(
+            listener,
+            self,
+            Arc::new(calls_authenticate),
+            sender,
+        ));
         ReceiverStream::new(receiver)
     }
 
@@ -133,6 +182,7 @@ impl Acceptor {
         &self,
         stream: TcpStream,
         remote_addr: SocketAddr,
+        standing: Arc<Standing>,
     ) -> io::Result<(Io, Peer)> {
         // Without it, Nagle's algorithm held a response's last small segment
         // until the caller's delayed ACK: a 40 ms tail on a share of calls.
@@ -166,6 +216,7 @@ impl Acceptor {
                 remote_addr,
                 identities,
                 received,
+                standing,
             },
         ))
     }
@@ -174,11 +225,16 @@ impl Acceptor {
 async fn accept_loop(
     listener: TcpListener,
     acceptor: Acceptor,
+    calls_authenticate: Arc<dyn Fn() -> bool + Send + Sync>,
     sender: mpsc::Sender<Result<Connection, Infallible>>,
 ) {
-    let permits = Arc::new(Semaphore::new(acceptor.max_connections));
+    let registry = Arc::new(Registry::new(
+        acceptor.max_connections,
+        acceptor.max_connections_per_address,
+    ));
     let acceptor = Arc::new(acceptor);
     let shed = Throttle::new(WARN_INTERVAL, 1);
+    let evicting = Throttle::new(WARN_INTERVAL, 1);
     let failed = Throttle::new(WARN_INTERVAL, 1);
     loop {
         let accepted = tokio::select! {
@@ -199,29 +255,89 @@ async fn accept_loop(
                 continue;
             }
         };
-        let Ok(permit) = Arc::clone(&permits).try_acquire_owned() else {
-            drop(stream);
-            shed.log(|suppressed| {
-                tracing::warn!(
-                    max_connections = acceptor.max_connections,
-                    %remote_addr,
-                    suppressed,
-                    "too many open connections (server.max_connections): closing new ones"
-                );
-            });
-            continue;
+        let slot = match admit(&registry, remote_addr.ip()).await {
+            Ok(slot) => {
+                if let Some(full) = slot.made_room() {
+                    evicting.log(|suppressed| {
+                        tracing::warn!(
+                            max_connections = acceptor.max_connections,
+                            max_connections_per_address = acceptor.max_connections_per_address,
+                            bound = ?full,
+                            suppressed,
+                            "connection bound reached (server.max_connections or server.max_connections_per_address): closing unauthenticated or idle connections to make room"
+                        );
+                    });
+                }
+                slot
+            }
+            Err(full) => {
+                drop(stream);
+                shed.log(|suppressed| match full {
+                    Full::Connections => tracing::warn!(
+                        max_connections = acceptor.max_connections,
+                        %remote_addr,
+                        suppressed,
+                        "too many open connections (server.max_connections), all authenticated and busy: closing new ones"
+                    ),
+                    Full::Evicting => tracing::warn!(
+                        %remote_addr,
+                        suppressed,
+                        "connections evicted to make room are slow to close: closing new ones"
+                    ),
+                    Full::Address => tracing::warn!(
+                        max_connections_per_address = acceptor.max_connections_per_address,
+                        %remote_addr,
+                        suppressed,
+                        "too many open connections from one address (server.max_connections_per_address), all authenticated and busy: closing new ones"
+                    ),
+                });
+                continue;
+            }
         };
         let acceptor = Arc::clone(&acceptor);
+        let calls_authenticate = Arc::clone(&calls_authenticate);
         let sender = sender.clone();
         tokio::spawn(async move {
             let deadline = acceptor.handshake_timeout;
-            match tokio::time::timeout(deadline, acceptor.handshake(stream, remote_addr)).await {
+            let standing = Arc::clone(slot.standing());
+            let handshake = tokio::time::timeout(deadline, async {
+                // A caller speaks at once (a TLS ClientHello, the HTTP/2
+                // preface); a connection that does not goes first when
+                // room must be made.
+                stream.readable().await?;
+                slot.spoke();
+                acceptor
+                    .handshake(stream, remote_addr, Arc::clone(&standing))
+                    .await
+            });
+            // Evicted to make room while still handshaking: dropping the
+            // handshake closes the socket.
+            let evicted = std::future::poll_fn(|cx| standing.poll_closing(cx));
+            let handshaken = tokio::select! {
+                handshaken = handshake => handshaken,
+                () = evicted => {
+                    tracing::debug!(%remote_addr, "connection evicted during its handshake");
+                    return;
+                }
+            };
+            match handshaken {
                 Ok(Ok((io, peer))) => {
+                    standing.handshake_done();
+                    let deadlines = Deadlines {
+                        authenticate: calls_authenticate().then_some(acceptor.authenticate_timeout),
+                        idle: acceptor.idle_timeout,
+                    };
+                    let ready = Instant::now();
                     let connection = Connection {
                         io,
                         replayed: 0,
                         peer,
-                        _permit: permit,
+                        ready,
+                        deadlines,
+                        // The first check: at the authentication deadline
+                        // or after an idle period, whichever comes first.
+                        watch: Box::pin(tokio::time::sleep_until(ready)),
+                        _slot: slot,
                     };
                     // Fails only when the server has stopped.
                     let _ = sender.send(Ok(connection)).await;
@@ -234,6 +350,26 @@ async fn accept_loop(
                 }
             }
         });
+    }
+}
+
+/// Admits a connection from `remote_ip`: while the connections evicted to
+/// make room have yet to close, waits for them (new connections wait in
+/// the kernel's queue meanwhile), up to [`EVICTION_WAIT`].
+async fn admit(registry: &Arc<Registry>, remote_ip: std::net::IpAddr) -> Result<Slot, Full> {
+    let deadline = Instant::now() + EVICTION_WAIT;
+    loop {
+        match registry.admit(remote_ip) {
+            Err(Full::Evicting) => {
+                if tokio::time::timeout_at(deadline, registry.evicted())
+                    .await
+                    .is_err()
+                {
+                    return Err(Full::Evicting);
+                }
+            }
+            admitted => return admitted,
+        }
     }
 }
 
@@ -347,15 +483,43 @@ fn certificates(key: &str, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, I
     Ok(certificates)
 }
 
-/// An accepted connection, past its handshake, holding its permit until it
+/// An accepted connection, past its handshake, holding its place until it
 /// closes. The preface it already sent is read again first, by the HTTP/2
 /// server.
+///
+/// It closes itself: a read returns end of file, and a write an error,
+/// once it is evicted or past a deadline, and the HTTP/2 server, which
+/// always has a read or a flush pending, then drops it. The deadlines are one timer per connection, polled by
+/// that read, so they cost nothing per call.
 pub struct Connection {
     io: Io,
     /// How much of [`PREFACE`] has been read again.
     replayed: usize,
     peer: Peer,
-    _permit: OwnedSemaphorePermit,
+    /// When its handshake finished.
+    ready: Instant,
+    deadlines: Deadlines,
+    /// Fires when a deadline may have passed.
+    watch: Pin<Box<Sleep>>,
+    _slot: Slot,
+}
+
+impl Connection {
+    /// Whether the connection is to close now; else arranges for the
+    /// reading task to be woken when that may change.
+    fn is_closing(&mut self, cx: &mut Context<'_>) -> bool {
+        let standing = &self.peer.standing;
+        if standing.poll_closing(cx).is_ready() {
+            return true;
+        }
+        while self.watch.as_mut().poll(cx).is_ready() {
+            match standing.next_check(Instant::now(), self.ready, self.deadlines) {
+                Some(next) => self.watch.as_mut().reset(next),
+                None => return true,
+            }
+        }
+        false
+    }
 }
 
 impl tonic::transport::server::Connected for Connection {
@@ -443,8 +607,63 @@ impl AsyncRead for Connection {
             this.replayed += n;
             return Poll::Ready(Ok(()));
         }
+        if this.is_closing(cx) {
+            // End of file: HTTP/2 ends the connection as if the peer had.
+            return Poll::Ready(Ok(()));
+        }
         Pin::new(&mut this.io).poll_read(cx, buf)
     }
 }
 
-delegate_async_write!(Connection, io);
+/// The error a write gets once the connection is to close: a peer that
+/// reads nothing can leave the HTTP/2 server waiting to flush, and then it
+/// never reads the end of file that `poll_read` gives, so writes end the
+/// connection too.
+fn closed_for_writing() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        "connection closed by the server (evicted, or past a deadline)",
+    )
+}
+
+impl AsyncWrite for Connection {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.is_closing(cx) {
+            return Poll::Ready(Err(closed_for_writing()));
+        }
+        Pin::new(&mut this.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.is_closing(cx) {
+            return Poll::Ready(Err(closed_for_writing()));
+        }
+        Pin::new(&mut this.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.is_closing(cx) {
+            return Poll::Ready(Err(closed_for_writing()));
+        }
+        Pin::new(&mut this.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}

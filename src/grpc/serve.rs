@@ -103,10 +103,13 @@ pub async fn serve<S: BudgetStore>(
         .expect("the descriptor sets are compiled in and valid");
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let mut builder = server_builder(&limits);
+    let mut builder = server_builder(&limits).layer(super::gate::GateLayer::new(
+        service.clone(),
+        limits.receive_timeout,
+    ));
     let decider = pb::retry_decider_server::RetryDeciderServer::new(service.clone())
         .max_decoding_message_size(limits.max_message_bytes);
-    let admin = pb::retry_admin_server::RetryAdminServer::new(service)
+    let admin = pb::retry_admin_server::RetryAdminServer::new(service.clone())
         .max_decoding_message_size(limits.max_message_bytes);
     let router = builder
         .add_service(health_service)
@@ -114,7 +117,13 @@ pub async fn serve<S: BudgetStore>(
         .add_service(reflection_v1alpha)
         .add_service(decider)
         .add_service(admin);
-    let incoming = acceptor.incoming(listener);
+    // Whether calls need a credential, asked as each connection is made, so
+    // that a reload adding `[auth]` applies to the connections after it.
+    let calls_authenticate = {
+        let service = service.clone();
+        move || service.live().auth.is_enabled()
+    };
+    let incoming = acceptor.incoming(listener, calls_authenticate);
     let mut server = tokio::spawn(router.serve_with_incoming_shutdown(incoming, async {
         let _ = stop_rx.await;
     }));
@@ -151,6 +160,19 @@ pub async fn serve<S: BudgetStore>(
 /// off, which leaves the server open to a reset flood (RUSTSEC-2024-0003).
 const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
 
+/// HTTP/2 flow-control windows: how much a client may send that the server
+/// has not yet read, on one stream and on a whole connection. hyper's
+/// defaults (1 MiB each) let a connection park that much in the server's
+/// memory; a call refused on its headers is never read, so the connection
+/// window bounds what an anonymous connection can make the server hold
+/// before the stream is reset. 64 KiB per stream is HTTP/2's own default
+/// and holds a default-sized message (`server.max_message_bytes`) in one
+/// go; larger messages still flow, a window at a time, as they are read.
+/// 256 KiB per connection is four such streams in flight at once, far
+/// more than decisions (a few hundred bytes each) need on a LAN.
+const STREAM_WINDOW_BYTES: u32 = 64 * 1024;
+const CONNECTION_WINDOW_BYTES: u32 = 256 * 1024;
+
 /// A server with the configured limits (TLS is the [`Acceptor`]'s). HTTP/2
 /// bounds the streams of a connection; an optional per-connection request
 /// limit refuses overload with RESOURCE_EXHAUSTED (load shedding) rather
@@ -161,6 +183,8 @@ fn server_builder(limits: &ServerLimits) -> Server {
     let mut builder = Server::builder()
         .max_concurrent_streams(limits.max_concurrent_streams)
         .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
+        .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
+        .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)));
     if let Some(limit) = limits.max_concurrent_requests {

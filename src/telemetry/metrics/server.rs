@@ -1,6 +1,15 @@
 //! The `/metrics` port: HTTP/1.1 through hyper, one OpenMetrics page,
-//! bounded in time.
+//! bounded in time and in connections.
+//!
+//! Unbounded, 300 keep-alive connections to this port took every file
+//! descriptor of a process under `nofile = 256`, and new gRPC callers got
+//! none. So at most [`MAX_SCRAPE_CONNECTIONS`] are open at once, within
+//! the descriptors the gRPC acceptor leaves for everything else, and a
+//! new one takes the place of the oldest rather than being refused: a
+//! scraper always gets in, and whoever holds the port keeps it for at
+//! most one lifetime.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::time::Duration;
 
@@ -14,7 +23,15 @@ use tokio::net::TcpListener;
 /// live: a peer that opens the port and never speaks, or reads slowly, is
 /// closed.
 const SCRAPE_HEAD_TIMEOUT: Duration = Duration::from_secs(5);
-const SCRAPE_CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
+/// Long enough for several scrapes on one connection, short enough that a
+/// connection held open for nothing goes soon. Prometheus reconnects when
+/// its connection has gone.
+const SCRAPE_CONNECTION_LIFETIME: Duration = Duration::from_secs(10);
+
+/// Most metrics connections open at once: a quarter of the descriptors
+/// the gRPC port's bound keeps for everything else (`RESERVED_FILES` in
+/// `grpc/connections.rs`), and more scrapers than any deployment runs.
+const MAX_SCRAPE_CONNECTIONS: usize = 16;
 
 /// Serves `GET /metrics` over HTTP/1.1 (hyper) on `listener` until
 /// `shutdown` completes. `scrape` renders the page; every other path is a
@@ -29,6 +46,8 @@ pub async fn serve_metrics<F, Fut>(
     Fut: Future<Output = String> + Send,
 {
     tokio::pin!(shutdown);
+    // The open connections' tasks, oldest first.
+    let mut open: VecDeque<tokio::task::AbortHandle> = VecDeque::new();
     loop {
         let (stream, _) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -42,8 +61,15 @@ pub async fn serve_metrics<F, Fut>(
             },
             () = &mut shutdown => return,
         };
+        open.retain(|task| !task.is_finished());
+        if open.len() >= MAX_SCRAPE_CONNECTIONS {
+            // Dropping the task's future closes its connection.
+            if let Some(oldest) = open.pop_front() {
+                oldest.abort();
+            }
+        }
         let scrape = scrape.clone();
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
                 let scrape = scrape.clone();
                 async move { Ok::<_, std::convert::Infallible>(respond(&request, scrape).await) }
@@ -52,8 +78,19 @@ pub async fn serve_metrics<F, Fut>(
                 .timer(TokioTimer::new())
                 .header_read_timeout(SCRAPE_HEAD_TIMEOUT)
                 .serve_connection(TokioIo::new(stream), service);
-            let _ = tokio::time::timeout(SCRAPE_CONNECTION_LIFETIME, connection).await;
+            tokio::pin!(connection);
+            if tokio::time::timeout(SCRAPE_CONNECTION_LIFETIME, connection.as_mut())
+                .await
+                .is_err()
+            {
+                // At the end of its lifetime a scrape in progress is
+                // finished (within the head timeout), not cut off: the
+                // short lifetime must not fail Prometheus's scrapes.
+                connection.as_mut().graceful_shutdown();
+                let _ = tokio::time::timeout(SCRAPE_HEAD_TIMEOUT, connection).await;
+            }
         });
+        open.push_back(task.abort_handle());
     }
 }
 
