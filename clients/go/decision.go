@@ -43,6 +43,13 @@ type Decision struct {
 	// Fallback is true when retryd could not answer and the local rule
 	// decided.
 	Fallback bool
+	// UnknownOutcome says whether the attempt may have taken effect
+	// upstream, whatever the verdict (retryd computes it whichever rule
+	// decided; the local rule computes it the same way). RECONCILE (a
+	// NON_IDEMPOTENT call) or RESEND_WITH_KEY (IDEMPOTENT_WITH_KEY) on a
+	// DENY means the denial is not a plain failure: the Transport and the
+	// interceptor then return an *AmbiguousError carrying DenyReason.
+	UnknownOutcome pb.UnknownOutcome
 	// Shadow is true when retryd answered for an upstream in shadow mode
 	// (enforce = false in its policy): retryd's decision is not enforced,
 	// so this decision is the client's own local rule (the one it falls
@@ -63,6 +70,13 @@ func (d Decision) ShouldRetry() bool { return d.Verdict == pb.Verdict_VERDICT_RE
 // IsAmbiguous reports whether the verdict is AMBIGUOUS.
 func (d Decision) IsAmbiguous() bool { return d.Verdict == pb.Verdict_VERDICT_AMBIGUOUS }
 
+// OutcomeUnknown reports whether the attempt may have taken effect upstream
+// and no further attempt is allowed: an AMBIGUOUS verdict, or a DENY
+// carrying an unknown-outcome mark. Such a call is never a plain failure.
+func (d Decision) OutcomeUnknown() bool {
+	return d.IsAmbiguous() || (!d.ShouldRetry() && d.UnknownOutcome != pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE)
+}
+
 func decisionOf(response *pb.DecideResponse) Decision {
 	return Decision{
 		Verdict:            response.GetVerdict(),
@@ -75,6 +89,7 @@ func decisionOf(response *pb.DecideResponse) Decision {
 		DecisionID:         response.GetDecisionId(),
 		TokensRemaining:    response.GetTokensRemaining(),
 		Explanation:        response.GetExplanation(),
+		UnknownOutcome:     response.GetUnknownOutcome(),
 		Shadow:             response.GetShadow(),
 	}
 }

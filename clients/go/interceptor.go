@@ -134,7 +134,7 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 				return &Error{Err: decideErr, Attempts: attempt, Decisions: decisions}
 			}
 			decisions = append(decisions, decision)
-			if decision.IsAmbiguous() {
+			if decision.OutcomeUnknown() || (decision.UnknownOutcome != pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE && attempt >= maxLoop) {
 				return &AmbiguousError{Decision: decision, Decisions: decisions, Attempts: attempt, Err: err}
 			}
 			if !decision.ShouldRetry() || attempt >= maxLoop {

@@ -39,6 +39,10 @@ min_attempt_budget = "300ms"
 # An empty budget that only reported traffic fills.
 [upstreams."go-empty"]
 budget = { capacity = 10.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
+# Issue 36: an empty budget that reported traffic cannot fill (0.1 token
+# per request), so the first retry is DENY BUDGET_EXHAUSTED.
+[upstreams."go-nobudget"]
+budget = { capacity = 10.0, initial = 0.0, ratio = 0.1, min_per_second = 0.0 }
 [upstreams."go-dedup"]
 budget = { capacity = 1000000.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
 `

@@ -415,12 +415,15 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			return nil, fmt.Errorf("retryd: deciding attempt %d (%v): %w", attempt, describe(attemptErr, o), err)
 		}
 		decisions = append(decisions, decision)
-		if decision.IsAmbiguous() {
+		ambiguous := func() *AmbiguousError {
 			closeResponse(resp)
-			return nil, &AmbiguousError{
+			return &AmbiguousError{
 				Decision: decision, Decisions: decisions, Attempts: attempt,
 				StatusCode: o.httpStatus, Body: failed.body, Err: attemptErr,
 			}
+		}
+		if decision.OutcomeUnknown() {
+			return nil, ambiguous()
 		}
 		retry := decision.ShouldRetry() && attempt < maxLoop
 		var replay *http.Request
@@ -440,6 +443,12 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		}
 		if !retry {
 			closeBody(replay)
+			if decision.UnknownOutcome != pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE {
+				// A RETRY that cannot be followed (the body cannot be
+				// reopened, no RefreshCredentials) leaves the outcome as
+				// open as a DENY would.
+				return nil, ambiguous()
+			}
 			if attemptErr != nil {
 				return nil, &Error{Err: attemptErr, Attempts: attempt, Decisions: decisions}
 			}
