@@ -93,10 +93,11 @@ func callOf(ctx context.Context) Call {
 // ends, and an *AmbiguousError on AMBIGUOUS.
 //
 // First attempts are counted on the client's TrafficReporter unless
-// DisableReporting is set. Go's own http.Transport still re-sends, once, a
-// request that it proves was not written to a reused connection that the
-// server had closed, or an idempotent-method request whose connection broke
-// before any response byte; retryd sees neither.
+// DisableReporting is set. Go's own http.Transport re-sends by itself a
+// request whose reused connection broke; the Transport lets it do so only
+// when nothing of the request was written, and otherwise refuses the re-send
+// (see refuseHiddenResend), so that every request that reaches the upstream
+// is an attempt retryd allowed.
 type Transport struct {
 	// Base sends each attempt; nil means http.DefaultTransport.
 	Base http.RoundTripper
@@ -488,6 +489,7 @@ func (t *Transport) attempt(ctx context.Context, req *http.Request, errorBodyLim
 	}
 	trace := &attemptTrace{}
 	sent := req.WithContext(httptrace.WithClientTrace(attemptCtx, trace.hooks()))
+	refuseHiddenResend(sent, trace)
 	resp, err := t.base().RoundTrip(sent)
 	attemptTimedOut := func() bool { return attemptCtx.Err() != nil && ctx.Err() == nil }
 	if err != nil {
@@ -535,6 +537,54 @@ func (t *Transport) attempt(ctx context.Context, req *http.Request, errorBodyLim
 	}
 	return resp, nil, nil
 }
+
+// errHiddenResend is what net/http's own re-send of a request that may have
+// been written gets instead of the request's body.
+var errHiddenResend = errors.New("retryd: net/http's own re-send of a request that may have been sent was refused (retryd decides every re-send)")
+
+// refuseHiddenResend stops http.Transport from sending sent a second time by
+// itself. On a reused connection that breaks before the response (or that
+// the server closed after reading the request), net/http re-sends a request
+// it deems replayable: one without a body, or with GetBody, whose method is
+// GET, HEAD, OPTIONS or TRACE or which has an Idempotency-Key or
+// X-Idempotency-Key header (shouldRetryRequest and isReplayable in
+// net/http/transport.go and request.go). Before that re-send it rewinds a
+// body that was read by calling GetBody (rewindBody): that call is the one
+// place an adapter can refuse it. So sent always has a body net/http must
+// rewind: its own GetBody, guarded, or for a bodyless request an empty one
+// (which net/http probes and sends as no body for GET, HEAD, DELETE and
+// OPTIONS; other bodyless methods it would re-send get an empty chunked
+// body). The guard lets a re-send through only if nothing of the request
+// was written (net/http's nothingWrittenError: provably not sent, so no
+// attempt), and refuses it otherwise, so that the attempt fails with what
+// it proves and retryd decides.
+func refuseHiddenResend(sent *http.Request, trace *attemptTrace) {
+	getBody := sent.GetBody
+	switch {
+	case sent.Body == nil || sent.Body == http.NoBody:
+		sent.Body = emptyBody{}
+		sent.ContentLength = 0
+		getBody = func() (io.ReadCloser, error) { return emptyBody{}, nil }
+	case getBody == nil:
+		return // one-shot: net/http never re-sends it
+	}
+	sent.GetBody = func() (io.ReadCloser, error) {
+		trace.mu.Lock()
+		written := trace.wroteHeaders || trace.wroteRequest
+		trace.mu.Unlock()
+		if written {
+			return nil, errHiddenResend
+		}
+		return getBody()
+	}
+}
+
+// emptyBody is a body of no bytes that is not http.NoBody (which net/http
+// re-sends without rewinding it).
+type emptyBody struct{}
+
+func (emptyBody) Read([]byte) (int, error) { return 0, io.EOF }
+func (emptyBody) Close() error             { return nil }
 
 // partialOutcome is a response whose body broke off.
 func partialOutcome(status int, retryAfter string, err error, attemptTimedOut bool) outcome {
