@@ -2,6 +2,7 @@ package retryd
 
 import (
 	"context"
+	"errors"
 	"math"
 	"strings"
 	"time"
@@ -115,6 +116,35 @@ func setTiming(ctx context.Context, req *pb.DecideRequest, previousBackoff time.
 	if previousBackoff > 0 {
 		req.PreviousBackoff = durationpb.New(previousBackoff)
 	}
+}
+
+// endedByCaller is the decision for a failed attempt when the caller's own
+// context ended it (its deadline, or a cancellation) after the request may
+// have been sent: made here, without retryd, since there is no time left to
+// ask and nothing left to retry. A call of unknown outcome (req's mark, as
+// the local rule computes it) gets a DENY carrying that mark, which the
+// adapters surface as *AmbiguousError; ok is false for any other call,
+// which is a plain failure.
+func endedByCaller(ctx context.Context, req *pb.DecideRequest) (d Decision, ok bool) {
+	effective := EffectiveEvidence(req)
+	mark := unknownOutcome(req, effective)
+	if mark == pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE {
+		return Decision{}, false
+	}
+	reason, why := pb.DenyReason_DENY_REASON_UNSPECIFIED, "was cancelled"
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		reason, why = pb.DenyReason_DENY_REASON_DEADLINE, "deadline expired"
+	}
+	return Decision{
+		Verdict:           pb.Verdict_VERDICT_DENY,
+		DenyReason:        reason,
+		Rule:              6,
+		EffectiveEvidence: effective,
+		EvidenceAdjusted:  req.GetEvidence() != pb.Evidence_EVIDENCE_UNSPECIFIED && effective != req.GetEvidence(),
+		TokensRemaining:   nan,
+		UnknownOutcome:    mark,
+		Explanation:       "the caller's context " + why + " after the request may have been sent (decided locally, retryd not asked)",
+	}, true
 }
 
 // waitBackoff waits out a backoff, or returns ctx's error as soon as ctx

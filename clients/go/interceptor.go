@@ -90,9 +90,6 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 			if err == nil {
 				return nil
 			}
-			if ctx.Err() != nil {
-				return &Error{Err: err, Attempts: attempt, Decisions: decisions}
-			}
 			st := status.Convert(err)
 			decideReq := &pb.DecideRequest{
 				Upstream:             upstream,
@@ -127,6 +124,16 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 				} else {
 					decideReq.Failure = pb.FailureKind_FAILURE_KIND_CONNECTION_RESET
 				}
+			}
+			if ctx.Err() != nil {
+				// The caller's deadline or cancellation ended the call; one
+				// that may have been sent and is not idempotent is of
+				// unknown outcome.
+				if decision, ok := endedByCaller(ctx, decideReq); ok {
+					decisions = append(decisions, decision)
+					return &AmbiguousError{Decision: decision, Decisions: decisions, Attempts: attempt, Err: err}
+				}
+				return &Error{Err: err, Attempts: attempt, Decisions: decisions}
 			}
 			setTiming(ctx, decideReq, previousBackoff)
 			decision, decideErr := c.Decide(ctx, decideReq)

@@ -384,15 +384,6 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		if attemptErr == nil && failed == nil {
 			return withDecisions(resp, decisions), nil
 		}
-		if ctx.Err() != nil {
-			// The caller's deadline or cancellation ended the call: no time
-			// for another attempt, and nothing to ask.
-			closeResponse(resp)
-			if attemptErr == nil {
-				attemptErr = ctx.Err()
-			}
-			return nil, &Error{Err: attemptErr, Attempts: attempt, Decisions: decisions}
-		}
 		o := failed.outcome
 		decideReq := &pb.DecideRequest{
 			Upstream:             upstream,
@@ -406,6 +397,20 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			RetryAfter:           truncate(o.retryAfter, 256),
 			AuthRefreshAttempted: authRefreshed,
 			MaxAttempts:          call.MaxAttempts,
+		}
+		if ctx.Err() != nil {
+			// The caller's deadline or cancellation ended the call: no time
+			// for another attempt, and nothing to ask. A call that may have
+			// been sent and is not idempotent is of unknown outcome.
+			closeResponse(resp)
+			if attemptErr == nil {
+				attemptErr = ctx.Err()
+			}
+			if decision, ok := endedByCaller(ctx, decideReq); ok {
+				decisions = append(decisions, decision)
+				return nil, &AmbiguousError{Decision: decision, Decisions: decisions, Attempts: attempt, StatusCode: o.httpStatus, Body: failed.body, Err: attemptErr}
+			}
+			return nil, &Error{Err: attemptErr, Attempts: attempt, Decisions: decisions}
 		}
 		setTiming(ctx, decideReq, previousBackoff)
 		decision, err := t.Client.Decide(decideCtx, decideReq)
