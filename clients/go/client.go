@@ -52,8 +52,10 @@ type Options struct {
 	// [W3CTraceContext]. With OpenTelemetry, see the README for the
 	// three-line function that reads the active span.
 	TraceContext func(ctx context.Context) (traceparent, tracestate string)
-	// Logger receives the fallback and reporting warnings; nil means the
-	// standard logger.
+	// Logger receives the warnings: one when retryd becomes unreachable and
+	// one when it answers again (with the number of fallback decisions and
+	// traffic batches not taken meanwhile), and the shadow and drop
+	// warnings; nil means the standard logger.
 	Logger *log.Logger
 	// ReportInterval is how often the client's own TrafficReporter sends
 	// (1s when zero).
@@ -81,6 +83,7 @@ type Client struct {
 	policy  LocalPolicy
 	logger  *log.Logger
 	shadow  *shadowLog
+	outage  *outageLog
 
 	reporterOnce sync.Once
 	reporter     *TrafficReporter
@@ -143,6 +146,7 @@ func New(target string, opts Options) (*Client, error) {
 		interval = DefaultShadowLogInterval
 	}
 	c.shadow = newShadowLog(interval, c.logger)
+	c.outage = newOutageLog(c.logger)
 	return c, nil
 }
 
@@ -241,7 +245,7 @@ func (c *Client) onError(err error, req *pb.DecideRequest) (Decision, error) {
 	if invalid := validateLocally(req); invalid != nil {
 		return Decision{}, invalid
 	}
-	c.logger.Printf("retryd: unavailable (%s: %s); deciding %s with the local rule", st.Code(), st.Message(), req.GetUpstream())
+	c.outage.fallback(fmt.Sprintf("%s: %s", st.Code(), st.Message()))
 	return LocalDecide(c.policy, req, fmt.Sprintf("retryd unreachable (%s)", st.Code())), nil
 }
 
@@ -256,6 +260,7 @@ func (c *Client) ReportTraffic(ctx context.Context, req *pb.ReportTrafficRequest
 	if err != nil {
 		return nil, callError(err)
 	}
+	c.outage.answered()
 	return response, nil
 }
 
