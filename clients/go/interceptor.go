@@ -85,7 +85,10 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 		for attempt := 1; ; attempt++ {
 			var header, trailer metadata.MD
 			var p peer.Peer
-			options := append(callOpts[:len(callOpts):len(callOpts)], grpc.Header(&header), grpc.Trailer(&trailer), grpc.Peer(&p))
+			// The codec first, so that one the caller set (on the call or the
+			// connection) wins; see protoCodec.
+			options := append([]grpc.CallOption{grpc.ForceCodec(protoCodec{})}, callOpts...)
+			options = append(options, grpc.Header(&header), grpc.Trailer(&trailer), grpc.Peer(&p))
 			err := invokeAttempt(attemptCtx, opts.AttemptTimeout, method, req, reply, cc, invoker, options)
 			if err == nil {
 				return nil

@@ -212,3 +212,26 @@ func TestGRPCLocalRuleWhenRetrydIsDown(t *testing.T) {
 		t.Fatalf("%v after %d calls", err, server.calls.Load())
 	}
 }
+
+// A caller's own APIv2 messages through the interceptor, on a connection
+// with no codec of its own: grpc-go v1.33's default codec (through
+// golang/protobuf v1.3) panics on them, the interceptor's does not. The
+// health calls above are the APIv1 side.
+func TestGRPCCallersOwnAPIv2MessagesNeedNoCodec(t *testing.T) {
+	fake := &fakeDecider{}
+	addr := startFake(t, fake)
+	client := newClient(t, shared(t).grpc, Options{NoFallback: true})
+	conn, err := grpc.Dial(addr, grpc.WithInsecure(), grpc.WithDisableRetry(),
+		grpc.WithUnaryInterceptor(client.UnaryClientInterceptor(InterceptorOptions{Upstream: "go-grpc", DisableReporting: true})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	response, err := pb.NewRetryDeciderClient(conn).Decide(safe(context.Background()), &pb.DecideRequest{Upstream: "mine", Attempt: 7})
+	if err != nil || response.GetDecisionId() != "fake" {
+		t.Fatalf("%v, %v", response, err)
+	}
+	if _, req := fake.last(); req.(*pb.DecideRequest).GetAttempt() != 7 {
+		t.Fatalf("the server got %v", req)
+	}
+}
