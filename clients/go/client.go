@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 )
@@ -60,6 +61,13 @@ type Options struct {
 	// ReportInterval is how often the client's own TrafficReporter sends
 	// (1s when zero).
 	ReportInterval time.Duration
+	// ConnectTimeout bounds how long New waits for the connection to retryd
+	// (DefaultConnectTimeout when zero; negative: New does not wait). The
+	// wait ends early once connecting has failed (retryd is down: the local
+	// rule decides meanwhile), so it costs a start-up only while retryd is
+	// slow to accept. It keeps connecting out of the first decision's
+	// Timeout.
+	ConnectTimeout time.Duration
 	// ShadowLogInterval is the least time between two warnings, per
 	// upstream, about shadow decisions that differ from the local rule
 	// (DefaultShadowLogInterval, a minute, when zero; negative is refused).
@@ -99,9 +107,15 @@ var ReconnectBackoff = backoff.Config{
 	MaxDelay:   2 * time.Second,
 }
 
+// DefaultConnectTimeout is how long New waits for its connection to retryd
+// unless Options.ConnectTimeout says otherwise.
+const DefaultConnectTimeout = time.Second
+
 // New connects to retryd at target (a gRPC target such as
-// "127.0.0.1:50051"). The connection is made in the background: New does
-// not wait for retryd, and a Decide made while it is down falls back.
+// "127.0.0.1:50051"). It connects eagerly and waits, up to
+// Options.ConnectTimeout, until the connection is up or has failed, so that
+// the first decision is retryd's and not charged with connecting. It never
+// fails because retryd is down: a Decide made while it is falls back.
 func New(target string, opts Options) (*Client, error) {
 	if target == "" {
 		return nil, errors.New("retryd: empty target")
@@ -147,7 +161,31 @@ func New(target string, opts Options) (*Client, error) {
 	}
 	c.shadow = newShadowLog(interval, c.logger)
 	c.outage = newOutageLog(c.logger)
+	connectTimeout := opts.ConnectTimeout
+	if connectTimeout == 0 {
+		connectTimeout = DefaultConnectTimeout
+	}
+	if connectTimeout > 0 {
+		c.awaitConnection(connectTimeout)
+	}
 	return c, nil
+}
+
+// awaitConnection waits until the connection is up or has failed once, or
+// for timeout. grpc-go dials as soon as grpc.Dial returns; this only waits
+// for it.
+func (c *Client) awaitConnection(timeout time.Duration) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	for {
+		state := c.conn.GetState()
+		if state != connectivity.Idle && state != connectivity.Connecting {
+			return // READY, TRANSIENT_FAILURE or SHUTDOWN
+		}
+		if !c.conn.WaitForStateChange(ctx, state) {
+			return // timed out
+		}
+	}
 }
 
 // Close flushes the client's TrafficReporter (if it was used), then closes
