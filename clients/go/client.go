@@ -92,6 +92,7 @@ type Client struct {
 	logger  *log.Logger
 	shadow  *shadowLog
 	outage  *outageLog
+	clock   clock
 
 	reporterOnce sync.Once
 	reporter     *TrafficReporter
@@ -142,6 +143,7 @@ func New(target string, opts Options) (*Client, error) {
 		opts:    opts,
 		policy:  DefaultLocalPolicy,
 		logger:  opts.Logger,
+		clock:   realClock{},
 	}
 	if opts.LocalPolicy != nil {
 		c.policy = *opts.LocalPolicy

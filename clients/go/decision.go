@@ -147,13 +147,19 @@ func endedByCaller(ctx context.Context, req *pb.DecideRequest) (d Decision, ok b
 	}, true
 }
 
-// waitBackoff waits out a backoff, or returns ctx's error as soon as ctx
-// is done: a caller's deadline bounds the wait as well as the attempts.
-func waitBackoff(ctx context.Context, backoff time.Duration) error {
-	if backoff <= 0 {
-		return nil
-	}
-	timer := time.NewTimer(backoff)
+// clock is the time source of the waits the adapters make between
+// attempts. The Client holds one (the real one); the tests put in one that
+// records the waits asked for and returns at once, so that what a backoff
+// is can be asserted exactly, without sleeping or timing the wall clock.
+type clock interface {
+	// wait waits for d, or returns ctx's error as soon as ctx is done.
+	wait(ctx context.Context, d time.Duration) error
+}
+
+type realClock struct{}
+
+func (realClock) wait(ctx context.Context, d time.Duration) error {
+	timer := time.NewTimer(d)
 	defer timer.Stop()
 	select {
 	case <-timer.C:
@@ -161,4 +167,14 @@ func waitBackoff(ctx context.Context, backoff time.Duration) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// waitBackoff waits out a backoff on c's clock, or returns ctx's error as
+// soon as ctx is done: a caller's deadline bounds the wait as well as the
+// attempts.
+func (c *Client) waitBackoff(ctx context.Context, backoff time.Duration) error {
+	if backoff <= 0 {
+		return nil
+	}
+	return c.clock.wait(ctx, backoff)
 }

@@ -162,7 +162,7 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 				authRefreshed = true
 			}
 			previousBackoff = decision.Backoff
-			if err := waitBackoff(ctx, decision.Backoff); err != nil {
+			if err := c.waitBackoff(ctx, decision.Backoff); err != nil {
 				return &Error{Err: status.FromContextError(err).Err(), Attempts: attempt, Decisions: decisions}
 			}
 		}

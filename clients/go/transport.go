@@ -467,7 +467,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			authRefreshed = true
 		}
 		previousBackoff = decision.Backoff
-		if err := waitBackoff(ctx, decision.Backoff); err != nil {
+		if err := t.Client.waitBackoff(ctx, decision.Backoff); err != nil {
 			closeBody(replay)
 			return nil, &Error{Err: err, Attempts: attempt, Decisions: decisions}
 		}
