@@ -147,6 +147,29 @@ func endedByCaller(ctx context.Context, req *pb.DecideRequest) (d Decision, ok b
 	}, true
 }
 
+// earlierUnknown reports whether an attempt of the call may have taken
+// effect (a decision carried a mark) and nothing since proved otherwise: a
+// keyed call retried after a timeout whose retries then never left. Only a
+// success proves it, so once open it stays open.
+func earlierUnknown(decisions []Decision) bool {
+	for _, d := range decisions {
+		if d.UnknownOutcome != pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE {
+			return true
+		}
+	}
+	return false
+}
+
+// callFailed is the error of a call that ends with no response to return:
+// *AmbiguousError if an attempt of it may have taken effect (earlierUnknown),
+// ending with the last decision; the plain *Error otherwise.
+func callFailed(err error, attempts int, decisions []Decision, statusCode int, body []byte) error {
+	if n := len(decisions); n > 0 && earlierUnknown(decisions) {
+		return &AmbiguousError{Decision: decisions[n-1], Decisions: decisions, Attempts: attempts, StatusCode: statusCode, Body: body, Err: err}
+	}
+	return &Error{Err: err, Attempts: attempts, Decisions: decisions}
+}
+
 // clock is the time source of the waits the adapters make between
 // attempts. The Client holds one (the real one); the tests put in one that
 // records the waits asked for and returns at once, so that what a backoff

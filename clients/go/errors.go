@@ -101,6 +101,14 @@ func (e *AmbiguousError) DenyReason() pb.DenyReason { return e.Decision.DenyReas
 // outcome is unknown, and sending it again with the same idempotency key is
 // safe (the upstream deduplicates it). False means reconcile first.
 func (e *AmbiguousError) ResendWithSameKey() bool {
+	// Any attempt's mark says: a call's idempotency does not change between
+	// attempts, and the last decision may be about an attempt that never
+	// left (the earlier one is what may have happened).
+	for _, d := range e.Decisions {
+		if d.UnknownOutcome == pb.UnknownOutcome_UNKNOWN_OUTCOME_RESEND_WITH_KEY {
+			return true
+		}
+	}
 	return e.Decision.UnknownOutcome == pb.UnknownOutcome_UNKNOWN_OUTCOME_RESEND_WITH_KEY
 }
 

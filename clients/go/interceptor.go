@@ -136,34 +136,34 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 					decisions = append(decisions, decision)
 					return &AmbiguousError{Decision: decision, Decisions: decisions, Attempts: attempt, Err: err}
 				}
-				return &Error{Err: err, Attempts: attempt, Decisions: decisions}
+				return callFailed(err, attempt, decisions, 0, nil)
 			}
 			setTiming(ctx, decideReq, previousBackoff)
 			decision, decideErr := c.Decide(ctx, decideReq)
 			if decideErr != nil {
-				return &Error{Err: decideErr, Attempts: attempt, Decisions: decisions}
+				return callFailed(decideErr, attempt, decisions, 0, nil)
 			}
 			decisions = append(decisions, decision)
 			if decision.OutcomeUnknown() || (decision.UnknownOutcome != pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE && attempt >= maxLoop) {
 				return &AmbiguousError{Decision: decision, Decisions: decisions, Attempts: attempt, Err: err}
 			}
 			if !decision.ShouldRetry() || attempt >= maxLoop {
-				return &Error{Err: err, Attempts: attempt, Decisions: decisions}
+				return callFailed(err, attempt, decisions, 0, nil)
 			}
 			if decision.RefreshCredentials {
 				if opts.RefreshCredentials == nil {
-					return &Error{Err: err, Attempts: attempt, Decisions: decisions}
+					return callFailed(err, attempt, decisions, 0, nil)
 				}
 				refreshed, refreshErr := opts.RefreshCredentials(attemptCtx)
 				if refreshErr != nil {
-					return &Error{Err: refreshErr, Attempts: attempt, Decisions: decisions}
+					return callFailed(refreshErr, attempt, decisions, 0, nil)
 				}
 				attemptCtx = refreshed
 				authRefreshed = true
 			}
 			previousBackoff = decision.Backoff
 			if err := c.waitBackoff(ctx, decision.Backoff); err != nil {
-				return &Error{Err: status.FromContextError(err).Err(), Attempts: attempt, Decisions: decisions}
+				return callFailed(status.FromContextError(err).Err(), attempt, decisions, 0, nil)
 			}
 		}
 	}

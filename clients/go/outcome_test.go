@@ -5,7 +5,9 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -141,5 +143,40 @@ func TestLocalRuleMarksWhatMayHaveHappened(t *testing.T) {
 	notSent.Evidence, notSent.Failure = pb.Evidence_EVIDENCE_NOT_SENT, pb.FailureKind_FAILURE_KIND_CONNECT
 	if d := LocalDecide(DefaultLocalPolicy, notSent, "test"); d.UnknownOutcome != pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE {
 		t.Errorf("a proven NOT_SENT is marked: %+v", d)
+	}
+}
+
+// A keyed call whose first attempt timed out (it may have happened) and
+// whose retries never left is still of unknown outcome: the caller must
+// re-send with the same key, not treat it as failed and use a new one.
+func TestKeyedCallRetriedAfterATimeoutIntoRefusalsIsStillUnknown(t *testing.T) {
+	var listener atomic.Pointer[httptest.Server] // set before any request
+	release := make(chan struct{})
+	server, applied := counted(t, func(_ int64, w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		listener.Load().Listener.Close() // every retry is refused: provably not sent
+		select {
+		case <-r.Context().Done():
+		case <-release:
+		}
+	})
+	listener.Store(server)
+	t.Cleanup(func() { close(release) })
+	client := newClient(t, shared(t).grpc, Options{NoFallback: true})
+	transport := testTransport(t, client)
+	transport.AttemptTimeout = 150 * time.Millisecond
+
+	req, err := http.NewRequest(http.MethodPost, server.URL+"/charges", strings.NewReader(`{"amount": 1}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Idempotency-Key", "charge-9")
+	resp, err := transport.RoundTrip(req)
+	e := wantAmbiguous(t, resp, err)
+	if !e.ResendWithSameKey() || e.DenyReason() != pb.DenyReason_DENY_REASON_MAX_ATTEMPTS || e.Attempts != 3 || applied.Load() != 1 {
+		t.Fatalf("resend %v, decision %+v, attempts %d, applied %d", e.ResendWithSameKey(), e.Decision, e.Attempts, applied.Load())
+	}
+	if first := e.Decisions[0]; !first.ShouldRetry() || first.UnknownOutcome != pb.UnknownOutcome_UNKNOWN_OUTCOME_RESEND_WITH_KEY {
+		t.Fatalf("first decision %+v", first)
 	}
 }

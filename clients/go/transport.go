@@ -410,7 +410,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 				decisions = append(decisions, decision)
 				return nil, &AmbiguousError{Decision: decision, Decisions: decisions, Attempts: attempt, StatusCode: o.httpStatus, Body: failed.body, Err: attemptErr}
 			}
-			return nil, &Error{Err: attemptErr, Attempts: attempt, Decisions: decisions}
+			return nil, callFailed(attemptErr, attempt, decisions, 0, nil)
 		}
 		setTiming(ctx, decideReq, previousBackoff)
 		decision, err := t.Client.Decide(decideCtx, decideReq)
@@ -444,7 +444,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 				retry = false
 			} else if err := t.RefreshCredentials(replay); err != nil {
 				closeResponse(resp)
-				return nil, &Error{Err: err, Attempts: attempt, Decisions: decisions}
+				return nil, callFailed(err, attempt, decisions, 0, nil)
 			}
 		}
 		if !retry {
@@ -456,7 +456,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 				return nil, ambiguous()
 			}
 			if attemptErr != nil {
-				return nil, &Error{Err: attemptErr, Attempts: attempt, Decisions: decisions}
+				return nil, callFailed(attemptErr, attempt, decisions, 0, nil)
 			}
 			return withDecisions(resp, decisions), nil
 		}
@@ -469,7 +469,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		previousBackoff = decision.Backoff
 		if err := t.Client.waitBackoff(ctx, decision.Backoff); err != nil {
 			closeBody(replay)
-			return nil, &Error{Err: err, Attempts: attempt, Decisions: decisions}
+			return nil, callFailed(err, attempt, decisions, 0, nil)
 		}
 		next = replay
 	}
