@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 )
@@ -52,12 +53,21 @@ type Options struct {
 	// [W3CTraceContext]. With OpenTelemetry, see the README for the
 	// three-line function that reads the active span.
 	TraceContext func(ctx context.Context) (traceparent, tracestate string)
-	// Logger receives the fallback and reporting warnings; nil means the
-	// standard logger.
+	// Logger receives the warnings: one when retryd becomes unreachable and
+	// one when it answers again (with the number of fallback decisions and
+	// traffic batches not taken meanwhile), and the shadow and drop
+	// warnings; nil means the standard logger.
 	Logger *log.Logger
 	// ReportInterval is how often the client's own TrafficReporter sends
 	// (1s when zero).
 	ReportInterval time.Duration
+	// ConnectTimeout bounds how long New waits for the connection to retryd
+	// (DefaultConnectTimeout when zero; negative: New does not wait). The
+	// wait ends early once connecting has failed (retryd is down: the local
+	// rule decides meanwhile), so it costs a start-up only while retryd is
+	// slow to accept. It keeps connecting out of the first decision's
+	// Timeout.
+	ConnectTimeout time.Duration
 	// ShadowLogInterval is the least time between two warnings, per
 	// upstream, about shadow decisions that differ from the local rule
 	// (DefaultShadowLogInterval, a minute, when zero; negative is refused).
@@ -81,6 +91,8 @@ type Client struct {
 	policy  LocalPolicy
 	logger  *log.Logger
 	shadow  *shadowLog
+	outage  *outageLog
+	clock   clock
 
 	reporterOnce sync.Once
 	reporter     *TrafficReporter
@@ -96,9 +108,15 @@ var ReconnectBackoff = backoff.Config{
 	MaxDelay:   2 * time.Second,
 }
 
+// DefaultConnectTimeout is how long New waits for its connection to retryd
+// unless Options.ConnectTimeout says otherwise.
+const DefaultConnectTimeout = time.Second
+
 // New connects to retryd at target (a gRPC target such as
-// "127.0.0.1:50051"). The connection is made in the background: New does
-// not wait for retryd, and a Decide made while it is down falls back.
+// "127.0.0.1:50051"). It connects eagerly and waits, up to
+// Options.ConnectTimeout, until the connection is up or has failed, so that
+// the first decision is retryd's and not charged with connecting. It never
+// fails because retryd is down: a Decide made while it is falls back.
 func New(target string, opts Options) (*Client, error) {
 	if target == "" {
 		return nil, errors.New("retryd: empty target")
@@ -125,6 +143,7 @@ func New(target string, opts Options) (*Client, error) {
 		opts:    opts,
 		policy:  DefaultLocalPolicy,
 		logger:  opts.Logger,
+		clock:   realClock{},
 	}
 	if opts.LocalPolicy != nil {
 		c.policy = *opts.LocalPolicy
@@ -143,7 +162,32 @@ func New(target string, opts Options) (*Client, error) {
 		interval = DefaultShadowLogInterval
 	}
 	c.shadow = newShadowLog(interval, c.logger)
+	c.outage = newOutageLog(c.logger)
+	connectTimeout := opts.ConnectTimeout
+	if connectTimeout == 0 {
+		connectTimeout = DefaultConnectTimeout
+	}
+	if connectTimeout > 0 {
+		c.awaitConnection(connectTimeout)
+	}
 	return c, nil
+}
+
+// awaitConnection waits until the connection is up or has failed once, or
+// for timeout. grpc-go dials as soon as grpc.Dial returns; this only waits
+// for it.
+func (c *Client) awaitConnection(timeout time.Duration) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	for {
+		state := c.conn.GetState()
+		if state != connectivity.Idle && state != connectivity.Connecting {
+			return // READY, TRANSIENT_FAILURE or SHUTDOWN
+		}
+		if !c.conn.WaitForStateChange(ctx, state) {
+			return // timed out
+		}
+	}
 }
 
 // Close flushes the client's TrafficReporter (if it was used), then closes
@@ -241,7 +285,7 @@ func (c *Client) onError(err error, req *pb.DecideRequest) (Decision, error) {
 	if invalid := validateLocally(req); invalid != nil {
 		return Decision{}, invalid
 	}
-	c.logger.Printf("retryd: unavailable (%s: %s); deciding %s with the local rule", st.Code(), st.Message(), req.GetUpstream())
+	c.outage.fallback(fmt.Sprintf("%s: %s", st.Code(), st.Message()))
 	return LocalDecide(c.policy, req, fmt.Sprintf("retryd unreachable (%s)", st.Code())), nil
 }
 
@@ -256,6 +300,7 @@ func (c *Client) ReportTraffic(ctx context.Context, req *pb.ReportTrafficRequest
 	if err != nil {
 		return nil, callError(err)
 	}
+	c.outage.answered()
 	return response, nil
 }
 

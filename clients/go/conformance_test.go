@@ -35,6 +35,7 @@ type vector struct {
 		RefreshCredentials *bool    `json:"refresh_credentials"`
 		BackoffMinMs       *float64 `json:"backoff_min_ms"`
 		BackoffMaxMs       *float64 `json:"backoff_max_ms"`
+		UnknownOutcome     string   `json:"unknown_outcome"`
 	} `json:"expect"`
 	ExpectError *struct {
 		Code  string `json:"code"`
@@ -112,6 +113,15 @@ func checkVector(t *testing.T, c vector, d Decision, err error) {
 	if want.RefreshCredentials != nil && d.RefreshCredentials != *want.RefreshCredentials {
 		t.Errorf("refresh_credentials %v, want %v", d.RefreshCredentials, *want.RefreshCredentials)
 	}
+	if got := d.UnknownOutcome.String(); got != want.UnknownOutcome {
+		t.Errorf("unknown_outcome %s, want %s (%s)", got, want.UnknownOutcome, d.Explanation)
+	}
+	// The adapters surface a decision through OutcomeUnknown: a DENY with
+	// a mark must be the ambiguous-execution error, never a plain failure.
+	marked := want.UnknownOutcome != pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE.String()
+	if wantAmbiguous := want.Verdict == "VERDICT_AMBIGUOUS" || (want.Verdict == "VERDICT_DENY" && marked); d.OutcomeUnknown() != wantAmbiguous {
+		t.Errorf("OutcomeUnknown %v, want %v", d.OutcomeUnknown(), wantAmbiguous)
+	}
 	if d.Fallback {
 		t.Errorf("a fallback decision: %s", d.Explanation)
 	}
@@ -178,14 +188,21 @@ func TestConformance(t *testing.T) {
 }
 
 // TestEffectiveEvidenceAgreesWithEveryVector checks the local rule's
-// evidence weakening against retryd's, case by case.
+// evidence weakening and unknown-outcome mark against retryd's, case by case.
 func TestEffectiveEvidenceAgreesWithEveryVector(t *testing.T) {
 	for _, c := range loadVectors(t).Cases {
 		if c.Expect == nil {
 			continue
 		}
-		if got := EffectiveEvidence(vectorRequest(t, c)); got.String() != c.Expect.EffectiveEvidence {
-			t.Errorf("%s: local %s, retryd %s", c.Name, got, c.Expect.EffectiveEvidence)
+		req := vectorRequest(t, c)
+		effective := EffectiveEvidence(req)
+		if effective.String() != c.Expect.EffectiveEvidence {
+			t.Errorf("%s: local %s, retryd %s", c.Name, effective, c.Expect.EffectiveEvidence)
+		}
+		// The local rule's mark has the engine's definition: it must agree
+		// on every case, whichever rule decides.
+		if got := unknownOutcome(req, effective); got.String() != c.Expect.UnknownOutcome {
+			t.Errorf("%s: local unknown_outcome %s, retryd %s", c.Name, got, c.Expect.UnknownOutcome)
 		}
 	}
 }

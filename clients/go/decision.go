@@ -2,6 +2,7 @@ package retryd
 
 import (
 	"context"
+	"errors"
 	"math"
 	"strings"
 	"time"
@@ -43,6 +44,13 @@ type Decision struct {
 	// Fallback is true when retryd could not answer and the local rule
 	// decided.
 	Fallback bool
+	// UnknownOutcome says whether the attempt may have taken effect
+	// upstream, whatever the verdict (retryd computes it whichever rule
+	// decided; the local rule computes it the same way). RECONCILE (a
+	// NON_IDEMPOTENT call) or RESEND_WITH_KEY (IDEMPOTENT_WITH_KEY) on a
+	// DENY means the denial is not a plain failure: the Transport and the
+	// interceptor then return an *AmbiguousError carrying DenyReason.
+	UnknownOutcome pb.UnknownOutcome
 	// Shadow is true when retryd answered for an upstream in shadow mode
 	// (enforce = false in its policy): retryd's decision is not enforced,
 	// so this decision is the client's own local rule (the one it falls
@@ -63,6 +71,13 @@ func (d Decision) ShouldRetry() bool { return d.Verdict == pb.Verdict_VERDICT_RE
 // IsAmbiguous reports whether the verdict is AMBIGUOUS.
 func (d Decision) IsAmbiguous() bool { return d.Verdict == pb.Verdict_VERDICT_AMBIGUOUS }
 
+// OutcomeUnknown reports whether the attempt may have taken effect upstream
+// and no further attempt is allowed: an AMBIGUOUS verdict, or a DENY
+// carrying an unknown-outcome mark. Such a call is never a plain failure.
+func (d Decision) OutcomeUnknown() bool {
+	return d.IsAmbiguous() || (!d.ShouldRetry() && d.UnknownOutcome != pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE)
+}
+
 func decisionOf(response *pb.DecideResponse) Decision {
 	return Decision{
 		Verdict:            response.GetVerdict(),
@@ -75,6 +90,7 @@ func decisionOf(response *pb.DecideResponse) Decision {
 		DecisionID:         response.GetDecisionId(),
 		TokensRemaining:    response.GetTokensRemaining(),
 		Explanation:        response.GetExplanation(),
+		UnknownOutcome:     response.GetUnknownOutcome(),
 		Shadow:             response.GetShadow(),
 	}
 }
@@ -102,13 +118,71 @@ func setTiming(ctx context.Context, req *pb.DecideRequest, previousBackoff time.
 	}
 }
 
-// waitBackoff waits out a backoff, or returns ctx's error as soon as ctx
-// is done: a caller's deadline bounds the wait as well as the attempts.
-func waitBackoff(ctx context.Context, backoff time.Duration) error {
-	if backoff <= 0 {
-		return nil
+// endedByCaller is the decision for a failed attempt when the caller's own
+// context ended it (its deadline, or a cancellation) after the request may
+// have been sent: made here, without retryd, since there is no time left to
+// ask and nothing left to retry. A call of unknown outcome (req's mark, as
+// the local rule computes it) gets a DENY carrying that mark, which the
+// adapters surface as *AmbiguousError; ok is false for any other call,
+// which is a plain failure.
+func endedByCaller(ctx context.Context, req *pb.DecideRequest) (d Decision, ok bool) {
+	effective := EffectiveEvidence(req)
+	mark := unknownOutcome(req, effective)
+	if mark == pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE {
+		return Decision{}, false
 	}
-	timer := time.NewTimer(backoff)
+	reason, why := pb.DenyReason_DENY_REASON_UNSPECIFIED, "was cancelled"
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		reason, why = pb.DenyReason_DENY_REASON_DEADLINE, "deadline expired"
+	}
+	return Decision{
+		Verdict:           pb.Verdict_VERDICT_DENY,
+		DenyReason:        reason,
+		Rule:              6,
+		EffectiveEvidence: effective,
+		EvidenceAdjusted:  req.GetEvidence() != pb.Evidence_EVIDENCE_UNSPECIFIED && effective != req.GetEvidence(),
+		TokensRemaining:   nan,
+		UnknownOutcome:    mark,
+		Explanation:       "the caller's context " + why + " after the request may have been sent (decided locally, retryd not asked)",
+	}, true
+}
+
+// earlierUnknown reports whether an attempt of the call may have taken
+// effect (a decision carried a mark) and nothing since proved otherwise: a
+// keyed call retried after a timeout whose retries then never left. Only a
+// success proves it, so once open it stays open.
+func earlierUnknown(decisions []Decision) bool {
+	for _, d := range decisions {
+		if d.UnknownOutcome != pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE {
+			return true
+		}
+	}
+	return false
+}
+
+// callFailed is the error of a call that ends with no response to return:
+// *AmbiguousError if an attempt of it may have taken effect (earlierUnknown),
+// ending with the last decision; the plain *Error otherwise.
+func callFailed(err error, attempts int, decisions []Decision, statusCode int, body []byte) error {
+	if n := len(decisions); n > 0 && earlierUnknown(decisions) {
+		return &AmbiguousError{Decision: decisions[n-1], Decisions: decisions, Attempts: attempts, StatusCode: statusCode, Body: body, Err: err}
+	}
+	return &Error{Err: err, Attempts: attempts, Decisions: decisions}
+}
+
+// clock is the time source of the waits the adapters make between
+// attempts. The Client holds one (the real one); the tests put in one that
+// records the waits asked for and returns at once, so that what a backoff
+// is can be asserted exactly, without sleeping or timing the wall clock.
+type clock interface {
+	// wait waits for d, or returns ctx's error as soon as ctx is done.
+	wait(ctx context.Context, d time.Duration) error
+}
+
+type realClock struct{}
+
+func (realClock) wait(ctx context.Context, d time.Duration) error {
+	timer := time.NewTimer(d)
 	defer timer.Stop()
 	select {
 	case <-timer.C:
@@ -116,4 +190,14 @@ func waitBackoff(ctx context.Context, backoff time.Duration) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// waitBackoff waits out a backoff on c's clock, or returns ctx's error as
+// soon as ctx is done: a caller's deadline bounds the wait as well as the
+// attempts.
+func (c *Client) waitBackoff(ctx context.Context, backoff time.Duration) error {
+	if backoff <= 0 {
+		return nil
+	}
+	return c.clock.wait(ctx, backoff)
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 
+	pb "github.com/retryd/retryd/clients/go/retrydv1"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
@@ -63,11 +64,19 @@ func callError(err error) error {
 	return &UnavailableError{Code: st.Code(), Message: st.Message()}
 }
 
-// AmbiguousError is retryd's AMBIGUOUS answer: the request may have taken
-// effect upstream, so it was not retried. Reconcile (query the upstream, or
-// replay with an idempotency key) before doing it again.
+// AmbiguousError is a call that may have taken effect upstream and was not
+// retried: retryd's AMBIGUOUS answer, or a DENY carrying an unknown-outcome
+// mark (Decision.UnknownOutcome: an empty budget or the last attempt after a
+// timeout, say), or a non-idempotent call that the caller's own deadline
+// ended after it was sent. It is never a plain failure: reporting one would
+// tell the caller the request did not happen, which may be false.
+//
+// Reconcile (query the upstream) before doing it again; for an
+// IDEMPOTENT_WITH_KEY call, ResendWithSameKey says that re-sending with the
+// same idempotency key is safe (a new key is not).
 type AmbiguousError struct {
-	// Decision is the AMBIGUOUS decision.
+	// Decision is the decision that ended the call: AMBIGUOUS, or a DENY
+	// with its DenyReason and UnknownOutcome.
 	Decision Decision
 	// Decisions are every decision made for the call, the last one included.
 	Decisions []Decision
@@ -84,16 +93,38 @@ type AmbiguousError struct {
 	Err error
 }
 
+// DenyReason is why no further attempt was allowed, when the call was denied
+// rather than answered AMBIGUOUS (DENY_REASON_UNSPECIFIED then).
+func (e *AmbiguousError) DenyReason() pb.DenyReason { return e.Decision.DenyReason }
+
+// ResendWithSameKey reports whether the call was IDEMPOTENT_WITH_KEY: its
+// outcome is unknown, and sending it again with the same idempotency key is
+// safe (the upstream deduplicates it). False means reconcile first.
+func (e *AmbiguousError) ResendWithSameKey() bool {
+	// Any attempt's mark says: a call's idempotency does not change between
+	// attempts, and the last decision may be about an attempt that never
+	// left (the earlier one is what may have happened).
+	for _, d := range e.Decisions {
+		if d.UnknownOutcome == pb.UnknownOutcome_UNKNOWN_OUTCOME_RESEND_WITH_KEY {
+			return true
+		}
+	}
+	return e.Decision.UnknownOutcome == pb.UnknownOutcome_UNKNOWN_OUTCOME_RESEND_WITH_KEY
+}
+
 // Error describes the failure in one line.
 func (e *AmbiguousError) Error() string {
-	what := "the request may have taken effect upstream"
+	what := fmt.Sprintf("retryd: %s after %d attempt(s): the request may have taken effect upstream", describeDecision(e.Decision), e.Attempts)
 	switch {
 	case e.Err != nil:
-		return fmt.Sprintf("retryd: AMBIGUOUS after %d attempt(s): %s (%v)", e.Attempts, what, e.Err)
+		what += fmt.Sprintf(" (%v)", e.Err)
 	case e.StatusCode != 0:
-		return fmt.Sprintf("retryd: AMBIGUOUS after %d attempt(s): %s (HTTP %d)", e.Attempts, what, e.StatusCode)
+		what += fmt.Sprintf(" (HTTP %d)", e.StatusCode)
 	}
-	return fmt.Sprintf("retryd: AMBIGUOUS after %d attempt(s): %s", e.Attempts, what)
+	if e.ResendWithSameKey() {
+		return what + "; re-send it with the same idempotency key"
+	}
+	return what + "; reconcile before sending it again"
 }
 
 // Unwrap returns the last attempt's error.

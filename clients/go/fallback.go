@@ -249,6 +249,7 @@ func LocalDecide(policy LocalPolicy, req *pb.DecideRequest, reason string) Decis
 			EvidenceAdjusted:   claimed && effective != req.GetEvidence(),
 			TokensRemaining:    nan,
 			Explanation:        reason + "; local rule: " + why,
+			UnknownOutcome:     unknownOutcome(req, effective),
 			Fallback:           true,
 		}
 	}
@@ -356,6 +357,50 @@ func LocalDecide(policy LocalPolicy, req *pb.DecideRequest, reason string) Decis
 		}
 	}
 	return answer(pb.Verdict_VERDICT_RETRY, 0, 9, "retry "+strings.TrimPrefix(effective.String(), "EVIDENCE_"), backoff, refresh)
+}
+
+// unknownOutcome is the mark of issue 36 for req, given its effective
+// evidence: the same definition as retryd's engine (outcome.rs). It is
+// computed from the facts alone, never from the verdict, so that no rule
+// (an attempt limit, an empty budget, a deadline) hides that a call may have
+// happened. Set where rule 8 or the status rules would answer AMBIGUOUS
+// (for a keyed call: would, were it not keyed): the evidence
+// (SENT_NO_RESPONSE; a partial 2xx/3xx response, or one with no status) or
+// the status (502, 503, 504, gRPC UNAVAILABLE or DEADLINE_EXCEEDED) leaves
+// the outcome open. Never on a proven NOT_SENT, nor after a final response
+// (a 4xx, a 500).
+func unknownOutcome(req *pb.DecideRequest, effective pb.Evidence) pb.UnknownOutcome {
+	var mark pb.UnknownOutcome
+	switch req.GetIdempotency() {
+	case pb.Idempotency_IDEMPOTENCY_NON_IDEMPOTENT:
+		mark = pb.UnknownOutcome_UNKNOWN_OUTCOME_RECONCILE
+	case pb.Idempotency_IDEMPOTENCY_IDEMPOTENT_WITH_KEY:
+		mark = pb.UnknownOutcome_UNKNOWN_OUTCOME_RESEND_WITH_KEY
+	default:
+		return pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE
+	}
+	httpStatus, grpcCode := req.GetHttpStatus(), codes.Code(req.GetGrpcStatusCode())
+	statusLeavesItOpen := func() bool {
+		if httpStatus != 0 {
+			return httpStatus >= 502 && httpStatus <= 504
+		}
+		return grpcCode == codes.Unavailable || grpcCode == codes.DeadlineExceeded
+	}
+	open := false
+	switch effective {
+	case pb.Evidence_EVIDENCE_SENT_NO_RESPONSE:
+		open = true
+	case pb.Evidence_EVIDENCE_PARTIAL_RESPONSE:
+		// The effect happened and its result was lost on the way, unless an
+		// error status says what happened.
+		open = (httpStatus == 0 && grpcCode == codes.OK) || (httpStatus >= 200 && httpStatus < 400) || statusLeavesItOpen()
+	case pb.Evidence_EVIDENCE_RESPONSE_RECEIVED:
+		open = statusLeavesItOpen()
+	}
+	if !open {
+		return pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE
+	}
+	return mark
 }
 
 func retryIf(safe bool) pb.Verdict {

@@ -85,13 +85,13 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 		for attempt := 1; ; attempt++ {
 			var header, trailer metadata.MD
 			var p peer.Peer
-			options := append(callOpts[:len(callOpts):len(callOpts)], grpc.Header(&header), grpc.Trailer(&trailer), grpc.Peer(&p))
+			// The codec first, so that one the caller set (on the call or the
+			// connection) wins; see protoCodec.
+			options := append([]grpc.CallOption{grpc.ForceCodec(protoCodec{})}, callOpts...)
+			options = append(options, grpc.Header(&header), grpc.Trailer(&trailer), grpc.Peer(&p))
 			err := invokeAttempt(attemptCtx, opts.AttemptTimeout, method, req, reply, cc, invoker, options)
 			if err == nil {
 				return nil
-			}
-			if ctx.Err() != nil {
-				return &Error{Err: err, Attempts: attempt, Decisions: decisions}
 			}
 			st := status.Convert(err)
 			decideReq := &pb.DecideRequest{
@@ -128,32 +128,42 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 					decideReq.Failure = pb.FailureKind_FAILURE_KIND_CONNECTION_RESET
 				}
 			}
+			if ctx.Err() != nil {
+				// The caller's deadline or cancellation ended the call; one
+				// that may have been sent and is not idempotent is of
+				// unknown outcome.
+				if decision, ok := endedByCaller(ctx, decideReq); ok {
+					decisions = append(decisions, decision)
+					return &AmbiguousError{Decision: decision, Decisions: decisions, Attempts: attempt, Err: err}
+				}
+				return callFailed(err, attempt, decisions, 0, nil)
+			}
 			setTiming(ctx, decideReq, previousBackoff)
 			decision, decideErr := c.Decide(ctx, decideReq)
 			if decideErr != nil {
-				return &Error{Err: decideErr, Attempts: attempt, Decisions: decisions}
+				return callFailed(decideErr, attempt, decisions, 0, nil)
 			}
 			decisions = append(decisions, decision)
-			if decision.IsAmbiguous() {
+			if decision.OutcomeUnknown() || (decision.UnknownOutcome != pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE && attempt >= maxLoop) {
 				return &AmbiguousError{Decision: decision, Decisions: decisions, Attempts: attempt, Err: err}
 			}
 			if !decision.ShouldRetry() || attempt >= maxLoop {
-				return &Error{Err: err, Attempts: attempt, Decisions: decisions}
+				return callFailed(err, attempt, decisions, 0, nil)
 			}
 			if decision.RefreshCredentials {
 				if opts.RefreshCredentials == nil {
-					return &Error{Err: err, Attempts: attempt, Decisions: decisions}
+					return callFailed(err, attempt, decisions, 0, nil)
 				}
 				refreshed, refreshErr := opts.RefreshCredentials(attemptCtx)
 				if refreshErr != nil {
-					return &Error{Err: refreshErr, Attempts: attempt, Decisions: decisions}
+					return callFailed(refreshErr, attempt, decisions, 0, nil)
 				}
 				attemptCtx = refreshed
 				authRefreshed = true
 			}
 			previousBackoff = decision.Backoff
-			if err := waitBackoff(ctx, decision.Backoff); err != nil {
-				return &Error{Err: status.FromContextError(err).Err(), Attempts: attempt, Decisions: decisions}
+			if err := c.waitBackoff(ctx, decision.Backoff); err != nil {
+				return callFailed(status.FromContextError(err).Err(), attempt, decisions, 0, nil)
 			}
 		}
 	}

@@ -191,9 +191,11 @@ func (r *TrafficReporter) Flush(ctx context.Context) error {
 		if err != nil {
 			code := status.Code(err)
 			if !isPermanent(code) {
-				r.logger.Printf("retryd: traffic report %s not taken, will re-send it: %v", batch.GetReportId(), err)
+				// Kept for a re-send; the client warns once per outage.
+				r.client.outage.reportFailed(err.Error())
 				return err
 			}
+			r.client.outage.answered() // retryd did answer, with a refusal
 			var requests uint64
 			for _, entry := range batch.GetTraffic() {
 				requests += entry.GetRequests()

@@ -28,4 +28,4 @@ fi
 echo "== go vet"
 go vet ./...
 echo "== go test -race"
-go test -race -count=1 -timeout 5m ./... "$@"
+go test -race -count=1 -timeout 10m ./... "$@"

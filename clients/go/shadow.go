@@ -24,6 +24,7 @@ const shadowReason = "retryd shadow answer, not enforced (upstream in shadow mod
 // falls back to, with the client's LocalPolicy, whether or not NoFallback
 // is set: retryd did answer, it only asked not to be obeyed.
 func (c *Client) actedOn(req *pb.DecideRequest, response *pb.DecideResponse) Decision {
+	c.outage.answered()
 	answer := decisionOf(response)
 	if !answer.Shadow {
 		return answer

@@ -2,6 +2,7 @@ package retryd
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -39,6 +40,10 @@ min_attempt_budget = "300ms"
 # An empty budget that only reported traffic fills.
 [upstreams."go-empty"]
 budget = { capacity = 10.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
+# Issue 36: an empty budget that reported traffic cannot fill (0.1 token
+# per request), so the first retry is DENY BUDGET_EXHAUSTED.
+[upstreams."go-nobudget"]
+budget = { capacity = 10.0, initial = 0.0, ratio = 0.1, min_per_second = 0.0 }
 [upstreams."go-dedup"]
 budget = { capacity = 1000000.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
 `
@@ -282,4 +287,32 @@ func TestMain(m *testing.M) {
 	code := m.Run()
 	sharedT.close()
 	os.Exit(code)
+}
+
+// fakeClock records the waits asked of it and returns at once (or with
+// ctx's error if ctx is already done): a test asserts the backoffs exactly,
+// with no sleep and no ceiling on wall time.
+type fakeClock struct {
+	mu    sync.Mutex
+	waits []time.Duration
+}
+
+func (c *fakeClock) wait(ctx context.Context, d time.Duration) error {
+	c.mu.Lock()
+	c.waits = append(c.waits, d)
+	c.mu.Unlock()
+	return ctx.Err()
+}
+
+func (c *fakeClock) asked() []time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]time.Duration(nil), c.waits...)
+}
+
+// withFakeClock puts a fakeClock into client.
+func withFakeClock(client *Client) *fakeClock {
+	fake := &fakeClock{}
+	client.clock = fake
+	return fake
 }

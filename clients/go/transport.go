@@ -93,10 +93,11 @@ func callOf(ctx context.Context) Call {
 // ends, and an *AmbiguousError on AMBIGUOUS.
 //
 // First attempts are counted on the client's TrafficReporter unless
-// DisableReporting is set. Go's own http.Transport still re-sends, once, a
-// request that it proves was not written to a reused connection that the
-// server had closed, or an idempotent-method request whose connection broke
-// before any response byte; retryd sees neither.
+// DisableReporting is set. Go's own http.Transport re-sends by itself a
+// request whose reused connection broke; the Transport lets it do so only
+// when nothing of the request was written, and otherwise refuses the re-send
+// (see refuseHiddenResend), so that every request that reaches the upstream
+// is an attempt retryd allowed.
 type Transport struct {
 	// Base sends each attempt; nil means http.DefaultTransport.
 	Base http.RoundTripper
@@ -383,15 +384,6 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		if attemptErr == nil && failed == nil {
 			return withDecisions(resp, decisions), nil
 		}
-		if ctx.Err() != nil {
-			// The caller's deadline or cancellation ended the call: no time
-			// for another attempt, and nothing to ask.
-			closeResponse(resp)
-			if attemptErr == nil {
-				attemptErr = ctx.Err()
-			}
-			return nil, &Error{Err: attemptErr, Attempts: attempt, Decisions: decisions}
-		}
 		o := failed.outcome
 		decideReq := &pb.DecideRequest{
 			Upstream:             upstream,
@@ -406,6 +398,20 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			AuthRefreshAttempted: authRefreshed,
 			MaxAttempts:          call.MaxAttempts,
 		}
+		if ctx.Err() != nil {
+			// The caller's deadline or cancellation ended the call: no time
+			// for another attempt, and nothing to ask. A call that may have
+			// been sent and is not idempotent is of unknown outcome.
+			closeResponse(resp)
+			if attemptErr == nil {
+				attemptErr = ctx.Err()
+			}
+			if decision, ok := endedByCaller(ctx, decideReq); ok {
+				decisions = append(decisions, decision)
+				return nil, &AmbiguousError{Decision: decision, Decisions: decisions, Attempts: attempt, StatusCode: o.httpStatus, Body: failed.body, Err: attemptErr}
+			}
+			return nil, callFailed(attemptErr, attempt, decisions, 0, nil)
+		}
 		setTiming(ctx, decideReq, previousBackoff)
 		decision, err := t.Client.Decide(decideCtx, decideReq)
 		if err != nil {
@@ -415,12 +421,15 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			return nil, fmt.Errorf("retryd: deciding attempt %d (%v): %w", attempt, describe(attemptErr, o), err)
 		}
 		decisions = append(decisions, decision)
-		if decision.IsAmbiguous() {
+		ambiguous := func() *AmbiguousError {
 			closeResponse(resp)
-			return nil, &AmbiguousError{
+			return &AmbiguousError{
 				Decision: decision, Decisions: decisions, Attempts: attempt,
 				StatusCode: o.httpStatus, Body: failed.body, Err: attemptErr,
 			}
+		}
+		if decision.OutcomeUnknown() {
+			return nil, ambiguous()
 		}
 		retry := decision.ShouldRetry() && attempt < maxLoop
 		var replay *http.Request
@@ -435,13 +444,19 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 				retry = false
 			} else if err := t.RefreshCredentials(replay); err != nil {
 				closeResponse(resp)
-				return nil, &Error{Err: err, Attempts: attempt, Decisions: decisions}
+				return nil, callFailed(err, attempt, decisions, 0, nil)
 			}
 		}
 		if !retry {
 			closeBody(replay)
+			if decision.UnknownOutcome != pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE {
+				// A RETRY that cannot be followed (the body cannot be
+				// reopened, no RefreshCredentials) leaves the outcome as
+				// open as a DENY would.
+				return nil, ambiguous()
+			}
 			if attemptErr != nil {
-				return nil, &Error{Err: attemptErr, Attempts: attempt, Decisions: decisions}
+				return nil, callFailed(attemptErr, attempt, decisions, 0, nil)
 			}
 			return withDecisions(resp, decisions), nil
 		}
@@ -452,9 +467,9 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			authRefreshed = true
 		}
 		previousBackoff = decision.Backoff
-		if err := waitBackoff(ctx, decision.Backoff); err != nil {
+		if err := t.Client.waitBackoff(ctx, decision.Backoff); err != nil {
 			closeBody(replay)
-			return nil, &Error{Err: err, Attempts: attempt, Decisions: decisions}
+			return nil, callFailed(err, attempt, decisions, 0, nil)
 		}
 		next = replay
 	}
@@ -479,6 +494,7 @@ func (t *Transport) attempt(ctx context.Context, req *http.Request, errorBodyLim
 	}
 	trace := &attemptTrace{}
 	sent := req.WithContext(httptrace.WithClientTrace(attemptCtx, trace.hooks()))
+	refuseHiddenResend(sent, trace)
 	resp, err := t.base().RoundTrip(sent)
 	attemptTimedOut := func() bool { return attemptCtx.Err() != nil && ctx.Err() == nil }
 	if err != nil {
@@ -526,6 +542,54 @@ func (t *Transport) attempt(ctx context.Context, req *http.Request, errorBodyLim
 	}
 	return resp, nil, nil
 }
+
+// errHiddenResend is what net/http's own re-send of a request that may have
+// been written gets instead of the request's body.
+var errHiddenResend = errors.New("retryd: net/http's own re-send of a request that may have been sent was refused (retryd decides every re-send)")
+
+// refuseHiddenResend stops http.Transport from sending sent a second time by
+// itself. On a reused connection that breaks before the response (or that
+// the server closed after reading the request), net/http re-sends a request
+// it deems replayable: one without a body, or with GetBody, whose method is
+// GET, HEAD, OPTIONS or TRACE or which has an Idempotency-Key or
+// X-Idempotency-Key header (shouldRetryRequest and isReplayable in
+// net/http/transport.go and request.go). Before that re-send it rewinds a
+// body that was read by calling GetBody (rewindBody): that call is the one
+// place an adapter can refuse it. So sent always has a body net/http must
+// rewind: its own GetBody, guarded, or for a bodyless request an empty one
+// (which net/http probes and sends as no body for GET, HEAD, DELETE and
+// OPTIONS; other bodyless methods it would re-send get an empty chunked
+// body). The guard lets a re-send through only if nothing of the request
+// was written (net/http's nothingWrittenError: provably not sent, so no
+// attempt), and refuses it otherwise, so that the attempt fails with what
+// it proves and retryd decides.
+func refuseHiddenResend(sent *http.Request, trace *attemptTrace) {
+	getBody := sent.GetBody
+	switch {
+	case sent.Body == nil || sent.Body == http.NoBody:
+		sent.Body = emptyBody{}
+		sent.ContentLength = 0
+		getBody = func() (io.ReadCloser, error) { return emptyBody{}, nil }
+	case getBody == nil:
+		return // one-shot: net/http never re-sends it
+	}
+	sent.GetBody = func() (io.ReadCloser, error) {
+		trace.mu.Lock()
+		written := trace.wroteHeaders || trace.wroteRequest
+		trace.mu.Unlock()
+		if written {
+			return nil, errHiddenResend
+		}
+		return getBody()
+	}
+}
+
+// emptyBody is a body of no bytes that is not http.NoBody (which net/http
+// re-sends without rewinding it).
+type emptyBody struct{}
+
+func (emptyBody) Read([]byte) (int, error) { return 0, io.EOF }
+func (emptyBody) Close() error             { return nil }
 
 // partialOutcome is a response whose body broke off.
 func partialOutcome(status int, retryAfter string, err error, attemptTimedOut bool) outcome {

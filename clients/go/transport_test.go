@@ -379,11 +379,13 @@ func TestContextDeadlineShorterThanTheHang(t *testing.T) {
 	resp, err := get(t, ctx, testTransport(t, client), server.url())
 	elapsed := time.Since(start)
 	e := wantError(t, resp, err)
-	if !errors.Is(err, context.DeadlineExceeded) || e.Attempts != 1 || server.requests.Load() != 1 {
+	// The context's deadline ended it (no ceiling on wall time: the error
+	// says why it returned, and a hang fails the test's own timeout).
+	if !errors.Is(err, context.DeadlineExceeded) || e.Attempts != 1 || server.requests.Load() != 1 || len(e.Decisions) != 0 {
 		t.Fatalf("err %v, attempts %d, requests %d", err, e.Attempts, server.requests.Load())
 	}
-	if elapsed < 300*time.Millisecond || elapsed > 2300*time.Millisecond {
-		t.Fatalf("returned after %v", elapsed)
+	if elapsed < 300*time.Millisecond {
+		t.Fatalf("returned after %v, before the deadline", elapsed)
 	}
 }
 
@@ -499,9 +501,8 @@ func TestRetryAfterIsHonoured(t *testing.T) {
 			})
 			wait = time.Second
 			client := newClient(t, shared(t).grpc, Options{NoFallback: true})
-			start := time.Now()
+			clock := withFakeClock(client)
 			resp, err := get(t, safe(context.Background()), testTransport(t, client), server.URL)
-			elapsed := time.Since(start)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -509,11 +510,14 @@ func TestRetryAfterIsHonoured(t *testing.T) {
 			if resp.StatusCode != 200 || hits.Load() != 2 {
 				t.Fatalf("status %d after %d requests", resp.StatusCode, hits.Load())
 			}
-			if elapsed < wait || elapsed > 2*wait+2*time.Second {
-				t.Fatalf("waited %v for a Retry-After of about %v", elapsed, wait)
-			}
-			if d := Decisions(resp); len(d) != 1 || d[0].Backoff < wait {
+			// The wait between the attempts is retryd's backoff, floored by
+			// the Retry-After: exactly what the Transport asked its clock for.
+			d := Decisions(resp)
+			if len(d) != 1 || d[0].Backoff < wait {
 				t.Fatalf("decisions %+v", d)
+			}
+			if waits := clock.asked(); len(waits) != 1 || waits[0] != d[0].Backoff {
+				t.Fatalf("waited %v, decided %v", waits, d[0].Backoff)
 			}
 		})
 	}
@@ -693,17 +697,20 @@ func TestBackoffStaysInsideTheDeadline(t *testing.T) {
 		http.Error(w, "slow down", 429)
 	})
 	client := newClient(t, shared(t).grpc, Options{NoFallback: true})
+	clock := withFakeClock(client)
 	ctx, cancel := context.WithTimeout(safe(context.Background()), 500*time.Millisecond)
 	defer cancel()
-	start := time.Now()
 	resp, err := get(t, ctx, testTransport(t, client), server.URL)
 	if err != nil {
 		t.Fatal(err)
 	}
 	resp.Body.Close()
 	// A Retry-After of 1s does not fit 500ms: denied at once, not slept.
-	if d := Decisions(resp); len(d) != 1 || d[0].DenyReason != pb.DenyReason_DENY_REASON_DEADLINE || time.Since(start) > 450*time.Millisecond {
-		t.Fatalf("decisions %+v after %v", d, time.Since(start))
+	if d := Decisions(resp); len(d) != 1 || d[0].DenyReason != pb.DenyReason_DENY_REASON_DEADLINE {
+		t.Fatalf("decisions %+v", d)
+	}
+	if waits := clock.asked(); len(waits) != 0 {
+		t.Fatalf("waited %v", waits)
 	}
 }
 
@@ -745,7 +752,6 @@ func TestLocalRuleWhenRetrydIsStopped(t *testing.T) {
 	retryd := startRetryd(t, clientTestConfig, "")
 	client := newClient(t, retryd.grpc, Options{})
 	retryd.stop()
-	start := time.Now()
 	resp, err := get(t, safe(context.Background()), testTransport(t, client), server.URL)
 	if err != nil {
 		t.Fatal(err)
@@ -755,8 +761,10 @@ func TestLocalRuleWhenRetrydIsStopped(t *testing.T) {
 	if resp.StatusCode != 200 || hits.Load() != 2 || len(d) != 1 || !d[0].Fallback || !d[0].ShouldRetry() {
 		t.Fatalf("status %d, %d requests, decisions %+v", resp.StatusCode, hits.Load(), d)
 	}
-	if time.Since(start) > 2*time.Second+DefaultTimeout {
-		t.Fatalf("took %v", time.Since(start))
+	// A stopped retryd refuses at once: the fallback did not wait out the
+	// decision timeout (UNAVAILABLE, not DEADLINE_EXCEEDED).
+	if !strings.Contains(d[0].Explanation, "Unavailable") {
+		t.Fatalf("fallback after %q", d[0].Explanation)
 	}
 	// The local rule never retries a payment that may have been sent.
 	resp, err = post(t, context.Background(), testTransport(t, client), server.URL, "pay")
@@ -794,7 +802,9 @@ func TestLocalRuleWhenRetrydIsFrozen(t *testing.T) {
 	if resp.StatusCode != 200 || hits.Load() != 2 || len(d) != 1 || !d[0].Fallback {
 		t.Fatalf("status %d, %d requests, decisions %+v", resp.StatusCode, hits.Load(), d)
 	}
-	if elapsed < 300*time.Millisecond || elapsed > 300*time.Millisecond+2*time.Second {
-		t.Fatalf("took %v with a 300ms decision timeout", elapsed)
+	// The decision timeout ended the wait for the frozen retryd: no sooner
+	// than it, and because of it (no ceiling on wall time).
+	if elapsed < 300*time.Millisecond || !strings.Contains(d[0].Explanation, "DeadlineExceeded") {
+		t.Fatalf("fallback after %v: %q", elapsed, d[0].Explanation)
 	}
 }

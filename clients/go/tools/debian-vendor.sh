@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
+# Usage: debian-vendor.sh [MODULE_DIR]
+#
 # Assembles clients/go/vendor from Debian's Go packages (/usr/share/gocode/src),
 # so that the module builds and tests with GOFLAGS=-mod=vendor and no module
 # proxy. The vendor tree is a test-time arrangement: it is git-ignored, never
-# committed, and a Go user depending on the module resolves go.mod's
-# requirements the ordinary way.
+# committed.
+#
+# With MODULE_DIR, a module of your own (a directory with a go.mod), it
+# vendors the same packages and this client itself into MODULE_DIR/vendor and
+# adds their requirements to MODULE_DIR/go.mod (the client as
+# github.com/retryd/retryd/clients/go v0.0.0), so that module builds offline
+# with GOFLAGS=-mod=vendor. Run it again after updating this copy of the
+# client. (A `replace` to a local copy is not enough offline: the client's own
+# requirements still have to come from a module proxy or cache.)
 #
 # The packages copied are the non-standard dependencies of ROOTS below (found
 # with `go list -deps` in GOPATH mode over Debian's tree). A new import that
@@ -11,6 +20,12 @@
 # add it to ROOTS.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+target="$here"
+if [[ $# -gt 0 ]]; then
+  target="$(cd "$1" && pwd)"
+  [[ -f "$target/go.mod" ]] || { echo "debian-vendor.sh: no go.mod in $target" >&2; exit 1; }
+fi
+client_module=github.com/retryd/retryd/clients/go
 gocode="${DEBIAN_GOCODE:-/usr/share/gocode/src}"
 ROOTS=(
   google.golang.org/grpc
@@ -52,11 +67,27 @@ grep -q 'Version = "1.33' "$gocode/google.golang.org/grpc/version.go" ||
 packages="$(GO111MODULE=off GOPATH="${gocode%/src}" GOFLAGS= go list -deps \
   -f '{{if not .Standard}}{{.ImportPath}}{{end}}' "${ROOTS[@]}")"
 
-vendor="$here/vendor"
+vendor="$target/vendor"
 rm -rf "$vendor"
 mkdir -p "$vendor"
 modules_txt="$vendor/modules.txt"
 : >"$modules_txt"
+if [[ "$target" != "$here" ]]; then
+  # This client, as one more module of the target's.
+  echo "# $client_module v0.0.0" >>"$modules_txt"
+  echo "## explicit; go $(sed -n 's/^go \([0-9.]*\)$/\1/p' "$here/go.mod")" >>"$modules_txt"
+  for package in "" /retrydv1; do
+    echo "$client_module$package" >>"$modules_txt"
+    mkdir -p "$vendor/$client_module$package"
+    find "$here$package" -maxdepth 1 -type f -name '*.go' ! -name '*_test.go' -exec cp {} "$vendor/$client_module$package/" \;
+  done
+  requires=("-require=$client_module@v0.0.0")
+  for entry in "${MODULES[@]}"; do
+    read -r module version <<<"$entry"
+    requires+=("-require=$module@$version")
+  done
+  (cd "$target" && GOFLAGS= go mod edit "${requires[@]}")
+fi
 for entry in "${MODULES[@]}"; do
   read -r module version <<<"$entry"
   members="$(grep -E "^${module//./\\.}(/|$)" <<<"$packages" || true)"
