@@ -62,6 +62,11 @@ budget = { capacity = 100.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
 [upstreams."py-drained"]
 budget = { capacity = 10.0, initial = 0.0, ratio = 0.0, min_per_second = 0.0 }
 
+# Issue 36: an empty budget that stays empty (0.1 token per reported request),
+# so a retry of an attempt that may have run is denied BUDGET_EXHAUSTED.
+[upstreams."x"]
+budget = { capacity = 10.0, initial = 0.0, ratio = 0.1, min_per_second = 0.0 }
+
 [upstreams."py-dedup-direct"]
 budget = { capacity = 100.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
 """

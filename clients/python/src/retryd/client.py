@@ -40,6 +40,7 @@ from ._types import (
     FailureKindLike,
     GrpcCodeLike,
     IdempotencyLike,
+    UnknownOutcome,
     Verdict,
 )
 from .errors import InvalidRequestError, RetrydError, RetrydUnavailableError
@@ -124,7 +125,15 @@ def _decision(response: pb.DecideResponse) -> Decision:
         tokens_remaining=response.tokens_remaining,
         explanation=response.explanation,
         shadow=response.shadow,
+        unknown_outcome=_unknown_outcome(response.unknown_outcome),
     )
+
+
+def _unknown_outcome(value: int) -> UnknownOutcome:
+    try:
+        return UnknownOutcome(value)
+    except ValueError:  # a mark newer than this client: still "it may have happened"
+        return UnknownOutcome.RECONCILE
 
 
 def _budget(message: pb.Budget) -> Budget:
@@ -222,6 +231,22 @@ class _Base:
             grpc_retry_pushback_ms=args["grpc_retry_pushback_ms"],
             reason=reason,
         )
+
+    def decide_past_deadline(self, **kwargs: Any) -> Decision:
+        """Decides, without asking retryd, an attempt that ended because the caller's deadline passed.
+
+        Takes the keyword arguments of :meth:`Client.decide`. No retry fits
+        in a deadline that is over, and asking retryd would only keep the
+        caller waiting past it; the local rule answers at once, with the
+        mark retryd would give (so a non-idempotent call that was sent
+        surfaces as ambiguous, never as a plain failure). The adapters call
+        this; ``fallback`` is False on the answer, since retryd was not
+        unreachable.
+        """
+        args = {**_DECIDE_DEFAULTS, **kwargs, "deadline_remaining": 0.0}
+        local = self._local(args, self.fallback or DEFAULT_LOCAL_POLICY,
+                            "decided locally: the caller's deadline passed during the attempt")
+        return dataclasses.replace(local, fallback=False)
 
     def _reachable(self) -> None:
         if self._in_outage:
@@ -343,6 +368,15 @@ def _args(
         grpc_status_code=grpc_status_code,
         grpc_retry_pushback_ms=grpc_retry_pushback_ms,
     )
+
+
+#: The defaults of every optional argument of ``decide``.
+_DECIDE_DEFAULTS: dict[str, Any] = dict(
+    operation="", evidence=Evidence.UNSPECIFIED, failure=FailureKind.UNSPECIFIED, http_status=0,
+    retry_after=None, deadline_remaining=None, body=None, first_byte_delivered=False,
+    runtime_draining=False, auth_refresh_attempted=False, previous_backoff=None, max_attempts=0,
+    grpc_status_code=0, grpc_retry_pushback_ms=None,
+)
 
 
 class Client(_Base):

@@ -65,9 +65,9 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union, ca
 import grpc
 import grpc.aio
 
-from ._types import Body, Decision, Evidence, FailureKind, Idempotency, IdempotencyLike, Verdict
+from ._types import Body, Decision, Evidence, FailureKind, Idempotency, IdempotencyLike
 from .client import AsyncClient, Client, Seconds, _seconds
-from .errors import AmbiguousExecutionError
+from .errors import AmbiguousExecutionError, describe_ambiguity
 
 #: The trailer of gRFC A6, passed to retryd raw.
 PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
@@ -203,7 +203,7 @@ else:
 
 
 class AmbiguousRpcError(AmbiguousExecutionError, grpc.RpcError, grpc.Call, _Future):
-    """AMBIGUOUS from a sync interceptor: the call may have taken effect.
+    """An unknown outcome from a sync interceptor (AMBIGUOUS, or a DENY with a mark): the call may have taken effect.
 
     Both an :class:`~retryd.AmbiguousExecutionError` (``.decision``) and the
     failed call (``code()``, ``details()``, ``trailing_metadata()``, and
@@ -275,7 +275,7 @@ class AmbiguousAioRpcError(AmbiguousExecutionError, grpc.aio.AioRpcError):
         self.__cause__ = call
 
     def __str__(self) -> str:
-        return f"ambiguous execution: {self.decision.explanation or 'request may have taken effect'}"
+        return describe_ambiguity(self.decision)
 
 
 #: How an interceptor learns each method's idempotency: one value for every
@@ -482,10 +482,9 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
             if not self._policy.retries:
                 _attach(error, classified, None)
                 return outcome
-            decision = self._retryd.decide(**state.decide_kwargs(classified))
+            decision = (self._retryd.decide_past_deadline(**state.decide_kwargs(classified))
+                        if state.out_of_time() else self._retryd.decide(**state.decide_kwargs(classified)))
             _attach(error, classified, decision)
-            if decision.verdict == Verdict.AMBIGUOUS:
-                return AmbiguousRpcError(decision, error)
             retry = state.retrying(decision)
             if retry and decision.refresh_credentials:
                 if self._refresh is None:
@@ -500,7 +499,8 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
                     self._sleep(wait)  # no call is in flight while waiting
                 retry = not state.out_of_time()
             if not retry:
-                return outcome
+                # An unknown outcome (AMBIGUOUS, or a DENY with a mark) is never the plain failure.
+                return AmbiguousRpcError(decision, error) if decision.is_outcome_unknown else outcome
 
 
 class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
@@ -553,10 +553,9 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
                 if not self._policy.retries:
                     _attach(error, classified, None)
                     raise
-                decision = await self._retryd.decide(**state.decide_kwargs(classified))
+                decision = (self._retryd.decide_past_deadline(**state.decide_kwargs(classified))
+                            if state.out_of_time() else await self._retryd.decide(**state.decide_kwargs(classified)))
                 _attach(error, classified, decision)
-                if decision.verdict == Verdict.AMBIGUOUS:
-                    raise AmbiguousAioRpcError(decision, error) from error
                 retry = state.retrying(decision)
                 if retry and decision.refresh_credentials:
                     if self._refresh is None:
@@ -572,6 +571,8 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
                         await self._sleep(wait)
                     retry = not state.out_of_time()
                 if not retry:
+                    if decision.is_outcome_unknown:
+                        raise AmbiguousAioRpcError(decision, error) from error
                     raise
             else:
                 return call

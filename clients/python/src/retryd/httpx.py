@@ -57,7 +57,7 @@ from typing import Any, Callable, Optional, Protocol, TypeVar, Union, cast
 
 import httpx
 
-from ._types import Body, Decision, Evidence, FailureKind, IdempotencyLike, Verdict
+from ._types import Body, Decision, Evidence, FailureKind, IdempotencyLike
 from .client import AsyncClient, Client, Seconds, _seconds
 from .errors import AmbiguousExecutionError
 from .reporter import TrafficReporter
@@ -327,6 +327,22 @@ class _Loop:
         response.extensions[ATTEMPTS_EXTENSION] = self.attempt
         return response
 
+    def end(self, decision: Decision, response: Optional[httpx.Response],
+            error: Optional[BaseException]) -> httpx.Response:
+        """The call's result when it is not retried: the response, or the error to raise.
+
+        A call whose outcome is unknown (AMBIGUOUS, or a DENY carrying a mark)
+        raises :class:`AmbiguousExecutionError`, never the plain failure.
+        """
+        if decision.is_outcome_unknown:
+            if response is not None:
+                self.finish(response, decision)
+            raise AmbiguousExecutionError(decision, response) from error
+        if error is not None:
+            raise self.fail(error, decision)
+        assert response is not None
+        return self.finish(response, decision)
+
     def fail(self, error: BaseException, decision: Decision) -> BaseException:
         _note(error, decision)
         try:
@@ -436,12 +452,9 @@ def request_with_retries(
                     return loop.finish(response, None)
                 outcome = classify_response(response)
 
-        decision = retryd.decide(**loop.decide_kwargs(outcome))
+        decision = (retryd.decide_past_deadline(**loop.decide_kwargs(outcome)) if loop.out_of_time()
+                    else retryd.decide(**loop.decide_kwargs(outcome)))
         loop.decided(decision)
-        if decision.verdict == Verdict.AMBIGUOUS:
-            if response is not None:
-                loop.finish(response, decision)
-            raise AmbiguousExecutionError(decision, response) from error
         retry = decision.should_retry and loop.attempt < _MAX_LOOP
         if retry and decision.refresh_credentials:
             if on_refresh_credentials is None:
@@ -456,10 +469,7 @@ def request_with_retries(
                 sleep(wait)
             retry = not loop.out_of_time()
         if not retry:
-            if error is not None:
-                raise loop.fail(error, decision)
-            assert response is not None
-            return loop.finish(response, decision)
+            return loop.end(decision, response, error)
 
 
 async def arequest_with_retries(
@@ -519,12 +529,9 @@ async def arequest_with_retries(
                     return loop.finish(response, None)
                 outcome = classify_response(response)
 
-        decision = await retryd.decide(**loop.decide_kwargs(outcome))
+        decision = (retryd.decide_past_deadline(**loop.decide_kwargs(outcome)) if loop.out_of_time()
+                    else await retryd.decide(**loop.decide_kwargs(outcome)))
         loop.decided(decision)
-        if decision.verdict == Verdict.AMBIGUOUS:
-            if response is not None:
-                loop.finish(response, decision)
-            raise AmbiguousExecutionError(decision, response) from error
         retry = decision.should_retry and loop.attempt < _MAX_LOOP
         if retry and decision.refresh_credentials:
             if on_refresh_credentials is None:
@@ -541,10 +548,7 @@ async def arequest_with_retries(
                 await sleep(wait)
             retry = not loop.out_of_time()
         if not retry:
-            if error is not None:
-                raise loop.fail(error, decision)
-            assert response is not None
-            return loop.finish(response, decision)
+            return loop.end(decision, response, error)
 
 
 #: Added to the remaining deadline before an async attempt is cut, so that
