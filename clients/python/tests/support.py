@@ -144,3 +144,25 @@ def stop_server(server: Server) -> None:
     except subprocess.TimeoutExpired:
         server.process.kill()
         server.process.wait()
+
+
+def handled(server: Server) -> float:
+    """Decide calls retryd has dealt with: decisions made, plus those it did not
+    make because the caller had given up (its grpc-timeout passed, or it reset
+    the call), which retryd counts in retryd_expired_requests_total."""
+    total = 0.0
+    for name, value in metrics(server).items():
+        if name.split("{", 1)[0] in ("retryd_decisions_total", "retryd_expired_requests_total"):
+            total += value
+    return total
+
+
+def stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (Linux /proc)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            return False
+    return bool(states) and all(state in ("T", "t") for state in states)

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from scripted_http import ScriptedServer, closed_port, hang, respond, trickle
-from support import CLIENT_TEST_CONFIG, Server, metrics, start_server, stop_server, wait_for
+from support import CLIENT_TEST_CONFIG, Server, handled, start_server, stopped, stop_server, wait_for
 from retryd import (
     AsyncClient,
     Client,
@@ -226,39 +226,17 @@ budget = { capacity = 2.0, initial = 2.0, ratio = 0.0, min_per_second = 0.0 }
 """
 
 
-def _handled(server: Server) -> float:
-    """Decide calls retryd has dealt with: decisions made, plus those it did not
-    make because the caller had given up (its grpc-timeout passed, or it reset
-    the call), which retryd counts in retryd_expired_requests_total."""
-    total = 0.0
-    for name, value in metrics(server).items():
-        if name.split("{", 1)[0] in ("retryd_decisions_total", "retryd_expired_requests_total"):
-            total += value
-    return total
-
-
-def _stopped(pid: int) -> bool:
-    """Whether every thread of ``pid`` is in the stopped state (Linux /proc)."""
-    states = []
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-        try:
-            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
-        except (OSError, IndexError):
-            return False
-    return bool(states) and all(state in ("T", "t") for state in states)
-
-
 def test_a_decision_the_client_gave_up_on_spends_nothing(tmp_path: Path) -> None:
     """retryd must check the caller's grpc-timeout before its store call (issue 16, finding 6)."""
     frozen = start_server(FROZEN_CONFIG, tmp_path)
     try:
         with Client(frozen.grpc, timeout=0.2) as client:
             assert client.get_budget("py-frozen").tokens == 2.0  # connected, and the budget is full
-            handled_before = _handled(frozen)
+            handled_before = handled(frozen)
             frozen.process.send_signal(signal.SIGSTOP)
             # The signal is delivered asynchronously: a request retryd still
             # decided before every thread stopped would rightly spend.
-            wait_for(lambda: _stopped(frozen.process.pid), what="every retryd thread to stop")
+            wait_for(lambda: stopped(frozen.process.pid), what="every retryd thread to stop")
             try:
                 for _ in range(3):
                     started = time.monotonic()
@@ -269,7 +247,7 @@ def test_a_decision_the_client_gave_up_on_spends_nothing(tmp_path: Path) -> None
             finally:
                 frozen.process.send_signal(signal.SIGCONT)
             # retryd now reads the three requests, whose grpc-timeout (200 ms) has passed.
-            wait_for(lambda: _handled(frozen) >= handled_before + 3, timeout=10,
+            wait_for(lambda: handled(frozen) >= handled_before + 3, timeout=10,
                      what="retryd to account for the three late requests in its metrics")
             assert client.get_budget("py-frozen").tokens == 2.0
     finally:
@@ -302,6 +280,24 @@ def flaky() -> Iterator[tuple[str, FlakyReports]]:
     grpc_server.start()
     yield f"127.0.0.1:{port}", servicer
     grpc_server.stop(grace=None)
+
+
+def test_the_reporter_warns_once_per_outage_and_once_when_delivered_again(
+    flaky: tuple[str, FlakyReports], caplog: pytest.LogCaptureFixture,
+) -> None:
+    target, servicer = flaky
+    servicer.failures = 4
+    with Client(target, timeout=1) as client, caplog.at_level(logging.WARNING, logger="retryd"):
+        reporter = TrafficReporter(client)
+        reporter.record("a", 7)
+        for _ in range(4):
+            assert reporter.flush() is False  # each kept for a re-send
+        assert reporter.flush() is True
+    lines = [r.getMessage() for r in caplog.records if "traffic reports" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "unreachable" in lines[0] and "report of 7 requests kept for a re-send" in lines[0]
+    assert "reachable again" in lines[1] and "4 failed sends" in lines[1], lines[1]
+    assert "delivered the held batch of 7 requests" in lines[1]
 
 
 def test_a_resent_batch_keeps_its_id_and_entries(flaky: tuple[str, FlakyReports]) -> None:
@@ -510,20 +506,33 @@ def test_the_fallback_warns_once_per_outage(caplog: pytest.LogCaptureFixture) ->
 
 
 def test_a_new_outage_warns_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """One warning when retryd goes, one when it is back (with the count), one for the next outage."""
     port = closed_port()
     config = CLIENT_TEST_CONFIG.replace('listen = "127.0.0.1:0"', f'listen = "127.0.0.1:{port}"', 1)
     kwargs: dict[str, Any] = dict(upstream="py-outage", idempotency=Idempotency.SAFE, attempt=1,
                                   failure=FailureKind.CONNECT)
+    local_decisions = 0
+
+    def decided_by_retryd() -> bool:
+        nonlocal local_decisions
+        fallback = client.decide(**kwargs).fallback
+        local_decisions += fallback
+        return not fallback
+
     with Client(f"127.0.0.1:{port}", timeout=1.0) as client, caplog.at_level(logging.INFO, logger="retryd"):
         for _ in range(3):
             assert client.decide(**kwargs).fallback  # outage 1: nothing listens yet
+        local_decisions = 3
         running = start_server(config, tmp_path)
         try:
-            wait_for(lambda: not client.decide(**kwargs).fallback, what="the client to reach retryd")
+            wait_for(decided_by_retryd, what="the client to reach retryd")
         finally:
             stop_server(running)
         for _ in range(3):
             assert client.decide(**kwargs).fallback  # outage 2
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 2, [r.getMessage() for r in warnings]
-    assert any("reachable again" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3, warnings
+    assert "unreachable" in warnings[0] and "unreachable" in warnings[2]
+    assert "reachable again" in warnings[1]
+    assert f"decisions: {local_decisions} made by the local rule during the outage" in warnings[1], warnings[1]
+    assert client.outage.outages == 2

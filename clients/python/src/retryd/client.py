@@ -18,9 +18,11 @@ Each client owns one traffic reporter (``reporter``), closed with it.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -45,6 +47,7 @@ from ._types import (
 )
 from .errors import InvalidRequestError, RetrydError, RetrydUnavailableError
 from .fallback import DEFAULT_LOCAL_POLICY, LocalPolicy, local_decide
+from .outage import Outage
 from .reporter import MAX_TRAFFIC_ENTRIES, AsyncTrafficReporter, ReportResult, TrafficReporter
 from .shadow import DEFAULT_SHADOW_LOG_INTERVAL, ShadowDivergences, differs
 from .tracing import trace_metadata
@@ -58,6 +61,15 @@ Seconds = Union[float, int, timedelta]
 
 #: The least time a decision call gets when the caller's deadline is nearly over.
 _MIN_CALL_TIMEOUT = 0.05
+
+#: How long after a client is built a decision may wait for its first
+#: connection to retryd, before its own ``timeout`` starts (seconds).
+DEFAULT_CONNECT_TIMEOUT = 1.0
+
+#: Connectivity states that end the wait for the first connection: ready, or
+#: failed (nothing listens: waiting longer would only delay the fallback).
+_SETTLED = frozenset({grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                      grpc.ChannelConnectivity.SHUTDOWN})
 
 #: Channel options the clients start from: reconnect quickly after retryd
 #: restarts (gRPC's own default backs off up to two minutes, all of which the
@@ -168,6 +180,85 @@ def _traffic_requests(
     ]
 
 
+class _ConnectWindow:
+    """The bound on waiting for the first connection, shared by both clients.
+
+    Both clients start connecting when they are built (a connection is
+    otherwise made by the first call, whose short ``timeout`` it would
+    spend: on a busy host the first decision would then be the fallback's).
+    A decision made while that first connection is being set up waits for
+    it, up to ``connect_timeout`` after the client was built and never past
+    the caller's own remaining deadline; then its own ``timeout`` starts.
+    """
+
+    def __init__(self, connect_timeout: float) -> None:
+        if not connect_timeout >= 0:
+            raise ValueError(f"connect_timeout: must be at least 0 seconds, got {connect_timeout!r}")
+        self.connect_by = time.monotonic() + connect_timeout
+
+    def wait_limit(self, deadline_remaining: Optional[float]) -> float:
+        wait = self.connect_by - time.monotonic()
+        if deadline_remaining is not None:
+            wait = min(wait, deadline_remaining)
+        return max(0.0, wait)
+
+
+class _SyncConnecting(_ConnectWindow):
+    """Connects a blocking channel at once; ``wait`` blocks until it settles (bounded)."""
+
+    def __init__(self, channel: grpc.Channel, connect_timeout: float) -> None:
+        super().__init__(connect_timeout)
+        self._channel = channel
+        self._settled = threading.Event()
+        channel.subscribe(self._on_state, try_to_connect=True)
+
+    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
+        if state in _SETTLED:
+            self._settled.set()
+
+    def wait(self, deadline_remaining: Optional[float]) -> None:
+        if not self._settled.is_set():
+            limit = self.wait_limit(deadline_remaining)
+            if limit > 0:
+                self._settled.wait(limit)
+
+    def close(self) -> None:
+        self._channel.unsubscribe(self._on_state)
+
+
+class _AsyncConnecting(_ConnectWindow):
+    """Connects a grpc.aio channel at once (a task of the running loop); ``wait`` awaits it (bounded)."""
+
+    def __init__(self, channel: grpc.aio.Channel, connect_timeout: float) -> None:
+        super().__init__(connect_timeout)
+        self._channel = channel
+        try:
+            self._task: Optional[asyncio.Task[None]] = asyncio.get_running_loop().create_task(self._connect())
+        except RuntimeError:  # built outside a loop: the first call connects
+            self._task = None
+
+    async def _connect(self) -> None:
+        state = self._channel.get_state(try_to_connect=True)
+        while state not in _SETTLED:
+            await self._channel.wait_for_state_change(state)
+            state = self._channel.get_state(try_to_connect=True)
+
+    async def wait(self, deadline_remaining: Optional[float]) -> None:
+        task = self._task
+        if task is None or task.done():
+            return
+        limit = self.wait_limit(deadline_remaining)
+        if limit > 0:
+            try:
+                await asyncio.wait_for(asyncio.shield(task), limit)
+            except asyncio.TimeoutError:
+                pass
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
 class _Base:
     """What both clients share: argument mapping, metadata, fallback."""
 
@@ -182,8 +273,8 @@ class _Base:
         self.timeout = timeout
         self.fallback = fallback
         self._metadata = list(metadata)
-        self._outage_lock = threading.Lock()
-        self._in_outage = False
+        #: The fallback's outage: one warning when retryd stops answering, one when it is back.
+        self.outage = Outage("decisions", "made by the local rule")
         self._shadow = ShadowDivergences(interval=float(shadow_log_interval), logger=log)
 
     @property
@@ -249,11 +340,7 @@ class _Base:
         return dataclasses.replace(local, fallback=False)
 
     def _reachable(self) -> None:
-        if self._in_outage:
-            with self._outage_lock:
-                if self._in_outage:
-                    self._in_outage = False
-                    log.info("retryd reachable again at %s; deciding with retryd", getattr(self, "target", "?"))
+        self.outage.succeeded(getattr(self, "target", "?"))
 
     def _call_metadata(self) -> list[tuple[str, str]]:
         return self._metadata + trace_metadata()
@@ -304,22 +391,15 @@ class _Base:
             raise InvalidRequestError(details) from None
         if self.fallback is None:
             raise RetrydUnavailableError(f"retryd: {code.name}: {details}", code) from error
-        with self._outage_lock:
-            first = not self._in_outage
-            self._in_outage = True
-        # One warning per outage (a busy caller decides thousands of times a
-        # second); the rest of the outage is logged at debug level.
-        if first:
-            log.warning("retryd unavailable (%s: %s); deciding with the local rule until it answers again",
-                        code.name, details)
-        else:
-            log.debug("retryd still unavailable (%s: %s); local rule", code.name, details)
         if not args["upstream"]:
             raise InvalidRequestError("upstream: required")
         if int(args["idempotency"]) == 0:
             raise InvalidRequestError("idempotency: required")
         if args["attempt"] < 1:
             raise InvalidRequestError("attempt: must be at least 1")
+        # One warning per outage (a busy caller decides thousands of times a
+        # second), and one with the count when retryd answers again.
+        self.outage.failed(f"{code.name}: {details}", getattr(self, "target", "?"))
         return self._local(args, self.fallback, f"retryd unreachable ({code.name})")
 
     @staticmethod
@@ -387,7 +467,11 @@ class Client(_Base):
     used when retryd cannot answer (``None`` raises
     :class:`RetrydUnavailableError` instead). ``credentials`` switches to
     TLS; ``metadata`` is sent with every call (for example an authorization
-    header).
+    header). The client starts connecting at once; a decision made before
+    that first connection is set up waits for it up to ``connect_timeout``
+    seconds after the client was built (and never past the caller's
+    deadline), so that connecting is not charged to the decision's own
+    ``timeout``.
 
     The client owns one :class:`~retryd.reporter.TrafficReporter`
     (:attr:`reporter`, started on first use, sending every
@@ -412,6 +496,7 @@ class Client(_Base):
         options: Sequence[tuple[str, Any]] = (),
         report_interval: float = 1.0,
         shadow_log_interval: float = DEFAULT_SHADOW_LOG_INTERVAL,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     ) -> None:
         super().__init__(timeout=timeout, fallback=fallback, metadata=metadata,
                          shadow_log_interval=shadow_log_interval)
@@ -423,6 +508,7 @@ class Client(_Base):
             self._channel = grpc.insecure_channel(target, options=_channel_options(options))
         else:
             self._channel = grpc.secure_channel(target, credentials, options=_channel_options(options))
+        self._connecting = _SyncConnecting(self._channel, connect_timeout)
         self._decider = pb_grpc.RetryDeciderStub(self._channel)  # type: ignore[no-untyped-call]
         self._admin = pb_grpc.RetryAdminStub(self._channel)  # type: ignore[no-untyped-call]
 
@@ -461,6 +547,7 @@ class Client(_Base):
                      auth_refresh_attempted, previous_backoff, max_attempts, grpc_status_code,
                      grpc_retry_pushback_ms)
         request = self._request(args)
+        self._connecting.wait(_seconds(deadline_remaining))
         try:
             response = self._decider.Decide(
                 request,
@@ -552,6 +639,7 @@ class Client(_Base):
             reporter, self._reporter = self._reporter, None
         if reporter is not None:
             reporter.close()
+        self._connecting.close()
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -579,6 +667,7 @@ class AsyncClient(_Base):
         options: Sequence[tuple[str, Any]] = (),
         report_interval: float = 1.0,
         shadow_log_interval: float = DEFAULT_SHADOW_LOG_INTERVAL,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     ) -> None:
         super().__init__(timeout=timeout, fallback=fallback, metadata=metadata,
                          shadow_log_interval=shadow_log_interval)
@@ -589,6 +678,7 @@ class AsyncClient(_Base):
             self._channel = grpc.aio.insecure_channel(target, options=_channel_options(options))
         else:
             self._channel = grpc.aio.secure_channel(target, credentials, options=_channel_options(options))
+        self._connecting = _AsyncConnecting(self._channel, connect_timeout)
         self._decider = pb_grpc.RetryDeciderStub(self._channel)  # type: ignore[no-untyped-call]
         self._admin = pb_grpc.RetryAdminStub(self._channel)  # type: ignore[no-untyped-call]
 
@@ -620,6 +710,7 @@ class AsyncClient(_Base):
                      auth_refresh_attempted, previous_backoff, max_attempts, grpc_status_code,
                      grpc_retry_pushback_ms)
         request = self._request(args)
+        await self._connecting.wait(_seconds(deadline_remaining))
         try:
             response = await self._decider.Decide(
                 request,
@@ -677,6 +768,7 @@ class AsyncClient(_Base):
         reporter, self._reporter = self._reporter, None
         if reporter is not None:
             await reporter.aclose()
+        self._connecting.close()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:

@@ -183,9 +183,16 @@ def outcome_of(error: BaseException) -> Optional[GrpcOutcome]:
     return outcome if isinstance(outcome, GrpcOutcome) else None
 
 
-def _attach(error: BaseException, outcome: GrpcOutcome, decision: Optional[Decision]) -> None:
+def attempts_of(error: BaseException) -> Optional[int]:
+    """How many attempts an interceptor sent for a failed call (None if it did not say)."""
+    attempts = getattr(error, "retryd_attempts", None)
+    return attempts if isinstance(attempts, int) else None
+
+
+def _attach(error: BaseException, outcome: GrpcOutcome, decision: Optional[Decision], attempts: int) -> None:
     try:
         error.retryd_outcome = outcome  # type: ignore[attr-defined]
+        error.retryd_attempts = attempts  # type: ignore[attr-defined]
         if decision is not None:
             error.retryd_decision = decision  # type: ignore[attr-defined]
     except AttributeError:  # an error type with __slots__
@@ -214,6 +221,7 @@ class AmbiguousRpcError(AmbiguousExecutionError, grpc.RpcError, grpc.Call, _Futu
         AmbiguousExecutionError.__init__(self, decision, None)
         self.call = call
         self.__cause__ = call
+        self.retryd_attempts = attempts_of(call)
 
     def _call(self) -> Any:
         return self.call
@@ -273,6 +281,7 @@ class AmbiguousAioRpcError(AmbiguousExecutionError, grpc.aio.AioRpcError):
         self.decision = decision
         self.response = None
         self.__cause__ = call
+        self.retryd_attempts = attempts_of(call)
 
     def __str__(self) -> str:
         return describe_ambiguity(self.decision)
@@ -480,11 +489,11 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
                 return outcome  # a response, or a failure that is no RPC's (passed through)
             classified = classify_rpc_error(error)
             if not self._policy.retries:
-                _attach(error, classified, None)
+                _attach(error, classified, None, state.attempt)
                 return outcome
             decision = (self._retryd.decide_past_deadline(**state.decide_kwargs(classified))
                         if state.out_of_time() else self._retryd.decide(**state.decide_kwargs(classified)))
-            _attach(error, classified, decision)
+            _attach(error, classified, decision, state.attempt)
             retry = state.retrying(decision)
             if retry and decision.refresh_credentials:
                 if self._refresh is None:
@@ -551,11 +560,11 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
             except grpc.aio.AioRpcError as error:
                 classified = classify_rpc_error(error)
                 if not self._policy.retries:
-                    _attach(error, classified, None)
+                    _attach(error, classified, None, state.attempt)
                     raise
                 decision = (self._retryd.decide_past_deadline(**state.decide_kwargs(classified))
                             if state.out_of_time() else await self._retryd.decide(**state.decide_kwargs(classified)))
-                _attach(error, classified, decision)
+                _attach(error, classified, decision, state.attempt)
                 retry = state.retrying(decision)
                 if retry and decision.refresh_credentials:
                     if self._refresh is None:
@@ -587,6 +596,7 @@ __all__ = [
     "IdempotencyRule",
     "PUSHBACK_TRAILER",
     "RetryInterceptor",
+    "attempts_of",
     "classify_rpc_error",
     "decision_of",
     "outcome_of",

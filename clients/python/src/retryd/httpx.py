@@ -251,6 +251,15 @@ def decision_of(outcome: Union[httpx.Response, BaseException]) -> Optional[Decis
     return decision if isinstance(decision, Decision) else None
 
 
+def attempts_of(outcome: Union[httpx.Response, BaseException]) -> Optional[int]:
+    """How many attempts the adapter sent for a returned response or a raised error (None if unknown)."""
+    if isinstance(outcome, httpx.Response):
+        attempts = outcome.extensions.get(ATTEMPTS_EXTENSION)
+    else:
+        attempts = getattr(outcome, "retryd_attempts", None)
+    return attempts if isinstance(attempts, int) else None
+
+
 def _capped(timeout: httpx.Timeout, remaining: Optional[float]) -> httpx.Timeout:
     """Every phase of an attempt waits at most what is left of the deadline."""
     if remaining is None:
@@ -337,7 +346,9 @@ class _Loop:
         if decision.is_outcome_unknown:
             if response is not None:
                 self.finish(response, decision)
-            raise AmbiguousExecutionError(decision, response) from error
+            ambiguous = AmbiguousExecutionError(decision, response)
+            ambiguous.retryd_attempts = self.attempt  # type: ignore[attr-defined]
+            raise ambiguous from error
         if error is not None:
             raise self.fail(error, decision)
         assert response is not None
@@ -347,6 +358,7 @@ class _Loop:
         _note(error, decision)
         try:
             error.retryd_decision = decision  # type: ignore[attr-defined]
+            error.retryd_attempts = self.attempt  # type: ignore[attr-defined]
         except AttributeError:  # an exception type with __slots__
             pass
         return error
@@ -577,6 +589,7 @@ __all__ = [
     "DEFAULT_RETRY_STATUSES",
     "Outcome",
     "arequest_with_retries",
+    "attempts_of",
     "body_of",
     "classify_exception",
     "classify_response",
