@@ -166,3 +166,27 @@ def stopped(pid: int) -> bool:
         except (OSError, IndexError):
             return False
     return bool(states) and all(state in ("T", "t") for state in states)
+
+
+class FakeClock:
+    """Monotonic seconds that move only when the code under test sleeps on them.
+
+    Pass it as ``clock=`` and its :meth:`sleep` (or :meth:`asleep`) as
+    ``sleep=`` to an adapter: its deadline arithmetic then runs on this clock,
+    so a latency promise can be asserted exactly, whatever the machine's load.
+    Start and steps are binary fractions, so the arithmetic is exact.
+    """
+
+    def __init__(self, start: float = 1024.0) -> None:
+        self.now = start
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    async def asleep(self, seconds: float) -> None:
+        self.sleep(seconds)

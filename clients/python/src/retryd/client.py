@@ -202,6 +202,13 @@ class _ConnectWindow:
             wait = min(wait, deadline_remaining)
         return max(0.0, wait)
 
+    @staticmethod
+    def left(deadline_remaining: Optional[float], since: float) -> Optional[float]:
+        """The caller's remaining deadline, less the time waited since ``since``."""
+        if deadline_remaining is None:
+            return None
+        return max(0.0, deadline_remaining - (time.monotonic() - since))
+
 
 class _SyncConnecting(_ConnectWindow):
     """Connects a blocking channel at once; ``wait`` blocks until it settles (bounded)."""
@@ -216,11 +223,15 @@ class _SyncConnecting(_ConnectWindow):
         if state in _SETTLED:
             self._settled.set()
 
-    def wait(self, deadline_remaining: Optional[float]) -> None:
-        if not self._settled.is_set():
-            limit = self.wait_limit(deadline_remaining)
-            if limit > 0:
-                self._settled.wait(limit)
+    def wait(self, deadline_remaining: Optional[float]) -> Optional[float]:
+        """Waits (bounded) for the first connection; returns what is left of the caller's deadline."""
+        if self._settled.is_set():
+            return deadline_remaining
+        since = time.monotonic()
+        limit = self.wait_limit(deadline_remaining)
+        if limit > 0:
+            self._settled.wait(limit)
+        return self.left(deadline_remaining, since)
 
     def close(self) -> None:
         self._channel.unsubscribe(self._on_state)
@@ -243,16 +254,19 @@ class _AsyncConnecting(_ConnectWindow):
             await self._channel.wait_for_state_change(state)
             state = self._channel.get_state(try_to_connect=True)
 
-    async def wait(self, deadline_remaining: Optional[float]) -> None:
+    async def wait(self, deadline_remaining: Optional[float]) -> Optional[float]:
+        """Waits (bounded) for the first connection; returns what is left of the caller's deadline."""
         task = self._task
         if task is None or task.done():
-            return
+            return deadline_remaining
+        since = time.monotonic()
         limit = self.wait_limit(deadline_remaining)
         if limit > 0:
             try:
                 await asyncio.wait_for(asyncio.shield(task), limit)
             except asyncio.TimeoutError:
                 pass
+        return self.left(deadline_remaining, since)
 
     def close(self) -> None:
         if self._task is not None:
@@ -546,8 +560,9 @@ class Client(_Base):
                      retry_after, deadline_remaining, body, first_byte_delivered, runtime_draining,
                      auth_refresh_attempted, previous_backoff, max_attempts, grpc_status_code,
                      grpc_retry_pushback_ms)
+        deadline_remaining = self._connecting.wait(_seconds(deadline_remaining))
+        args["deadline_remaining"] = deadline_remaining
         request = self._request(args)
-        self._connecting.wait(_seconds(deadline_remaining))
         try:
             response = self._decider.Decide(
                 request,
@@ -709,8 +724,9 @@ class AsyncClient(_Base):
                      retry_after, deadline_remaining, body, first_byte_delivered, runtime_draining,
                      auth_refresh_attempted, previous_backoff, max_attempts, grpc_status_code,
                      grpc_retry_pushback_ms)
+        deadline_remaining = await self._connecting.wait(_seconds(deadline_remaining))
+        args["deadline_remaining"] = deadline_remaining
         request = self._request(args)
-        await self._connecting.wait(_seconds(deadline_remaining))
         try:
             response = await self._decider.Decide(
                 request,

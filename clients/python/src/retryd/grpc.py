@@ -364,18 +364,20 @@ class _Policy:
 class _Call:
     """One intercepted call across its attempts."""
 
-    def __init__(self, policy: _Policy, method: str, timeout: Optional[float]) -> None:
+    def __init__(self, policy: _Policy, method: str, timeout: Optional[float],
+                 clock: Callable[[], float]) -> None:
         self.policy = policy
+        self.clock = clock
         self.method = method
         self.idempotency = policy.idempotency_of(method)
         total = timeout if timeout is not None else policy.deadline
-        self.deadline_at = None if total is None else time.monotonic() + total
+        self.deadline_at = None if total is None else clock() + total
         self.attempt = 0
         self.previous_backoff: Optional[float] = None
         self.auth_refresh_attempted = False
 
     def remaining(self) -> Optional[float]:
-        return None if self.deadline_at is None else max(0.0, self.deadline_at - time.monotonic())
+        return None if self.deadline_at is None else max(0.0, self.deadline_at - self.clock())
 
     def begin(self) -> Optional[float]:
         """Counts the attempt; returns its timeout (the rest of the deadline, or less)."""
@@ -441,7 +443,9 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
     called before the one replay retryd allows after UNAUTHENTICATED; it may
     return metadata entries to replace on the replay. ``retries=False``
     only classifies. A unary request is a message with a deterministic
-    codec, so ``body`` defaults to ENCODED_VALUE (replayable).
+    codec, so ``body`` defaults to ENCODED_VALUE (replayable). ``sleep``
+    waits the backoffs and ``clock`` (monotonic seconds) measures the
+    deadline: replace both to run the loop on a fake clock (tests).
 
     A denied call raises grpcio's own error, carrying ``retryd_decision``
     and ``retryd_outcome`` (see :func:`decision_of`); AMBIGUOUS raises
@@ -463,6 +467,7 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
         reporter: Any = CLIENT_REPORTER,
         on_refresh_credentials: Optional[Callable[[], RefreshResult]] = None,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._policy = _Policy(retryd, upstream=upstream, idempotency=idempotency, retries=retries,
                                deadline=deadline, attempt_timeout=attempt_timeout, max_attempts=max_attempts,
@@ -470,9 +475,11 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
         self._retryd = retryd
         self._refresh = on_refresh_credentials
         self._sleep = sleep
+        self._clock = clock
 
     def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
-        state = _Call(self._policy, _method_name(client_call_details.method), client_call_details.timeout)
+        state = _Call(self._policy, _method_name(client_call_details.method), client_call_details.timeout,
+                      self._clock)
         metadata = client_call_details.metadata
         while True:
             details = _SyncDetails(
@@ -535,6 +542,7 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
         reporter: Any = CLIENT_REPORTER,
         on_refresh_credentials: Optional[Callable[[], Union[RefreshResult, Awaitable[RefreshResult]]]] = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._policy = _Policy(retryd, upstream=upstream, idempotency=idempotency, retries=retries,
                                deadline=deadline, attempt_timeout=attempt_timeout, max_attempts=max_attempts,
@@ -542,9 +550,11 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
         self._retryd = retryd
         self._refresh = on_refresh_credentials
         self._sleep = sleep
+        self._clock = clock
 
     async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
-        state = _Call(self._policy, _method_name(client_call_details.method), client_call_details.timeout)
+        state = _Call(self._policy, _method_name(client_call_details.method), client_call_details.timeout,
+                      self._clock)
         metadata = client_call_details.metadata
         while True:
             details = grpc.aio.ClientCallDetails(

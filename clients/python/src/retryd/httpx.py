@@ -285,8 +285,10 @@ class _Loop:
         deadline: Optional[Seconds],
         max_attempts: int,
         reporter: Optional[_Records],
+        clock: Callable[[], float],
     ) -> None:
         self.upstream = upstream
+        self.clock = clock
         self.idempotency = idempotency
         self.operation = operation
         self.body = body
@@ -295,14 +297,14 @@ class _Loop:
         seconds = _seconds(deadline)
         if seconds is not None and seconds < 0:
             raise ValueError(f"deadline: must not be negative, got {seconds!r}")
-        self.deadline_at = None if seconds is None else time.monotonic() + seconds
+        self.deadline_at = None if seconds is None else clock() + seconds
         self.attempt = 0
         self.previous_backoff: Optional[float] = None
         self.auth_refresh_attempted = False
         self.decisions: list[Decision] = []
 
     def remaining(self) -> Optional[float]:
-        return None if self.deadline_at is None else max(0.0, self.deadline_at - time.monotonic())
+        return None if self.deadline_at is None else max(0.0, self.deadline_at - self.clock())
 
     def begin(self, build: dict[str, Any], default_timeout: httpx.Timeout) -> dict[str, Any]:
         """Counts the attempt (the first one on the reporter) and bounds its timeouts."""
@@ -405,6 +407,7 @@ def request_with_retries(
     reporter: Optional[TrafficReporter] = CLIENT_REPORTER,
     on_refresh_credentials: Optional[Callable[[], None]] = None,
     sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
     **kwargs: Any,
 ) -> httpx.Response:
     """Sends a request with httpx, retrying as retryd decides.
@@ -434,6 +437,9 @@ def request_with_retries(
     AMBIGUOUS. After a 401 retryd may ask to refresh credentials:
     ``on_refresh_credentials`` is called before the replay (if it is not
     given, the 401 response is returned).
+
+    ``sleep`` waits the backoffs and ``clock`` (monotonic seconds) measures
+    the deadline: replace both to run the loop on a fake clock (tests).
     """
     build, send = _split(kwargs)
     loop = _Loop(
@@ -444,6 +450,7 @@ def request_with_retries(
         deadline=deadline,
         max_attempts=max_attempts,
         reporter=_reporter_for(retryd, reporter),
+        clock=clock,
     )
     while True:
         request = http.build_request(method, url, **loop.begin(build, http.timeout))
@@ -500,6 +507,7 @@ async def arequest_with_retries(
     reporter: Optional[_Records] = CLIENT_REPORTER,
     on_refresh_credentials: Optional[Callable[[], Union[None, Awaitable[None]]]] = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    clock: Callable[[], float] = time.monotonic,
     **kwargs: Any,
 ) -> httpx.Response:
     """The asyncio twin of :func:`request_with_retries`.
@@ -521,6 +529,7 @@ async def arequest_with_retries(
         deadline=deadline,
         max_attempts=max_attempts,
         reporter=_reporter_for(retryd, reporter),
+        clock=clock,
     )
     while True:
         request = http.build_request(method, url, **loop.begin(build, http.timeout))
