@@ -210,31 +210,55 @@ class _ConnectWindow:
         return max(0.0, deadline_remaining - (time.monotonic() - since))
 
 
+#: How often a decision waiting for the first connection looks at the channel.
+_CONNECT_POLL = 0.005
+
+#: grpcio's connectivity states by the numbers its core channel reports.
+_CORE_SETTLED = frozenset(state.value[0] for state in _SETTLED)
+
+
 class _SyncConnecting(_ConnectWindow):
-    """Connects a blocking channel at once; ``wait`` blocks until it settles (bounded)."""
+    """Connects a blocking channel at once; ``wait`` polls it until it settles (bounded).
+
+    grpcio's blocking channel has no public ``get_state``; its
+    ``subscribe`` runs a polling thread for as long as anyone is
+    subscribed, and closing the channel then waits up to 200 ms for it.
+    So this asks the core channel directly, as that polling thread does
+    (``check_connectivity_state``): once with ``try_to_connect`` when the
+    client is built, then, only while a decision waits, every 5 ms. On a
+    grpcio without it (the tests pin the version that has it) the first
+    call connects, as before.
+    """
 
     def __init__(self, channel: grpc.Channel, connect_timeout: float) -> None:
         super().__init__(connect_timeout)
-        self._channel = channel
-        self._settled = threading.Event()
-        channel.subscribe(self._on_state, try_to_connect=True)
+        self._core = getattr(channel, "_channel", None)
+        self._settled = self._core is None or not hasattr(self._core, "check_connectivity_state")
+        if not self._settled:
+            self._state(try_to_connect=True)
 
-    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
-        if state in _SETTLED:
-            self._settled.set()
+    def _state(self, *, try_to_connect: bool) -> bool:
+        """Whether the channel is settled (ready, failed or shut down)."""
+        assert self._core is not None
+        settled = self._core.check_connectivity_state(try_to_connect) in _CORE_SETTLED
+        if settled:
+            self._settled = True
+        return bool(settled)
 
     def wait(self, deadline_remaining: Optional[float]) -> Optional[float]:
         """Waits (bounded) for the first connection; returns what is left of the caller's deadline."""
-        if self._settled.is_set():
+        if self._settled:
             return deadline_remaining
         since = time.monotonic()
-        limit = self.wait_limit(deadline_remaining)
-        if limit > 0:
-            self._settled.wait(limit)
+        give_up = since + self.wait_limit(deadline_remaining)
+        while not self._state(try_to_connect=False) and time.monotonic() < give_up:
+            time.sleep(_CONNECT_POLL)
+        if time.monotonic() >= self.connect_by:
+            self._settled = True  # the window is over: never wait again
         return self.left(deadline_remaining, since)
 
     def close(self) -> None:
-        self._channel.unsubscribe(self._on_state)
+        self._settled = True
 
 
 class _AsyncConnecting(_ConnectWindow):

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:
-    from ._types import Decision
+from ._types import Decision, DenyReason, UnknownOutcome
 
 
 class RetrydError(Exception):
@@ -36,8 +35,6 @@ class RetrydUnavailableError(RetrydError):
 
 def describe_ambiguity(decision: Decision) -> str:
     """The message of an ambiguous-execution error: what is unknown, and why no retry."""
-    from ._types import DenyReason, UnknownOutcome
-
     what = ("outcome unknown, re-send with the same idempotency key"
             if decision.unknown_outcome == UnknownOutcome.RESEND_WITH_KEY else "ambiguous execution")
     why = f" (no retry: {decision.deny_reason.name})" if decision.deny_reason != DenyReason.UNSPECIFIED else ""
