@@ -27,7 +27,8 @@ import grpc
 import httpx
 import pytest
 
-from grpc_servers import METHOD, SilentServer, scripted
+from grpc_servers import METHOD, ResettingProxy, SilentServer, scripted
+from grpc_servers import ok as grpc_ok
 from grpc_servers import hang as grpc_hang
 from scripted_http import KeepAliveAction, KeepAliveServer, hold, ok_keep_alive, reset_after_read
 from support import CLIENT_TEST_CONFIG, Server, handled, start_server, stop_server, stopped, wait_for
@@ -332,3 +333,31 @@ def test_the_client_connects_when_it_is_built(mode: str) -> None:
                     await aclient.close()
 
             asyncio.run(main())
+
+
+def test_a_grpc_call_reset_after_the_server_read_it_is_resent_only_as_decided_retries(server: Server) -> None:
+    """grpcio's transparent retries cover only streams that never reached the server:
+    a call reset after the handler got it is re-sent only when retryd says RETRY."""
+    release = threading.Event()
+    retries: list[float] = []
+    with scripted(grpc_hang(release), grpc_hang(release), grpc_ok()) as origin, \
+            ResettingProxy(origin.port) as proxy, Client(server.grpc) as retryd:
+        def reset_the_first_two() -> None:
+            for n in (1, 2):
+                give_up = time.monotonic() + 10
+                while len(origin.calls) < n and time.monotonic() < give_up:
+                    time.sleep(0.01)  # a poll for the server to have read call n
+                proxy.reset_clients()
+
+        resetter = threading.Thread(target=reset_the_first_two, daemon=True)
+        resetter.start()
+        interceptor = RetryInterceptor(retryd, upstream="py-resend", idempotency=SAFE,
+                                       sleep=lambda seconds: retries.append(seconds) or time.sleep(seconds))
+        try:
+            with grpc.intercept_channel(grpc.insecure_channel(proxy.target), interceptor) as channel:
+                reply = channel.unary_unary(METHOD)(b"stock", timeout=5.0)
+        finally:
+            release.set()
+            resetter.join(10)
+        assert reply == b"ok"
+        assert len(origin.calls) == len(retries) + 1 == 3
