@@ -43,7 +43,11 @@ failure, sleep the backoff with no call in flight, and try again, within
 the call's deadline (its ``timeout=``), which bounds every attempt and every
 backoff and is passed to retryd on each decision. The first attempt is
 counted on the retryd client's reporter. With ``retries=False`` they only
-classify: the error raised carries ``retryd_outcome``.
+classify: the error raised carries ``retryd_outcome``. A call that ends
+with its outcome unknown (AMBIGUOUS, a DENY with an ``unknown_outcome``
+mark, or a non-idempotent call whose deadline passed after it was sent,
+decided locally) raises :class:`AmbiguousRpcError` /
+:class:`AmbiguousAioRpcError`.
 
 Switch off grpcio's own retries for the channels retryd governs: give no
 ``retryPolicy`` in the channel's service config (``grpc.service_config``)

@@ -41,7 +41,15 @@ sleep the backoff, so no connection is held while waiting. First attempts
 are counted on the client's :class:`~retryd.reporter.TrafficReporter`
 (``retryd.reporter``) unless ``reporter=None``. The caller's ``deadline``
 bounds every phase of every attempt and every backoff; the decision about
-a returned response is in ``response.extensions["retryd.decision"]``.
+a returned response is in ``response.extensions["retryd.decision"]``. A
+call that ends with its outcome unknown (AMBIGUOUS, or a DENY with an
+``unknown_outcome`` mark) raises :class:`~retryd.errors.AmbiguousExecutionError`.
+
+httpx and httpcore send nothing again by themselves once any of a request
+was written: httpcore takes another connection only for a request it has
+not sent (a pooled connection found closed, an HTTP/2 stream above a
+GOAWAY's last-stream-id), and its ``retries=`` repeats only failed
+connects. tests/test_issue38.py counts reads at the server to show it.
 """
 
 from __future__ import annotations
@@ -432,9 +440,13 @@ def request_with_retries(
     decision about that response (None if retryd was not asked), and
     :func:`decision_of` reads it. Re-raises the last transport error when
     retryd denies retrying it (the decision is in its notes and in
-    ``decision_of(error)``). Raises
-    :class:`~retryd.errors.AmbiguousExecutionError` when retryd answers
-    AMBIGUOUS. After a 401 retryd may ask to refresh credentials:
+    ``decision_of(error)``) and the outcome is settled. Raises
+    :class:`~retryd.errors.AmbiguousExecutionError` when the call ends with
+    its outcome unknown: an AMBIGUOUS answer, or a decision carrying an
+    ``unknown_outcome`` mark (a DENY such as BUDGET_EXHAUSTED, or an attempt
+    the caller's deadline ended after it was sent, which is decided locally
+    without asking retryd). :func:`attempts_of` says how many attempts were
+    sent. After a 401 retryd may ask to refresh credentials:
     ``on_refresh_credentials`` is called before the replay (if it is not
     given, the 401 response is returned).
 
