@@ -384,7 +384,9 @@ class _Base:
         return self._metadata + trace_metadata()
 
     def _call_timeout(self, deadline_remaining: Optional[float], timeout: Optional[float]) -> float:
-        limit = self.timeout if timeout is None else timeout
+        if timeout is not None:
+            return timeout  # chosen for this call by the caller: used as given
+        limit = self.timeout
         if deadline_remaining is not None:
             # Waiting for retryd longer than the caller has left is pointless,
             # but leave it a few milliseconds to say DENY DEADLINE itself.
@@ -579,6 +581,10 @@ class Client(_Base):
         For a gRPC call, ``grpc_status_code`` is the code's number (or a
         :class:`~retryd.GrpcCode`) and ``grpc_retry_pushback_ms`` the raw
         trailer value, None when the server sent none.
+
+        The call to retryd waits at most the client's ``timeout``, less when
+        ``deadline_remaining`` is shorter (never below 50 ms); a ``timeout``
+        given here is used as given.
         """
         args = _args(upstream, idempotency, attempt, operation, evidence, failure, http_status,
                      retry_after, deadline_remaining, body, first_byte_delivered, runtime_draining,
