@@ -17,10 +17,17 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # A regular (not editable) install: the tests exercise the built package.
-# A clean build tree, so that no stale module from an earlier build is packed.
+# Trees an older setup.py left in the checkout are removed first; today's
+# builds in a temporary directory (setup.py), which is checked below.
 rm -rf build src/*.egg-info
 .venv/bin/python -m pip install --quiet -c constraints.txt ".[test]"
+if [[ -e build ]] || compgen -G "src/*.egg-info" >/dev/null; then
+  echo "run-tests.sh: pip install left build/ or *.egg-info in the checkout" >&2
+  exit 1
+fi
 echo "== mypy --strict (retryd package)"
 (cd "$here/tests" && ../.venv/bin/python -m mypy -p retryd)
+echo "== README.md examples (compiled and type-checked)"
+.venv/bin/python tools/check_readme.py README.md --mypy
 echo "== pytest"
 .venv/bin/python -m pytest -q "$@"

@@ -6,12 +6,18 @@ requirement, see pyproject.toml) on `proto/retryd/v1/retryd.proto` and writes
 so they land in the wheel beside the hand-written package. The proto root is
 found, in order, at $RETRYD_PROTO_ROOT, at ../../proto (this client inside the
 retryd repository), or at ./proto (an sdist, which copies it in).
+
+setuptools' intermediate trees (``build/``, ``*.egg-info``) go to a temporary
+directory removed when the build step ends, so that ``pip install
+./clients/python`` leaves the checkout as it found it.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from setuptools import setup
@@ -75,4 +81,17 @@ class SdistWithProto(sdist):
         shutil.copy(proto_root() / PROTO_FILE, destination / "retryd.proto")
 
 
-setup(cmdclass={"build_py": BuildPyWithStubs, "sdist": SdistWithProto})
+def scratch_directory() -> Path:
+    """A temporary directory for setuptools' own build trees, removed when this process exits."""
+    scratch = Path(tempfile.mkdtemp(prefix="retryd-client-build-"))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return scratch
+
+
+SCRATCH = scratch_directory()
+
+setup(
+    cmdclass={"build_py": BuildPyWithStubs, "sdist": SdistWithProto},
+    # Defaults only: a command line (`setup.py build --build-base ...`) still wins.
+    options={"build": {"build_base": str(SCRATCH / "build")}, "egg_info": {"egg_base": str(SCRATCH)}},
+)

@@ -280,6 +280,10 @@ class SilentServer:
                 return
             self._held.append(conn)
 
+    def accepted(self) -> int:
+        """Connections accepted so far."""
+        return len(self._held)
+
     def close(self) -> None:
         self._listener.close()
         for conn in self._held:

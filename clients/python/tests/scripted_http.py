@@ -174,3 +174,102 @@ def closed_port() -> int:
     port: int = probe.getsockname()[1]
     probe.close()
     return port
+
+
+# ------------------------------------------------------------------ keep-alive connections
+
+#: What a keep-alive server does with one request it has read: answer and
+#: keep the connection (True), or not (False: it is closed or reset).
+KeepAliveAction = Callable[[socket.socket, bytes], bool]
+
+
+def ok_keep_alive(body: bytes = b"ok") -> KeepAliveAction:
+    def action(conn: socket.socket, request: bytes) -> bool:
+        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        return True
+
+    return action
+
+
+def reset_after_read() -> KeepAliveAction:
+    """The request was read in full; the connection is reset without a byte of answer."""
+
+    def action(conn: socket.socket, request: bytes) -> bool:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        return False
+
+    return action
+
+
+def hold(until: threading.Event) -> KeepAliveAction:
+    def action(conn: socket.socket, request: bytes) -> bool:
+        until.wait(10)
+        return False
+
+    return action
+
+
+class KeepAliveServer:
+    """An HTTP/1.1 server that keeps connections open between requests, and counts.
+
+    Every request read (on any connection) takes the next scripted action
+    (the last one repeats). ``requests`` is what was read, in order, and
+    ``connections`` how many TCP connections were accepted: a client that
+    re-sent a request by itself would show as one more read than the
+    attempts it decided, and usually one more connection.
+    """
+
+    def __init__(self, *actions: KeepAliveAction) -> None:
+        self.actions = list(actions)
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self.released = threading.Event()
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(16)
+        self.port = self._sock.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                self.connections += 1
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                request = ScriptedServer._read(conn)
+                if not request:
+                    return  # the client closed an idle connection
+                with self._lock:
+                    index = min(len(self.requests), len(self.actions) - 1)
+                    self.requests.append(request)
+                if not self.actions[index](conn, request):
+                    return
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self.released.set()
+        self._sock.close()
+
+    def __enter__(self) -> KeepAliveServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

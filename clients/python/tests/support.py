@@ -62,6 +62,11 @@ budget = { capacity = 100.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
 [upstreams."py-drained"]
 budget = { capacity = 10.0, initial = 0.0, ratio = 0.0, min_per_second = 0.0 }
 
+# Issue 36: an empty budget that stays empty (0.1 token per reported request),
+# so a retry of an attempt that may have run is denied BUDGET_EXHAUSTED.
+[upstreams."x"]
+budget = { capacity = 10.0, initial = 0.0, ratio = 0.1, min_per_second = 0.0 }
+
 [upstreams."py-dedup-direct"]
 budget = { capacity = 100.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
 """
@@ -139,3 +144,49 @@ def stop_server(server: Server) -> None:
     except subprocess.TimeoutExpired:
         server.process.kill()
         server.process.wait()
+
+
+def handled(server: Server) -> float:
+    """Decide calls retryd has dealt with: decisions made, plus those it did not
+    make because the caller had given up (its grpc-timeout passed, or it reset
+    the call), which retryd counts in retryd_expired_requests_total."""
+    total = 0.0
+    for name, value in metrics(server).items():
+        if name.split("{", 1)[0] in ("retryd_decisions_total", "retryd_expired_requests_total"):
+            total += value
+    return total
+
+
+def stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (Linux /proc)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            return False
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
+class FakeClock:
+    """Monotonic seconds that move only when the code under test sleeps on them.
+
+    Pass it as ``clock=`` and its :meth:`sleep` (or :meth:`asleep`) as
+    ``sleep=`` to an adapter: its deadline arithmetic then runs on this clock,
+    so a latency promise can be asserted exactly, whatever the machine's load.
+    Start and steps are binary fractions, so the arithmetic is exact.
+    """
+
+    def __init__(self, start: float = 1024.0) -> None:
+        self.now = start
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    async def asleep(self, seconds: float) -> None:
+        self.sleep(seconds)

@@ -10,16 +10,21 @@ import pytest
 
 from support import VECTORS, Server
 from retryd import (
+    DEFAULT_LOCAL_POLICY,
+    AmbiguousExecutionError,
     Body,
     BodyKind,
     Client,
+    Decision,
     DenyReason,
     Evidence,
     FailureKind,
     Idempotency,
     InvalidRequestError,
     Replayability,
+    UnknownOutcome,
     Verdict,
+    local_decide,
 )
 
 CASES = json.loads(VECTORS.read_text())["cases"]
@@ -83,6 +88,21 @@ def decide_kwargs(request: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def check_surfacing(decision: Decision) -> None:
+    """What the adapters do with a decision that ends the call: a DENY with a
+    mark is the ambiguous-execution error (with its reason), never the plain failure."""
+    marked = decision.unknown_outcome != UnknownOutcome.NONE
+    if decision.verdict == Verdict.DENY:
+        assert decision.is_outcome_unknown == marked
+        if marked:
+            error = AmbiguousExecutionError(decision)
+            assert error.deny_reason == decision.deny_reason != DenyReason.UNSPECIFIED
+            assert error.resend_with_same_key == (decision.unknown_outcome == UnknownOutcome.RESEND_WITH_KEY)
+            assert decision.deny_reason.name in str(error)
+    if decision.verdict == Verdict.AMBIGUOUS:
+        assert decision.is_outcome_unknown
+
+
 @pytest.fixture(scope="module")
 def client(conformance_server: Server) -> Iterator[Client]:
     # No fallback: a broken or missing server must fail these tests.
@@ -97,23 +117,28 @@ def test_vector(client: Client, case: dict[str, Any]) -> None:
         expected = case["expect_error"]
         assert expected["code"] == "INVALID_ARGUMENT"
         with pytest.raises(InvalidRequestError) as raised:
-            client.decide(**kwargs)
+            client.decide(**kwargs, timeout=5)
         assert raised.value.message.startswith(expected["field"]), raised.value.message
         return
 
     expect = case["expect"]
-    decision = client.decide(**kwargs)
+    # An explicit timeout: the vectors check retryd's answer, and a case's
+    # short deadline would otherwise bound the call to 50 ms, which a busy
+    # machine can exceed.
+    decision = client.decide(**kwargs, timeout=5)
     got = {
         "verdict": "VERDICT_" + decision.verdict.name,
         "deny_reason": None if decision.deny_reason == DenyReason.UNSPECIFIED else "DENY_REASON_" + decision.deny_reason.name,
         "rule": decision.rule,
         "effective_evidence": "EVIDENCE_" + decision.effective_evidence.name,
+        "unknown_outcome": "UNKNOWN_OUTCOME_" + decision.unknown_outcome.name,
     }
     want = {
         "verdict": expect["verdict"],
         "deny_reason": expect.get("deny_reason"),
         "rule": expect["rule"],
         "effective_evidence": expect["effective_evidence"],
+        "unknown_outcome": expect["unknown_outcome"],
     }
     if "evidence_adjusted" in expect:
         got["evidence_adjusted"] = decision.evidence_adjusted
@@ -124,6 +149,13 @@ def test_vector(client: Client, case: dict[str, Any]) -> None:
     assert got == want, decision.explanation
     assert not decision.fallback
     assert decision.decision_id
+    check_surfacing(decision)
+    # The local fallback rule marks the same facts the same way (the mark
+    # depends on no policy, so the local limits cannot change it).
+    local = local_decide(policy=DEFAULT_LOCAL_POLICY, **{
+        key: value for key, value in kwargs.items() if key not in ("upstream", "operation", "previous_backoff")
+    })
+    assert local.unknown_outcome == decision.unknown_outcome, local.explanation
     backoff_ms = decision.backoff * 1000
     if decision.verdict == Verdict.RETRY:
         if "backoff_min_ms" in expect:

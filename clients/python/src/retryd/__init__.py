@@ -26,6 +26,7 @@ from ._types import (
     GrpcCode,
     Idempotency,
     Replayability,
+    UnknownOutcome,
     Verdict,
 )
 from .client import AsyncClient, Client
@@ -57,6 +58,7 @@ __all__ = [
     "RetrydError",
     "RetrydUnavailableError",
     "TrafficReporter",
+    "UnknownOutcome",
     "Verdict",
     "effective_evidence",
     "local_decide",

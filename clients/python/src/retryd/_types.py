@@ -108,6 +108,26 @@ class DenyReason(enum.IntEnum):
     SERVER_PUSHBACK = 11
 
 
+class UnknownOutcome(enum.IntEnum):
+    """Whether the failed attempt may have taken effect upstream, whatever the verdict.
+
+    Computed from the facts alone, never from the verdict, so a DENY (an
+    empty budget, the last attempt) cannot hide that a payment may have
+    happened. A decision that is not RETRY and carries a mark is not a plain
+    failure: the adapters raise :class:`~retryd.AmbiguousExecutionError`.
+    """
+
+    #: Not in doubt (never sent, or a final response settled it), or
+    #: repeating the call cannot duplicate an effect (SAFE, IDEMPOTENT).
+    NONE = 0
+    #: NON_IDEMPOTENT and possibly executed: reconcile (ask the upstream)
+    #: before reporting a failure or sending it again.
+    RECONCILE = 1
+    #: IDEMPOTENT_WITH_KEY and possibly executed: re-sending with the same
+    #: idempotency key is safe (the upstream deduplicates); a new key is not.
+    RESEND_WITH_KEY = 2
+
+
 class GrpcCode(enum.IntEnum):
     """The gRPC status codes of ``google.rpc.Code`` other than OK, by wire number.
 
@@ -219,6 +239,10 @@ class Decision:
     ``tokens_remaining`` the shadow budget's), ``decision_id`` is retryd's
     (the id of its audit span), ``tokens_remaining`` is NaN, and
     ``fallback`` is False. ``retryd_decision`` is None otherwise.
+
+    ``unknown_outcome`` says whether the attempt may have taken effect
+    upstream, whichever rule decided (see :class:`UnknownOutcome`);
+    :attr:`is_outcome_unknown` is True for it and for AMBIGUOUS.
     """
 
     verdict: Verdict
@@ -234,6 +258,7 @@ class Decision:
     fallback: bool = False
     shadow: bool = False
     retryd_decision: Optional[Decision] = None
+    unknown_outcome: UnknownOutcome = UnknownOutcome.NONE
 
     @property
     def should_retry(self) -> bool:
@@ -241,7 +266,22 @@ class Decision:
 
     @property
     def is_ambiguous(self) -> bool:
+        """The verdict is AMBIGUOUS. A DENY may leave the outcome open too: see :attr:`is_outcome_unknown`."""
         return self.verdict == Verdict.AMBIGUOUS
+
+    @property
+    def is_outcome_unknown(self) -> bool:
+        """The attempt may have taken effect upstream: AMBIGUOUS, or any verdict with a mark.
+
+        When the call is not retried, this is the ambiguous-execution error,
+        never a plain failure (the deny reason says only why no retry).
+        """
+        return self.verdict == Verdict.AMBIGUOUS or self.unknown_outcome != UnknownOutcome.NONE
+
+    @property
+    def resend_with_same_key(self) -> bool:
+        """Unknown, and re-sending with the same idempotency key is safe (IDEMPOTENT_WITH_KEY)."""
+        return self.unknown_outcome == UnknownOutcome.RESEND_WITH_KEY
 
 
 @dataclass(frozen=True)

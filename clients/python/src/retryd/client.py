@@ -18,9 +18,11 @@ Each client owns one traffic reporter (``reporter``), closed with it.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -40,10 +42,12 @@ from ._types import (
     FailureKindLike,
     GrpcCodeLike,
     IdempotencyLike,
+    UnknownOutcome,
     Verdict,
 )
 from .errors import InvalidRequestError, RetrydError, RetrydUnavailableError
 from .fallback import DEFAULT_LOCAL_POLICY, LocalPolicy, local_decide
+from .outage import Outage
 from .reporter import MAX_TRAFFIC_ENTRIES, AsyncTrafficReporter, ReportResult, TrafficReporter
 from .shadow import DEFAULT_SHADOW_LOG_INTERVAL, ShadowDivergences, differs
 from .tracing import trace_metadata
@@ -57,6 +61,15 @@ Seconds = Union[float, int, timedelta]
 
 #: The least time a decision call gets when the caller's deadline is nearly over.
 _MIN_CALL_TIMEOUT = 0.05
+
+#: How long after a client is built a decision may wait for its first
+#: connection to retryd, before its own ``timeout`` starts (seconds).
+DEFAULT_CONNECT_TIMEOUT = 1.0
+
+#: Connectivity states that end the wait for the first connection: ready, or
+#: failed (nothing listens: waiting longer would only delay the fallback).
+_SETTLED = frozenset({grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                      grpc.ChannelConnectivity.SHUTDOWN})
 
 #: Channel options the clients start from: reconnect quickly after retryd
 #: restarts (gRPC's own default backs off up to two minutes, all of which the
@@ -124,7 +137,15 @@ def _decision(response: pb.DecideResponse) -> Decision:
         tokens_remaining=response.tokens_remaining,
         explanation=response.explanation,
         shadow=response.shadow,
+        unknown_outcome=_unknown_outcome(response.unknown_outcome),
     )
+
+
+def _unknown_outcome(value: int) -> UnknownOutcome:
+    try:
+        return UnknownOutcome(value)
+    except ValueError:  # a mark newer than this client: still "it may have happened"
+        return UnknownOutcome.RECONCILE
 
 
 def _budget(message: pb.Budget) -> Budget:
@@ -159,6 +180,123 @@ def _traffic_requests(
     ]
 
 
+class _ConnectWindow:
+    """The bound on waiting for the first connection, shared by both clients.
+
+    Both clients start connecting when they are built (a connection is
+    otherwise made by the first call, whose short ``timeout`` it would
+    spend: on a busy host the first decision would then be the fallback's).
+    A decision made while that first connection is being set up waits for
+    it, up to ``connect_timeout`` after the client was built and never past
+    the caller's own remaining deadline; then its own ``timeout`` starts.
+    """
+
+    def __init__(self, connect_timeout: float) -> None:
+        if not connect_timeout >= 0:
+            raise ValueError(f"connect_timeout: must be at least 0 seconds, got {connect_timeout!r}")
+        self.connect_by = time.monotonic() + connect_timeout
+
+    def wait_limit(self, deadline_remaining: Optional[float]) -> float:
+        wait = self.connect_by - time.monotonic()
+        if deadline_remaining is not None:
+            wait = min(wait, deadline_remaining)
+        return max(0.0, wait)
+
+    @staticmethod
+    def left(deadline_remaining: Optional[float], since: float) -> Optional[float]:
+        """The caller's remaining deadline, less the time waited since ``since``."""
+        if deadline_remaining is None:
+            return None
+        return max(0.0, deadline_remaining - (time.monotonic() - since))
+
+
+#: How often a decision waiting for the first connection looks at the channel.
+_CONNECT_POLL = 0.005
+
+#: grpcio's connectivity states by the numbers its core channel reports.
+_CORE_SETTLED = frozenset(state.value[0] for state in _SETTLED)
+
+
+class _SyncConnecting(_ConnectWindow):
+    """Connects a blocking channel at once; ``wait`` polls it until it settles (bounded).
+
+    grpcio's blocking channel has no public ``get_state``; its
+    ``subscribe`` runs a polling thread for as long as anyone is
+    subscribed, and closing the channel then waits up to 200 ms for it.
+    So this asks the core channel directly, as that polling thread does
+    (``check_connectivity_state``): once with ``try_to_connect`` when the
+    client is built, then, only while a decision waits, every 5 ms. On a
+    grpcio without it (the tests pin the version that has it) the first
+    call connects, as before.
+    """
+
+    def __init__(self, channel: grpc.Channel, connect_timeout: float) -> None:
+        super().__init__(connect_timeout)
+        self._core = getattr(channel, "_channel", None)
+        self._settled = self._core is None or not hasattr(self._core, "check_connectivity_state")
+        if not self._settled:
+            self._state(try_to_connect=True)
+
+    def _state(self, *, try_to_connect: bool) -> bool:
+        """Whether the channel is settled (ready, failed or shut down)."""
+        assert self._core is not None
+        settled = self._core.check_connectivity_state(try_to_connect) in _CORE_SETTLED
+        if settled:
+            self._settled = True
+        return bool(settled)
+
+    def wait(self, deadline_remaining: Optional[float]) -> Optional[float]:
+        """Waits (bounded) for the first connection; returns what is left of the caller's deadline."""
+        if self._settled:
+            return deadline_remaining
+        since = time.monotonic()
+        give_up = since + self.wait_limit(deadline_remaining)
+        while not self._state(try_to_connect=False) and time.monotonic() < give_up:
+            time.sleep(_CONNECT_POLL)
+        if time.monotonic() >= self.connect_by:
+            self._settled = True  # the window is over: never wait again
+        return self.left(deadline_remaining, since)
+
+    def close(self) -> None:
+        self._settled = True
+
+
+class _AsyncConnecting(_ConnectWindow):
+    """Connects a grpc.aio channel at once (a task of the running loop); ``wait`` awaits it (bounded)."""
+
+    def __init__(self, channel: grpc.aio.Channel, connect_timeout: float) -> None:
+        super().__init__(connect_timeout)
+        self._channel = channel
+        try:
+            self._task: Optional[asyncio.Task[None]] = asyncio.get_running_loop().create_task(self._connect())
+        except RuntimeError:  # built outside a loop: the first call connects
+            self._task = None
+
+    async def _connect(self) -> None:
+        state = self._channel.get_state(try_to_connect=True)
+        while state not in _SETTLED:
+            await self._channel.wait_for_state_change(state)
+            state = self._channel.get_state(try_to_connect=True)
+
+    async def wait(self, deadline_remaining: Optional[float]) -> Optional[float]:
+        """Waits (bounded) for the first connection; returns what is left of the caller's deadline."""
+        task = self._task
+        if task is None or task.done():
+            return deadline_remaining
+        since = time.monotonic()
+        limit = self.wait_limit(deadline_remaining)
+        if limit > 0:
+            try:
+                await asyncio.wait_for(asyncio.shield(task), limit)
+            except asyncio.TimeoutError:
+                pass
+        return self.left(deadline_remaining, since)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
 class _Base:
     """What both clients share: argument mapping, metadata, fallback."""
 
@@ -173,8 +311,8 @@ class _Base:
         self.timeout = timeout
         self.fallback = fallback
         self._metadata = list(metadata)
-        self._outage_lock = threading.Lock()
-        self._in_outage = False
+        #: The fallback's outage: one warning when retryd stops answering, one when it is back.
+        self.outage = Outage("decisions", "made by the local rule")
         self._shadow = ShadowDivergences(interval=float(shadow_log_interval), logger=log)
 
     @property
@@ -223,18 +361,32 @@ class _Base:
             reason=reason,
         )
 
+    def decide_past_deadline(self, **kwargs: Any) -> Decision:
+        """Decides, without asking retryd, an attempt that ended because the caller's deadline passed.
+
+        Takes the keyword arguments of :meth:`Client.decide`. No retry fits
+        in a deadline that is over, and asking retryd would only keep the
+        caller waiting past it; the local rule answers at once, with the
+        mark retryd would give (so a non-idempotent call that was sent
+        surfaces as ambiguous, never as a plain failure). The adapters call
+        this; ``fallback`` is False on the answer, since retryd was not
+        unreachable.
+        """
+        args = {**_DECIDE_DEFAULTS, **kwargs, "deadline_remaining": 0.0}
+        local = self._local(args, self.fallback or DEFAULT_LOCAL_POLICY,
+                            "decided locally: the caller's deadline passed during the attempt")
+        return dataclasses.replace(local, fallback=False)
+
     def _reachable(self) -> None:
-        if self._in_outage:
-            with self._outage_lock:
-                if self._in_outage:
-                    self._in_outage = False
-                    log.info("retryd reachable again at %s; deciding with retryd", getattr(self, "target", "?"))
+        self.outage.succeeded(getattr(self, "target", "?"))
 
     def _call_metadata(self) -> list[tuple[str, str]]:
         return self._metadata + trace_metadata()
 
     def _call_timeout(self, deadline_remaining: Optional[float], timeout: Optional[float]) -> float:
-        limit = self.timeout if timeout is None else timeout
+        if timeout is not None:
+            return timeout  # chosen for this call by the caller: used as given
+        limit = self.timeout
         if deadline_remaining is not None:
             # Waiting for retryd longer than the caller has left is pointless,
             # but leave it a few milliseconds to say DENY DEADLINE itself.
@@ -279,22 +431,15 @@ class _Base:
             raise InvalidRequestError(details) from None
         if self.fallback is None:
             raise RetrydUnavailableError(f"retryd: {code.name}: {details}", code) from error
-        with self._outage_lock:
-            first = not self._in_outage
-            self._in_outage = True
-        # One warning per outage (a busy caller decides thousands of times a
-        # second); the rest of the outage is logged at debug level.
-        if first:
-            log.warning("retryd unavailable (%s: %s); deciding with the local rule until it answers again",
-                        code.name, details)
-        else:
-            log.debug("retryd still unavailable (%s: %s); local rule", code.name, details)
         if not args["upstream"]:
             raise InvalidRequestError("upstream: required")
         if int(args["idempotency"]) == 0:
             raise InvalidRequestError("idempotency: required")
         if args["attempt"] < 1:
             raise InvalidRequestError("attempt: must be at least 1")
+        # One warning per outage (a busy caller decides thousands of times a
+        # second), and one with the count when retryd answers again.
+        self.outage.failed(f"{code.name}: {details}", getattr(self, "target", "?"))
         return self._local(args, self.fallback, f"retryd unreachable ({code.name})")
 
     @staticmethod
@@ -345,6 +490,15 @@ def _args(
     )
 
 
+#: The defaults of every optional argument of ``decide``.
+_DECIDE_DEFAULTS: dict[str, Any] = dict(
+    operation="", evidence=Evidence.UNSPECIFIED, failure=FailureKind.UNSPECIFIED, http_status=0,
+    retry_after=None, deadline_remaining=None, body=None, first_byte_delivered=False,
+    runtime_draining=False, auth_refresh_attempted=False, previous_backoff=None, max_attempts=0,
+    grpc_status_code=0, grpc_retry_pushback_ms=None,
+)
+
+
 class Client(_Base):
     """A blocking retryd client. Thread-safe; share one per process.
 
@@ -353,7 +507,11 @@ class Client(_Base):
     used when retryd cannot answer (``None`` raises
     :class:`RetrydUnavailableError` instead). ``credentials`` switches to
     TLS; ``metadata`` is sent with every call (for example an authorization
-    header).
+    header). The client starts connecting at once; a decision made before
+    that first connection is set up waits for it up to ``connect_timeout``
+    seconds after the client was built (and never past the caller's
+    deadline), so that connecting is not charged to the decision's own
+    ``timeout``.
 
     The client owns one :class:`~retryd.reporter.TrafficReporter`
     (:attr:`reporter`, started on first use, sending every
@@ -378,6 +536,7 @@ class Client(_Base):
         options: Sequence[tuple[str, Any]] = (),
         report_interval: float = 1.0,
         shadow_log_interval: float = DEFAULT_SHADOW_LOG_INTERVAL,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     ) -> None:
         super().__init__(timeout=timeout, fallback=fallback, metadata=metadata,
                          shadow_log_interval=shadow_log_interval)
@@ -389,6 +548,7 @@ class Client(_Base):
             self._channel = grpc.insecure_channel(target, options=_channel_options(options))
         else:
             self._channel = grpc.secure_channel(target, credentials, options=_channel_options(options))
+        self._connecting = _SyncConnecting(self._channel, connect_timeout)
         self._decider = pb_grpc.RetryDeciderStub(self._channel)  # type: ignore[no-untyped-call]
         self._admin = pb_grpc.RetryAdminStub(self._channel)  # type: ignore[no-untyped-call]
 
@@ -421,11 +581,17 @@ class Client(_Base):
         For a gRPC call, ``grpc_status_code`` is the code's number (or a
         :class:`~retryd.GrpcCode`) and ``grpc_retry_pushback_ms`` the raw
         trailer value, None when the server sent none.
+
+        The call to retryd waits at most the client's ``timeout``, less when
+        ``deadline_remaining`` is shorter (never below 50 ms); a ``timeout``
+        given here is used as given.
         """
         args = _args(upstream, idempotency, attempt, operation, evidence, failure, http_status,
                      retry_after, deadline_remaining, body, first_byte_delivered, runtime_draining,
                      auth_refresh_attempted, previous_backoff, max_attempts, grpc_status_code,
                      grpc_retry_pushback_ms)
+        deadline_remaining = self._connecting.wait(_seconds(deadline_remaining))
+        args["deadline_remaining"] = deadline_remaining
         request = self._request(args)
         try:
             response = self._decider.Decide(
@@ -518,6 +684,7 @@ class Client(_Base):
             reporter, self._reporter = self._reporter, None
         if reporter is not None:
             reporter.close()
+        self._connecting.close()
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -545,6 +712,7 @@ class AsyncClient(_Base):
         options: Sequence[tuple[str, Any]] = (),
         report_interval: float = 1.0,
         shadow_log_interval: float = DEFAULT_SHADOW_LOG_INTERVAL,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     ) -> None:
         super().__init__(timeout=timeout, fallback=fallback, metadata=metadata,
                          shadow_log_interval=shadow_log_interval)
@@ -555,6 +723,7 @@ class AsyncClient(_Base):
             self._channel = grpc.aio.insecure_channel(target, options=_channel_options(options))
         else:
             self._channel = grpc.aio.secure_channel(target, credentials, options=_channel_options(options))
+        self._connecting = _AsyncConnecting(self._channel, connect_timeout)
         self._decider = pb_grpc.RetryDeciderStub(self._channel)  # type: ignore[no-untyped-call]
         self._admin = pb_grpc.RetryAdminStub(self._channel)  # type: ignore[no-untyped-call]
 
@@ -585,6 +754,8 @@ class AsyncClient(_Base):
                      retry_after, deadline_remaining, body, first_byte_delivered, runtime_draining,
                      auth_refresh_attempted, previous_backoff, max_attempts, grpc_status_code,
                      grpc_retry_pushback_ms)
+        deadline_remaining = await self._connecting.wait(_seconds(deadline_remaining))
+        args["deadline_remaining"] = deadline_remaining
         request = self._request(args)
         try:
             response = await self._decider.Decide(
@@ -643,6 +814,7 @@ class AsyncClient(_Base):
         reporter, self._reporter = self._reporter, None
         if reporter is not None:
             await reporter.aclose()
+        self._connecting.close()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:

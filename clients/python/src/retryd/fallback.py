@@ -26,7 +26,10 @@ the local rule only ever allows less than retryd would:
   that does not fit the deadline is DENY DEADLINE), shortened to fit the
   deadline.
 
-Evidence is weakened exactly as retryd does (``effective_evidence``).
+Evidence is weakened exactly as retryd does (``effective_evidence``), and
+every decision carries the same ``unknown_outcome`` mark retryd computes
+(``unknown_outcome``, from crates/retryd-engine/src/outcome.rs), whichever
+rule decided.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from ._types import (
     GrpcCode,
     Idempotency,
     Replayability,
+    UnknownOutcome,
     Verdict,
 )
 
@@ -107,6 +111,52 @@ def effective_evidence(
     answered = bool(http_status) or grpc_retry_pushback_ms is not None
     status_floor = Evidence.RESPONSE_RECEIVED if answered else Evidence.NOT_SENT
     return Evidence(max(claim, failure_floor, status_floor))
+
+
+def unknown_outcome(
+    idempotency: Union[Idempotency, int],
+    effective: Evidence,
+    http_status: int = 0,
+    grpc_status_code: int = 0,
+) -> UnknownOutcome:
+    """Whether the attempt may have taken effect upstream: retryd's mark, from the facts alone.
+
+    Set where rule 8 or the status rules would answer AMBIGUOUS had no
+    earlier rule denied (for a keyed call: would, were it not keyed): the
+    evidence (SENT_NO_RESPONSE; a partial 2xx/3xx response, or one with no
+    status) or the status (502, 503, 504, gRPC UNAVAILABLE or
+    DEADLINE_EXCEEDED) leaves the outcome open. Never on a proven NOT_SENT,
+    nor when a final response settled it (a 4xx, a 500).
+    """
+    idem = int(idempotency)
+    if idem == Idempotency.NON_IDEMPOTENT:
+        mark = UnknownOutcome.RECONCILE
+    elif idem == Idempotency.IDEMPOTENT_WITH_KEY:
+        mark = UnknownOutcome.RESEND_WITH_KEY
+    elif idem in (Idempotency.SAFE, Idempotency.IDEMPOTENT):
+        return UnknownOutcome.NONE
+    else:  # unspecified or newer than this client: as the local rule reads it, NON_IDEMPOTENT
+        mark = UnknownOutcome.RECONCILE
+
+    def status_leaves_it_open() -> bool:
+        if http_status:
+            return 502 <= http_status <= 504
+        return grpc_status_code in (GrpcCode.UNAVAILABLE, GrpcCode.DEADLINE_EXCEEDED)
+
+    if effective == Evidence.NOT_SENT:
+        open_ = False
+    elif effective == Evidence.SENT_NO_RESPONSE:
+        open_ = True
+    elif effective == Evidence.PARTIAL_RESPONSE:
+        # The effect happened and its result was lost on the way, unless an
+        # error status says what happened.
+        if (not http_status and not grpc_status_code) or 200 <= http_status <= 399:
+            open_ = True
+        else:
+            open_ = status_leaves_it_open()
+    else:
+        open_ = status_leaves_it_open()
+    return mark if open_ else UnknownOutcome.NONE
 
 
 def parse_retry_after(value: Optional[str], now: Optional[float] = None) -> Optional[float]:
@@ -175,6 +225,7 @@ def local_decide(
     claimed = int(evidence) != 0
     idem = _as(Idempotency, idempotency, Idempotency.NON_IDEMPOTENT)
     safe = isinstance(idem, Idempotency) and idem.is_safely_idempotent
+    mark = unknown_outcome(idempotency, effective, http_status, int(grpc_status_code))
 
     def answer(verdict: Verdict, deny: DenyReason, rule: int, why: str, backoff: float = 0.0,
                refresh: bool = False) -> Decision:
@@ -190,6 +241,7 @@ def local_decide(
             tokens_remaining=math.nan,
             explanation=f"{reason}; local rule: {why}",
             fallback=True,
+            unknown_outcome=mark,
         )
 
     def deny(reason_: DenyReason, rule: int, why: str) -> Decision:

@@ -43,7 +43,11 @@ failure, sleep the backoff with no call in flight, and try again, within
 the call's deadline (its ``timeout=``), which bounds every attempt and every
 backoff and is passed to retryd on each decision. The first attempt is
 counted on the retryd client's reporter. With ``retries=False`` they only
-classify: the error raised carries ``retryd_outcome``.
+classify: the error raised carries ``retryd_outcome``. A call that ends
+with its outcome unknown (AMBIGUOUS, a DENY with an ``unknown_outcome``
+mark, or a non-idempotent call whose deadline passed after it was sent,
+decided locally) raises :class:`AmbiguousRpcError` /
+:class:`AmbiguousAioRpcError`.
 
 Switch off grpcio's own retries for the channels retryd governs: give no
 ``retryPolicy`` in the channel's service config (``grpc.service_config``)
@@ -65,9 +69,9 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union, ca
 import grpc
 import grpc.aio
 
-from ._types import Body, Decision, Evidence, FailureKind, Idempotency, IdempotencyLike, Verdict
+from ._types import Body, Decision, Evidence, FailureKind, Idempotency, IdempotencyLike
 from .client import AsyncClient, Client, Seconds, _seconds
-from .errors import AmbiguousExecutionError
+from .errors import AmbiguousExecutionError, describe_ambiguity
 
 #: The trailer of gRFC A6, passed to retryd raw.
 PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
@@ -183,9 +187,16 @@ def outcome_of(error: BaseException) -> Optional[GrpcOutcome]:
     return outcome if isinstance(outcome, GrpcOutcome) else None
 
 
-def _attach(error: BaseException, outcome: GrpcOutcome, decision: Optional[Decision]) -> None:
+def attempts_of(error: BaseException) -> Optional[int]:
+    """How many attempts an interceptor sent for a failed call (None if it did not say)."""
+    attempts = getattr(error, "retryd_attempts", None)
+    return attempts if isinstance(attempts, int) else None
+
+
+def _attach(error: BaseException, outcome: GrpcOutcome, decision: Optional[Decision], attempts: int) -> None:
     try:
         error.retryd_outcome = outcome  # type: ignore[attr-defined]
+        error.retryd_attempts = attempts  # type: ignore[attr-defined]
         if decision is not None:
             error.retryd_decision = decision  # type: ignore[attr-defined]
     except AttributeError:  # an error type with __slots__
@@ -203,7 +214,7 @@ else:
 
 
 class AmbiguousRpcError(AmbiguousExecutionError, grpc.RpcError, grpc.Call, _Future):
-    """AMBIGUOUS from a sync interceptor: the call may have taken effect.
+    """An unknown outcome from a sync interceptor (AMBIGUOUS, or a DENY with a mark): the call may have taken effect.
 
     Both an :class:`~retryd.AmbiguousExecutionError` (``.decision``) and the
     failed call (``code()``, ``details()``, ``trailing_metadata()``, and
@@ -214,6 +225,7 @@ class AmbiguousRpcError(AmbiguousExecutionError, grpc.RpcError, grpc.Call, _Futu
         AmbiguousExecutionError.__init__(self, decision, None)
         self.call = call
         self.__cause__ = call
+        self.retryd_attempts = attempts_of(call)
 
     def _call(self) -> Any:
         return self.call
@@ -273,9 +285,10 @@ class AmbiguousAioRpcError(AmbiguousExecutionError, grpc.aio.AioRpcError):
         self.decision = decision
         self.response = None
         self.__cause__ = call
+        self.retryd_attempts = attempts_of(call)
 
     def __str__(self) -> str:
-        return f"ambiguous execution: {self.decision.explanation or 'request may have taken effect'}"
+        return describe_ambiguity(self.decision)
 
 
 #: How an interceptor learns each method's idempotency: one value for every
@@ -355,18 +368,20 @@ class _Policy:
 class _Call:
     """One intercepted call across its attempts."""
 
-    def __init__(self, policy: _Policy, method: str, timeout: Optional[float]) -> None:
+    def __init__(self, policy: _Policy, method: str, timeout: Optional[float],
+                 clock: Callable[[], float]) -> None:
         self.policy = policy
+        self.clock = clock
         self.method = method
         self.idempotency = policy.idempotency_of(method)
         total = timeout if timeout is not None else policy.deadline
-        self.deadline_at = None if total is None else time.monotonic() + total
+        self.deadline_at = None if total is None else clock() + total
         self.attempt = 0
         self.previous_backoff: Optional[float] = None
         self.auth_refresh_attempted = False
 
     def remaining(self) -> Optional[float]:
-        return None if self.deadline_at is None else max(0.0, self.deadline_at - time.monotonic())
+        return None if self.deadline_at is None else max(0.0, self.deadline_at - self.clock())
 
     def begin(self) -> Optional[float]:
         """Counts the attempt; returns its timeout (the rest of the deadline, or less)."""
@@ -432,7 +447,9 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
     called before the one replay retryd allows after UNAUTHENTICATED; it may
     return metadata entries to replace on the replay. ``retries=False``
     only classifies. A unary request is a message with a deterministic
-    codec, so ``body`` defaults to ENCODED_VALUE (replayable).
+    codec, so ``body`` defaults to ENCODED_VALUE (replayable). ``sleep``
+    waits the backoffs and ``clock`` (monotonic seconds) measures the
+    deadline: replace both to run the loop on a fake clock (tests).
 
     A denied call raises grpcio's own error, carrying ``retryd_decision``
     and ``retryd_outcome`` (see :func:`decision_of`); AMBIGUOUS raises
@@ -454,6 +471,7 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
         reporter: Any = CLIENT_REPORTER,
         on_refresh_credentials: Optional[Callable[[], RefreshResult]] = None,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._policy = _Policy(retryd, upstream=upstream, idempotency=idempotency, retries=retries,
                                deadline=deadline, attempt_timeout=attempt_timeout, max_attempts=max_attempts,
@@ -461,9 +479,11 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
         self._retryd = retryd
         self._refresh = on_refresh_credentials
         self._sleep = sleep
+        self._clock = clock
 
     def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
-        state = _Call(self._policy, _method_name(client_call_details.method), client_call_details.timeout)
+        state = _Call(self._policy, _method_name(client_call_details.method), client_call_details.timeout,
+                      self._clock)
         metadata = client_call_details.metadata
         while True:
             details = _SyncDetails(
@@ -480,12 +500,11 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
                 return outcome  # a response, or a failure that is no RPC's (passed through)
             classified = classify_rpc_error(error)
             if not self._policy.retries:
-                _attach(error, classified, None)
+                _attach(error, classified, None, state.attempt)
                 return outcome
-            decision = self._retryd.decide(**state.decide_kwargs(classified))
-            _attach(error, classified, decision)
-            if decision.verdict == Verdict.AMBIGUOUS:
-                return AmbiguousRpcError(decision, error)
+            decision = (self._retryd.decide_past_deadline(**state.decide_kwargs(classified))
+                        if state.out_of_time() else self._retryd.decide(**state.decide_kwargs(classified)))
+            _attach(error, classified, decision, state.attempt)
             retry = state.retrying(decision)
             if retry and decision.refresh_credentials:
                 if self._refresh is None:
@@ -500,7 +519,8 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
                     self._sleep(wait)  # no call is in flight while waiting
                 retry = not state.out_of_time()
             if not retry:
-                return outcome
+                # An unknown outcome (AMBIGUOUS, or a DENY with a mark) is never the plain failure.
+                return AmbiguousRpcError(decision, error) if decision.is_outcome_unknown else outcome
 
 
 class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
@@ -526,6 +546,7 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
         reporter: Any = CLIENT_REPORTER,
         on_refresh_credentials: Optional[Callable[[], Union[RefreshResult, Awaitable[RefreshResult]]]] = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._policy = _Policy(retryd, upstream=upstream, idempotency=idempotency, retries=retries,
                                deadline=deadline, attempt_timeout=attempt_timeout, max_attempts=max_attempts,
@@ -533,9 +554,11 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
         self._retryd = retryd
         self._refresh = on_refresh_credentials
         self._sleep = sleep
+        self._clock = clock
 
     async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
-        state = _Call(self._policy, _method_name(client_call_details.method), client_call_details.timeout)
+        state = _Call(self._policy, _method_name(client_call_details.method), client_call_details.timeout,
+                      self._clock)
         metadata = client_call_details.metadata
         while True:
             details = grpc.aio.ClientCallDetails(
@@ -551,12 +574,11 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
             except grpc.aio.AioRpcError as error:
                 classified = classify_rpc_error(error)
                 if not self._policy.retries:
-                    _attach(error, classified, None)
+                    _attach(error, classified, None, state.attempt)
                     raise
-                decision = await self._retryd.decide(**state.decide_kwargs(classified))
-                _attach(error, classified, decision)
-                if decision.verdict == Verdict.AMBIGUOUS:
-                    raise AmbiguousAioRpcError(decision, error) from error
+                decision = (self._retryd.decide_past_deadline(**state.decide_kwargs(classified))
+                            if state.out_of_time() else await self._retryd.decide(**state.decide_kwargs(classified)))
+                _attach(error, classified, decision, state.attempt)
                 retry = state.retrying(decision)
                 if retry and decision.refresh_credentials:
                     if self._refresh is None:
@@ -572,6 +594,8 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
                         await self._sleep(wait)
                     retry = not state.out_of_time()
                 if not retry:
+                    if decision.is_outcome_unknown:
+                        raise AmbiguousAioRpcError(decision, error) from error
                     raise
             else:
                 return call
@@ -586,6 +610,7 @@ __all__ = [
     "IdempotencyRule",
     "PUSHBACK_TRAILER",
     "RetryInterceptor",
+    "attempts_of",
     "classify_rpc_error",
     "decision_of",
     "outcome_of",

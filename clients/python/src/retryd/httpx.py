@@ -41,7 +41,15 @@ sleep the backoff, so no connection is held while waiting. First attempts
 are counted on the client's :class:`~retryd.reporter.TrafficReporter`
 (``retryd.reporter``) unless ``reporter=None``. The caller's ``deadline``
 bounds every phase of every attempt and every backoff; the decision about
-a returned response is in ``response.extensions["retryd.decision"]``.
+a returned response is in ``response.extensions["retryd.decision"]``. A
+call that ends with its outcome unknown (AMBIGUOUS, or a DENY with an
+``unknown_outcome`` mark) raises :class:`~retryd.errors.AmbiguousExecutionError`.
+
+httpx and httpcore send nothing again by themselves once any of a request
+was written: httpcore takes another connection only for a request it has
+not sent (a pooled connection found closed, an HTTP/2 stream above a
+GOAWAY's last-stream-id), and its ``retries=`` repeats only failed
+connects. tests/test_issue38.py counts reads at the server to show it.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from typing import Any, Callable, Optional, Protocol, TypeVar, Union, cast
 
 import httpx
 
-from ._types import Body, Decision, Evidence, FailureKind, IdempotencyLike, Verdict
+from ._types import Body, Decision, Evidence, FailureKind, IdempotencyLike
 from .client import AsyncClient, Client, Seconds, _seconds
 from .errors import AmbiguousExecutionError
 from .reporter import TrafficReporter
@@ -251,6 +259,15 @@ def decision_of(outcome: Union[httpx.Response, BaseException]) -> Optional[Decis
     return decision if isinstance(decision, Decision) else None
 
 
+def attempts_of(outcome: Union[httpx.Response, BaseException]) -> Optional[int]:
+    """How many attempts the adapter sent for a returned response or a raised error (None if unknown)."""
+    if isinstance(outcome, httpx.Response):
+        attempts = outcome.extensions.get(ATTEMPTS_EXTENSION)
+    else:
+        attempts = getattr(outcome, "retryd_attempts", None)
+    return attempts if isinstance(attempts, int) else None
+
+
 def _capped(timeout: httpx.Timeout, remaining: Optional[float]) -> httpx.Timeout:
     """Every phase of an attempt waits at most what is left of the deadline."""
     if remaining is None:
@@ -276,8 +293,10 @@ class _Loop:
         deadline: Optional[Seconds],
         max_attempts: int,
         reporter: Optional[_Records],
+        clock: Callable[[], float],
     ) -> None:
         self.upstream = upstream
+        self.clock = clock
         self.idempotency = idempotency
         self.operation = operation
         self.body = body
@@ -286,14 +305,14 @@ class _Loop:
         seconds = _seconds(deadline)
         if seconds is not None and seconds < 0:
             raise ValueError(f"deadline: must not be negative, got {seconds!r}")
-        self.deadline_at = None if seconds is None else time.monotonic() + seconds
+        self.deadline_at = None if seconds is None else clock() + seconds
         self.attempt = 0
         self.previous_backoff: Optional[float] = None
         self.auth_refresh_attempted = False
         self.decisions: list[Decision] = []
 
     def remaining(self) -> Optional[float]:
-        return None if self.deadline_at is None else max(0.0, self.deadline_at - time.monotonic())
+        return None if self.deadline_at is None else max(0.0, self.deadline_at - self.clock())
 
     def begin(self, build: dict[str, Any], default_timeout: httpx.Timeout) -> dict[str, Any]:
         """Counts the attempt (the first one on the reporter) and bounds its timeouts."""
@@ -327,10 +346,29 @@ class _Loop:
         response.extensions[ATTEMPTS_EXTENSION] = self.attempt
         return response
 
+    def end(self, decision: Decision, response: Optional[httpx.Response],
+            error: Optional[BaseException]) -> httpx.Response:
+        """The call's result when it is not retried: the response, or the error to raise.
+
+        A call whose outcome is unknown (AMBIGUOUS, or a DENY carrying a mark)
+        raises :class:`AmbiguousExecutionError`, never the plain failure.
+        """
+        if decision.is_outcome_unknown:
+            if response is not None:
+                self.finish(response, decision)
+            ambiguous = AmbiguousExecutionError(decision, response)
+            ambiguous.retryd_attempts = self.attempt  # type: ignore[attr-defined]
+            raise ambiguous from error
+        if error is not None:
+            raise self.fail(error, decision)
+        assert response is not None
+        return self.finish(response, decision)
+
     def fail(self, error: BaseException, decision: Decision) -> BaseException:
         _note(error, decision)
         try:
             error.retryd_decision = decision  # type: ignore[attr-defined]
+            error.retryd_attempts = self.attempt  # type: ignore[attr-defined]
         except AttributeError:  # an exception type with __slots__
             pass
         return error
@@ -377,6 +415,7 @@ def request_with_retries(
     reporter: Optional[TrafficReporter] = CLIENT_REPORTER,
     on_refresh_credentials: Optional[Callable[[], None]] = None,
     sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
     **kwargs: Any,
 ) -> httpx.Response:
     """Sends a request with httpx, retrying as retryd decides.
@@ -401,11 +440,18 @@ def request_with_retries(
     decision about that response (None if retryd was not asked), and
     :func:`decision_of` reads it. Re-raises the last transport error when
     retryd denies retrying it (the decision is in its notes and in
-    ``decision_of(error)``). Raises
-    :class:`~retryd.errors.AmbiguousExecutionError` when retryd answers
-    AMBIGUOUS. After a 401 retryd may ask to refresh credentials:
+    ``decision_of(error)``) and the outcome is settled. Raises
+    :class:`~retryd.errors.AmbiguousExecutionError` when the call ends with
+    its outcome unknown: an AMBIGUOUS answer, or a decision carrying an
+    ``unknown_outcome`` mark (a DENY such as BUDGET_EXHAUSTED, or an attempt
+    the caller's deadline ended after it was sent, which is decided locally
+    without asking retryd). :func:`attempts_of` says how many attempts were
+    sent. After a 401 retryd may ask to refresh credentials:
     ``on_refresh_credentials`` is called before the replay (if it is not
     given, the 401 response is returned).
+
+    ``sleep`` waits the backoffs and ``clock`` (monotonic seconds) measures
+    the deadline: replace both to run the loop on a fake clock (tests).
     """
     build, send = _split(kwargs)
     loop = _Loop(
@@ -416,6 +462,7 @@ def request_with_retries(
         deadline=deadline,
         max_attempts=max_attempts,
         reporter=_reporter_for(retryd, reporter),
+        clock=clock,
     )
     while True:
         request = http.build_request(method, url, **loop.begin(build, http.timeout))
@@ -436,12 +483,9 @@ def request_with_retries(
                     return loop.finish(response, None)
                 outcome = classify_response(response)
 
-        decision = retryd.decide(**loop.decide_kwargs(outcome))
+        decision = (retryd.decide_past_deadline(**loop.decide_kwargs(outcome)) if loop.out_of_time()
+                    else retryd.decide(**loop.decide_kwargs(outcome)))
         loop.decided(decision)
-        if decision.verdict == Verdict.AMBIGUOUS:
-            if response is not None:
-                loop.finish(response, decision)
-            raise AmbiguousExecutionError(decision, response) from error
         retry = decision.should_retry and loop.attempt < _MAX_LOOP
         if retry and decision.refresh_credentials:
             if on_refresh_credentials is None:
@@ -456,10 +500,7 @@ def request_with_retries(
                 sleep(wait)
             retry = not loop.out_of_time()
         if not retry:
-            if error is not None:
-                raise loop.fail(error, decision)
-            assert response is not None
-            return loop.finish(response, decision)
+            return loop.end(decision, response, error)
 
 
 async def arequest_with_retries(
@@ -478,6 +519,7 @@ async def arequest_with_retries(
     reporter: Optional[_Records] = CLIENT_REPORTER,
     on_refresh_credentials: Optional[Callable[[], Union[None, Awaitable[None]]]] = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    clock: Callable[[], float] = time.monotonic,
     **kwargs: Any,
 ) -> httpx.Response:
     """The asyncio twin of :func:`request_with_retries`.
@@ -499,6 +541,7 @@ async def arequest_with_retries(
         deadline=deadline,
         max_attempts=max_attempts,
         reporter=_reporter_for(retryd, reporter),
+        clock=clock,
     )
     while True:
         request = http.build_request(method, url, **loop.begin(build, http.timeout))
@@ -519,12 +562,9 @@ async def arequest_with_retries(
                     return loop.finish(response, None)
                 outcome = classify_response(response)
 
-        decision = await retryd.decide(**loop.decide_kwargs(outcome))
+        decision = (retryd.decide_past_deadline(**loop.decide_kwargs(outcome)) if loop.out_of_time()
+                    else await retryd.decide(**loop.decide_kwargs(outcome)))
         loop.decided(decision)
-        if decision.verdict == Verdict.AMBIGUOUS:
-            if response is not None:
-                loop.finish(response, decision)
-            raise AmbiguousExecutionError(decision, response) from error
         retry = decision.should_retry and loop.attempt < _MAX_LOOP
         if retry and decision.refresh_credentials:
             if on_refresh_credentials is None:
@@ -541,10 +581,7 @@ async def arequest_with_retries(
                 await sleep(wait)
             retry = not loop.out_of_time()
         if not retry:
-            if error is not None:
-                raise loop.fail(error, decision)
-            assert response is not None
-            return loop.finish(response, decision)
+            return loop.end(decision, response, error)
 
 
 #: Added to the remaining deadline before an async attempt is cut, so that
@@ -573,6 +610,7 @@ __all__ = [
     "DEFAULT_RETRY_STATUSES",
     "Outcome",
     "arequest_with_retries",
+    "attempts_of",
     "body_of",
     "classify_exception",
     "classify_response",

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
 from .errors import InvalidRequestError, RetrydError
+from .outage import Outage
 
 log = logging.getLogger("retryd")
 
@@ -97,15 +98,17 @@ class _Book:
     is guarded by ``lock`` because ``record`` runs on any thread.
     """
 
-    def __init__(self, max_upstreams: int, resend_window: float) -> None:
+    def __init__(self, max_upstreams: int, resend_window: float, target: str) -> None:
         self.max_upstreams = max_upstreams
+        self.target = target
+        #: One warning when sends start failing, one (with counts) when one is delivered again.
+        self.outage = Outage("traffic reports", "failed sends (each re-sent with the same id)")
         self.resend_window = resend_window
         self.dropped_requests = 0
         self.dropped_batches = 0
         self.lock = threading.Lock()
         self.pending: dict[str, int] = {}
         self.unsent: list[Batch] = []
-        self.failing = False
 
     def record(self, upstream: str, requests: int) -> None:
         if requests <= 0:
@@ -143,9 +146,7 @@ class _Book:
 
     def sent(self, batch: Batch) -> None:
         self.unsent.remove(batch)
-        if self.failing:
-            self.failing = False
-            log.info("retryd: traffic reports are delivered again")
+        self.outage.succeeded(self.target, f"; delivered the held batch of {batch.requests} requests")
 
     def failed(self, batch: Batch, error: BaseException) -> bool:
         """Handles a failed send; True if the batch is kept for a re-send."""
@@ -153,10 +154,8 @@ class _Book:
             self.unsent.remove(batch)
             self._drop(batch, str(error))
             return False
-        if not self.failing:
-            # One warning per outage: the thread retries every interval.
-            self.failing = True
-            log.warning("retryd: traffic report failed, will re-send it with the same id: %s", error)
+        # One warning per outage, not one per re-send (every interval).
+        self.outage.failed(f"report of {batch.requests} requests kept for a re-send: {error}", self.target)
         return True
 
     def _drop(self, batch: Batch, why: str) -> None:
@@ -186,7 +185,7 @@ class TrafficReporter:
             raise ValueError(f"interval: must be positive, got {interval!r}")
         self._client = client
         self.interval = interval
-        self._book = _Book(max_upstreams, resend_window)
+        self._book = _Book(max_upstreams, resend_window, str(getattr(client, "target", "?")))
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -274,7 +273,7 @@ class AsyncTrafficReporter:
             raise ValueError(f"interval: must be positive, got {interval!r}")
         self._client = client
         self.interval = interval
-        self._book = _Book(max_upstreams, resend_window)
+        self._book = _Book(max_upstreams, resend_window, str(getattr(client, "target", "?")))
         self._send_lock: Optional[asyncio.Lock] = None
         self._task: Optional[asyncio.Task[None]] = None
         self._closed = False
