@@ -66,6 +66,8 @@ public final class RetrydClient implements AutoCloseable {
   private static final Logger LOG = Logger.getLogger("dev.retryd.client");
   /** The least time a decision call gets when the caller's deadline is nearly over. */
   static final Duration MIN_CALL_TIMEOUT = Duration.ofMillis(50);
+  /** The most the first decision after a successful eager connect waits for retryd. */
+  static final Duration FIRST_CALL_TIMEOUT = Duration.ofSeconds(1);
   /** How often a channel in TRANSIENT_FAILURE is told to reconnect now. */
   static final Duration RECONNECT_INTERVAL = Duration.ofSeconds(1);
   /** The most entries one ReportTraffic call may carry. */
@@ -82,6 +84,12 @@ public final class RetrydClient implements AutoCloseable {
   private final ScheduledExecutorService scheduler;
   private final ShadowDivergences shadowDivergences;
   private final Outage outage = new Outage();
+  // True from a successful eager connect until the first decision call: that
+  // call may wait up to FIRST_CALL_TIMEOUT (still bounded by the request's
+  // deadline), since what it pays for beyond retryd's answer is this JVM's
+  // first-call warm-up (over 200ms in a cold JVM at a load average of 13 here),
+  // not retryd's health.
+  private final java.util.concurrent.atomic.AtomicBoolean firstCall = new java.util.concurrent.atomic.AtomicBoolean();
   private volatile boolean closed;
 
   private RetrydClient(Builder builder) {
@@ -102,7 +110,7 @@ public final class RetrydClient implements AutoCloseable {
               return thread;
             });
     watchConnectivity(channel.getState(false));
-    connectEagerly(builder.connectTimeout);
+    firstCall.set(connectEagerly(builder.connectTimeout));
   }
 
   /**
@@ -114,13 +122,18 @@ public final class RetrydClient implements AutoCloseable {
    * bounded by {@code connectTimeout}. Its outcome only warms the channel: a
    * retryd that is down is found out, and warned about, by the first decision.
    */
-  private void connectEagerly(Duration connectTimeout) {
-    // The classes of a decision, loaded here rather than on its clock.
-    DecideResponse.getDefaultInstance();
-    RetryDeciderGrpc.getDecideMethod();
+  private boolean connectEagerly(Duration connectTimeout) {
+    // A decision's marshalling, run once here rather than on its clock.
+    MethodDescriptor<DecideRequest, DecideResponse> decide = RetryDeciderGrpc.getDecideMethod();
+    try (java.io.InputStream bytes = decide.getRequestMarshaller().stream(DecideRequest.newBuilder().setUpstream("warm-up").build())) {
+      bytes.readAllBytes();
+      decide.getResponseMarshaller().parse(decide.getResponseMarshaller().stream(DecideResponse.getDefaultInstance()));
+    } catch (java.io.IOException | RuntimeException notWarmed) {
+      LOG.log(Level.FINE, "retryd: warm-up of the decision path failed", notWarmed);
+    }
     if (connectTimeout.isZero()) {
       channel.getState(true); // start connecting, do not wait
-      return;
+      return false;
     }
     MethodDescriptor<byte[], byte[]> check =
         MethodDescriptor.<byte[], byte[]>newBuilder()
@@ -133,9 +146,20 @@ public final class RetrydClient implements AutoCloseable {
       io.grpc.stub.ClientCalls.blockingUnaryCall(
           decorated, check, io.grpc.CallOptions.DEFAULT.withDeadlineAfter(connectTimeout.toNanos(), TimeUnit.NANOSECONDS),
           new byte[0]);
+      return true;
     } catch (StatusRuntimeException notYet) {
+      // UNIMPLEMENTED still means retryd answered; anything else, it did not.
       LOG.log(Level.FINE, "retryd: eager connect did not complete ({0})", notYet.getStatus());
+      return notYet.getStatus().getCode() == Status.Code.UNIMPLEMENTED;
     }
+  }
+
+  /** The bound of a decision call: the first one after a successful connect may take up to FIRST_CALL_TIMEOUT. */
+  private Duration limitFor(Duration limit) {
+    if (firstCall.get() && firstCall.compareAndSet(true, false) && FIRST_CALL_TIMEOUT.compareTo(limit) > 0) {
+      return FIRST_CALL_TIMEOUT;
+    }
+    return limit;
   }
 
   /** A marshaller of raw message bytes (an empty HealthCheckRequest is zero bytes). */
@@ -175,7 +199,7 @@ public final class RetrydClient implements AutoCloseable {
     private final String target;
     private final ManagedChannel channel;
     private Duration timeout = Duration.ofMillis(200);
-    private Duration connectTimeout = Duration.ofSeconds(2);
+    private Duration connectTimeout = Duration.ofSeconds(5);
     private LocalPolicy fallback = LocalPolicy.DEFAULT;
     private Supplier<TraceContext> traceContext = () -> null;
     private final Map<String, String> headers = new LinkedHashMap<>();
@@ -196,9 +220,11 @@ public final class RetrydClient implements AutoCloseable {
     }
 
     /**
-     * How long {@link #build()} waits for the connection to retryd (2s by
+     * How long {@link #build()} waits for the connection to retryd (5s by
      * default): the client connects when it is built, not on the first
-     * decision's 200ms. Zero: start connecting and return at once. A retryd that
+     * decision's 200ms. In a cold JVM on a loaded 2-core machine, netty's first
+     * connect alone took more than 2s; a refused connection returns at once, so
+     * the bound is only reached when retryd accepts and does not answer. Zero: start connecting and return at once. A retryd that
      * is not up by then costs nothing more: decisions fall back until it is.
      */
     public Builder connectTimeout(Duration value) {
@@ -274,7 +300,7 @@ public final class RetrydClient implements AutoCloseable {
    * @throws RetrydUnavailableException if retryd cannot answer and the fallback is off
    */
   public Decision decide(DecideRequest request) {
-    return call(request, callTimeout(request, timeout));
+    return call(request, callTimeout(request, limitFor(timeout)));
   }
 
   /**
@@ -333,7 +359,7 @@ public final class RetrydClient implements AutoCloseable {
   public CompletableFuture<Decision> decideAsync(DecideRequest request) {
     CompletableFuture<Decision> result = new CompletableFuture<>();
     RetryDeciderGrpc.newStub(decorated)
-        .withDeadlineAfter(callTimeout(request, timeout).toNanos(), TimeUnit.NANOSECONDS)
+        .withDeadlineAfter(callTimeout(request, limitFor(timeout)).toNanos(), TimeUnit.NANOSECONDS)
         .decide(
             request,
             new StreamObserver<DecideResponse>() {

@@ -45,7 +45,10 @@ import retryd.v1.Retryd.Idempotency;
  * ask about, or when retryd denies retrying it ({@link RetriedResponse#decision()});
  * the last attempt's exception, unchanged, when retryd denies retrying it (the
  * decision is attached: {@link #decisionOf(Throwable)}); {@link
- * AmbiguousExecutionException} when retryd answers AMBIGUOUS.
+ * AmbiguousExecutionException} when the call may have taken effect upstream and
+ * is not retried (AMBIGUOUS, or a DENY carrying {@link Decision#unknownOutcome()}).
+ * When the caller's deadline ran out during an attempt, retryd is not asked: the
+ * local rule decides (DENY DEADLINE, with the same mark).
  *
  * <p>No hidden re-sends. The JDK's {@code MultiExchange} re-sends a request once
  * by itself when the exchange failed with an {@code IOException} before any
@@ -62,7 +65,8 @@ import retryd.v1.Retryd.Idempotency;
  * after {@code ConnectException} writes no request; redirects and {@code
  * Authenticator} replays the HttpClient would make by itself are refused the
  * same way, so leave redirects at {@code Redirect.NEVER}, the default, and use
- * {@link RetryOptions.Builder#onRefreshCredentials} for 401s.)
+ * {@link RetryOptions.Builder#onRefreshCredentials} for 401s.) Verified on JDK
+ * 17 (HttpAdapterTest counts the requests a server reads, fresh and pooled).
  */
 public final class RetryingHttpClient implements AutoCloseable {
   /** A hard stop, whatever retryd or the fallback says. */
@@ -167,7 +171,9 @@ public final class RetryingHttpClient implements AutoCloseable {
   /**
    * Sends {@code request}, retrying as retryd decides (see the class comment).
    *
-   * @throws AmbiguousExecutionException when retryd answers AMBIGUOUS
+   * @throws AmbiguousExecutionException when the call may have taken effect and
+   *     is not retried: AMBIGUOUS, or a DENY with an unknown-outcome mark (the
+   *     caller's deadline after the request was sent included, decided locally)
    * @throws IOException the last attempt's failure, when retryd denies a retry
    *     (or {@link HttpTimeoutException} when the deadline ran out during an attempt)
    * @throws IllegalArgumentException when the idempotency is neither declared nor given by an Idempotency-Key

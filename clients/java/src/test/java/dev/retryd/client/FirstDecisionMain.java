@@ -15,12 +15,14 @@ public final class FirstDecisionMain {
   private FirstDecisionMain() {}
 
   public static void main(String[] args) {
+    long beforeBuild = System.nanoTime();
     try (RetrydClient retryd = RetrydClient.builder(args[0]).build()) {
+      long buildMillis = (System.nanoTime() - beforeBuild) / 1_000_000;
       Decision decision =
           retryd.decide(DecideRequest.newBuilder().setUpstream("java-first").setOperation("GET /items")
               .setIdempotency(Idempotency.IDEMPOTENCY_SAFE).setAttempt(1).setFailure(FailureKind.FAILURE_KIND_CONNECT).build());
       long sinceStart = System.currentTimeMillis() - ManagementFactory.getRuntimeMXBean().getStartTime();
-      System.out.println("FIRST fallback=" + decision.fallback() + " ms_from_jvm_start=" + sinceStart);
+      System.out.println("FIRST fallback=" + decision.fallback() + " ms_from_jvm_start=" + sinceStart + " ms_build=" + buildMillis);
     }
   }
 }

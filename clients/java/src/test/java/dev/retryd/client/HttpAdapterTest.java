@@ -46,9 +46,10 @@ class HttpAdapterTest {
   private RetrydClient retryd;
   private HttpClient http;
   private RetryingHttpClient adapter;
-  // For the deadline tests: with the deadline spent, the decision call gets
-  // only its 50ms floor, which a loaded machine can miss; the local rule then
-  // says the same DENY DEADLINE, so these tests allow the fallback.
+  // For the deadline tests: a deadline spent during an attempt is decided by
+  // the local rule (retryd is not asked); one that is nearly spent gives the
+  // decision call only its 50ms floor, which a loaded machine can miss, and the
+  // local rule then says the same DENY DEADLINE, so these tests allow the fallback.
   private RetrydClient retrydOrLocal;
   private RetryingHttpClient deadlineAdapter;
 
