@@ -30,6 +30,13 @@ cd "$here"
 # -o with file: allowed: Maven resolves only from the file:// mirror of
 # settings-debian.xml and never tries the network. The local repository is a
 # cache under this directory, so /usr/share/maven-repo is never written to.
-exec mvn -B -o -Daether.offline.protocols=file \
+mvn -B -o -Daether.offline.protocols=file \
   -s "$here/settings-debian.xml" -Dmaven.repo.local="$here/.m2" \
   test "$@"
+# The whole suite (no arguments) also checks offline use as the README tells
+# it: install-local.sh from a copy outside the repository, then an outside
+# project built against the installed client. (The README's code blocks are
+# compiled by ReadmeExamplesTest, part of the suite.)
+if [[ $# -eq 0 ]]; then
+  bash "$here/check-offline-use.sh"
+fi

@@ -5,6 +5,7 @@ import java.util.Objects;
 import retryd.v1.Retryd.DecideResponse;
 import retryd.v1.Retryd.DenyReason;
 import retryd.v1.Retryd.Evidence;
+import retryd.v1.Retryd.UnknownOutcome;
 import retryd.v1.Retryd.Verdict;
 
 /**
@@ -23,6 +24,7 @@ public final class Decision {
   private final double tokensRemaining;
   private final String explanation;
   private final boolean fallback;
+  private final UnknownOutcome unknownOutcome;
   private final boolean shadow;
   private final Decision retrydDecision;
 
@@ -37,9 +39,10 @@ public final class Decision {
       String decisionId,
       double tokensRemaining,
       String explanation,
-      boolean fallback) {
+      boolean fallback,
+      UnknownOutcome unknownOutcome) {
     this(verdict, backoff, denyReason, refreshCredentials, rule, effectiveEvidence, evidenceAdjusted, decisionId,
-        tokensRemaining, explanation, fallback, false, null);
+        tokensRemaining, explanation, fallback, unknownOutcome, false, null);
   }
 
   private Decision(
@@ -54,6 +57,7 @@ public final class Decision {
       double tokensRemaining,
       String explanation,
       boolean fallback,
+      UnknownOutcome unknownOutcome,
       boolean shadow,
       Decision retrydDecision) {
     this.verdict = Objects.requireNonNull(verdict);
@@ -67,6 +71,9 @@ public final class Decision {
     this.tokensRemaining = tokensRemaining;
     this.explanation = Objects.requireNonNull(explanation);
     this.fallback = fallback;
+    // A value newer than this client reads as UNRECOGNIZED: unknown, so
+    // treated as "may have happened" (never as the plain failure).
+    this.unknownOutcome = Objects.requireNonNull(unknownOutcome);
     this.shadow = shadow;
     this.retrydDecision = retrydDecision;
   }
@@ -78,13 +85,13 @@ public final class Decision {
   static Decision shadowed(Decision local, Decision retryd) {
     return new Decision(local.verdict, local.backoff, local.denyReason, local.refreshCredentials, local.rule,
         local.effectiveEvidence, local.evidenceAdjusted, retryd.decisionId, local.tokensRemaining, local.explanation,
-        false, true, retryd);
+        false, local.unknownOutcome, true, retryd);
   }
 
   /** The same answer from retryd, marked as a shadow one (not enforced). */
   Decision asShadowAnswer() {
     return new Decision(verdict, backoff, denyReason, refreshCredentials, rule, effectiveEvidence, evidenceAdjusted,
-        decisionId, tokensRemaining, explanation, false, true, null);
+        decisionId, tokensRemaining, explanation, false, unknownOutcome, true, null);
   }
 
   /** The decision retryd sent. Values newer than this client read as UNSPECIFIED/UNRECOGNIZED. */
@@ -100,7 +107,8 @@ public final class Decision {
         response.getDecisionId(),
         response.getTokensRemaining(),
         response.getExplanation(),
-        false);
+        false,
+        response.getUnknownOutcome());
   }
 
   /** RETRY, DENY or AMBIGUOUS. */
@@ -153,7 +161,10 @@ public final class Decision {
     return explanation;
   }
 
-  /** True when the local rule decided because retryd could not answer. */
+  /**
+   * True when the local rule decided: retryd could not answer, or was not asked
+   * because the caller's deadline had run out during the attempt.
+   */
   public boolean fallback() {
     return fallback;
   }
@@ -182,6 +193,32 @@ public final class Decision {
     return verdict == Verdict.VERDICT_AMBIGUOUS;
   }
 
+  /**
+   * Whether the attempt may have taken effect upstream, whatever the verdict
+   * says: UNKNOWN_OUTCOME_RECONCILE (NON_IDEMPOTENT: reconcile before failing or
+   * re-sending), UNKNOWN_OUTCOME_RESEND_WITH_KEY (IDEMPOTENT_WITH_KEY: re-sending
+   * with the same key is safe, a new key is not), or UNKNOWN_OUTCOME_NONE (a DENY
+   * is then a plain failure). Computed by retryd, or by the local rule with the
+   * same definition.
+   */
+  public UnknownOutcome unknownOutcome() {
+    return unknownOutcome;
+  }
+
+  /**
+   * Whether a call ended by this decision must not be reported as failed:
+   * AMBIGUOUS, or a DENY carrying an {@link #unknownOutcome()} mark. The adapters
+   * raise {@link AmbiguousExecutionException} exactly then.
+   */
+  public boolean isOutcomeUnknown() {
+    return isAmbiguous() || (!shouldRetry() && unknownOutcome != UnknownOutcome.UNKNOWN_OUTCOME_NONE);
+  }
+
+  /** Whether the mark is RESEND_WITH_KEY: it may have happened; re-send with the same idempotency key. */
+  public boolean resendWithSameKey() {
+    return unknownOutcome == UnknownOutcome.UNKNOWN_OUTCOME_RESEND_WITH_KEY;
+  }
+
   @Override
   public String toString() {
     StringBuilder text = new StringBuilder("Decision{").append(verdict.name());
@@ -190,6 +227,9 @@ public final class Decision {
     }
     if (denyReason != DenyReason.DENY_REASON_UNSPECIFIED) {
       text.append(' ').append(denyReason.name());
+    }
+    if (unknownOutcome != UnknownOutcome.UNKNOWN_OUTCOME_NONE) {
+      text.append(", ").append(unknownOutcome.name());
     }
     text.append(", rule ").append(rule).append(", ").append(effectiveEvidence.name());
     if (fallback) {

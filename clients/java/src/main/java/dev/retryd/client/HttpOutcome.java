@@ -34,7 +34,7 @@ import retryd.v1.Retryd.FailureKind;
  *   <tr><td>another {@code SSLHandshakeException}, or "Unsupported or unrecognized SSL
  *       message" (the peer's first bytes were not TLS)</td><td>NOT_SENT</td><td>PRE_REQUEST_TLS</td></tr>
  *   <tr><td>{@code HttpTimeoutException} before the headers</td><td>SENT_NO_RESPONSE</td><td>RESPONSE_HEADER_TIMEOUT</td></tr>
- *   <tr><td>a reset, "header parser received no bytes", EOF, a closed channel, before the headers</td><td>SENT_NO_RESPONSE</td><td>CONNECTION_RESET</td></tr>
+ *   <tr><td>{@link ResendRefusedException}, a reset, "header parser received no bytes", EOF, a closed channel, before the headers</td><td>SENT_NO_RESPONSE</td><td>CONNECTION_RESET</td></tr>
  *   <tr><td>any other {@code IOException} before the headers (another {@code SSLException} included)</td><td>SENT_NO_RESPONSE</td><td>GENERIC_IO</td></tr>
  *   <tr><td>a body read that fails after the headers</td><td>PARTIAL_RESPONSE</td><td>DECODE_RESET (INTERRUPTED_STREAM for a timeout)</td></tr>
  *   <tr><td>a response</td><td>RESPONSE_RECEIVED</td><td>(status, Retry-After)</td></tr>
@@ -103,6 +103,9 @@ public final class HttpOutcome {
           has(error, HttpTimeoutException.class) ? FailureKind.FAILURE_KIND_INTERRUPTED_STREAM : FailureKind.FAILURE_KIND_DECODE_RESET;
       return new HttpOutcome(
           Evidence.EVIDENCE_PARTIAL_RESPONSE, failure, headers.statusCode(), headers.headers().firstValue("retry-after").orElse(null));
+    }
+    if (has(error, ResendRefusedException.class)) {
+      return sentNoResponse(FailureKind.FAILURE_KIND_CONNECTION_RESET);
     }
     if (has(error, HttpConnectTimeoutException.class)) {
       return notSent(FailureKind.FAILURE_KIND_CONNECT);

@@ -21,6 +21,7 @@ import retryd.v1.Retryd.Evidence;
 import retryd.v1.Retryd.FailureKind;
 import retryd.v1.Retryd.Idempotency;
 import retryd.v1.Retryd.Replayability;
+import retryd.v1.Retryd.UnknownOutcome;
 import retryd.v1.Retryd.Verdict;
 
 /**
@@ -243,7 +244,7 @@ public final class LocalRule {
     int http = request.getHttpStatus();
     int grpc = request.getGrpcStatusCode();
     Duration deadline = request.hasDeadlineRemaining() ? Durations.fromProto(request.getDeadlineRemaining()) : null;
-    Answer answer = new Answer(effective, adjusted, reason);
+    Answer answer = new Answer(effective, adjusted, reason, unknownOutcome(request, effective));
 
     int limit = request.getMaxAttempts() == 0 ? policy.maxAttempts() : Math.min(policy.maxAttempts(), request.getMaxAttempts());
     if (attempt >= limit) {
@@ -334,6 +335,50 @@ public final class LocalRule {
     return answer.retry(backoff, refresh, "retry " + effective.name());
   }
 
+  /**
+   * Whether the attempt may have taken effect upstream (retryd's
+   * {@code unknown_outcome}), from the facts alone, never from the verdict, so
+   * that no rule can hide it: the engine's definition
+   * (crates/retryd-engine/src/outcome.rs). Set where rule 8 or the status rules
+   * would answer AMBIGUOUS had no earlier rule denied (for a keyed call: would,
+   * were it not keyed). A gRPC UNAVAILABLE is open whatever a pushback says: a
+   * policy says whether to retry, not whether the server ran the call.
+   */
+  public static UnknownOutcome unknownOutcome(DecideRequest request, Evidence effective) {
+    UnknownOutcome mark;
+    switch (request.getIdempotency()) {
+      case IDEMPOTENCY_NON_IDEMPOTENT:
+        mark = UnknownOutcome.UNKNOWN_OUTCOME_RECONCILE;
+        break;
+      case IDEMPOTENCY_IDEMPOTENT_WITH_KEY:
+        mark = UnknownOutcome.UNKNOWN_OUTCOME_RESEND_WITH_KEY;
+        break;
+      default:
+        return UnknownOutcome.UNKNOWN_OUTCOME_NONE;
+    }
+    int http = request.getHttpStatus();
+    int grpc = request.getGrpcStatusCode();
+    boolean statusLeavesItOpen =
+        http != 0 ? http >= 502 && http <= 504 : grpc == GRPC_UNAVAILABLE || grpc == GRPC_DEADLINE_EXCEEDED;
+    boolean open;
+    switch (effective) {
+      case EVIDENCE_SENT_NO_RESPONSE:
+        open = true;
+        break;
+      case EVIDENCE_PARTIAL_RESPONSE:
+        // The effect happened and its result was lost on the way, unless an
+        // error status says what happened.
+        open = (http == 0 && grpc == 0) || (http >= 200 && http <= 399) || statusLeavesItOpen;
+        break;
+      case EVIDENCE_RESPONSE_RECEIVED:
+        open = statusLeavesItOpen;
+        break;
+      default:
+        open = false;
+    }
+    return open ? mark : UnknownOutcome.UNKNOWN_OUTCOME_NONE;
+  }
+
   private static long scaled(long baseNanos, int doublings) {
     if (doublings >= 62 || baseNanos > (Long.MAX_VALUE >> doublings)) {
       return Long.MAX_VALUE;
@@ -354,15 +399,18 @@ public final class LocalRule {
     private final Evidence effective;
     private final boolean adjusted;
     private final String reason;
+    private final UnknownOutcome unknownOutcome;
 
-    Answer(Evidence effective, boolean adjusted, String reason) {
+    Answer(Evidence effective, boolean adjusted, String reason, UnknownOutcome unknownOutcome) {
       this.effective = effective;
       this.adjusted = adjusted;
       this.reason = reason;
+      this.unknownOutcome = unknownOutcome;
     }
 
     private Decision make(Verdict verdict, Duration backoff, DenyReason deny, boolean refresh, int rule, String why) {
-      return new Decision(verdict, backoff, deny, refresh, rule, effective, adjusted, "", Double.NaN, reason + "; local rule: " + why, true);
+      return new Decision(verdict, backoff, deny, refresh, rule, effective, adjusted, "", Double.NaN, reason + "; local rule: " + why, true,
+          unknownOutcome);
     }
 
     Decision deny(DenyReason deny, int rule, String why) {

@@ -51,7 +51,8 @@ import retryd.v1.Retryd.UpstreamTraffic;
  * default), further bounded by the request's own {@code deadline_remaining}
  * (but never below 50ms, so that retryd can still say DENY DEADLINE itself).
  * When retryd cannot answer in time, the request is decided by the conservative
- * {@link LocalRule} ({@link Decision#fallback()} is true, a warning is logged),
+ * {@link LocalRule} ({@link Decision#fallback()} is true; one warning when
+ * retryd becomes unreachable and one when it answers again, with counts),
  * unless {@link Builder#noFallback()} asked for a {@link RetrydUnavailableException}
  * instead. An invalid request is never hidden by the fallback: it throws
  * {@link InvalidRequestException}.
@@ -65,6 +66,8 @@ public final class RetrydClient implements AutoCloseable {
   private static final Logger LOG = Logger.getLogger("dev.retryd.client");
   /** The least time a decision call gets when the caller's deadline is nearly over. */
   static final Duration MIN_CALL_TIMEOUT = Duration.ofMillis(50);
+  /** The most the first decision after a successful eager connect waits for retryd. */
+  static final Duration FIRST_CALL_TIMEOUT = Duration.ofSeconds(1);
   /** How often a channel in TRANSIENT_FAILURE is told to reconnect now. */
   static final Duration RECONNECT_INTERVAL = Duration.ofSeconds(1);
   /** The most entries one ReportTraffic call may carry. */
@@ -80,6 +83,13 @@ public final class RetrydClient implements AutoCloseable {
   private final LocalPolicy fallback;
   private final ScheduledExecutorService scheduler;
   private final ShadowDivergences shadowDivergences;
+  private final Outage outage = new Outage();
+  // True from a successful eager connect until the first decision call: that
+  // call may wait up to FIRST_CALL_TIMEOUT (still bounded by the request's
+  // deadline), since what it pays for beyond retryd's answer is this JVM's
+  // first-call warm-up (over 200ms in a cold JVM at a load average of 13 here),
+  // not retryd's health.
+  private final java.util.concurrent.atomic.AtomicBoolean firstCall = new java.util.concurrent.atomic.AtomicBoolean();
   private volatile boolean closed;
 
   private RetrydClient(Builder builder) {
@@ -100,6 +110,75 @@ public final class RetrydClient implements AutoCloseable {
               return thread;
             });
     watchConnectivity(channel.getState(false));
+    firstCall.set(connectEagerly(builder.connectTimeout));
+  }
+
+  /**
+   * Connects now, so that the first decision is not charged for the TCP and
+   * HTTP/2 handshakes and grpc-java's first-call class loading, which in a fresh
+   * JVM took longer than the 200ms decision timeout (the first decision fell
+   * back, 4 runs of 4). One gRPC health check ({@code grpc.health.v1.Health/Check},
+   * which retryd serves; raw bytes, so no generated health stubs are needed),
+   * bounded by {@code connectTimeout}. Its outcome only warms the channel: a
+   * retryd that is down is found out, and warned about, by the first decision.
+   */
+  private boolean connectEagerly(Duration connectTimeout) {
+    // A decision's marshalling, run once here rather than on its clock.
+    MethodDescriptor<DecideRequest, DecideResponse> decide = RetryDeciderGrpc.getDecideMethod();
+    try (java.io.InputStream bytes = decide.getRequestMarshaller().stream(DecideRequest.newBuilder().setUpstream("warm-up").build())) {
+      bytes.readAllBytes();
+      decide.getResponseMarshaller().parse(decide.getResponseMarshaller().stream(DecideResponse.getDefaultInstance()));
+    } catch (java.io.IOException | RuntimeException notWarmed) {
+      LOG.log(Level.FINE, "retryd: warm-up of the decision path failed", notWarmed);
+    }
+    if (connectTimeout.isZero()) {
+      channel.getState(true); // start connecting, do not wait
+      return false;
+    }
+    MethodDescriptor<byte[], byte[]> check =
+        MethodDescriptor.<byte[], byte[]>newBuilder()
+            .setType(MethodDescriptor.MethodType.UNARY)
+            .setFullMethodName("grpc.health.v1.Health/Check")
+            .setRequestMarshaller(RawBytes.INSTANCE)
+            .setResponseMarshaller(RawBytes.INSTANCE)
+            .build();
+    try {
+      io.grpc.stub.ClientCalls.blockingUnaryCall(
+          decorated, check, io.grpc.CallOptions.DEFAULT.withDeadlineAfter(connectTimeout.toNanos(), TimeUnit.NANOSECONDS),
+          new byte[0]);
+      return true;
+    } catch (StatusRuntimeException notYet) {
+      // UNIMPLEMENTED still means retryd answered; anything else, it did not.
+      LOG.log(Level.FINE, "retryd: eager connect did not complete ({0})", notYet.getStatus());
+      return notYet.getStatus().getCode() == Status.Code.UNIMPLEMENTED;
+    }
+  }
+
+  /** The bound of a decision call: the first one after a successful connect may take up to FIRST_CALL_TIMEOUT. */
+  private Duration limitFor(Duration limit) {
+    if (firstCall.get() && firstCall.compareAndSet(true, false) && FIRST_CALL_TIMEOUT.compareTo(limit) > 0) {
+      return FIRST_CALL_TIMEOUT;
+    }
+    return limit;
+  }
+
+  /** A marshaller of raw message bytes (an empty HealthCheckRequest is zero bytes). */
+  private enum RawBytes implements MethodDescriptor.Marshaller<byte[]> {
+    INSTANCE;
+
+    @Override
+    public java.io.InputStream stream(byte[] value) {
+      return new java.io.ByteArrayInputStream(value);
+    }
+
+    @Override
+    public byte[] parse(java.io.InputStream stream) {
+      try {
+        return stream.readAllBytes();
+      } catch (java.io.IOException broken) {
+        throw Status.INTERNAL.withCause(broken).asRuntimeException();
+      }
+    }
   }
 
   /** A builder for a client of the retryd at {@code target} ("127.0.0.1:50051", "dns:///retryd:50051"), plaintext. */
@@ -120,6 +199,7 @@ public final class RetrydClient implements AutoCloseable {
     private final String target;
     private final ManagedChannel channel;
     private Duration timeout = Duration.ofMillis(200);
+    private Duration connectTimeout = Duration.ofSeconds(5);
     private LocalPolicy fallback = LocalPolicy.DEFAULT;
     private Supplier<TraceContext> traceContext = () -> null;
     private final Map<String, String> headers = new LinkedHashMap<>();
@@ -136,6 +216,22 @@ public final class RetrydClient implements AutoCloseable {
         throw new IllegalArgumentException("timeout: must be positive, got " + value);
       }
       this.timeout = value;
+      return this;
+    }
+
+    /**
+     * How long {@link #build()} waits for the connection to retryd (5s by
+     * default): the client connects when it is built, not on the first
+     * decision's 200ms. In a cold JVM on a loaded 2-core machine, netty's first
+     * connect alone took more than 2s; a refused connection returns at once, so
+     * the bound is only reached when retryd accepts and does not answer. Zero: start connecting and return at once. A retryd that
+     * is not up by then costs nothing more: decisions fall back until it is.
+     */
+    public Builder connectTimeout(Duration value) {
+      if (value.isNegative()) {
+        throw new IllegalArgumentException("connectTimeout: must not be negative, got " + value);
+      }
+      this.connectTimeout = value;
       return this;
     }
 
@@ -204,7 +300,7 @@ public final class RetrydClient implements AutoCloseable {
    * @throws RetrydUnavailableException if retryd cannot answer and the fallback is off
    */
   public Decision decide(DecideRequest request) {
-    return call(request, callTimeout(request, timeout));
+    return call(request, callTimeout(request, limitFor(timeout)));
   }
 
   /**
@@ -229,6 +325,7 @@ public final class RetrydClient implements AutoCloseable {
 
   /** The decision to act on for retryd's answer: its own, or the local rule's for a shadow answer. */
   Decision answered(DecideResponse response, DecideRequest request) {
+    outage.answered();
     Decision decision = Decision.fromResponse(response);
     if (!ShadowDivergences.isShadow(response)) {
       return decision;
@@ -262,7 +359,7 @@ public final class RetrydClient implements AutoCloseable {
   public CompletableFuture<Decision> decideAsync(DecideRequest request) {
     CompletableFuture<Decision> result = new CompletableFuture<>();
     RetryDeciderGrpc.newStub(decorated)
-        .withDeadlineAfter(callTimeout(request, timeout).toNanos(), TimeUnit.NANOSECONDS)
+        .withDeadlineAfter(callTimeout(request, limitFor(timeout)).toNanos(), TimeUnit.NANOSECONDS)
         .decide(
             request,
             new StreamObserver<DecideResponse>() {
@@ -306,9 +403,12 @@ public final class RetrydClient implements AutoCloseable {
    */
   public ReportTrafficResponse reportTraffic(ReportTrafficRequest request) {
     try {
-      return RetryDeciderGrpc.newBlockingStub(decorated)
-          .withDeadlineAfter(slowCallTimeout().toNanos(), TimeUnit.NANOSECONDS)
-          .reportTraffic(request);
+      ReportTrafficResponse response =
+          RetryDeciderGrpc.newBlockingStub(decorated)
+              .withDeadlineAfter(slowCallTimeout().toNanos(), TimeUnit.NANOSECONDS)
+              .reportTraffic(request);
+      outage.answered();
+      return response;
     } catch (StatusRuntimeException error) {
       throw unavailable(error);
     }
@@ -381,6 +481,16 @@ public final class RetrydClient implements AutoCloseable {
     return decorated;
   }
 
+  /** The outage log shared by decisions and traffic reporters. */
+  Outage outage() {
+    return outage;
+  }
+
+  /** How many outages of retryd this client saw begin (each warned about once). */
+  public long outages() {
+    return outage.count();
+  }
+
   ScheduledExecutorService scheduler() {
     return scheduler;
   }
@@ -410,7 +520,7 @@ public final class RetrydClient implements AutoCloseable {
     if (fallback == null) {
       throw new RetrydUnavailableException("retryd: " + what, status.getCode(), cause);
     }
-    LOG.log(Level.WARNING, "retryd unavailable ({0}); deciding with the local rule", what);
+    outage.fallbackDecision(what);
     return LocalRule.decide(fallback, request, "retryd unreachable (" + status.getCode() + ")");
   }
 

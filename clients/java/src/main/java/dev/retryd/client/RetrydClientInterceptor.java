@@ -54,8 +54,10 @@ import retryd.v1.Retryd.Verdict;
  *
  * <p>The call ends with the last attempt's status and trailers; the status's
  * cause carries retryd's decision ({@link #decisionOf(Throwable)} on the
- * {@code StatusRuntimeException}); on AMBIGUOUS it is the status that came back,
- * with {@code decision.isAmbiguous()}. Do not also configure a grpc-java
+ * {@code StatusRuntimeException}). When the call may have run upstream (retryd
+ * answered AMBIGUOUS, or denied a retry of an attempt with an unknown outcome,
+ * the caller's deadline included) the status's cause is an {@link
+ * AmbiguousExecutionException}: {@link AmbiguousExecutionException#of(Throwable)}. Do not also configure a grpc-java
  * retryPolicy for these methods: the two would multiply.
  */
 public final class RetrydClientInterceptor implements ClientInterceptor, AutoCloseable {
@@ -410,6 +412,21 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
         if (!previousBackoff.isZero()) {
           ask.setPreviousBackoff(Durations.toProto(previousBackoff));
         }
+        if (left != null && left.isZero()) {
+          // The caller's deadline ran out after the call started: no time to ask
+          // retryd. The local rule says DENY DEADLINE with the mark retryd would
+          // compute, so a NON_IDEMPOTENT call that may have run is ambiguous.
+          Decision local;
+          try {
+            local = LocalRule.decide(retryd.fallback().orElse(LocalPolicy.DEFAULT), ask.build(),
+                "the caller's deadline expired during the attempt, retryd not asked");
+          } catch (RuntimeException invalid) {
+            finish(status.augmentDescription("retryd: " + invalid.getMessage()), trailers, null);
+            return;
+          }
+          onDecision(local, status, trailers);
+          return;
+        }
         retryd
             .decideAsync(ask.build())
             .whenComplete(
@@ -475,7 +492,16 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
           }
           done = true;
         }
-        Status closing = decision == null ? status : status.withCause(new DecisionRecord(decision, status.getCause()));
+        // A call that may have run upstream ends with the ambiguous-execution
+        // error as its status's cause, whether retryd said AMBIGUOUS or denied a
+        // retry of it: never as the plain failure.
+        Status closing =
+            decision == null
+                ? status
+                : status.withCause(
+                    decision.isOutcomeUnknown()
+                        ? new AmbiguousExecutionException(decision, null, status.getCause())
+                        : new DecisionRecord(decision, status.getCause()));
         Metadata headersSeen = responseHeaders;
         List<R> received = new ArrayList<>(messages);
         deliver(

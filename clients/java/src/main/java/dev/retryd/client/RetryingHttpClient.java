@@ -19,7 +19,6 @@ import retryd.v1.Retryd.Body;
 import retryd.v1.Retryd.BodyKind;
 import retryd.v1.Retryd.DecideRequest;
 import retryd.v1.Retryd.Idempotency;
-import retryd.v1.Retryd.Verdict;
 
 /**
  * Sends requests with {@link HttpClient} and retries them as retryd decides.
@@ -46,12 +45,28 @@ import retryd.v1.Retryd.Verdict;
  * ask about, or when retryd denies retrying it ({@link RetriedResponse#decision()});
  * the last attempt's exception, unchanged, when retryd denies retrying it (the
  * decision is attached: {@link #decisionOf(Throwable)}); {@link
- * AmbiguousExecutionException} when retryd answers AMBIGUOUS.
+ * AmbiguousExecutionException} when the call may have taken effect upstream and
+ * is not retried (AMBIGUOUS, or a DENY carrying {@link Decision#unknownOutcome()}).
+ * When the caller's deadline ran out during an attempt, retryd is not asked: the
+ * local rule decides (DENY DEADLINE, with the same mark).
  *
- * <p>The JDK itself retries twice on its own, below this adapter: a connect that
- * failed (unless {@code -Djdk.httpclient.disableRetryConnect=true}) and, for GET
- * and HEAD only, a request on a pooled connection the server had closed. Both
- * are attempts retryd never sees.
+ * <p>No hidden re-sends. The JDK's {@code MultiExchange} re-sends a request once
+ * by itself when the exchange failed with an {@code IOException} before any
+ * response byte (a GET or HEAD; every method under {@code
+ * -Djdk.httpclient.enableAllMethodRetry}; any request on an HTTP/2 GOAWAY), on
+ * fresh connections as well as pooled ones, and no setting turns that off. So
+ * every attempt's request carries a body publisher that allows one exchange:
+ * the JDK asks a publisher its length while it builds each exchange's headers,
+ * before any byte is written, and the second ask fails the exchange with
+ * {@link ResendRefusedException} (SENT_NO_RESPONSE, CONNECTION_RESET). The
+ * request the JDK would have re-sent is never written; retryd decides the next
+ * attempt instead, spending budget and counting toward {@code max_attempts},
+ * and a NON_IDEMPOTENT call is never repeated. (A connect the JDK tries again
+ * after {@code ConnectException} writes no request; redirects and {@code
+ * Authenticator} replays the HttpClient would make by itself are refused the
+ * same way, so leave redirects at {@code Redirect.NEVER}, the default, and use
+ * {@link RetryOptions.Builder#onRefreshCredentials} for 401s.) Verified on JDK
+ * 17 (HttpAdapterTest counts the requests a server reads, fresh and pooled).
  */
 public final class RetryingHttpClient implements AutoCloseable {
   /** A hard stop, whatever retryd or the fallback says. */
@@ -156,7 +171,9 @@ public final class RetryingHttpClient implements AutoCloseable {
   /**
    * Sends {@code request}, retrying as retryd decides (see the class comment).
    *
-   * @throws AmbiguousExecutionException when retryd answers AMBIGUOUS
+   * @throws AmbiguousExecutionException when the call may have taken effect and
+   *     is not retried: AMBIGUOUS, or a DENY with an unknown-outcome mark (the
+   *     caller's deadline after the request was sent included, decided locally)
    * @throws IOException the last attempt's failure, when retryd denies a retry
    *     (or {@link HttpTimeoutException} when the deadline ran out during an attempt)
    * @throws IllegalArgumentException when the idempotency is neither declared nor given by an Idempotency-Key
@@ -186,9 +203,10 @@ public final class RetryingHttpClient implements AutoCloseable {
       // (cut to the deadline) bounds the wait for the headers, the tracking
       // subscriber's timer the body.
       try {
-        response = http.send(bounded(current, remaining), tracking);
+        response = http.send(oneExchange(current, remaining), tracking);
       } catch (IOException failed) {
-        error = failed;
+        // The JDK wraps the refusal of its own re-send; the refusal says what happened.
+        error = ResendRefusedException.in(failed).map(IOException.class::cast).orElse(failed);
       }
       if (response != null) {
         if (!options.retryStatuses.contains(response.statusCode())) {
@@ -224,9 +242,20 @@ public final class RetryingHttpClient implements AutoCloseable {
       if (!previousBackoff.isZero()) {
         ask.setPreviousBackoff(Durations.toProto(previousBackoff));
       }
-      Decision decision = retryd.decide(ask.build());
+      // The caller's deadline ran out after the request was sent: there is no
+      // time to ask retryd, and nothing to retry. The local rule says so (DENY
+      // DEADLINE) with the same unknown-outcome mark retryd would compute, so a
+      // NON_IDEMPOTENT call that may have happened surfaces as ambiguous.
+      boolean deadlineSpent = options.deadline != null && deadlineAt - System.nanoTime() <= 0;
+      Decision decision =
+          deadlineSpent
+              ? LocalRule.decide(retryd.fallback().orElse(LocalPolicy.DEFAULT), ask.build(),
+                  "the caller's deadline expired during the attempt, retryd not asked")
+              : retryd.decide(ask.build());
       last = decision;
-      if (decision.verdict() == Verdict.VERDICT_AMBIGUOUS) {
+      if (decision.isOutcomeUnknown()) {
+        // AMBIGUOUS, or a DENY (budget, attempts, deadline) of an attempt that
+        // may have taken effect: never the plain failure.
         throw new AmbiguousExecutionException(decision, response, error);
       }
       boolean retry = decision.shouldRetry() && attempt < MAX_LOOP;
@@ -328,20 +357,22 @@ public final class RetryingHttpClient implements AutoCloseable {
     return path == null || path.isEmpty() ? "/" : path;
   }
 
-  /** The request with its timeout cut to the time left (Java 11 has no HttpRequest.newBuilder(request, filter)). */
-  private static HttpRequest bounded(HttpRequest request, Duration remaining) {
-    if (remaining == null) {
-      return request;
-    }
+  /**
+   * The attempt's request: its body behind a {@link OneExchangeBody} (see the
+   * class comment), its timeout cut to the time left (Java 11 has no
+   * HttpRequest.newBuilder(request, filter)).
+   */
+  private static HttpRequest oneExchange(HttpRequest request, Duration remaining) {
     Optional<Duration> own = request.timeout();
-    if (own.isPresent() && own.get().compareTo(remaining) <= 0) {
-      return request;
-    }
     HttpRequest.Builder copy =
         HttpRequest.newBuilder(request.uri())
-            .method(request.method(), request.bodyPublisher().orElse(HttpRequest.BodyPublishers.noBody()))
-            .expectContinue(request.expectContinue())
-            .timeout(remaining.isZero() ? Duration.ofNanos(1) : remaining);
+            .method(request.method(), new OneExchangeBody(request.bodyPublisher().orElse(HttpRequest.BodyPublishers.noBody())))
+            .expectContinue(request.expectContinue());
+    if (remaining != null && (own.isEmpty() || own.get().compareTo(remaining) > 0)) {
+      copy.timeout(remaining.isZero() ? Duration.ofNanos(1) : remaining);
+    } else {
+      own.ifPresent(copy::timeout);
+    }
     request.version().ifPresent(copy::version);
     request.headers().map().forEach((name, values) -> values.forEach(value -> copy.header(name, value)));
     return copy.build();
@@ -378,6 +409,36 @@ public final class RetryingHttpClient implements AutoCloseable {
     }
   }
 
+
+  /**
+   * A body publisher that allows one exchange. The JDK asks each exchange's
+   * publisher for its length while it builds that exchange's request headers,
+   * before writing any byte (HTTP/1.1 and HTTP/2 alike); the second ask comes
+   * from the JDK's own re-send, and fails it before anything is written.
+   */
+  private static final class OneExchangeBody implements HttpRequest.BodyPublisher {
+    private final HttpRequest.BodyPublisher body;
+    private final java.util.concurrent.atomic.AtomicBoolean exchanged = new java.util.concurrent.atomic.AtomicBoolean();
+
+    OneExchangeBody(HttpRequest.BodyPublisher body) {
+      this.body = body;
+    }
+
+    @Override
+    public long contentLength() {
+      if (!exchanged.compareAndSet(false, true)) {
+        // contentLength() cannot throw a checked exception; the JDK fails the
+        // exchange with whatever it throws, wrapped in an IOException.
+        throw new java.io.UncheckedIOException(new ResendRefusedException());
+      }
+      return body.contentLength();
+    }
+
+    @Override
+    public void subscribe(Flow.Subscriber<? super ByteBuffer> subscriber) {
+      body.subscribe(subscriber);
+    }
+  }
 
   /**
    * Records whether (and what) response headers arrived and whether body bytes
@@ -418,8 +479,10 @@ public final class RetryingHttpClient implements AutoCloseable {
                 timer.schedule(
                     () -> {
                       if (ended.compareAndSet(false, true)) {
-                        subscription.cancel();
+                        // The timeout first: cancelling first let the JDK fail the
+                        // body with its own "bytes received" IOException.
                         subscriber.onError(new HttpTimeoutException("deadline exceeded while reading the body"));
+                        subscription.cancel();
                       }
                     },
                     Math.max(0, deadlineAt - System.nanoTime()),

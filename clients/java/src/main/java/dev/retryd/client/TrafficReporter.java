@@ -189,10 +189,9 @@ public final class TrafficReporter implements AutoCloseable {
             drop(batch, error.code(), error);
           } else {
             batch.failures++;
-            // One warning per batch; while retryd stays down, the re-sends log at FINE.
-            LOG.log(
-                batch.failures == 1 ? Level.WARNING : Level.FINE,
-                "retryd: traffic report {0} failed ({1}), will re-send it with the same id",
+            // One warning per outage, shared with the client's fallback decisions.
+            client.outage().failedBatch(error.getMessage());
+            LOG.log(Level.FINE, "retryd: traffic report {0} failed ({1}), will re-send it with the same id",
                 new Object[] {batch.request.getReportId(), error.getMessage()});
             return false;
           }

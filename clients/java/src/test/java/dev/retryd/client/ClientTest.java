@@ -233,8 +233,10 @@ class ClientTest {
     Path directory = Files.createTempDirectory("retryd-restart-");
     Path config = directory.resolve("retryd.toml");
     Files.writeString(config, RetrydServer.clientTestConfigOn(port));
+    // retryd first: the client connects when it is built, and a channel whose
+    // connect failed fails calls fast until its next reconnect (tested below).
+    RetrydServer first = RetrydServer.start(config, directory);
     try (RetrydClient client = RetrydClient.builder("127.0.0.1:" + port).timeout(java.time.Duration.ofMillis(500)).build()) {
-      RetrydServer first = RetrydServer.start(config, directory);
       try {
         assertFalse(client.decide(connectFailure("java-restart").build(), java.time.Duration.ofSeconds(5)).fallback());
       } finally {

@@ -171,6 +171,16 @@ class ConformanceTest {
     String deny = expect.has("deny_reason") ? expect.get("deny_reason").getAsString() : "DENY_REASON_UNSPECIFIED";
     assertEquals(deny, decision.denyReason().name(), "deny_reason; " + decision);
     assertEquals(expect.get("rule").getAsInt(), decision.rule(), "rule; " + decision);
+    // Every case states the mark (issue 36): retryd's, and the local rule's
+    // from the same facts, which must agree with it whatever rule decided.
+    String mark = expect.get("unknown_outcome").getAsString();
+    assertEquals(mark, decision.unknownOutcome().name(), "unknown_outcome; " + decision);
+    assertEquals(mark, LocalRule.unknownOutcome(c.request, decision.effectiveEvidence()).name(),
+        "the local rule's unknown_outcome; " + decision);
+    // What the adapters act on: a DENY with a mark raises the ambiguous error.
+    boolean unknown = verdict.equals("VERDICT_AMBIGUOUS") || (verdict.equals("VERDICT_DENY") && !mark.equals("UNKNOWN_OUTCOME_NONE"));
+    assertEquals(unknown, decision.isOutcomeUnknown(), "isOutcomeUnknown; " + decision);
+    assertEquals(mark.equals("UNKNOWN_OUTCOME_RESEND_WITH_KEY"), decision.resendWithSameKey(), "resendWithSameKey; " + decision);
     assertEquals(expect.get("effective_evidence").getAsString(), decision.effectiveEvidence().name(), "effective_evidence; " + decision);
     assertEquals(expect.get("evidence_adjusted").getAsBoolean(), decision.evidenceAdjusted(), "evidence_adjusted; " + decision);
     if (expect.has("refresh_credentials")) {

@@ -44,6 +44,7 @@ import org.junit.jupiter.api.TestInstance;
 import retryd.v1.Retryd.DenyReason;
 import retryd.v1.Retryd.Evidence;
 import retryd.v1.Retryd.Idempotency;
+import retryd.v1.Retryd.UnknownOutcome;
 import retryd.v1.Retryd.Verdict;
 
 /**
@@ -286,5 +287,49 @@ class GrpcInterceptorTest {
     assertEquals("hello", stub(intercepted, Idempotency.IDEMPOTENCY_NON_IDEMPOTENT, Duration.ofSeconds(10)).say(hello()).getText());
     assertEquals(1, calls.get());
     assertFalse(RetrydClientInterceptor.decisionOf(new RuntimeException()).isPresent());
+  }
+
+  @Test
+  void aNonIdempotentCallDeniedForAnEmptyBudgetAfterTheServerReadItIsTheAmbiguousError() {
+    // Issue 36: the budget rule comes before the ambiguity rules, so retryd
+    // answers DENY BUDGET_EXHAUSTED; its mark says the call may have run.
+    behaviour.set((call, request, reply, auth) -> reply.onError(Status.UNAVAILABLE.withDescription("backend dropped it").asRuntimeException()));
+    try (RetrydClientInterceptor budgetless = RetrydClientInterceptor.builder(retryd, "java-budgetless").noTrafficReport().build()) {
+      Channel through = ClientInterceptors.intercept(channel, budgetless);
+      StatusRuntimeException error =
+          assertThrows(StatusRuntimeException.class, () -> stub(through, Idempotency.IDEMPOTENCY_NON_IDEMPOTENT, Duration.ofSeconds(10)).say(hello()));
+      assertEquals(Status.Code.UNAVAILABLE, error.getStatus().getCode(), "the call ends with the server's status");
+      AmbiguousExecutionException ambiguous = AmbiguousExecutionException.of(error).orElseThrow(() -> new AssertionError("plain failure: " + error));
+      assertEquals(Verdict.VERDICT_DENY, ambiguous.decision().verdict(), ambiguous.decision().toString());
+      assertEquals(DenyReason.DENY_REASON_BUDGET_EXHAUSTED, ambiguous.denyReason());
+      assertEquals(UnknownOutcome.UNKNOWN_OUTCOME_RECONCILE, ambiguous.unknownOutcome());
+      assertFalse(ambiguous.resendWithSameKey());
+      assertFalse(ambiguous.decision().fallback(), "retryd decided");
+      assertEquals(1, calls.get(), "sent once");
+
+      // The same with an idempotency key: "unknown; re-send with the same key".
+      calls.set(0);
+      StatusRuntimeException keyed =
+          assertThrows(StatusRuntimeException.class, () -> stub(through, Idempotency.IDEMPOTENCY_IDEMPOTENT_WITH_KEY, Duration.ofSeconds(10)).say(hello()));
+      AmbiguousExecutionException resend = AmbiguousExecutionException.of(keyed).orElseThrow(() -> new AssertionError("plain failure: " + keyed));
+      assertEquals(DenyReason.DENY_REASON_BUDGET_EXHAUSTED, resend.denyReason());
+      assertTrue(resend.resendWithSameKey());
+      assertEquals(1, calls.get(), "sent once");
+    }
+  }
+
+  @Test
+  void aHungNonIdempotentCallRunningIntoTheCallersDeadlineIsTheAmbiguousErrorDecidedLocally() {
+    // Issue 38: the server read the call and holds it; the caller's deadline
+    // ends it. It may have run: ambiguous, without asking retryd (no time left).
+    behaviour.set((call, request, reply, auth) -> { /* never answers */ });
+    StatusRuntimeException error =
+        assertThrows(StatusRuntimeException.class, () -> stub(intercepted, Idempotency.IDEMPOTENCY_NON_IDEMPOTENT, Duration.ofMillis(500)).say(hello()));
+    assertEquals(Status.Code.DEADLINE_EXCEEDED, error.getStatus().getCode());
+    AmbiguousExecutionException ambiguous = AmbiguousExecutionException.of(error).orElseThrow(() -> new AssertionError("plain failure: " + error));
+    assertEquals(DenyReason.DENY_REASON_DEADLINE, ambiguous.denyReason(), ambiguous.decision().toString());
+    assertEquals(UnknownOutcome.UNKNOWN_OUTCOME_RECONCILE, ambiguous.unknownOutcome());
+    assertTrue(ambiguous.decision().fallback(), "decided locally: " + ambiguous.decision());
+    assertEquals(1, calls.get(), "sent once");
   }
 }
