@@ -20,6 +20,7 @@ import type { RetryDeciderClient } from './generated/retryd/v1/RetryDecider';
 import type { UpstreamTraffic } from './generated/retryd/v1/UpstreamTraffic';
 import { InvalidRequestError, RetrydUnavailableError } from './errors';
 import { DEFAULT_LOCAL_POLICY, localDecide, type LocalPolicy } from './fallback';
+import { OutageLog } from './outage';
 import { proto } from './proto';
 import { MAX_TRAFFIC_ENTRIES, TrafficReporter, type Logger, type ReportResult, type TrafficReporterOptions } from './reporter';
 import { decisionsDiffer, DEFAULT_SHADOW_LOG_INTERVAL_MS, ShadowDivergences } from './shadow';
@@ -236,8 +237,8 @@ export class RetrydClient {
    */
   readonly reporter: TrafficReporter | null;
   private readonly logger: Logger;
-  /** Whether the last decision fell back because retryd could not answer. */
-  private inOutage = false;
+  /** The fallback's outage: one warning when it begins, one line when retryd answers again. */
+  private readonly outage: OutageLog;
   private readonly decider: RetryDeciderClient;
   private readonly admin: RetryAdminClient;
   private readonly metadata: Record<string, string>;
@@ -257,6 +258,12 @@ export class RetrydClient {
     this.fallback = options.fallback === undefined ? DEFAULT_LOCAL_POLICY : options.fallback;
     this.metadata = options.metadata ?? {};
     this.logger = options.logger ?? console;
+    this.outage = new OutageLog(
+      this.logger,
+      (detail) => `retryd at ${target} did not answer (${detail}); deciding by the local rule until it answers again`,
+      (failures, lastedMs) =>
+        `retryd at ${target} answers again after ${Math.round(lastedMs)} ms; ${failures} decision(s) were made by the local rule meanwhile`,
+    );
     // Checked before anything is opened, so a bad value leaks no channel.
     this.shadowLog = new ShadowDivergences(options.shadowLogIntervalMs ?? DEFAULT_SHADOW_LOG_INTERVAL_MS, this.logger);
     const credentials = options.credentials ?? grpc.credentials.createInsecure();
@@ -315,14 +322,7 @@ export class RetrydClient {
         throw new RetrydUnavailableError(`retryd: ${codeName}: ${error.details}`, error.code);
       }
       checkRequired(input);
-      if (!this.inOutage) {
-        // One warning per outage: a busy caller decides thousands of times a
-        // second, and a line per decision would bury everything else.
-        this.inOutage = true;
-        this.logger.warn(
-          `retryd at ${this.target} did not answer (${codeName}: ${error.details}); deciding by the local rule until it answers again`,
-        );
-      }
+      this.outage.failed(`${codeName}: ${error.details}`);
       return localDecide(input, this.fallback, `retryd unreachable (${codeName})`);
     }
   }
@@ -429,10 +429,7 @@ export class RetrydClient {
   }
 
   private answered(): void {
-    if (this.inOutage) {
-      this.inOutage = false;
-      this.logger.info?.(`retryd at ${this.target} answers again`);
-    }
+    this.outage.recovered();
   }
 
   private async adminCall<Res>(method: Unary<unknown, Res>, request: unknown): Promise<Res> {

@@ -323,6 +323,39 @@ test('the fallback warns once per outage, not once per decision', async () => {
   }
 });
 
+test('the fallback and the reporter each warn once per outage, and once when it is over, with counts', { timeout: 60_000 }, async () => {
+  const server = await startRetryd(CLIENT_TEST_CONFIG);
+  const logger = new CapturingLogger();
+  // A long interval: this test sends the reports itself.
+  const client = new RetrydClient(server.grpc, { logger, reporting: { intervalMs: 600_000 } });
+  try {
+    assert.equal(await client.connected, true);
+    client.reporter!.record('ts-outage');
+    await server.freeze();
+    try {
+      for (let i = 0; i < 3; i++) {
+        assert.equal((await client.decide({ upstream: 'ts-outage', idempotency: 'SAFE', attempt: 1, failure: 'CONNECT' })).fallback, true);
+      }
+      assert.equal(await client.reporter!.flush(), false);
+      assert.equal(await client.reporter!.flush(), false);
+    } finally {
+      server.signal('SIGCONT');
+    }
+    await waitFor('retryd to answer again', async () => !(await client.decide({ upstream: 'ts-outage', idempotency: 'SAFE', attempt: 1, failure: 'CONNECT' })).fallback);
+    assert.equal(await client.reporter!.flush(), true);
+    assert.equal(logger.warnings.length, 2, logger.warnings.join('\n'));
+    assert.match(logger.warnings[0]!, /did not answer .*local rule/);
+    assert.match(logger.warnings[1]!, /traffic reports to retryd fail/);
+    assert.equal(logger.infos.length, 2, logger.infos.join('\n'));
+    assert.match(logger.infos[0]!, /answers again after \d+ ms; 3 decision\(s\) were made by the local rule/);
+    assert.match(logger.infos[1]!, /reach retryd again after \d+ ms; 2 report attempt\(s\) failed/);
+    assert.deepEqual(client.reporter!.pending(), {}, 'the kept counts went out');
+  } finally {
+    await client.close();
+    await server.stop();
+  }
+});
+
 test('decisions a frozen retryd answers late spend nothing, and a new outage warns again', { timeout: 60_000 }, async () => {
   const server = await startRetryd(CLIENT_TEST_CONFIG);
   const logger = new CapturingLogger();
