@@ -1,7 +1,9 @@
 /** Client API tests: against a real retryd, and against a fake gRPC server for
  * what a real one cannot show (the metadata it received, a slow answer). */
 import { strict as assert } from 'node:assert';
+import { execFile } from 'node:child_process';
 import * as fs from 'node:fs';
+import * as path from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import * as grpc from '@grpc/grpc-js';
 import { context, ROOT_CONTEXT, trace, type Context, type ContextManager } from '@opentelemetry/api';
@@ -86,6 +88,35 @@ describe('against retryd', () => {
   after(async () => {
     client?.close();
     await retryd?.stop();
+  });
+
+  // Issue 38: the first call is decided by retryd, at the default settings.
+  // The time is reported, not bounded: what it shows depends on the machine.
+  test("a fresh process's first decision is retryd's, at the default timeout", async (t) => {
+    const entry = path.resolve(__dirname, '..', 'src', 'index.js');
+    const program = `
+      const started = performance.now();
+      const { RetrydClient } = require(${JSON.stringify(entry)});
+      const loaded = performance.now();
+      const retryd = new RetrydClient(process.env.TARGET, { reporting: false });
+      retryd.decide({ upstream: 'ts-first', idempotency: 'SAFE', attempt: 1, failure: 'CONNECT' }).then(async (decision) => {
+        const decided = performance.now();
+        await retryd.close();
+        console.log(JSON.stringify({ fallback: decision.fallback, started, loaded, decided }));
+      });`;
+    const runs: { fallback: boolean; started: number; loaded: number; decided: number }[] = [];
+    for (let run = 0; run < 3; run++) {
+      const stdout = await new Promise<string>((resolve, reject) =>
+        execFile(process.execPath, ['-e', program], { env: { ...process.env, TARGET: retryd.grpc } }, (error, out) => (error ? reject(error) : resolve(out))),
+      );
+      runs.push(JSON.parse(stdout.trim()) as (typeof runs)[number]);
+    }
+    for (const run of runs) assert.equal(run.fallback, false, 'the first decision fell back');
+    t.diagnostic(
+      `process start to first shared decision: ${runs.map((run) => Math.round(run.decided)).join(', ')} ms ` +
+        `(loading the client: ${runs.map((run) => Math.round(run.loaded - run.started)).join(', ')} ms; ` +
+        `from new RetrydClient to the decision: ${runs.map((run) => Math.round(run.decided - run.loaded)).join(', ')} ms)`,
+    );
   });
 
   test('decide returns a typed decision', async () => {
