@@ -1,5 +1,6 @@
 /** Test helpers: a real retryd from $RETRYD_BIN, and a misbehaving HTTP server on 127.0.0.1. */
 import { spawn, type ChildProcess } from 'node:child_process';
+import { EventEmitter } from 'node:events';
 import * as fs from 'node:fs';
 import * as net from 'node:net';
 import * as os from 'node:os';
@@ -176,6 +177,7 @@ export const garbage = (): Action => (socket) => socket.end('HTTP/1.1 400 Bad Re
 
 export class ScriptedServer {
   readonly requests: Buffer[] = [];
+  private readonly arrivals = new EventEmitter();
   private readonly server: net.Server;
   private readonly sockets = new Set<net.Socket>();
   port = 0;
@@ -195,6 +197,19 @@ export class ScriptedServer {
     return `http://127.0.0.1:${this.port}`;
   }
 
+  /** Resolves once `n` requests have been read: an event, no timer, so it also works under mock timers. */
+  received(n: number): Promise<void> {
+    return new Promise((resolve) => {
+      const check = (): void => {
+        if (this.requests.length < n) return;
+        this.arrivals.off('request', check);
+        resolve();
+      };
+      this.arrivals.on('request', check);
+      check();
+    });
+  }
+
   private handle(socket: net.Socket): void {
     this.sockets.add(socket);
     socket.on('close', () => this.sockets.delete(socket));
@@ -202,6 +217,7 @@ export class ScriptedServer {
     const act = (request: Buffer): void => {
       const index = Math.min(this.requests.length, this.actions.length - 1);
       this.requests.push(request);
+      this.arrivals.emit('request');
       this.actions[index]!(socket, request);
     };
     if (!this.readRequest) return act(Buffer.alloc(0));
@@ -378,4 +394,9 @@ export class CountingServer {
     for (const socket of this.sockets) socket.destroy();
     await new Promise<void>((resolve) => this.server.close(() => resolve()));
   }
+}
+
+/** Lets pending I/O callbacks and promise reactions run, without a timer (mock timers do not touch setImmediate). */
+export async function ioTurns(turns = 20): Promise<void> {
+  for (let turn = 0; turn < turns; turn++) await new Promise((resolve) => setImmediate(resolve));
 }
