@@ -38,7 +38,13 @@
  * request, asks retryd after each failure, cancels the failed response's
  * body (releasing its connection) and only then waits the backoff, so no
  * connection is held while waiting. The caller's deadline bounds every
- * attempt (headers and body) and every backoff.
+ * attempt (headers and body) and every backoff; when it ends an attempt
+ * after the request was sent, the decision is the local rule's, at once
+ * (for a NON_IDEMPOTENT call: AmbiguousExecutionError).
+ *
+ * Node's fetch (undici) re-sends nothing by itself, on a fresh or a pooled
+ * connection (test/outcome.test.ts counts the reads), so every request that
+ * reaches the upstream is an attempt that was decided or the first one.
  */
 import type { RetrydClient } from './client';
 import { AmbiguousExecutionError, attachDecision, leavesOutcomeUnknown } from './errors';

@@ -141,7 +141,11 @@ export interface Decision {
   /** NaN for a fallback decision. */
   tokensRemaining: number;
   explanation: string;
-  /** True when retryd could not answer and the local rule decided. */
+  /**
+   * True when the local rule decided: retryd could not answer, or the
+   * caller's deadline was already over (`deadlineRemainingMs` 0: asking
+   * would only wait past it; `decisionId` is empty then too).
+   */
   fallback: boolean;
   /**
    * True when retryd answered for an upstream in shadow mode (`enforce =
