@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs the TypeScript client's dependencies (npm ci, from package-lock.json),
-# generates its types from ../../proto, compiles it, and runs its node:test
-# suite against a real retryd: $RETRYD_BIN, default <repo>/target/debug/retryd.
+# generates its types from ../../proto, compiles it, type-checks the README's
+# examples, runs its node:test suite against a real retryd ($RETRYD_BIN,
+# default <repo>/target/debug/retryd), and installs the packed tarball into a
+# temporary project outside the repository to run the quick start there, as
+# CommonJS and as an ES module.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
@@ -12,4 +15,7 @@ if [[ ! -x "$RETRYD_BIN" ]]; then
 fi
 cd "$here"
 npm ci --no-audit --no-fund --loglevel=error
-npm test
+npm run build
+node tools/check-readme.js
+node --test --test-concurrency=1 dist/test/*.test.js
+node tools/check-install.js

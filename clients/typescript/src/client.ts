@@ -20,11 +20,12 @@ import type { RetryDeciderClient } from './generated/retryd/v1/RetryDecider';
 import type { UpstreamTraffic } from './generated/retryd/v1/UpstreamTraffic';
 import { InvalidRequestError, RetrydUnavailableError } from './errors';
 import { DEFAULT_LOCAL_POLICY, localDecide, type LocalPolicy } from './fallback';
+import { OutageLog } from './outage';
 import { proto } from './proto';
 import { MAX_TRAFFIC_ENTRIES, TrafficReporter, type Logger, type ReportResult, type TrafficReporterOptions } from './reporter';
 import { decisionsDiffer, DEFAULT_SHADOW_LOG_INTERVAL_MS, ShadowDivergences } from './shadow';
 import { traceMetadata } from './tracing';
-import type { Body, Budget, DecideInput, Decision, DenyReason, Evidence, Verdict } from './types';
+import type { Body, Budget, DecideInput, Decision, DenyReason, Evidence, UnknownOutcome, Verdict } from './types';
 
 export { MAX_TRAFFIC_ENTRIES };
 
@@ -44,6 +45,13 @@ const MIN_CALL_TIMEOUT_MS = 50;
 export interface ClientOptions {
   /** Bound on every decision call, in ms (default 200). */
   timeoutMs?: number;
+  /**
+   * Bound on the connection the client opens when it is made, in ms
+   * (default 2000). A decision made while it is being opened waits for it
+   * (at most this long, and never past the caller's deadline) before its own
+   * `timeoutMs` starts, so connecting is not charged to the first decision.
+   */
+  connectTimeoutMs?: number;
   /** The local rule used when retryd cannot answer; null throws RetrydUnavailableError instead. */
   fallback?: LocalPolicy | null;
   /** Channel credentials (default: insecure, for a loopback or sidecar retryd). */
@@ -139,10 +147,13 @@ export function toDecideRequest(input: DecideInput): DecideRequest {
 
 export function toDecision(response: DecideResponse__Output): Decision {
   const denyReason = fromPbEnum<DenyReason>('DENY_REASON_', response.denyReason);
+  const unknownOutcome = fromPbEnum<UnknownOutcome>('UNKNOWN_OUTCOME_', response.unknownOutcome);
   return {
     verdict: fromPbEnum<Verdict>('VERDICT_', response.verdict),
     backoffMs: fromDuration(response.backoff),
     denyReason: denyReason === 'UNSPECIFIED' ? null : denyReason,
+    // A mark newer than this client's contract still says "may have happened".
+    unknownOutcome: unknownOutcome === 'UNSPECIFIED' ? 'RECONCILE' : unknownOutcome,
     refreshCredentials: response.refreshCredentials,
     rule: response.rule,
     effectiveEvidence: fromPbEnum<Evidence>('EVIDENCE_', response.effectiveEvidence),
@@ -167,6 +178,31 @@ function toBudget(budget: Budget__Output | null): Budget {
     retriesEnabled: budget.retriesEnabled,
     tracked: budget.tracked,
   };
+}
+
+/**
+ * Starts connecting `channel` and settles when it is READY (true), when the
+ * first attempt failed or the channel was closed (false: waiting longer only
+ * delays the fallback), or after `boundMs` (false).
+ */
+function connectEagerly(channel: ReturnType<grpc.Client["getChannel"]>, boundMs: number): Promise<boolean> {
+  const deadline = Date.now() + boundMs;
+  return new Promise<boolean>((resolve) => {
+    const check = (): void => {
+      const state = channel.getConnectivityState(true);
+      if (state === grpc.connectivityState.READY) return resolve(true);
+      if (state === grpc.connectivityState.TRANSIENT_FAILURE || state === grpc.connectivityState.SHUTDOWN) return resolve(false);
+      channel.watchConnectivityState(state, deadline, (error) => (error ? resolve(false) : check()));
+    };
+    check();
+  });
+}
+
+/** What retryd would reject for sure, checked where the local rule answers instead (it is never hidden). */
+function checkRequired(input: DecideInput): void {
+  if (!input.upstream) throw new InvalidRequestError('upstream: required');
+  if (!input.idempotency) throw new InvalidRequestError('idempotency: required');
+  if (!(input.attempt >= 1)) throw new InvalidRequestError('attempt: must be at least 1');
 }
 
 function isServiceError(error: unknown): error is grpc.ServiceError {
@@ -201,12 +237,20 @@ export class RetrydClient {
    */
   readonly reporter: TrafficReporter | null;
   private readonly logger: Logger;
-  /** Whether the last decision fell back because retryd could not answer. */
-  private inOutage = false;
+  /** The fallback's outage: one warning when it begins, one line when retryd answers again. */
+  private readonly outage: OutageLog;
   private readonly decider: RetryDeciderClient;
   private readonly admin: RetryAdminClient;
   private readonly metadata: Record<string, string>;
   private readonly shadowLog: ShadowDivergences;
+
+  /**
+   * Settles once the connection opened at construction is ready (true), or
+   * has failed or run out of `connectTimeoutMs` (false; the client keeps
+   * reconnecting, and decisions fall back meanwhile). Never rejects.
+   */
+  readonly connected: Promise<boolean>;
+  private connecting = true;
 
   /** `target` is a gRPC target such as "127.0.0.1:50051". */
   constructor(readonly target: string, options: ClientOptions = {}) {
@@ -214,6 +258,12 @@ export class RetrydClient {
     this.fallback = options.fallback === undefined ? DEFAULT_LOCAL_POLICY : options.fallback;
     this.metadata = options.metadata ?? {};
     this.logger = options.logger ?? console;
+    this.outage = new OutageLog(
+      this.logger,
+      (detail) => `retryd at ${target} did not answer (${detail}); deciding by the local rule until it answers again`,
+      (failures, lastedMs) =>
+        `retryd at ${target} answers again after ${Math.round(lastedMs)} ms; ${failures} decision(s) were made by the local rule meanwhile`,
+    );
     // Checked before anything is opened, so a bad value leaks no channel.
     this.shadowLog = new ShadowDivergences(options.shadowLogIntervalMs ?? DEFAULT_SHADOW_LOG_INTERVAL_MS, this.logger);
     const credentials = options.credentials ?? grpc.credentials.createInsecure();
@@ -222,6 +272,13 @@ export class RetrydClient {
     this.decider = new v1.RetryDecider(target, credentials, channelOptions);
     // The admin client shares the decider's channel.
     this.admin = new v1.RetryAdmin(target, credentials, { ...channelOptions, channelOverride: this.decider.getChannel() });
+    // Connect now rather than on the first call: the TCP and HTTP/2
+    // handshakes would otherwise count against the first decision's 200 ms,
+    // which on a busy machine made the first call fall back.
+    this.connected = connectEagerly(this.decider.getChannel(), options.connectTimeoutMs ?? 2000);
+    void this.connected.then(() => {
+      this.connecting = false;
+    });
     this.reporter =
       options.reporting === false ? null : new TrafficReporter(this, { logger: this.logger, ...options.reporting }).start();
   }
@@ -229,6 +286,18 @@ export class RetrydClient {
   /** Asks retryd whether the failed attempt may be retried. */
   async decide(input: DecideInput, options: CallOptions = {}): Promise<Decision> {
     let timeoutMs = options.timeoutMs ?? this.timeoutMs;
+    if (input.deadlineRemainingMs !== undefined && input.deadlineRemainingMs <= 0 && options.boundByDeadline !== false) {
+      // The caller's deadline is over (for the adapters: it expired after the
+      // request was sent). Asking retryd would only make the caller wait past
+      // it for a DENY DEADLINE; the local rule gives the same answer, with
+      // the same unknown-outcome mark, at once.
+      checkRequired(input);
+      // No attempt limit of its own here: the deadline is why it stops
+      // (retryd's limit is not known locally, and may be higher).
+      const policy = { ...(this.fallback ?? DEFAULT_LOCAL_POLICY), maxAttempts: Infinity };
+      return localDecide(input, policy, "the caller's deadline expired; decided locally, without retryd");
+    }
+    if (this.connecting) await this.untilConnected(options.boundByDeadline === false ? undefined : input.deadlineRemainingMs);
     if (input.deadlineRemainingMs !== undefined && options.boundByDeadline !== false) {
       // Waiting longer than the caller has left is pointless, but leave
       // retryd a few milliseconds to say DENY DEADLINE itself.
@@ -252,17 +321,8 @@ export class RetrydClient {
       if (this.fallback === null) {
         throw new RetrydUnavailableError(`retryd: ${codeName}: ${error.details}`, error.code);
       }
-      if (!input.upstream) throw new InvalidRequestError('upstream: required');
-      if (!input.idempotency) throw new InvalidRequestError('idempotency: required');
-      if (!(input.attempt >= 1)) throw new InvalidRequestError('attempt: must be at least 1');
-      if (!this.inOutage) {
-        // One warning per outage: a busy caller decides thousands of times a
-        // second, and a line per decision would bury everything else.
-        this.inOutage = true;
-        this.logger.warn(
-          `retryd at ${this.target} did not answer (${codeName}: ${error.details}); deciding by the local rule until it answers again`,
-        );
-      }
+      checkRequired(input);
+      this.outage.failed(`${codeName}: ${error.details}`);
       return localDecide(input, this.fallback, `retryd unreachable (${codeName})`);
     }
   }
@@ -357,11 +417,19 @@ export class RetrydClient {
     }
   }
 
-  private answered(): void {
-    if (this.inOutage) {
-      this.inOutage = false;
-      this.logger.info?.(`retryd at ${this.target} answers again`);
+  /** Waits for the eager connect to settle, at most `limitMs`. */
+  private async untilConnected(limitMs: number | undefined): Promise<void> {
+    if (limitMs === undefined) {
+      await this.connected;
+      return;
     }
+    let timer: NodeJS.Timeout | undefined;
+    await Promise.race([this.connected, new Promise<void>((resolve) => (timer = setTimeout(resolve, limitMs)))]);
+    clearTimeout(timer);
+  }
+
+  private answered(): void {
+    this.outage.recovered();
   }
 
   private async adminCall<Res>(method: Unary<unknown, Res>, request: unknown): Promise<Res> {

@@ -1,5 +1,5 @@
 /** Errors raised by the retryd client. */
-import type { Decision } from './types';
+import type { Decision, DenyReason, UnknownOutcome } from './types';
 
 /** Base class of every error this package raises. */
 export class RetrydError extends Error {
@@ -36,7 +36,13 @@ export class RetrydUnavailableError extends RetrydError {
 /**
  * The request may or may not have taken effect upstream: retrying could
  * duplicate a side effect, and a plain failure would claim it did not happen.
- * Reconcile (query the upstream, or replay with an idempotency key).
+ * Raised for an AMBIGUOUS answer and for a DENY whose decision carries an
+ * `unknownOutcome` mark (an empty budget, the last attempt, the caller's
+ * deadline), so no rule hides that the call may have happened.
+ *
+ * Reconcile (query the upstream) before reporting a failure or sending it
+ * again; when `resendWithSameKey` is true (an IDEMPOTENT_WITH_KEY call),
+ * re-sending with the same idempotency key is safe, and a new key is not.
  */
 export class AmbiguousExecutionError extends RetrydError {
   override name = 'AmbiguousExecutionError';
@@ -46,8 +52,33 @@ export class AmbiguousExecutionError extends RetrydError {
     readonly response?: Response,
     options?: { cause?: unknown },
   ) {
-    super(`ambiguous execution: ${decision.explanation || 'the request may have taken effect'}`, options);
+    const why = decision.denyReason === null ? '' : ` (retry denied: ${decision.denyReason})`;
+    super(`ambiguous execution${why}: ${decision.explanation || 'the request may have taken effect'}`, options);
   }
+
+  /** Why retrying was denied (BUDGET_EXHAUSTED, MAX_ATTEMPTS, DEADLINE, …); null for an AMBIGUOUS answer. */
+  get denyReason(): DenyReason | null {
+    return this.decision.denyReason;
+  }
+
+  /** The decision's mark: 'RECONCILE' or 'RESEND_WITH_KEY' ('NONE' only for an AMBIGUOUS answer without one). */
+  get unknownOutcome(): UnknownOutcome {
+    return this.decision.unknownOutcome;
+  }
+
+  /** True when it may have happened and re-sending with the same idempotency key is safe (IDEMPOTENT_WITH_KEY). */
+  get resendWithSameKey(): boolean {
+    return this.decision.unknownOutcome === 'RESEND_WITH_KEY';
+  }
+}
+
+/**
+ * Whether a decision that ends the call means "it may have happened": an
+ * AMBIGUOUS answer, or a DENY carrying an unknown-outcome mark. The one test
+ * both adapters (and the conformance runner) use.
+ */
+export function leavesOutcomeUnknown(decision: Decision): boolean {
+  return decision.verdict === 'AMBIGUOUS' || (decision.verdict !== 'RETRY' && decision.unknownOutcome !== 'NONE');
 }
 
 /**
@@ -91,4 +122,17 @@ export function decisionOf(outcome: unknown): Decision | undefined {
   const metadata = (outcome as { metadata?: unknown }).metadata;
   if (metadata !== null && typeof metadata === 'object') return DECISIONS.get(metadata);
   return undefined;
+}
+
+/**
+ * The AmbiguousExecutionError behind an outcome of fetchWithRetries or the
+ * gRPC interceptor, or undefined when the outcome is known. fetchWithRetries
+ * rejects with the error itself; a gRPC call's ServiceError (which grpc-js
+ * builds, so its class cannot change) carries it as
+ * `error.ambiguousExecution`, which this returns.
+ */
+export function ambiguousExecutionOf(outcome: unknown): AmbiguousExecutionError | undefined {
+  if (outcome instanceof AmbiguousExecutionError) return outcome;
+  const carried = (outcome as { ambiguousExecution?: unknown } | null | undefined)?.ambiguousExecution;
+  return carried instanceof AmbiguousExecutionError ? carried : undefined;
 }

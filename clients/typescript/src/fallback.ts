@@ -26,9 +26,11 @@
  *   `maxRetryAfterMs`, or that does not fit the deadline, is DENY DEADLINE)
  *   and shortened to fit the deadline.
  *
- * Evidence is weakened exactly as retryd does (`effectiveEvidence`).
+ * Evidence is weakened exactly as retryd does (`effectiveEvidence`), and
+ * every decision carries the same `unknownOutcome` mark retryd computes
+ * (`unknownOutcomeOf`), whichever rule decided.
  */
-import type { DecideInput, Decision, DenyReason, Evidence, FailureKind, Verdict } from './types';
+import type { DecideInput, Decision, DenyReason, Evidence, FailureKind, UnknownOutcome, Verdict } from './types';
 import { isSafelyIdempotent, replayabilityOf } from './types';
 
 export interface LocalPolicy {
@@ -85,6 +87,48 @@ export function effectiveEvidence(
   else if (failure !== undefined && PARTIAL.has(failure)) failureFloor = 3;
   const statusFloor = httpStatus || (grpcRetryPushbackMs !== undefined && grpcRetryPushbackMs !== null) ? 2 : 0;
   return ORDER[Math.max(claimRank, failureFloor, statusFloor)] as Evidence;
+}
+
+/**
+ * Whether the attempt may have taken effect upstream, as retryd computes it
+ * (crates/retryd-engine/src/outcome.rs): from the facts alone, never from the
+ * verdict, so no rule can hide it. Set for NON_IDEMPOTENT (RECONCILE) and
+ * IDEMPOTENT_WITH_KEY (RESEND_WITH_KEY) when the effective evidence
+ * (SENT_NO_RESPONSE; PARTIAL_RESPONSE with no status or a 2xx/3xx) or the
+ * status (502, 503, 504, gRPC UNAVAILABLE or DEADLINE_EXCEEDED) leaves the
+ * outcome open; never on a proven NOT_SENT or a final response (4xx, 500).
+ */
+export function unknownOutcomeOf(input: DecideInput, effective: Evidence): UnknownOutcome {
+  let mark: UnknownOutcome;
+  if (input.idempotency === 'NON_IDEMPOTENT') mark = 'RECONCILE';
+  else if (input.idempotency === 'IDEMPOTENT_WITH_KEY') mark = 'RESEND_WITH_KEY';
+  else if (isSafelyIdempotent(input.idempotency)) return 'NONE';
+  // A number this client does not know: treated as not repeatable, as the
+  // local rule treats it.
+  else mark = 'RECONCILE';
+  const http = input.httpStatus ?? 0;
+  const code = input.grpcStatusCode ?? 0;
+  const statusLeavesItOpen = (): boolean => {
+    if (http !== 0) return http >= 502 && http <= 504;
+    return code === GRPC.UNAVAILABLE || code === GRPC.DEADLINE_EXCEEDED;
+  };
+  let open: boolean;
+  switch (effective) {
+    case 'NOT_SENT':
+      open = false;
+      break;
+    case 'SENT_NO_RESPONSE':
+      open = true;
+      break;
+    case 'PARTIAL_RESPONSE':
+      // The effect happened and its result was lost on the way, unless an
+      // error status says what happened.
+      open = (http === 0 && code === 0) || (http >= 200 && http < 400) || statusLeavesItOpen();
+      break;
+    default:
+      open = statusLeavesItOpen();
+  }
+  return open ? mark : 'NONE';
 }
 
 const MONTHS = ['Jan', 'Feb', 'Mar', 'Apr', 'May', 'Jun', 'Jul', 'Aug', 'Sep', 'Oct', 'Nov', 'Dec'];
@@ -146,6 +190,7 @@ export function localDecide(
     verdict,
     backoffMs,
     denyReason,
+    unknownOutcome: unknownOutcomeOf(input, effective),
     refreshCredentials: refresh,
     rule,
     effectiveEvidence: effective,

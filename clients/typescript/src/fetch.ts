@@ -38,10 +38,16 @@
  * request, asks retryd after each failure, cancels the failed response's
  * body (releasing its connection) and only then waits the backoff, so no
  * connection is held while waiting. The caller's deadline bounds every
- * attempt (headers and body) and every backoff.
+ * attempt (headers and body) and every backoff; when it ends an attempt
+ * after the request was sent, the decision is the local rule's, at once
+ * (for a NON_IDEMPOTENT call: AmbiguousExecutionError).
+ *
+ * Node's fetch (undici) re-sends nothing by itself, on a fresh or a pooled
+ * connection (test/outcome.test.ts counts the reads), so every request that
+ * reaches the upstream is an attempt that was decided or the first one.
  */
 import type { RetrydClient } from './client';
-import { AmbiguousExecutionError, attachDecision } from './errors';
+import { AmbiguousExecutionError, attachDecision, leavesOutcomeUnknown } from './errors';
 import type { TrafficReporter } from './reporter';
 import type { Body, Decision, Evidence, FailureKind, Idempotency } from './types';
 
@@ -259,7 +265,9 @@ function operationOf(input: string | URL | Request, init: RequestInit): string {
  * Resolves to the final response when it succeeds, when its status is not in
  * `retryStatuses`, or when retryd denies retrying it (its body is still
  * readable). Rejects with the last fetch error when retryd denies retrying
- * it, and with AmbiguousExecutionError when retryd answers AMBIGUOUS. An
+ * it, and with AmbiguousExecutionError when retryd answers AMBIGUOUS or
+ * denies with an `unknownOutcome` mark (the request may have taken effect;
+ * the error says `denyReason` and `resendWithSameKey`). An
  * abort through `init.signal` is rethrown at once. `decisionOf(response)` or
  * `decisionOf(error)` gives the last decision (undefined when no attempt
  * failed); errors also carry it as `error.retrydDecision`.
@@ -297,13 +305,17 @@ export async function fetchWithRetries(
     const limits = [options.attemptTimeoutMs, remaining()].filter((ms): ms is number => ms !== undefined);
     const attemptLimitMs = limits.length === 0 ? undefined : Math.min(...limits);
     const attemptController = new AbortController();
+    // Whether the timer that fires is the caller's deadline rather than the
+    // attempt timeout: then nothing is left to ask retryd with.
+    const limitIsDeadline = deadlineAt !== undefined && attemptLimitMs === remaining();
+    let deadlineExpired = false;
     const timer =
       attemptLimitMs === undefined
         ? undefined
-        : setTimeout(
-            () => attemptController.abort(new DOMException(`the attempt ran out of time (${Math.round(attemptLimitMs)} ms)`, 'TimeoutError')),
-            attemptLimitMs,
-          );
+        : setTimeout(() => {
+            deadlineExpired = limitIsDeadline;
+            attemptController.abort(new DOMException(`the attempt ran out of time (${Math.round(attemptLimitMs)} ms)`, 'TimeoutError'));
+          }, attemptLimitMs);
     const signal = userSignal === undefined ? attemptController.signal : AbortSignal.any([userSignal, attemptController.signal]);
 
     let response: Response | undefined;
@@ -349,13 +361,20 @@ export async function fetchWithRetries(
       attempt,
       operation,
       body,
-      deadlineRemainingMs: remaining(),
+      // A deadline that expired after the request was sent is decided
+      // locally (RetrydClient.decide with nothing left): for a
+      // NON_IDEMPOTENT call, an ambiguous execution.
+      deadlineRemainingMs: deadlineExpired ? 0 : remaining(),
       authRefreshAttempted,
       previousBackoffMs,
       maxAttempts: options.maxAttempts,
       ...outcome!,
     });
-    if (decision.verdict === 'AMBIGUOUS') {
+    // AMBIGUOUS, or a DENY that says the request may have taken effect: never
+    // the plain failure, which would claim it did not happen.
+    // A request the Request constructor refused is known never to have left
+    // (its failure kind cannot prove NOT_SENT to retryd, so retryd marks it).
+    if (leavesOutcomeUnknown(decision) && outcome !== REQUEST_ENCODING) {
       const ambiguous = new AmbiguousExecutionError(decision, response, { cause: failure });
       attachDecision(ambiguous, decision);
       throw ambiguous;

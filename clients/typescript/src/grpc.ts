@@ -41,7 +41,7 @@
  */
 import * as grpc from '@grpc/grpc-js';
 import type { RetrydClient } from './client';
-import { attachDecision } from './errors';
+import { AmbiguousExecutionError, attachDecision, leavesOutcomeUnknown } from './errors';
 import type { TrafficReporter } from './reporter';
 import type { Decision, Evidence, FailureKind, Idempotency } from './types';
 
@@ -155,6 +155,14 @@ export interface GrpcRetryOptions {
   onRefreshCredentials?: (metadata: grpc.Metadata) => grpc.Metadata | void | Promise<grpc.Metadata | void>;
   /** Called with every failed attempt's outcome and its decision. */
   onAttempt?: (outcome: GrpcOutcome, decision: Decision) => void;
+  /**
+   * Ends an attempt that takes longer than this, in ms, so that a hung
+   * attempt leaves time for the next one under the caller's deadline. Each
+   * attempt's deadline is the earlier of this and the caller's; a timed-out
+   * attempt is SENT_NO_RESPONSE (its request was sent), so retryd decides it
+   * by its idempotency. Default: none (only the caller's deadline).
+   */
+  attemptTimeoutMs?: number;
 }
 
 /** A backstop on attempts, far above any policy's max_attempts. */
@@ -223,8 +231,12 @@ export function classifyingInterceptor(onOutcome?: (outcome: GrpcOutcome, status
  * under the caller's one deadline, which therefore bounds every attempt and
  * every backoff. The first attempt is counted as real traffic. The caller
  * sees the last attempt's headers, message and status; `decisionOf(error)`
- * gives the last decision (AMBIGUOUS: the call may have taken effect).
- * A cancel by the caller ends the call at once, also during a backoff.
+ * gives the last decision. When the call may have taken effect (AMBIGUOUS,
+ * or a DENY with an `unknownOutcome` mark), the ServiceError carries an
+ * AmbiguousExecutionError as `error.ambiguousExecution`
+ * (`ambiguousExecutionOf(error)`). A caller's deadline that expires after
+ * the request was sent is decided locally, without retryd. A cancel by the
+ * caller ends the call at once, also during a backoff.
  */
 export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOptions): grpc.Interceptor {
   return (options, nextCall) => {
@@ -239,6 +251,12 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
     const idempotency = typeof settings.idempotency === 'function' ? settings.idempotency(path) : settings.idempotency;
     const deadlineAt = deadlineMsOf(options.deadline);
     const remaining = (): number | undefined => (deadlineAt === Infinity ? undefined : Math.max(0, deadlineAt - Date.now()));
+    /** One attempt's call options: the caller's deadline, or the attempt timeout when it ends sooner. */
+    const attemptOptions = (): { options: grpc.InterceptorOptions; callerDeadline: boolean } => {
+      const attemptEnd = settings.attemptTimeoutMs === undefined ? Infinity : Date.now() + settings.attemptTimeoutMs;
+      if (attemptEnd >= deadlineAt) return { options, callerDeadline: deadlineAt !== Infinity };
+      return { options: { ...options, deadline: attemptEnd }, callerDeadline: false };
+    };
 
     let downstream: grpc.InterceptingListener;
     let metadata: grpc.Metadata;
@@ -263,7 +281,7 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
     };
 
     /** A listener that holds the attempt's headers and message until its status says what to do. */
-    const attemptListener = (attempt: number): grpc.InterceptingListener => {
+    const attemptListener = (attempt: number, callerDeadline: boolean): grpc.InterceptingListener => {
       const seen: AttemptSeen = { headers: false, messagesDelivered: 0 };
       let headers: grpc.Metadata | undefined;
       let response: unknown;
@@ -279,7 +297,11 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
           current = undefined;
           inFlight = false;
           if (status.code === grpc.status.OK || cancelled) return finish(status, headers, response);
-          void afterFailure(attempt, status, classifyGrpcStatus(status, seen)).then(
+          const outcome = classifyGrpcStatus(status, seen);
+          // grpc-js's own DEADLINE_EXCEEDED on an attempt that ran under the
+          // caller's deadline: that deadline is over, whatever the clock says.
+          const deadlineExpired = callerDeadline && outcome.evidence !== 'RESPONSE_RECEIVED' && status.code === grpc.status.DEADLINE_EXCEEDED;
+          void afterFailure(attempt, status, outcome, deadlineExpired).then(
             (retry) => {
               if (!retry) finish(status, headers, response);
             },
@@ -290,7 +312,7 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
     };
 
     /** Asks retryd; resolves true when a next attempt was scheduled. */
-    const afterFailure = async (attempt: number, status: grpc.StatusObject, outcome: GrpcOutcome): Promise<boolean> => {
+    const afterFailure = async (attempt: number, status: grpc.StatusObject, outcome: GrpcOutcome, deadlineExpired: boolean): Promise<boolean> => {
       OUTCOMES.set(status.metadata, outcome);
       let decision: Decision;
       try {
@@ -301,7 +323,9 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
           attempt,
           // A unary request is one message and a deterministic codec.
           body: { kind: 'ENCODED_VALUE' },
-          deadlineRemainingMs: remaining(),
+          // Nothing left: RetrydClient.decide answers locally, at once (for a
+          // NON_IDEMPOTENT call, an ambiguous execution).
+          deadlineRemainingMs: deadlineExpired ? 0 : remaining(),
           authRefreshAttempted,
           previousBackoffMs,
           maxAttempts: settings.maxAttempts,
@@ -313,6 +337,11 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
         return false;
       }
       attachDecision(status.metadata, decision);
+      if (leavesOutcomeUnknown(decision)) {
+        // grpc-js builds the caller's ServiceError by copying the status's
+        // own properties, so this reaches it as `error.ambiguousExecution`.
+        Object.assign(status, { ambiguousExecution: new AmbiguousExecutionError(decision, undefined, { cause: status }) });
+      }
       settings.onAttempt?.(outcome, decision);
       if (decision.verdict !== 'RETRY' || attempt >= MAX_LOOP || cancelled) return false;
       if (decision.refreshCredentials) {
@@ -335,23 +364,25 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
     };
 
     const startAttempt = (attempt: number): void => {
-      const call = nextCall(options);
+      const next = attemptOptions();
+      const call = nextCall(next.options);
       current = call;
       inFlight = true;
-      call.start(metadata, attemptListener(attempt));
+      call.start(metadata, attemptListener(attempt, next.callerDeadline));
       call.sendMessage(message);
       call.halfClose();
       call.startRead();
     };
 
-    return new grpc.InterceptingCall(nextCall(options), {
+    const first = attemptOptions();
+    return new grpc.InterceptingCall(nextCall(first.options), {
       start(received, listener, next) {
         downstream = listener;
         metadata = received.clone(); // kept for replays; the first attempt sends the original
         reporter?.record(settings.upstream);
         current = undefined;
         inFlight = true;
-        next(received, attemptListener(1));
+        next(received, attemptListener(1, first.callerDeadline));
       },
       sendMessage(received, next) {
         message = received;

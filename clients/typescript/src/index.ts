@@ -12,8 +12,16 @@
  * `retryingInterceptor`.
  */
 export { RetrydClient, DEFAULT_CHANNEL_OPTIONS, MAX_TRAFFIC_ENTRIES, toDecideRequest, type ClientOptions, type CallOptions } from './client';
-export { AmbiguousExecutionError, decisionOf, InvalidRequestError, RetrydError, RetrydUnavailableError } from './errors';
-export { DEFAULT_LOCAL_POLICY, effectiveEvidence, localDecide, parsePushback, parseRetryAfter, type LocalPolicy } from './fallback';
+export {
+  AmbiguousExecutionError,
+  ambiguousExecutionOf,
+  decisionOf,
+  InvalidRequestError,
+  leavesOutcomeUnknown,
+  RetrydError,
+  RetrydUnavailableError,
+} from './errors';
+export { DEFAULT_LOCAL_POLICY, effectiveEvidence, localDecide, parsePushback, parseRetryAfter, unknownOutcomeOf, type LocalPolicy } from './fallback';
 export {
   bodyOf,
   classifyFetchError,
@@ -49,5 +57,6 @@ export {
   type FailureKind,
   type Idempotency,
   type Replayability,
+  type UnknownOutcome,
   type Verdict,
 } from './types';

@@ -20,9 +20,15 @@
  * every interval forever) is dropped: its requests are added to `dropped`,
  * `droppedBatches` counts it, and one warning is logged per reason until a
  * report succeeds again.
+ *
+ * A report that fails for a passing reason (retryd unreachable or slow) is
+ * kept for the next interval; the first such failure warns, and the first
+ * report that goes through after it says how many failed meanwhile: one
+ * pair of lines per outage, not one per failed batch.
  */
 import { randomUUID } from 'node:crypto';
 import { InvalidRequestError, RetrydError, RetrydUnavailableError } from './errors';
+import { OutageLog } from './outage';
 
 /** The most entries one ReportTraffic call may carry. */
 export const MAX_TRAFFIC_ENTRIES = 1024;
@@ -82,11 +88,18 @@ export class TrafficReporter {
   private sending: Promise<boolean> | undefined;
   /** The reason already warned about since the last successful report. */
   private warnedReason: string | undefined;
+  private readonly outage: OutageLog;
 
   constructor(private readonly sink: TrafficSink, options: TrafficReporterOptions = {}) {
     this.intervalMs = options.intervalMs ?? 1000;
     this.maxUpstreams = options.maxUpstreams ?? 10_000;
     this.logger = options.logger ?? console;
+    this.outage = new OutageLog(
+      this.logger,
+      (detail) => `traffic reports to retryd fail (${detail}); the counts are kept and re-sent every ${this.intervalMs} ms`,
+      (failures, lastedMs) =>
+        `traffic reports reach retryd again after ${Math.round(lastedMs)} ms; ${failures} report attempt(s) failed meanwhile (their counts were kept)`,
+    );
   }
 
   /** Counts `requests` real (first-attempt) requests to `upstream`. */
@@ -155,10 +168,16 @@ export class TrafficReporter {
       try {
         await this.sink.sendTrafficReport(batch.entries, batch.id);
         this.warnedReason = undefined;
+        this.outage.recovered();
       } catch (error) {
         if (!(error instanceof RetrydError)) throw error;
         const reason = permanentReason(error);
-        if (reason === undefined) return false; // kept, same id next time
+        if (reason === undefined) {
+          this.outage.failed(error.message);
+          return false; // kept, same id next time
+        }
+        // retryd answered (with a refusal): not an outage.
+        this.outage.recovered();
         const requests = batch.entries.reduce((sum, [, n]) => sum + n, 0);
         this.dropped += requests;
         this.droppedBatches += 1;

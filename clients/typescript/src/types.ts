@@ -14,6 +14,7 @@ import { Evidence as PbEvidence } from './generated/retryd/v1/Evidence';
 import { FailureKind as PbFailureKind } from './generated/retryd/v1/FailureKind';
 import { Idempotency as PbIdempotency } from './generated/retryd/v1/Idempotency';
 import { Replayability as PbReplayability } from './generated/retryd/v1/Replayability';
+import { UnknownOutcome as PbUnknownOutcome } from './generated/retryd/v1/UnknownOutcome';
 import { Verdict as PbVerdict } from './generated/retryd/v1/Verdict';
 
 type Strip<Name, Prefix extends string> = Name extends `${Prefix}${infer Rest}` ? Rest : never;
@@ -33,6 +34,14 @@ export type BodyKind = Strip<keyof typeof PbBodyKind, 'BODY_KIND_'>;
 export type Verdict = Strip<keyof typeof PbVerdict, 'VERDICT_'>;
 /** Why a retry was denied. */
 export type DenyReason = Values<typeof PbDenyReason, 'DENY_REASON_'>;
+/**
+ * Whether the failed attempt may have taken effect upstream, whichever rule
+ * decided: 'NONE' (not in doubt, or harmless to repeat), 'RECONCILE'
+ * (NON_IDEMPOTENT: ask the upstream before failing or re-sending) or
+ * 'RESEND_WITH_KEY' (IDEMPOTENT_WITH_KEY: re-sending with the same key is
+ * safe, a new key is not).
+ */
+export type UnknownOutcome = Strip<keyof typeof PbUnknownOutcome, 'UNKNOWN_OUTCOME_'>;
 
 function names<Pb extends object, Prefix extends string>(pb: Pb, prefix: Prefix): Strip<keyof Pb, Prefix>[] {
   return Object.keys(pb).map((key) => key.slice(prefix.length)) as Strip<keyof Pb, Prefix>[];
@@ -47,6 +56,7 @@ export const ENUM_VALUES = {
   bodyKind: names(PbBodyKind, 'BODY_KIND_'),
   verdict: names(PbVerdict, 'VERDICT_'),
   denyReason: names(PbDenyReason, 'DENY_REASON_'),
+  unknownOutcome: names(PbUnknownOutcome, 'UNKNOWN_OUTCOME_'),
 } as const;
 
 /** A request body as far as replayability goes. No body at all is `undefined`. */
@@ -112,6 +122,14 @@ export interface Decision {
   backoffMs: number;
   /** For DENY: why; null otherwise. */
   denyReason: DenyReason | null;
+  /**
+   * Whether the attempt may have taken effect upstream, set whichever rule
+   * decided (a DENY BUDGET_EXHAUSTED of a timed-out charge is 'RECONCILE').
+   * The adapters raise AmbiguousExecutionError for a DENY that carries one,
+   * as for AMBIGUOUS. A value newer than this client reads as 'RECONCILE',
+   * so that it is never hidden.
+   */
+  unknownOutcome: UnknownOutcome;
   /** For RETRY after a 401: refresh credentials before replaying. */
   refreshCredentials: boolean;
   /** The step of the decision order that decided, 1 to 9. */
@@ -123,7 +141,11 @@ export interface Decision {
   /** NaN for a fallback decision. */
   tokensRemaining: number;
   explanation: string;
-  /** True when retryd could not answer and the local rule decided. */
+  /**
+   * True when the local rule decided: retryd could not answer, or the
+   * caller's deadline was already over (`deadlineRemainingMs` 0: asking
+   * would only wait past it; `decisionId` is empty then too).
+   */
   fallback: boolean;
   /**
    * True when retryd answered for an upstream in shadow mode (`enforce =

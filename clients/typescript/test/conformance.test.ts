@@ -2,7 +2,7 @@
 import { strict as assert } from 'node:assert';
 import * as fs from 'node:fs';
 import { after, before, describe, test } from 'node:test';
-import { InvalidRequestError, RetrydClient, type Body, type DecideInput } from '../src';
+import { InvalidRequestError, leavesOutcomeUnknown, localDecide, RetrydClient, type Body, type DecideInput } from '../src';
 import { startRetryd, VECTORS, type Retryd } from './support';
 
 interface Case {
@@ -126,7 +126,20 @@ describe('conformance vectors', () => {
         got.refresh_credentials = decision.refreshCredentials;
         want.refresh_credentials = expect.refresh_credentials;
       }
+      // Every vector carries the mark; a missing one would fail here.
+      assert.ok(typeof expect.unknown_outcome === 'string', 'the vector has no unknown_outcome');
+      got.unknown_outcome = `UNKNOWN_OUTCOME_${decision.unknownOutcome}`;
+      want.unknown_outcome = expect.unknown_outcome;
       assert.deepEqual(got, want, decision.explanation);
+      // What the adapters do with it: an ambiguous execution for AMBIGUOUS
+      // and for any DENY with a mark, never the plain failure.
+      assert.equal(
+        leavesOutcomeUnknown(decision),
+        expect.verdict === 'VERDICT_AMBIGUOUS' || (expect.verdict === 'VERDICT_DENY' && expect.unknown_outcome !== 'UNKNOWN_OUTCOME_NONE'),
+      );
+      // The local rule decides differently (no budget, no policy) but marks
+      // the same facts the same way.
+      assert.equal(`UNKNOWN_OUTCOME_${localDecide(input).unknownOutcome}`, expect.unknown_outcome, 'the local rule\'s mark');
       assert.equal(decision.fallback, false);
       assert.ok(decision.decisionId);
       if (decision.verdict === 'RETRY') {

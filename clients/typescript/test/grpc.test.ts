@@ -8,6 +8,7 @@ import * as net from 'node:net';
 import { after, before, describe, test } from 'node:test';
 import * as grpc from '@grpc/grpc-js';
 import {
+  ambiguousExecutionOf,
   classifyingInterceptor,
   decisionOf,
   grpcOutcomeOf,
@@ -338,6 +339,71 @@ describe('retryingInterceptor through retryd', { timeout: 60_000 }, () => {
     }
   });
 
+  test('a non-idempotent call held past the attempt timeout on an empty budget is an ambiguous execution carrying BUDGET_EXHAUSTED', async () => {
+    const server = await StockServer.start([never, ok]);
+    try {
+      const { error } = await run(server, { upstream: 'ts-hold', idempotency: 'NON_IDEMPOTENT', attemptTimeoutMs: 300 });
+      assert.equal(error?.code, grpc.status.DEADLINE_EXCEEDED);
+      const ambiguous = ambiguousExecutionOf(error);
+      assert.ok(ambiguous, 'the ServiceError carries the ambiguous execution');
+      assert.deepEqual([ambiguous.denyReason, ambiguous.unknownOutcome, ambiguous.resendWithSameKey], ['BUDGET_EXHAUSTED', 'RECONCILE', false]);
+      assert.equal(ambiguous.decision, decisionOf(error));
+      assert.equal(server.received.length, 1, 'never re-sent');
+    } finally {
+      server.close();
+    }
+  });
+
+  test('a keyed call denied on an empty budget says: re-send with the same key', async () => {
+    const server = await StockServer.start([never, ok]);
+    try {
+      const { error } = await run(server, { upstream: 'ts-hold', idempotency: 'IDEMPOTENT_WITH_KEY', attemptTimeoutMs: 300 });
+      assert.deepEqual([ambiguousExecutionOf(error)?.denyReason, ambiguousExecutionOf(error)?.resendWithSameKey], ['BUDGET_EXHAUSTED', true]);
+      assert.equal(server.received.length, 1);
+    } finally {
+      server.close();
+    }
+  });
+
+  test('a plain DENY carries no ambiguous execution', async () => {
+    const server = await StockServer.start([fail(grpc.status.INVALID_ARGUMENT, 'bad sku')]);
+    try {
+      const { error } = await run(server, { idempotency: 'NON_IDEMPOTENT' });
+      assert.equal(decisionOf(error)?.verdict, 'DENY');
+      assert.equal(ambiguousExecutionOf(error), undefined);
+    } finally {
+      server.close();
+    }
+  });
+
+  test('attemptTimeoutMs ends a hung attempt and leaves the caller time for the next', async () => {
+    const server = await StockServer.start([never, ok]);
+    const attempts: GrpcOutcome[] = [];
+    try {
+      const { error, value } = await run(server, { attemptTimeoutMs: 300, onAttempt: (outcome) => attempts.push(outcome) }, 10_000);
+      assert.equal(error, null, String(error));
+      assert.equal(value?.toString(), 'reserved sku-7');
+      assert.deepEqual(attempts.map((outcome) => [outcome.evidence, outcome.failure]), [['SENT_NO_RESPONSE', 'RESPONSE_HEADER_TIMEOUT']]);
+      assert.equal(server.received.length, 2);
+    } finally {
+      server.close();
+    }
+  });
+
+  test("a non-idempotent call running into the caller's deadline is an ambiguous execution, decided locally", async () => {
+    const server = await StockServer.start([never, ok]);
+    try {
+      const { error } = await run(server, { idempotency: 'NON_IDEMPOTENT' }, 500);
+      assert.equal(error?.code, grpc.status.DEADLINE_EXCEEDED);
+      const ambiguous = ambiguousExecutionOf(error);
+      assert.deepEqual([ambiguous?.denyReason, ambiguous?.unknownOutcome], ['DEADLINE', 'RECONCILE']);
+      assert.equal(ambiguous?.decision.decisionId, '', 'no question went to retryd');
+      assert.equal(server.received.length, 1);
+    } finally {
+      server.close();
+    }
+  });
+
   test('RESOURCE_EXHAUSTED with a 300 ms pushback waits at least that long', async () => {
     const server = await StockServer.start([fail(grpc.status.RESOURCE_EXHAUSTED, 'slow down', { 'grpc-retry-pushback-ms': '300' }), ok]);
     try {
@@ -390,13 +456,15 @@ describe('retryingInterceptor through retryd', { timeout: 60_000 }, () => {
     }
   });
 
-  test('the caller deadline bounds every attempt, and retryd is told what is left', async () => {
+  test('the caller deadline bounds every attempt, and ends the call without asking retryd', async () => {
     const server = await StockServer.start([never]);
     try {
       const { error, ms } = await run(server, {}, 1000);
       assert.equal(error?.code, grpc.status.DEADLINE_EXCEEDED);
-      assert.ok(ms >= 990 && ms < 2000, `settled after ${ms} ms`);
-      assert.deepEqual([decisionOf(error)?.denyReason, decisionOf(error)?.rule], ['DEADLINE', 6]);
+      assert.ok(ms >= 990, `settled after ${ms} ms, before the deadline`);
+      // The caller's deadline ended the attempt, so nothing was left to ask
+      // retryd with: decided locally, at once (no wall-clock ceiling needed).
+      assert.deepEqual([decisionOf(error)?.denyReason, decisionOf(error)?.rule, decisionOf(error)?.decisionId], ['DEADLINE', 6, '']);
       assert.equal(server.received.length, 1);
     } finally {
       server.close();

@@ -1,5 +1,6 @@
 /** Test helpers: a real retryd from $RETRYD_BIN, and a misbehaving HTTP server on 127.0.0.1. */
 import { spawn, type ChildProcess } from 'node:child_process';
+import { EventEmitter } from 'node:events';
 import * as fs from 'node:fs';
 import * as net from 'node:net';
 import * as os from 'node:os';
@@ -46,6 +47,11 @@ budget = { capacity = 100.0, initial = 0.0, ratio = 1.0, min_per_second = 0.0 }
 [upstreams."ts-encoding"]
 budget = { capacity = 10.0, initial = 10.0, ratio = 0.0, min_per_second = 0.0 }
 
+# Empty and never refilled by the little traffic a test reports: every
+# retry is denied BUDGET_EXHAUSTED (issue 36).
+[upstreams."ts-hold"]
+budget = { capacity = 10.0, initial = 0.0, ratio = 0.1, min_per_second = 0.0 }
+
 [upstreams."ts-frozen"]
 budget = { capacity = 2.0, initial = 2.0, ratio = 0.0, min_per_second = 0.0 }
 `;
@@ -58,6 +64,8 @@ export interface Retryd {
   /** SIGSTOP, then waits until the kernel reports the process stopped (delivery is asynchronous). */
   freeze(): Promise<void>;
   stop(): Promise<void>;
+  /** SIGKILL, as a crash would; resolves once the process is gone. */
+  kill(): Promise<void>;
 }
 
 export function retrydBin(): string {
@@ -104,9 +112,18 @@ export async function startRetryd(config: string): Promise<Retryd> {
       // /proc/<pid>/stat: "pid (comm) S ...", state T once stopped.
       await waitFor('retryd to stop', () => /\) T /.test(fs.readFileSync(`/proc/${child.pid}/stat`, 'utf8')));
     },
+    kill: () =>
+      new Promise<void>((resolve) => {
+        if (child.exitCode !== null || child.signalCode !== null) return resolve();
+        child.once('exit', () => resolve());
+        child.kill('SIGKILL');
+      }),
     stop: () =>
       new Promise<void>((resolve) => {
-        if (child.exitCode !== null) return resolve();
+        if (child.exitCode !== null || child.signalCode !== null) {
+          fs.rmSync(dir, { recursive: true, force: true });
+          return resolve();
+        }
         child.kill('SIGCONT'); // a frozen process would keep SIGTERM pending
         const kill = setTimeout(() => child.kill('SIGKILL'), 10_000);
         child.once('exit', () => {
@@ -160,6 +177,7 @@ export const garbage = (): Action => (socket) => socket.end('HTTP/1.1 400 Bad Re
 
 export class ScriptedServer {
   readonly requests: Buffer[] = [];
+  private readonly arrivals = new EventEmitter();
   private readonly server: net.Server;
   private readonly sockets = new Set<net.Socket>();
   port = 0;
@@ -179,6 +197,19 @@ export class ScriptedServer {
     return `http://127.0.0.1:${this.port}`;
   }
 
+  /** Resolves once `n` requests have been read: an event, no timer, so it also works under mock timers. */
+  received(n: number): Promise<void> {
+    return new Promise((resolve) => {
+      const check = (): void => {
+        if (this.requests.length < n) return;
+        this.arrivals.off('request', check);
+        resolve();
+      };
+      this.arrivals.on('request', check);
+      check();
+    });
+  }
+
   private handle(socket: net.Socket): void {
     this.sockets.add(socket);
     socket.on('close', () => this.sockets.delete(socket));
@@ -186,6 +217,7 @@ export class ScriptedServer {
     const act = (request: Buffer): void => {
       const index = Math.min(this.requests.length, this.actions.length - 1);
       this.requests.push(request);
+      this.arrivals.emit('request');
       this.actions[index]!(socket, request);
     };
     if (!this.readRequest) return act(Buffer.alloc(0));
@@ -292,4 +324,79 @@ export async function waitFor(what: string, probe: () => boolean | Promise<boole
     if (Date.now() > giveUp) throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}`);
     await new Promise((resolve) => setTimeout(resolve, 20));
   }
+}
+
+// ------------------------------------------------------------------ a keep-alive HTTP server that counts
+
+/** What a CountingServer does with the n-th request it reads. */
+export type Reply = 'ok' | 'reset' | 'hold' | '503' | 'reset-if-reused';
+
+/**
+ * An HTTP/1.1 server that keeps connections open (so clients pool them) and
+ * counts every request it reads and every connection it accepts: the
+ * ground truth against which the attempts an adapter decided are checked.
+ * The n-th request read gets script[n] (the last entry repeats).
+ */
+export class CountingServer {
+  /**
+   * Requests read, in order: the connection each came on (1-based), and
+   * whether that connection had carried a request before (a pooled one).
+   */
+  readonly reads: { method: string; connection: number; reused: boolean }[] = [];
+  connections = 0;
+  port = 0;
+  private readonly server: net.Server;
+  private readonly sockets = new Set<net.Socket>();
+
+  private constructor(private readonly script: Reply[]) {
+    this.server = net.createServer((socket) => this.handle(socket));
+  }
+
+  static async start(script: Reply[]): Promise<CountingServer> {
+    const server = new CountingServer(script);
+    await new Promise<void>((resolve) => server.server.listen(0, '127.0.0.1', resolve));
+    server.port = (server.server.address() as net.AddressInfo).port;
+    return server;
+  }
+
+  get url(): string {
+    return `http://127.0.0.1:${this.port}`;
+  }
+
+  private handle(socket: net.Socket): void {
+    const connection = ++this.connections;
+    let served = 0;
+    this.sockets.add(socket);
+    socket.on('close', () => this.sockets.delete(socket));
+    socket.on('error', () => undefined);
+    let data = Buffer.alloc(0);
+    socket.on('data', (chunk: Buffer) => {
+      data = Buffer.concat([data, chunk]);
+      for (;;) {
+        const end = data.indexOf('\r\n\r\n');
+        if (end < 0) return;
+        const head = data.subarray(0, end).toString('latin1');
+        const length = Number(/\r\ncontent-length:\s*(\d+)/i.exec(head)?.[1] ?? 0);
+        if (data.length < end + 4 + length) return;
+        data = data.subarray(end + 4 + length);
+        const reply = this.script[Math.min(this.reads.length, this.script.length - 1)]!;
+        const reused = served++ > 0;
+        this.reads.push({ method: head.slice(0, head.indexOf(' ')), connection, reused });
+        if (reply === 'reset' || (reply === 'reset-if-reused' && reused)) return void socket.resetAndDestroy();
+        if (reply === 'hold') return;
+        const status = reply === '503' ? '503 Service Unavailable' : '200 OK';
+        socket.write(`HTTP/1.1 ${status}\r\nContent-Length: 2\r\nKeep-Alive: timeout=30\r\n\r\nok`);
+      }
+    });
+  }
+
+  async close(): Promise<void> {
+    for (const socket of this.sockets) socket.destroy();
+    await new Promise<void>((resolve) => this.server.close(() => resolve()));
+  }
+}
+
+/** Lets pending I/O callbacks and promise reactions run, without a timer (mock timers do not touch setImmediate). */
+export async function ioTurns(turns = 20): Promise<void> {
+  for (let turn = 0; turn < turns; turn++) await new Promise((resolve) => setImmediate(resolve));
 }
