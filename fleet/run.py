@@ -823,6 +823,11 @@ def check(rows: list[dict[str, Any]]) -> list[str]:
     if amp < 2.5:
         failures.append(f"naive amplification {amp:.2f}× < 2.5× (the baseline does not show the problem)")
     for row in governed:
+        # Issue 36: a charge that may have been made is never reported to
+        # retryd's callers as a plain failure, whichever rule denied it.
+        if row["charged_but_told_failed"]:
+            failures.append(f"{row['label']}: {row['charged_but_told_failed']} charges applied while the caller "
+                            "was told the call failed")
         budget = row["budget"]
         if not budget["all_replicas_counted"]:
             failures.append(f"{row['label']}: a replica's counters are missing")
