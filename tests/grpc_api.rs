@@ -896,3 +896,32 @@ async fn the_build_names_its_version_revision_and_profile() {
     );
     assert!(scrape.contains(&series), "{series} in {scrape}");
 }
+
+/// Admin acts' store calls are timed and counted under `op="admin"`, as
+/// the decisions' and reports' are under theirs (issue 30: it was never
+/// recorded).
+#[tokio::test]
+async fn admin_store_calls_are_timed_as_admin() {
+    let server = Server::start("");
+    let mut decider = server.decider().await;
+    decider.decide(retryable("orders")).await.unwrap();
+    let mut admin = server.admin().await;
+    admin
+        .get_budget(pb::GetBudgetRequest {
+            upstream: "orders".into(),
+        })
+        .await
+        .unwrap();
+    admin.list_budgets(pb::ListBudgetsRequest {}).await.unwrap();
+    admin
+        .set_retries_enabled(pb::SetRetriesEnabledRequest {
+            upstream: "orders".into(),
+            enabled: false,
+            reason: "test".into(),
+        })
+        .await
+        .unwrap();
+    let scrape = server.scrape();
+    let series = "retryd_store_operation_duration_seconds_count{op=\"admin\"} 3";
+    assert!(scrape.contains(series), "{series} in {scrape}");
+}

@@ -2,6 +2,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Instant;
 
 use tonic::{Request, Response, Status};
 
@@ -13,7 +14,7 @@ use crate::pb;
 use crate::policy::UpstreamPolicy;
 use crate::telemetry::{
     Attribute, SPAN_GET_BUDGET, SPAN_LIST_BUDGETS, SPAN_RELOAD_CONFIG, SPAN_SET_RETRIES_ENABLED,
-    attr,
+    StoreOp, attr,
 };
 
 impl<S: BudgetStore> Service<S> {
@@ -108,6 +109,19 @@ fn budget(snapshot: BudgetSnapshot, policy: &UpstreamPolicy) -> pb::Budget {
     }
 }
 
+impl<S: BudgetStore> Service<S> {
+    /// An admin act's store call, timed and counted as `op="admin"` like
+    /// the decisions' and reports' store calls are under their own ops.
+    async fn timed_admin<T, E>(&self, call: impl Future<Output = Result<T, E>>) -> Result<T, E> {
+        let asked = Instant::now();
+        let result = call.await;
+        self.inner
+            .metrics
+            .record_store(StoreOp::Admin, asked.elapsed(), result.is_err());
+        result
+    }
+}
+
 #[tonic::async_trait]
 impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
     async fn get_budget(
@@ -120,9 +134,7 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             permit(&principal, upstream)?;
             let policy = live.policies.get(upstream);
             let snapshot = self
-                .inner
-                .store
-                .view(upstream, &policy.bucket)
+                .timed_admin(self.inner.store.view(upstream, &policy.bucket))
                 .await
                 .map_err(store_status)?;
             Ok(budget(snapshot, policy))
@@ -151,9 +163,11 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
         let call = |live: Arc<Live>, principal: Arc<Principal>| async move {
             let policies = &live.policies;
             let snapshots = self
-                .inner
-                .store
-                .list(|upstream| policies.get(upstream).bucket)
+                .timed_admin(
+                    self.inner
+                        .store
+                        .list(|upstream| policies.get(upstream).bucket),
+                )
                 .await
                 .map_err(store_status)?;
             // An admin sees the budgets of the upstreams it administers.
@@ -197,9 +211,11 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
                 self.pin_share(&principal, upstream)?;
             }
             let previous = self
-                .inner
-                .store
-                .set_retries_enabled(upstream, &policy.bucket, message.enabled)
+                .timed_admin(self.inner.store.set_retries_enabled(
+                    upstream,
+                    &policy.bucket,
+                    message.enabled,
+                ))
                 .await
                 .map_err(|error| {
                     // Refused or unreachable: no bucket is pinned, so neither
