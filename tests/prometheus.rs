@@ -244,6 +244,12 @@ async fn every_panel_and_alert_evaluates_on_a_real_prometheus_scraping_retryd() 
     // Started after a whole drive: its first scrape sees every series, each
     // at a drive's end, so the rates below start from one consistent point.
     let prometheus = Prometheus::start(server.metrics);
+    // No drive before Prometheus's first scrape has landed: on a loaded
+    // machine that scrape came late, fell in the middle of the next drive
+    // (after its report, before its retries), and the ratio below read
+    // 0.67 instead of 0.5.
+    prometheus.wait_for("retryd_upstream_reported_requests_total{upstream=\"pay\"}");
+    prometheus.wait_for("retryd_retries_granted_total{upstream=\"pay\"}");
     admin
         .set_retries_enabled(pb::SetRetriesEnabledRequest {
             upstream: "ledger".into(),
