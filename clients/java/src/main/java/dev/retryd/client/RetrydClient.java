@@ -43,9 +43,9 @@ import retryd.v1.Retryd.UpstreamTraffic;
  * grpc-java's netty transport. Thread-safe; share one per process and close it
  * on shutdown.
  *
- * <p>About 500 lines: the calls, the fallback and the reconnect watcher of
- * one client are read together; the local rule and the reporter are classes
- * of their own.
+ * <p>About 620 lines: the calls, the fallback, the eager connect and the
+ * reconnect watcher of one client are read together; the local rule, the
+ * reporter and the outage warnings are classes of their own.
  *
  * <p>Every decision gets a short timeout ({@link Builder#timeout}, 200ms by
  * default), further bounded by the request's own {@code deadline_remaining}

@@ -59,6 +59,10 @@ import retryd.v1.Retryd.Verdict;
  * the caller's deadline included) the status's cause is an {@link
  * AmbiguousExecutionException}: {@link AmbiguousExecutionException#of(Throwable)}. Do not also configure a grpc-java
  * retryPolicy for these methods: the two would multiply.
+ *
+ * <p>About 520 lines, one responsibility: a gRPC call under retryd's
+ * decisions (the attempt loop, its classification of grpc-java's statuses
+ * into evidence, and the deadline-after-send rule), read top to bottom.
  */
 public final class RetrydClientInterceptor implements ClientInterceptor, AutoCloseable {
   /** Declares a call's idempotency: {@code stub.withOption(IDEMPOTENCY, Idempotency.IDEMPOTENCY_SAFE)}. */

@@ -67,6 +67,10 @@ import retryd.v1.Retryd.Idempotency;
  * same way, so leave redirects at {@code Redirect.NEVER}, the default, and use
  * {@link RetryOptions.Builder#onRefreshCredentials} for 401s.) Verified on JDK
  * 17 (HttpAdapterTest counts the requests a server reads, fresh and pooled).
+ *
+ * <p>About 530 lines, one responsibility: an {@code HttpClient} call under
+ * retryd's decisions (the attempt loop, evidence from the JDK's exceptions,
+ * and the one-exchange body that refuses the JDK's own re-send).
  */
 public final class RetryingHttpClient implements AutoCloseable {
   /** A hard stop, whatever retryd or the fallback says. */
