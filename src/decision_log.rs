@@ -20,14 +20,12 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use crate::budget::memory::{Clock, MonotonicClock};
-use crate::engine::{
-    Body, Decision, Evidence, Facts, FailureKind, GrpcCode, Idempotency, Replayability, Verdict,
-};
+use crate::decide::{Attempt, Decided, Draw, NO_BODY};
+use crate::engine::{Body, Evidence, Facts, FailureKind, GrpcCode, Idempotency, Verdict};
 use crate::telemetry::Metrics;
 
 /// The format's version, on every line.
@@ -50,8 +48,8 @@ pub enum Line {
 pub struct DecisionLine {
     /// The format's version.
     pub v: u32,
-    /// Monotonic nanoseconds on the memory store's clock (any origin): what
-    /// budget refills count.
+    /// Monotonic nanoseconds since the log was opened: what budget refills
+    /// count (`retryd replay` reads only their differences).
     pub clock_ns: u64,
     /// Wall time, milliseconds since the Unix epoch, for people.
     pub unix_ms: u64,
@@ -162,7 +160,8 @@ pub struct SwitchLine {
 #[derive(Debug)]
 pub struct DecisionLog {
     lines: SyncSender<String>,
-    clock: MonotonicClock,
+    /// The origin of `clock_ns`.
+    opened: Instant,
     /// Drops, shared with the writer thread (which drops over the size cap).
     drops: Arc<Drops>,
     /// Set by [`DecisionLog::reopen`]; the writer reopens the file before
@@ -303,7 +302,7 @@ impl DecisionLog {
             .spawn(move || writer.run(receiver))?;
         Ok(DecisionLog {
             lines,
-            clock: MonotonicClock::default(),
+            opened: Instant::now(),
             drops,
             reopen,
         })
@@ -329,7 +328,8 @@ impl DecisionLog {
         let unix_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |since| since.as_millis() as u64);
-        (self.clock.now_nanos(), unix_ms)
+        let clock_ns = u64::try_from(self.opened.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        (clock_ns, unix_ms)
     }
 
     fn send(&self, line: &Line) {
@@ -348,20 +348,10 @@ impl DecisionLog {
         }
     }
 
-    /// Logs a decision made on `facts` (its budget view and draw are the
-    /// live decision's).
-    #[allow(clippy::too_many_arguments)]
-    pub fn decision(
-        &self,
-        principal: &str,
-        upstream: &str,
-        operation: &str,
-        facts: &Facts<'_>,
-        decision: &Decision,
-        tokens_remaining: f64,
-        shadow: bool,
-        decision_id: &str,
-    ) {
+    /// Logs a decision.
+    pub fn decision(&self, decided: &Decided<'_>) {
+        let facts = decided.facts();
+        let decision = &decided.decision;
         let (clock_ns, unix_ms) = self.stamp();
         let nanos = |duration: Duration| u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
         let (deny_reason, backoff_ns) = match decision.verdict {
@@ -373,12 +363,12 @@ impl DecisionLog {
             v: VERSION,
             clock_ns,
             unix_ms,
-            decision_id: decision_id.to_owned(),
-            principal: principal.to_owned(),
-            upstream: upstream.to_owned(),
-            operation: operation.to_owned(),
-            idempotency: idempotency_name(facts.idempotency).to_owned(),
-            replayability: replayability_name(facts.body.replayability()).to_owned(),
+            decision_id: decided.decision_id.clone(),
+            principal: decided.principal.name.clone(),
+            upstream: decided.attempt.upstream.to_owned(),
+            operation: decided.attempt.operation.to_owned(),
+            idempotency: facts.idempotency.as_str().to_owned(),
+            replayability: facts.body.replayability().as_str().to_owned(),
             attempt: facts.attempt,
             evidence: facts.claimed_evidence.map(|e| e.as_str().to_owned()),
             failure: facts.failure.map(|f| f.as_str().to_owned()),
@@ -398,8 +388,8 @@ impl DecisionLog {
             deny_reason,
             rule: decision.rule.number(),
             backoff_ns,
-            tokens_remaining,
-            shadow,
+            tokens_remaining: decided.tokens_remaining,
+            shadow: decided.shadow,
             unknown_outcome: decision
                 .unknown_outcome
                 .map(|mark| mark.as_str().to_owned()),
@@ -431,14 +421,14 @@ impl DecisionLog {
     }
 }
 
-/// The facts of a logged decision, in the engine's terms, to decide again.
-/// `body` is the body of the logged replayability (the engine reads no
-/// more of it). `None` names the field that does not read.
-pub fn facts_of<'a>(line: &'a DecisionLine, body: &'a Body) -> Result<Facts<'a>, &'static str> {
+/// The attempt of a logged decision and its draw, in the engine's terms,
+/// to decide again. `Err` names the field that does not read.
+pub fn attempt_of(line: &DecisionLine) -> Result<(Attempt<'_>, Draw), &'static str> {
     let nanos = Duration::from_nanos;
-    Ok(Facts {
+    let body = body_of(&line.replayability).ok_or("replayability")?;
+    let reported = Facts {
         idempotency: idempotency_of(&line.idempotency).ok_or("idempotency")?,
-        body,
+        body: &NO_BODY,
         attempt: line.attempt,
         claimed_evidence: match &line.evidence {
             None => None,
@@ -462,9 +452,20 @@ pub fn facts_of<'a>(line: &'a DecisionLine, body: &'a Body) -> Result<Facts<'a>,
         previous_backoff: line.previous_backoff_ns.map(nanos),
         max_attempts: line.max_attempts,
         budget: crate::engine::BudgetView::OPEN,
+        now: UNIX_EPOCH,
+        jitter: 0.0,
+    };
+    let attempt = Attempt {
+        upstream: &line.upstream,
+        operation: &line.operation,
+        body,
+        reported,
+    };
+    let draw = Draw {
         now: UNIX_EPOCH + nanos(line.now_unix_ns),
         jitter: line.jitter,
-    })
+    };
+    Ok((attempt, draw))
 }
 
 /// A body of the given replayability, as the engine reads it.
@@ -477,24 +478,6 @@ pub fn body_of(replayability: &str) -> Option<Body> {
     })
 }
 
-fn replayability_name(replayability: Replayability) -> &'static str {
-    match replayability {
-        Replayability::Replayable => "replayable",
-        Replayability::Reopenable => "reopenable",
-        Replayability::OneShot => "one_shot",
-    }
-}
-
-/// The name of an idempotency in logs and spans.
-pub fn idempotency_name(idempotency: Idempotency) -> &'static str {
-    match idempotency {
-        Idempotency::Safe => "safe",
-        Idempotency::Idempotent => "idempotent",
-        Idempotency::IdempotentWithKey => "idempotent_with_key",
-        Idempotency::NonIdempotent => "non_idempotent",
-    }
-}
-
 fn idempotency_of(name: &str) -> Option<Idempotency> {
     [
         Idempotency::Safe,
@@ -503,7 +486,7 @@ fn idempotency_of(name: &str) -> Option<Idempotency> {
         Idempotency::NonIdempotent,
     ]
     .into_iter()
-    .find(|idempotency| idempotency_name(*idempotency) == name)
+    .find(|idempotency| idempotency.as_str() == name)
 }
 
 fn evidence_of(name: &str) -> Option<Evidence> {

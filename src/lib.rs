@@ -3,17 +3,19 @@
 //!
 //! The rules are `retryd_engine`'s, the budgets `retryd_budget`'s and the
 //! wire types `retryd_proto`'s; this crate is what serves them: the
-//! configuration, who may call, the gRPC edge and telemetry. `main.rs`
+//! configuration, who may call, the decision pipeline (`decide`), the gRPC
+//! edge, and what calls leave behind (`record`, `telemetry`). `main.rs`
 //! wires them together.
 
 pub mod auth;
 pub mod build;
 pub mod config;
+pub mod decide;
 pub mod decision_log;
 pub mod grpc;
 pub mod policy;
-pub mod replay;
-pub mod settle;
+pub mod record;
+pub mod reload;
 pub mod telemetry;
 
 // The crates this one serves, under the names the code reads best with.

@@ -107,7 +107,7 @@ fn replay(config: &std::path::Path, file: &std::path::Path, json: bool) -> anyho
     let config = Config::load(Some(config))?;
     let log = std::fs::File::open(file)
         .with_context(|| format!("cannot open the decision log {}", file.display()))?;
-    let replay = retryd::replay::replay(&config, std::io::BufReader::new(log))
+    let replay = retryd::decide::replay::replay(&config, std::io::BufReader::new(log))
         .map_err(anyhow::Error::msg)
         .with_context(|| format!("{}", file.display()))?;
     if json {

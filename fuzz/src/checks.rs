@@ -19,7 +19,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prost::Message;
 use retryd::config::{Config, InvalidConfig, Settings, StoreConfig};
-use retryd::grpc::validate::{self, InvalidRequest, ValidDecideRequest};
+use retryd::decide::{Attempt, Draw};
+use retryd::grpc::validate::{self, InvalidRequest};
 use retryd::telemetry::TraceContext;
 use retryd_engine::{
     self as engine, BudgetView, Decision, DenyReason, Evidence, Facts, FailureKind, Idempotency,
@@ -385,7 +386,11 @@ pub fn check_decide(request: &pb::DecideRequest, environment: &Environment) -> O
         }
     };
     check_valid_decide_request(request, &valid);
-    let facts = valid.facts(environment.budget, now(), environment.jitter);
+    let draw = Draw {
+        now: now(),
+        jitter: environment.jitter,
+    };
+    let facts = valid.facts(environment.budget, draw);
     let decision = engine::decide(&facts, &environment.policy);
     check_decision(&facts, &environment.policy, &decision);
     Some(decision)
@@ -449,7 +454,7 @@ fn check_duration(what: &str, raw: Option<&prost_types::Duration>, valid: Option
 
 /// What a validated request promises: every limit the contract states, and
 /// the caller's values carried over unchanged.
-fn check_valid_decide_request(request: &pb::DecideRequest, valid: &ValidDecideRequest<'_>) {
+fn check_valid_decide_request(request: &pb::DecideRequest, valid: &Attempt<'_>) {
     assert!(!valid.upstream.is_empty(), "an empty upstream passed");
     check_name("upstream", valid.upstream);
     check_name("operation", valid.operation);

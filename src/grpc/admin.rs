@@ -10,6 +10,7 @@ use super::status::store_status;
 use super::{Live, Service, peer_addr, trace_context, validate};
 use crate::auth::{Denied, Principal};
 use crate::budget::{BudgetSnapshot, BudgetStore};
+use crate::decide::Observe;
 use crate::pb;
 use crate::policy::UpstreamPolicy;
 use crate::telemetry::{
@@ -35,9 +36,9 @@ impl<S: BudgetStore> Service<S> {
         F: FnOnce(Arc<Live>, Arc<Principal>) -> Fut,
         Fut: Future<Output = Result<T, Status>>,
     {
-        let span = self
-            .inner
-            .tracer
+        let recorder = self.recorder();
+        let span = recorder
+            .tracer()
             .start_always(trace_context(request.metadata()).as_ref());
         let peer = peer_addr(request);
         let peer_attribute = || {
@@ -50,7 +51,7 @@ impl<S: BudgetStore> Service<S> {
         let principal = match self.authenticate(&live, request, rpc) {
             Ok(principal) => Arc::clone(principal),
             Err(status) => {
-                self.finish_failed_with(span, name, &status, vec![peer_attribute()]);
+                recorder.finish_failed(span, name, &status, vec![peer_attribute()]);
                 return Err(status);
             }
         };
@@ -67,16 +68,16 @@ impl<S: BudgetStore> Service<S> {
             Ok(answer) => {
                 if let Some(span) = span {
                     let attributes = describe(answer, &principal);
-                    self.inner.tracer.finish(span, name, attributes, None);
+                    recorder.tracer().finish(span, name, attributes, None);
                 }
             }
             Err(status) => {
-                self.audit_refusal(rpc, peer, Some(&principal.name), status);
+                recorder.audit_refusal(rpc, peer, Some(&principal.name), status);
                 let attributes = vec![
                     peer_attribute(),
                     (attr::PRINCIPAL, Attribute::Text(principal.name.clone())),
                 ];
-                self.finish_failed_with(span, name, status, attributes);
+                recorder.finish_failed(span, name, status, attributes);
             }
         }
         result.map(|answer| (answer, principal))
@@ -115,9 +116,8 @@ impl<S: BudgetStore> Service<S> {
     async fn timed_admin<T, E>(&self, call: impl Future<Output = Result<T, E>>) -> Result<T, E> {
         let asked = Instant::now();
         let result = call.await;
-        self.inner
-            .metrics
-            .record_store(StoreOp::Admin, asked.elapsed(), result.is_err());
+        self.recorder()
+            .store_call(StoreOp::Admin, asked.elapsed(), result.is_err());
         result
     }
 }
@@ -134,7 +134,7 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             permit(&principal, upstream)?;
             let policy = live.policies.get(upstream);
             let snapshot = self
-                .timed_admin(self.inner.store.view(upstream, &policy.bucket))
+                .timed_admin(self.store().view(upstream, &policy.bucket))
                 .await
                 .map_err(store_status)?;
             Ok(budget(snapshot, policy))
@@ -163,11 +163,7 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
         let call = |live: Arc<Live>, principal: Arc<Principal>| async move {
             let policies = &live.policies;
             let snapshots = self
-                .timed_admin(
-                    self.inner
-                        .store
-                        .list(|upstream| policies.get(upstream).bucket),
-                )
+                .timed_admin(self.store().list(|upstream| policies.get(upstream).bucket))
                 .await
                 .map_err(store_status)?;
             // An admin sees the budgets of the upstreams it administers.
@@ -202,40 +198,19 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             let upstream = validate::upstream("upstream", &message.upstream)?;
             validate::reason("reason", &message.reason)?;
             permit(&principal, upstream)?;
-            let policy = live.policies.get(upstream);
-            // An unconfigured name switched off takes a bucket the store
-            // never evicts (a kill switch is never lost): it holds a place
-            // in the admin's share for as long, so that a scoped admin
-            // cannot fill the table every team decides from with names.
-            if !policy.bucket.configured && !message.enabled {
-                self.pin_share(&principal, upstream)?;
-            }
             let previous = self
-                .timed_admin(self.inner.store.set_retries_enabled(
+                .decider()
+                .set_retries_enabled(
+                    &live,
+                    &principal,
                     upstream,
-                    &policy.bucket,
                     message.enabled,
-                ))
+                    self.recorder(),
+                )
                 .await
-                .map_err(|error| {
-                    // Refused or unreachable: no bucket is pinned, so neither
-                    // is the name.
-                    if !policy.bucket.configured {
-                        self.inner.shares.unpin(upstream);
-                    }
-                    self.store_refusal(error)
-                })?;
-            if !policy.bucket.configured && message.enabled {
-                self.inner.shares.unpin(upstream);
-            }
-            // A candidate sees the kill switch as the live policy does, so
-            // that the switch is not counted as the candidate's divergence.
-            if let Some(candidate) = &policy.candidate {
-                self.set_candidate_enabled(upstream, candidate, message.enabled);
-            }
-            if let Some(log) = &self.inner.decision_log {
-                log.retries_enabled(upstream, message.enabled);
-            }
+                .map_err(|refused| self.refusal(refused))?;
+            self.recorder()
+                .switched(upstream, message.enabled, previous);
             Ok(previous)
         };
         let describe = |previous: &bool, principal: &Principal| {
@@ -262,9 +237,6 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             .await?;
         let upstream = message.upstream.as_str();
         let reason = message.reason.as_str();
-        if previous != message.enabled {
-            self.inner.metrics.record_flip(upstream, message.enabled);
-        }
         // The kill switch is an audited act: who, what, why.
         tracing::warn!(
             target: "retryd::audit",

@@ -121,7 +121,7 @@ pub(super) fn expired(deadline: Instant, metrics: &Metrics) -> Result<(), tonic:
         return Ok(());
     }
     metrics.record_expiry(Expiry::Deadline);
-    Err(tonic::Status::deadline_exceeded(
+    Err(super::status::deadline_exceeded(
         "grpc-timeout: the caller's deadline passed before retryd decided; nothing was spent",
     ))
 }

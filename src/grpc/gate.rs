@@ -181,15 +181,14 @@ impl<S, I> Gate<S, I> {
             "/retryd.v1.RetryAdmin/ReloadConfig" => SPAN_RELOAD_CONFIG,
             _ => return,
         };
-        let span = self
-            .service
-            .inner
-            .tracer
+        let recorder = self.service.recorder();
+        let span = recorder
+            .tracer()
             .start_always(trace_context_of_headers(request.headers()).as_ref());
         let peer = peer
             .map(|peer| peer.remote_addr.to_string())
             .unwrap_or_default();
-        self.service.finish_failed_with(
+        recorder.finish_failed(
             span,
             name,
             status,
@@ -360,7 +359,7 @@ impl HttpBody for ReceiveDeadline {
                     return Poll::Pending;
                 }
                 this.waiting_since = None;
-                Poll::Ready(Some(Err(tonic::Status::deadline_exceeded(
+                Poll::Ready(Some(Err(super::status::deadline_exceeded(
                     "the request message did not arrive in full within server.receive_timeout",
                 ))))
             }

@@ -34,7 +34,7 @@ pub async fn serve<S: BudgetStore>(
     shutdown: impl Future<Output = ()> + Send + 'static,
     grace: Duration,
 ) -> Result<(), ServeError> {
-    let limits = service.inner.reload.startup.server_limits.clone();
+    let limits = service.startup().server_limits.clone();
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
         .set_serving::<pb::retry_decider_server::RetryDeciderServer<Service<S>>>()
@@ -77,7 +77,7 @@ pub async fn serve<S: BudgetStore>(
     // shard locks for a moment, never a decision's fast path.
     let sweeper = tokio::spawn({
         let service = service.clone();
-        let every = sweep_interval(service.inner.reload.startup.evict_idle_after);
+        let every = sweep_interval(service.startup().evict_idle_after);
         async move {
             let mut ticks = tokio::time::interval(every);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -3,13 +3,12 @@
 
 use std::time::{Duration, SystemTime};
 
+use crate::decide::{Attempt, NO_BODY};
 use crate::engine::{
     Body, BudgetView, Evidence, Facts, FailureKind, GrpcCode, Idempotency, Replayability,
 };
 use crate::pb;
 
-/// Longest upstream or operation name, in bytes.
-pub const MAX_NAME_BYTES: usize = 256;
 /// Longest Retry-After value, in bytes.
 pub const MAX_RETRY_AFTER_BYTES: usize = 256;
 /// Longest `grpc-retry-pushback-ms` value, in bytes.
@@ -29,60 +28,11 @@ pub const MAX_TRAFFIC_ENTRIES: usize = 1024;
 /// Longest traffic report id, in bytes.
 pub const MAX_REPORT_ID_BYTES: usize = 128;
 
-/// A request field that cannot be used.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {reason}")]
-pub struct InvalidRequest {
-    /// The field's path, e.g. `body.parts[1].kind`.
-    pub field: String,
-    /// What is wrong with it.
-    pub reason: String,
-}
+pub use crate::decide::names::{InvalidRequest, MAX_NAME_BYTES, upstream};
+use crate::decide::names::{invalid, name};
 
-fn invalid(field: impl Into<String>, reason: impl Into<String>) -> InvalidRequest {
-    InvalidRequest {
-        field: field.into(),
-        reason: reason.into(),
-    }
-}
-
-/// A [`pb::DecideRequest`] that passed validation, borrowing its strings.
-#[derive(Debug)]
-pub struct ValidDecideRequest<'a> {
-    /// The upstream.
-    pub upstream: &'a str,
-    /// The operation, possibly empty.
-    pub operation: &'a str,
-    /// The body, as the engine reads it.
-    pub body: Body,
-    /// Everything else the caller reported, in the engine's own terms. Its
-    /// `body`, `budget`, `now` and `jitter` are not the request's: they are
-    /// filled in for each decision by [`ValidDecideRequest::facts`].
-    pub reported: Facts<'a>,
-}
-
-/// What `reported` holds until a decision fills it in.
-static NO_BODY: Body = Body::None;
-
-impl ValidDecideRequest<'_> {
-    /// The engine's facts for this request, with the budget as looked at,
-    /// the wall clock (read for an HTTP-date Retry-After) and a uniform
-    /// jitter draw in `[0, 1)`.
-    pub fn facts(&self, budget: BudgetView, now: SystemTime, jitter: f64) -> Facts<'_> {
-        Facts {
-            body: &self.body,
-            budget,
-            now,
-            jitter,
-            ..self.reported
-        }
-    }
-}
-
-/// Validates a decide request.
-pub fn decide_request(
-    request: &pb::DecideRequest,
-) -> Result<ValidDecideRequest<'_>, InvalidRequest> {
+/// Validates a decide request into the attempt it reports.
+pub fn decide_request(request: &pb::DecideRequest) -> Result<Attempt<'_>, InvalidRequest> {
     let upstream = upstream("upstream", &request.upstream)?;
     let operation = name("operation", &request.operation)?;
     let idempotency = match pb::Idempotency::try_from(request.idempotency) {
@@ -196,7 +146,7 @@ pub fn decide_request(
     let retry_after = Some(request.retry_after.as_str()).filter(|raw| !raw.is_empty());
     let deadline_remaining = duration("deadline_remaining", request.deadline_remaining.as_ref())?;
     let previous_backoff = duration("previous_backoff", request.previous_backoff.as_ref())?;
-    Ok(ValidDecideRequest {
+    Ok(Attempt {
         upstream,
         operation,
         body,
@@ -274,14 +224,6 @@ pub fn report_id(raw: &str) -> Result<Option<&str>, InvalidRequest> {
     Ok(Some(raw))
 }
 
-/// Validates a required upstream name.
-pub fn upstream<'a>(field: &str, raw: &'a str) -> Result<&'a str, InvalidRequest> {
-    if raw.is_empty() {
-        return Err(invalid(field, "required"));
-    }
-    name(field, raw)
-}
-
 /// Validates a free-text reason for the audit log: bounded, free of
 /// control characters (as names are), and free of the Unicode
 /// bidirectional controls, which would make an audit line read otherwise
@@ -316,28 +258,6 @@ fn is_bidi_control(character: char) -> bool {
         character,
         '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'
     )
-}
-
-/// Names end up in logs, span attributes and metric labels: bounded, and
-/// free of control characters that would forge log lines.
-fn name<'a>(field: &str, raw: &'a str) -> Result<&'a str, InvalidRequest> {
-    if raw.len() > MAX_NAME_BYTES {
-        return Err(invalid(
-            field,
-            format!("longer than {MAX_NAME_BYTES} bytes"),
-        ));
-    }
-    // The ASCII test is vectorised; only a name with other characters pays
-    // for decoding them (ASCII's control characters are below 0x20 and 0x7f).
-    let control = if raw.is_ascii() {
-        raw.bytes().any(|byte| byte < 0x20 || byte == 0x7f)
-    } else {
-        raw.chars().any(char::is_control)
-    };
-    if control {
-        return Err(invalid(field, "contains control characters"));
-    }
-    Ok(raw)
 }
 
 fn unknown_enum(field: &str, value: i32) -> InvalidRequest {

@@ -12,6 +12,17 @@ pub enum Replayability {
     Replayable,
 }
 
+impl Replayability {
+    /// Its name in logs: `replayable`, `reopenable`, `one_shot`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Replayability::Replayable => "replayable",
+            Replayability::Reopenable => "reopenable",
+            Replayability::OneShot => "one_shot",
+        }
+    }
+}
+
 /// A request body, in the terms of the replayability table.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Body {

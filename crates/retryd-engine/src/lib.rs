@@ -56,6 +56,17 @@ impl Idempotency {
     pub fn is_safely_idempotent(self) -> bool {
         !matches!(self, Idempotency::NonIdempotent)
     }
+
+    /// Its name in logs and spans: `safe`, `idempotent`,
+    /// `idempotent_with_key`, `non_idempotent`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Idempotency::Safe => "safe",
+            Idempotency::Idempotent => "idempotent",
+            Idempotency::IdempotentWithKey => "idempotent_with_key",
+            Idempotency::NonIdempotent => "non_idempotent",
+        }
+    }
 }
 
 /// The per-upstream policy the engine applies. Built from configuration.
@@ -114,6 +125,15 @@ impl BudgetView {
         tokens: f64::INFINITY,
         retries_enabled: true,
         unavailable: false,
+    };
+
+    /// The budget store could not be reached and the policy is to deny:
+    /// what a decision settles on when its store call failed, or when a
+    /// withdrawal's outcome is unknown (never a RETRY).
+    pub const UNAVAILABLE: BudgetView = BudgetView {
+        tokens: 0.0,
+        retries_enabled: true,
+        unavailable: true,
     };
 
     /// True if the budget rules (2 and 5's kill switch) let a retry through.

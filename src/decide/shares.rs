@@ -3,15 +3,15 @@
 //! that many at once, so that one team's runaway caller fills its own share
 //! and not the table every team decides from.
 //!
-//! Enforced here, at the edge, because only the edge knows the caller; the
-//! store still enforces `limits.max_upstreams` for all. A principal holds
+//! Enforced by the pipeline, which knows the caller the edge authenticated;
+//! the store still enforces `limits.max_upstreams` for all. A principal holds
 //! an upstream from its first RETRY decision or traffic report for it (the
 //! calls that make the store track an upstream) until it has not used it
 //! for `limits.evict_idle_after`; a name several principals use is in the
 //! share of each. An admin who switches an unconfigured upstream's retries
 //! off holds it in its share until they are switched on again, since the
-//! store keeps a switched-off bucket for good. Nothing here is on the path of a configured upstream,
-//! nor of any call when the limit is off.
+//! store keeps a switched-off bucket for good. Nothing here is on the path
+//! of a configured upstream, nor of any call when the limit is off.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -28,14 +28,16 @@ const PINNED: u64 = u64::MAX;
 #[error(
     "upstream: principal {principal:?} already holds limits.max_upstreams_per_principal ({limit}) unconfigured upstreams"
 )]
-pub(super) struct ShareFull {
-    pub(super) principal: String,
-    pub(super) limit: usize,
+pub struct ShareFull {
+    /// The principal whose share is full.
+    pub principal: String,
+    /// `limits.max_upstreams_per_principal`.
+    pub limit: usize,
 }
 
 /// Every principal's share.
 #[derive(Debug)]
-pub(super) struct Shares {
+pub(crate) struct Shares {
     limit: Option<usize>,
     idle: Duration,
     origin: Instant,
@@ -45,7 +47,7 @@ pub(super) struct Shares {
 }
 
 impl Shares {
-    pub(super) fn new(limit: Option<usize>, idle: Duration) -> Shares {
+    pub(crate) fn new(limit: Option<usize>, idle: Duration) -> Shares {
         Shares {
             limit,
             idle,
@@ -61,7 +63,7 @@ impl Shares {
     /// Takes `upstreams` (unconfigured, as the caller filtered them) into
     /// `principal`'s share, all or none: a traffic report over the share
     /// changes nothing.
-    pub(super) fn claim<'u>(
+    pub(crate) fn claim<'u>(
         &self,
         principal: &str,
         upstreams: impl IntoIterator<Item = &'u str> + Clone,
@@ -108,7 +110,7 @@ impl Shares {
     /// never evicts a switched-off bucket (a kill switch is never lost), so
     /// the name must hold its place in the share of the admin who made it
     /// for as long as it holds its place in the table.
-    pub(super) fn pin(&self, principal: &str, upstream: &str) -> Result<(), ShareFull> {
+    pub(crate) fn pin(&self, principal: &str, upstream: &str) -> Result<(), ShareFull> {
         self.claim(principal, [upstream])?;
         if let Some(share) = self.held.get(principal) {
             let mut share = share.lock().unwrap_or_else(PoisonError::into_inner);
@@ -119,7 +121,7 @@ impl Shares {
 
     /// Retries are on again for `upstream`: whoever switched them off no
     /// longer holds it pinned, and it leaves their share once idle.
-    pub(super) fn unpin(&self, upstream: &str) {
+    pub(crate) fn unpin(&self, upstream: &str) {
         if self.limit.is_none() {
             return;
         }
@@ -137,7 +139,7 @@ impl Shares {
     /// Forgets what each principal has not used for the idle period (and
     /// principals left with nothing). Off the decision path: the server's
     /// sweep calls it.
-    pub(super) fn forget_idle(&self) {
+    pub(crate) fn forget_idle(&self) {
         if self.limit.is_none() {
             return;
         }

@@ -1,8 +1,8 @@
 //! `retryd replay`: decides a recorded decision log again under another
 //! configuration, budgets included, in the order the log has them.
 //!
-//! Budgets are simulated on the memory store's own arithmetic with a clock
-//! set to each line's `clock_ns`: every upstream's bucket starts from its
+//! The lines are decided by the live service's own pipeline (`Decider`),
+//! over a memory store whose clock is set to each line's `clock_ns`: every upstream's bucket starts from its
 //! initial tokens at its first line, takes the logged reports' deposits and
 //! the floor over the logged time, and pays the replayed RETRYs. Replayed
 //! against the configuration that recorded it (one replica on the memory
@@ -12,16 +12,15 @@
 use std::collections::{BTreeMap, HashSet};
 use std::io::{BufRead, Read};
 
-use futures::FutureExt;
 use serde::Serialize;
 
+use super::{Decider, Draw, Live, Report, at_once, names};
+use crate::auth::{Auth, Principal};
+use crate::budget::MemoryBudgetStore;
 use crate::budget::memory::ManualClock;
-use crate::budget::{BudgetStore, MemoryBudgetStore};
 use crate::config::Config;
-use crate::decision_log::{DecisionLine, Line, body_of, facts_of};
-use crate::engine::{BudgetView, Decision, Verdict};
-use crate::grpc::validate;
-use crate::settle::Settled;
+use crate::decision_log::{DecisionLine, Line, attempt_of};
+use crate::engine::{Decision, Verdict};
 
 /// What the replay found for one upstream.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -90,6 +89,24 @@ pub fn replay(config: &Config, mut log: impl BufRead) -> Result<Replay, String> 
     // Bounded by `check_line`: at most `limits.max_upstreams` unconfigured
     // upstreams, as the live store tracks.
     let store = MemoryBudgetStore::with_clock(usize::MAX, clock.clone());
+    // One caller who may use every upstream: the log's principals were
+    // authorised when it was written, and shares bound what `check_line`
+    // already bounds.
+    let decider = Decider::new(
+        store,
+        Live {
+            policies: config.policies.clone(),
+            auth: Auth::disabled(),
+        },
+        None,
+        config.evict_idle_after,
+        config.report_ids.window,
+    );
+    let live = decider.live_full();
+    let principal = live
+        .auth
+        .authenticate(None, [])
+        .map_err(|error| format!("replay: {error}"))?;
     let mut unconfigured = HashSet::new();
     let mut replay = Replay::default();
     let mut last_clock: Option<u64> = None;
@@ -128,22 +145,31 @@ pub fn replay(config: &Config, mut log: impl BufRead) -> Result<Replay, String> 
         last_clock = Some(last_clock.map_or(clock_ns, |last| last.max(clock_ns)));
         match line {
             Line::Report(report) => {
-                let policy = config.policies.get(&report.upstream);
-                let _ = store
-                    .deposit(&report.upstream, &policy.bucket, report.requests)
-                    .now_or_never();
+                let entries = [(report.upstream.as_str(), report.requests)];
+                let report_all = Report {
+                    entries: &entries,
+                    id: None,
+                };
+                // As logged: the entry was deposited live, so it is here.
+                let _ = at_once(decider.report(&live, principal, report_all, &()), || {
+                    Ok((0, 0))
+                });
                 // Saturating: a log's sums must not wrap into nonsense.
                 let upstream = replay.upstreams.entry(report.upstream).or_default();
                 upstream.reported = upstream.reported.saturating_add(report.requests);
             }
             Line::RetriesEnabled(switch) => {
-                let policy = config.policies.get(&switch.upstream);
-                let _ = store
-                    .set_retries_enabled(&switch.upstream, &policy.bucket, switch.enabled)
-                    .now_or_never();
+                let switched = decider.set_retries_enabled(
+                    &live,
+                    principal,
+                    &switch.upstream,
+                    switch.enabled,
+                    &(),
+                );
+                let _ = at_once(switched, || Ok(true));
             }
             Line::Decision(recorded) => {
-                let decision = decide_again(config, &store, &recorded)
+                let decision = decide_again(&decider, &live, principal, &recorded)
                     .map_err(|field| format!("line {number}: {field} does not read"))?;
                 tally(
                     replay
@@ -179,7 +205,7 @@ fn check_line(
         }
         Line::RetriesEnabled(line) => &line.upstream,
     };
-    validate::upstream("upstream", upstream).map_err(|error| error.to_string())?;
+    names::upstream("upstream", upstream).map_err(|error| error.to_string())?;
     if config.policies.get(upstream).bucket.configured || unconfigured.contains(upstream) {
         return Ok(());
     }
@@ -197,34 +223,22 @@ fn check_line(
 /// (`validate::traffic_report`) allows.
 const MAX_REPORTED_REQUESTS: u64 = 1_000_000_000;
 
+/// A logged decision decided again by `decider`, with the logged draw.
 fn decide_again(
-    config: &Config,
-    store: &MemoryBudgetStore<ManualClock>,
+    decider: &Decider<MemoryBudgetStore<ManualClock>>,
+    live: &Live,
+    principal: &Principal,
     recorded: &DecisionLine,
 ) -> Result<Decision, &'static str> {
-    let body = body_of(&recorded.replayability).ok_or("replayability")?;
-    let facts = facts_of(recorded, &body)?;
-    let policy = config.policies.get(&recorded.upstream);
-    let settled = Settled::hope(&facts, &policy.engine);
-    let checked = store
-        .check(&recorded.upstream, &policy.bucket, settled.withdraw)
-        .now_or_never();
-    Ok(match checked {
-        Some(Ok(check)) => settled.on(&check, &facts, &policy.engine).0,
-        _ => {
-            settled
-                .on_view(
-                    BudgetView {
-                        tokens: 0.0,
-                        retries_enabled: true,
-                        unavailable: true,
-                    },
-                    &facts,
-                    &policy.engine,
-                )
-                .0
-        }
-    })
+    let (attempt, draw): (_, Draw) = attempt_of(recorded)?;
+    let decided = decider
+        .begin(live, principal, attempt, draw)
+        .and_then(|begun| decider.decide_now(begun, &()));
+    // The memory store answers at once and tracks every upstream
+    // `check_line` let through, so no refusal is expected here.
+    decided
+        .map(|decided| decided.decision)
+        .map_err(|_| "upstream (the replay's budget store refused it)")
 }
 
 fn tally(upstream: &mut UpstreamReplay, recorded: &DecisionLine, replayed: &Decision) {

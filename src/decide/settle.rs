@@ -1,10 +1,10 @@
-//! Settling a decision on what the budget said. The service decides first
+//! Settling a decision on what the budget said. The pipeline decides first
 //! as if the budget allowed (`hoped`), asks the store once (withdrawing a
-//! token only if `hoped` is a RETRY), then settles on the answer: the same
-//! code for the live policy, for a candidate policy and for `retryd
-//! replay`, so that all three decide alike.
+//! token only if `hoped` is a RETRY), then settles on the answer with
+//! [`Settled::settle`]: the one code for the live policy, for a candidate
+//! policy and for `retryd replay`, so that all three decide alike.
 
-use crate::budget::BudgetCheck;
+use crate::budget::{BudgetCheck, StoreError};
 use crate::engine::{self, BudgetView, Decision, DenyReason, Facts, Verdict};
 
 /// A decision before the store call.
@@ -33,28 +33,25 @@ impl Settled {
     }
 
     /// The decision and the tokens left, given what the store answered.
-    pub fn on(
+    /// An unreachable store (after any local fallback the policy allows)
+    /// and a withdrawal of unknown outcome settle as unavailable: never a
+    /// RETRY. Only an error that refuses the call (the upstream limit) is
+    /// returned.
+    pub fn settle(
         &self,
-        check: &BudgetCheck,
+        checked: Result<BudgetCheck, StoreError>,
         facts: &Facts<'_>,
         policy: &engine::Policy,
-    ) -> (Decision, f64) {
-        if check.withdrew {
-            return (self.hoped, check.tokens);
-        }
-        self.on_view(BudgetView::from(check), facts, policy)
-    }
-
-    /// The decision on a budget that was read but spent nothing.
-    pub fn on_view(
-        &self,
-        view: BudgetView,
-        facts: &Facts<'_>,
-        policy: &engine::Policy,
-    ) -> (Decision, f64) {
+    ) -> Result<(Decision, f64), StoreError> {
+        let view = match checked {
+            Ok(check) if check.withdrew => return Ok((self.hoped, check.tokens)),
+            Ok(check) => BudgetView::from(&check),
+            Err(StoreError::Unavailable(_)) => BudgetView::UNAVAILABLE,
+            Err(refused) => return Err(refused),
+        };
         // Allowed, and nothing to spend: the hoped decision stands.
         if view.allows() && !self.withdraw {
-            return (self.hoped, view.tokens);
+            return Ok((self.hoped, view.tokens));
         }
         // The engine decides again on what was read (pure, no I/O).
         let decision = engine::decide(
@@ -64,7 +61,7 @@ impl Settled {
             },
             policy,
         );
-        match decision.verdict {
+        Ok(match decision.verdict {
             // The read allowed a retry but no token came with it: someone
             // else took the last one in between (leased mode's read is a
             // cached reading).
@@ -73,6 +70,6 @@ impl Settled {
                 0.0,
             ),
             _ => (decision, view.tokens),
-        }
+        })
     }
 }

@@ -1,0 +1,169 @@
+//! Traffic reports: counts of real requests fill the budgets. A report is
+//! all or nothing up to the deposits: authorised and admitted under the
+//! store's upstream limit as a whole before anything is deposited; with a
+//! report id, applied at most once per entry.
+
+use std::time::Instant;
+
+use sha2::{Digest, Sha256};
+
+use super::names::invalid;
+use super::{Decider, Live, Observe, Refused, permit};
+use crate::auth::Principal;
+use crate::budget::{BucketConfig, BudgetStore, ReportClaim};
+use crate::telemetry::StoreOp;
+
+/// A validated traffic report.
+#[derive(Clone, Copy, Debug)]
+pub struct Report<'a> {
+    /// (upstream, requests), in order; at most `MAX_TRAFFIC_ENTRIES`.
+    pub entries: &'a [(&'a str, u64)],
+    /// Its id, for a report that may be re-sent.
+    pub id: Option<&'a str>,
+}
+
+impl<S: BudgetStore> Decider<S> {
+    /// Applies a report: (entries applied now, entries an earlier call
+    /// with the same report id had applied).
+    pub async fn report(
+        &self,
+        live: &Live,
+        principal: &Principal,
+        report: Report<'_>,
+        observe: &impl Observe,
+    ) -> Result<(u32, u32), Refused> {
+        let entries = report.entries;
+        // All or nothing: a report naming a forbidden upstream deposits
+        // nowhere.
+        for (index, (upstream, _)) in entries.iter().enumerate() {
+            permit(principal, upstream, &format!("traffic[{index}].upstream"))?;
+        }
+        // At most MAX_TRAFFIC_ENTRIES (validated).
+        let count = entries.len() as u32;
+        // A re-sent report resumes after what an earlier call with its id
+        // applied (or skipped as of unknown outcome): nothing twice.
+        let claimed = match report.id {
+            None => None,
+            Some(id) => {
+                let digest = digest(entries);
+                let claim = self
+                    .store
+                    .claim_report(id, digest, count, self.report_window)
+                    .await
+                    .map_err(|error| failed(error.into(), None, entries.len()))?;
+                match claim {
+                    ReportClaim::Fresh => Some((id, digest, 0)),
+                    ReportClaim::Applied(applied) if applied >= count => {
+                        self.settle_report(id, digest, applied).await;
+                        return Ok((0, applied));
+                    }
+                    ReportClaim::Applied(applied) => Some((id, digest, applied)),
+                    ReportClaim::InProgress => return Err(Refused::ReportInProgress),
+                    ReportClaim::Conflict => {
+                        return Err(invalid(
+                            "report_id",
+                            "already used for a report with other entries",
+                        )
+                        .into());
+                    }
+                }
+            }
+        };
+        let skip = claimed.map_or(0, |(_, _, applied)| applied);
+        let applied = self
+            .apply(live, principal, entries, skip as usize, observe)
+            .await;
+        if let Some((id, digest, _)) = claimed {
+            // Entry i of a failure may have landed: it is never re-applied.
+            let settled = match &applied {
+                Ok(()) => count,
+                Err(Refused::Report { failed: None, .. }) => skip,
+                Err(Refused::Report {
+                    failed: Some(index),
+                    ..
+                }) => *index as u32 + 1,
+                Err(_) => skip,
+            };
+            self.settle_report(id, digest, settled).await;
+        }
+        applied.map(|()| (count - skip, skip))
+    }
+
+    /// Settles a claimed report id. If the store fails here, the id stays
+    /// claimed until its lease runs out, and then counts as wholly applied:
+    /// fewer retries, never a request counted twice.
+    async fn settle_report(&self, id: &str, digest: u64, applied: u32) {
+        if let Err(error) = self.store.settle_report(id, digest, applied).await {
+            tracing::warn!(%error, report_id = id, "could not record a traffic report as applied");
+        }
+    }
+
+    /// Admits and deposits `entries[skip..]`. A failure is a
+    /// [`Refused::Report`] saying which entry's deposit failed, if any.
+    async fn apply(
+        &self,
+        live: &Live,
+        principal: &Principal,
+        entries: &[(&str, u64)],
+        skip: usize,
+        observe: &impl Observe,
+    ) -> Result<(), Refused> {
+        // All or nothing against the store's upstream limit too: every
+        // upstream is admitted before anything is deposited, so a report
+        // naming one too many deposits nowhere.
+        let admitting: Vec<(&str, &BucketConfig)> = entries[skip..]
+            .iter()
+            .map(|&(upstream, _)| (upstream, &live.policies.get(upstream).bucket))
+            .collect();
+        let unconfigured = admitting
+            .iter()
+            .filter(|(_, config)| !config.configured)
+            .map(|&(upstream, _)| upstream);
+        self.shares
+            .claim(&principal.name, unconfigured)
+            .map_err(|full| failed(full.into(), None, entries.len()))?;
+        let asked = Instant::now();
+        let admitted = self.store.admit(&admitting).await;
+        observe.store_call(StoreOp::Admit, asked.elapsed(), admitted.is_err());
+        admitted.map_err(|error| failed(error.into(), None, entries.len()))?;
+        // Deposits are one store call each (on Redis, on different Cluster
+        // slots, so never one transaction): if one fails, the refusal says
+        // which entries were applied.
+        for (offset, (&(upstream, config), &(_, requests))) in
+            admitting.iter().zip(&entries[skip..]).enumerate()
+        {
+            let index = skip + offset;
+            let depositing = Instant::now();
+            let deposited = self.store.deposit(upstream, config, requests).await;
+            observe.store_call(StoreOp::Deposit, depositing.elapsed(), deposited.is_err());
+            deposited.map_err(|error| failed(error.into(), Some(index), entries.len()))?;
+            observe.deposited(upstream, requests);
+            if let Some(candidate) = &live.policies.get(upstream).candidate {
+                self.candidates.deposit(upstream, candidate, requests);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn failed(refused: Refused, failed: Option<usize>, entries: usize) -> Refused {
+    Refused::Report {
+        refused: Box::new(refused),
+        failed,
+        entries,
+    }
+}
+
+/// A report's entries, in order, hashed: the same id re-sent with other
+/// entries is refused rather than half-applied. SHA-256 (already in the
+/// build for key hashes) so that every replica and version agrees.
+fn digest(entries: &[(&str, u64)]) -> u64 {
+    let mut hasher = Sha256::new();
+    for (upstream, requests) in entries {
+        hasher.update((upstream.len() as u64).to_le_bytes());
+        hasher.update(upstream.as_bytes());
+        hasher.update(requests.to_le_bytes());
+    }
+    let hash = hasher.finalize();
+    u64::from_le_bytes(hash[..8].try_into().expect("a SHA-256 is 32 bytes"))
+}

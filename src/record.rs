@@ -1,0 +1,380 @@
+//! What a call leaves behind: metrics, its span in the caller's trace, the
+//! decision log and the throttled audit of refusals. The only code that
+//! knows what a decision leaves behind ([`Recorder::record`] of a
+//! [`Decided`]); the pipeline reports its store calls here through
+//! [`Observe`].
+//!
+//! Invariant: recording never blocks or fails a call (spans go to a
+//! bounded queue, log lines to a bounded writer, both counting drops), and
+//! nothing here decides: it imports the pipeline's records, not its parts.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::budget::StoreError;
+use crate::decide::{Decided, Observe, Refused};
+use crate::decision_log::DecisionLog;
+use crate::engine::{Decision, UnknownOutcome, Verdict};
+use crate::telemetry::{
+    Attribute, Metrics, Refusal, SPAN_DECIDE, SpanStart, StoreOp, Throttle, TraceContext, Tracer,
+    UpstreamLimit, attr, hex,
+};
+
+/// How often at most a full share is logged.
+const SHARE_WARNING_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Records calls. One per service, shared by every call.
+#[derive(Debug)]
+pub struct Recorder {
+    metrics: Arc<Metrics>,
+    tracer: Tracer,
+    /// How the store is labelled on spans: memory, redis-exact, …
+    store_label: &'static str,
+    /// Every decision and report as a JSON line, if configured.
+    decision_log: Option<DecisionLog>,
+    /// Refused calls are logged ten at once, then one a second, with a
+    /// count of the others: a caller probing keys must not flood the log.
+    refusals: Throttle,
+    /// A principal at its share is logged at most once per interval.
+    full_shares: Throttle,
+}
+
+/// A decision's record in the making: its span and when it started.
+#[derive(Debug)]
+pub struct Recording {
+    span: Option<SpanStart>,
+    started: Instant,
+    /// `rpc.method` of the span: `Decide` or `DecideStream`.
+    method: &'static str,
+}
+
+impl Recorder {
+    /// A recorder into `metrics` and `tracer`, labelling spans with the
+    /// store's `store_label`.
+    pub fn new(metrics: Arc<Metrics>, tracer: Tracer, store_label: &'static str) -> Recorder {
+        Recorder {
+            metrics,
+            tracer,
+            store_label,
+            decision_log: None,
+            refusals: Throttle::new(Duration::from_secs(1), 10),
+            full_shares: Throttle::new(SHARE_WARNING_INTERVAL, 1),
+        }
+    }
+
+    /// Writes decisions, reports and kill-switch flips to `log` too.
+    pub fn with_decision_log(&mut self, mut log: DecisionLog) {
+        log.count_drops_in(Arc::clone(&self.metrics));
+        self.decision_log = Some(log);
+    }
+
+    /// Has the decision log, if any, reopen its file (log rotation).
+    pub fn reopen_decision_log(&self) {
+        if let Some(log) = &self.decision_log {
+            log.reopen();
+        }
+    }
+
+    /// The metrics recorded into.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The tracer spans go to.
+    pub fn tracer(&self) -> &Tracer {
+        &self.tracer
+    }
+
+    /// Starts the record of a decision under the caller's trace context.
+    pub fn start(&self, parent: Option<&TraceContext>, method: &'static str) -> Recording {
+        Recording {
+            span: self.tracer.start(parent),
+            started: Instant::now(),
+            method,
+        }
+    }
+
+    /// Records a decision: policy and decision counters, the debug log
+    /// line, its span and its decision-log line.
+    pub fn record(
+        &self,
+        recording: Recording,
+        parent: Option<&TraceContext>,
+        decided: &Decided<'_>,
+    ) {
+        let attempt = &decided.attempt;
+        let decision = &decided.decision;
+        self.metrics.record_policy_checks(
+            attempt.upstream,
+            decision,
+            decided.candidate.as_ref().map(|(decision, _)| decision),
+            decided.shadow,
+        );
+        let span_trace = recording.span.as_ref().map(SpanStart::trace_id);
+        self.metrics.record_decision(
+            attempt.upstream,
+            &decided.principal.name,
+            decision,
+            recording.started.elapsed(),
+            span_trace,
+        );
+        let (deny_reason, backoff_ms) = match decision.verdict {
+            Verdict::Deny(reason) => (Some(reason.as_str()), None),
+            Verdict::Retry { backoff, .. } => (None, Some(backoff.as_secs_f64() * 1000.0)),
+            Verdict::Ambiguous => (None, None),
+        };
+        let reported = &attempt.reported;
+        tracing::debug!(
+            target: "retryd::decision",
+            decision_id = decided.decision_id,
+            trace_id = span_trace.or(parent.map(|p| p.trace_id)).map(|id| hex(&id)),
+            upstream = attempt.upstream,
+            operation = attempt.operation,
+            principal = decided.principal.name,
+            attempt = reported.attempt,
+            evidence = decision.effective_evidence.as_str(),
+            failure = reported.failure.map(|failure| failure.as_str()),
+            http_status = reported.http_status,
+            grpc_status = reported.grpc_status.map(|code| code.number()),
+            verdict = decision.verdict.as_str(),
+            deny_reason,
+            backoff_ms,
+            rule = decision.rule.number(),
+            unknown_outcome = decision.unknown_outcome.map(UnknownOutcome::as_str),
+            "decided"
+        );
+        if let Some(span) = recording.span {
+            let mut attributes = self.decision_attributes(decided);
+            attributes.push((attr::RPC_METHOD, Attribute::Static(recording.method)));
+            self.tracer.finish(span, SPAN_DECIDE, attributes, None);
+        }
+        if let Some(log) = &self.decision_log {
+            log.decision(decided);
+        }
+    }
+
+    /// Records a decision refused with `status`: its span, naming the
+    /// caller when authenticated.
+    pub fn refused_decision(&self, recording: Recording, principal: &str, status: &tonic::Status) {
+        let attributes = vec![
+            (attr::CALLER, Attribute::Text(principal.to_owned())),
+            (attr::RPC_METHOD, Attribute::Static(recording.method)),
+        ];
+        self.finish_failed(recording.span, SPAN_DECIDE, status, attributes);
+    }
+
+    /// Finishes the span of a call that failed with `status`, with
+    /// `attributes` beside the status code.
+    pub fn finish_failed(
+        &self,
+        span: Option<SpanStart>,
+        name: &'static str,
+        status: &tonic::Status,
+        mut attributes: Vec<(&'static str, Attribute)>,
+    ) {
+        if let Some(span) = span {
+            attributes.push((attr::GRPC_STATUS, Attribute::Int(status.code() as i64)));
+            self.tracer
+                .finish(span, name, attributes, Some(status.message().to_owned()));
+        }
+    }
+
+    /// Counts what a refusal says about the upstream limits: a full share
+    /// (warned about, naming the principal, at most once per interval) or
+    /// the store's own limit.
+    pub fn note(&self, refused: &Refused) {
+        match refused {
+            Refused::ShareFull(full) => {
+                self.metrics
+                    .record_upstream_refusal(UpstreamLimit::Principal);
+                self.full_shares.log(|suppressed| {
+                    tracing::warn!(
+                        principal = full.principal,
+                        limit = full.limit,
+                        suppressed,
+                        "a principal holds its whole share of unconfigured upstreams (limits.max_upstreams_per_principal); its new upstreams are refused"
+                    );
+                });
+            }
+            Refused::Store(StoreError::TooManyUpstreams { .. }) => {
+                self.metrics.record_upstream_refusal(UpstreamLimit::Store);
+            }
+            Refused::Report { refused, .. } => self.note(refused),
+            _ => {}
+        }
+    }
+
+    /// Logs a call refused for want of a credential or a permission, on the
+    /// audit target, throttled. Other failures are not refusals and are
+    /// not logged here.
+    pub fn audit_refusal(
+        &self,
+        rpc: &str,
+        peer: Option<SocketAddr>,
+        principal: Option<&str>,
+        status: &tonic::Status,
+    ) {
+        let refusal = match status.code() {
+            tonic::Code::Unauthenticated => Refusal::Unauthenticated,
+            tonic::Code::PermissionDenied => Refusal::PermissionDenied,
+            _ => return,
+        };
+        // Counted always: the log below is throttled, and global, so one
+        // peer's flood would otherwise hide another's refusals.
+        self.metrics.record_call_refused(refusal);
+        self.refusals.log(|suppressed| {
+            tracing::warn!(
+                target: "retryd::audit",
+                rpc,
+                peer = peer.map(|peer| peer.to_string()),
+                principal,
+                code = ?status.code(),
+                reason = status.message(),
+                suppressed,
+                "call refused"
+            );
+        });
+    }
+
+    /// Logs how many refused calls the audit throttle held back since its
+    /// last line, if any.
+    pub fn flush_refusals(&self) {
+        self.refusals.flush(|suppressed| {
+            tracing::warn!(
+                target: "retryd::audit",
+                suppressed,
+                "calls refused and not logged one by one (see retryd_calls_refused_total)"
+            );
+        });
+    }
+
+    /// Records a kill-switch flip (`previous` is what it was before).
+    pub fn switched(&self, upstream: &str, enabled: bool, previous: bool) {
+        if previous != enabled {
+            self.metrics.record_flip(upstream, enabled);
+        }
+        if let Some(log) = &self.decision_log {
+            log.retries_enabled(upstream, enabled);
+        }
+    }
+
+    /// Records `requests` real requests reported for `upstream` by a
+    /// report's call (entries an earlier call applied are not counted).
+    pub fn reported(&self, upstream: &str, requests: u64) {
+        self.metrics.record_reported(upstream, requests);
+    }
+
+    fn decision_attributes(&self, decided: &Decided<'_>) -> Vec<(&'static str, Attribute)> {
+        let attempt = &decided.attempt;
+        let reported = &attempt.reported;
+        let decision = &decided.decision;
+        let mut attributes = vec![
+            (
+                attr::DECISION_ID,
+                Attribute::Text(decided.decision_id.clone()),
+            ),
+            (attr::UPSTREAM, Attribute::Text(attempt.upstream.to_owned())),
+            (
+                attr::OPERATION,
+                Attribute::Text(attempt.operation.to_owned()),
+            ),
+            (attr::ATTEMPT, Attribute::Int(i64::from(reported.attempt))),
+            (
+                attr::IDEMPOTENCY,
+                Attribute::Static(reported.idempotency.as_str()),
+            ),
+            (
+                attr::EVIDENCE_EFFECTIVE,
+                Attribute::Static(decision.effective_evidence.as_str()),
+            ),
+            (attr::VERDICT, Attribute::Static(decision.verdict.as_str())),
+            (
+                attr::RULE,
+                Attribute::Int(i64::from(decision.rule.number())),
+            ),
+            (
+                attr::TOKENS_REMAINING,
+                Attribute::Float(decided.tokens_remaining),
+            ),
+            (attr::STORE, Attribute::Static(self.store_label)),
+            (
+                attr::CALLER,
+                Attribute::Text(decided.principal.name.clone()),
+            ),
+        ];
+        if let Some(claimed) = reported.claimed_evidence {
+            attributes.push((attr::EVIDENCE_CLAIMED, Attribute::Static(claimed.as_str())));
+        }
+        if let Some(failure) = reported.failure {
+            attributes.push((attr::FAILURE, Attribute::Static(failure.as_str())));
+        }
+        if let Some(status) = reported.http_status {
+            attributes.push((attr::HTTP_STATUS, Attribute::Int(i64::from(status))));
+        }
+        if let Some(code) = reported.grpc_status {
+            attributes.push((attr::GRPC_STATUS, Attribute::Int(i64::from(code.number()))));
+        }
+        if let Some(pushback) = reported.grpc_pushback {
+            attributes.push((attr::GRPC_PUSHBACK, Attribute::Text(pushback.to_owned())));
+        }
+        if let Some(mark) = decision.unknown_outcome {
+            attributes.push((attr::UNKNOWN_OUTCOME, Attribute::Static(mark.as_str())));
+        }
+        match decision.verdict {
+            Verdict::Retry { backoff, .. } => {
+                attributes.push((
+                    attr::BACKOFF_MS,
+                    Attribute::Float(backoff.as_secs_f64() * 1000.0),
+                ));
+            }
+            Verdict::Deny(reason) => {
+                attributes.push((attr::DENY_REASON, Attribute::Static(reason.as_str())))
+            }
+            Verdict::Ambiguous => {}
+        }
+        if decided.shadow {
+            attributes.push((attr::ENFORCED, Attribute::Bool(false)));
+        }
+        if let Some((decision, tokens)) = &decided.candidate {
+            candidate_attributes(&mut attributes, decision, *tokens);
+        }
+        attributes
+    }
+}
+
+/// The candidate's verdict on a decision's span.
+fn candidate_attributes(
+    attributes: &mut Vec<(&'static str, Attribute)>,
+    decision: &Decision,
+    tokens: f64,
+) {
+    attributes.push((
+        attr::CANDIDATE_VERDICT,
+        Attribute::Static(decision.verdict.as_str()),
+    ));
+    attributes.push((
+        attr::CANDIDATE_RULE,
+        Attribute::Int(i64::from(decision.rule.number())),
+    ));
+    attributes.push((attr::CANDIDATE_TOKENS_REMAINING, Attribute::Float(tokens)));
+    if let Verdict::Deny(reason) = decision.verdict {
+        attributes.push((
+            attr::CANDIDATE_DENY_REASON,
+            Attribute::Static(reason.as_str()),
+        ));
+    }
+}
+
+impl Observe for Recorder {
+    fn store_call(&self, op: StoreOp, elapsed: Duration, failed: bool) {
+        self.metrics.record_store(op, elapsed, failed);
+    }
+
+    fn deposited(&self, upstream: &str, requests: u64) {
+        self.metrics.record_deposit(requests);
+        if let Some(log) = &self.decision_log {
+            log.report(upstream, requests);
+        }
+    }
+}
