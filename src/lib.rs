@@ -3,8 +3,8 @@
 //!
 //! The rules are `retryd_engine`'s, the budgets `retryd_budget`'s and the
 //! wire types `retryd_proto`'s; this crate is what serves them: the
-//! configuration, who may call, the gRPC edge and telemetry. `main.rs`
-//! wires them together.
+//! configuration, who may call, the transport under the gRPC edge, the
+//! edge itself and telemetry. `main.rs` wires them together.
 
 pub mod auth;
 pub mod build;
@@ -15,6 +15,7 @@ pub mod policy;
 pub mod replay;
 pub mod settle;
 pub mod telemetry;
+pub mod transport;
 
 // The crates this one serves, under the names the code reads best with.
 use retryd_budget as budget;

@@ -1,0 +1,76 @@
+//! Transport: the gRPC port below HTTP/2. Accepting connections under
+//! their bounds and deadlines (`connections.rs`, with each connection's
+//! standing in `connections/standing.rs`), TLS, the HTTP/2 preface, who a
+//! client certificate names ([`Peer`]), and when the kernel received a
+//! connection's bytes (`received.rs`). It hands tonic connections that are
+//! ready for HTTP/2; what a call means is `grpc`'s.
+//!
+//! Architecture Invariant: transport knows bytes, sockets, TLS, peers and
+//! the deadlines of connections only. It never imports `crate::grpc`,
+//! `crate::decide`, the engine or the budget store: the edge depends on
+//! transport, never the reverse, and what transport needs from above (such
+//! as whether calls must authenticate) is passed in as a plain value or a
+//! closure.
+
+/// `AsyncWrite` for a wrapper that changes only how it reads: every write
+/// goes to `$field` unchanged. Used by the connection types
+/// (`received.rs`).
+macro_rules! delegate_async_write {
+    ($wrapper:ty, $field:ident) => {
+        impl tokio::io::AsyncWrite for $wrapper {
+            fn poll_write(
+                self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+                buf: &[u8],
+            ) -> std::task::Poll<std::io::Result<usize>> {
+                tokio::io::AsyncWrite::poll_write(
+                    std::pin::Pin::new(&mut self.get_mut().$field),
+                    cx,
+                    buf,
+                )
+            }
+
+            fn poll_write_vectored(
+                self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+                bufs: &[std::io::IoSlice<'_>],
+            ) -> std::task::Poll<std::io::Result<usize>> {
+                tokio::io::AsyncWrite::poll_write_vectored(
+                    std::pin::Pin::new(&mut self.get_mut().$field),
+                    cx,
+                    bufs,
+                )
+            }
+
+            fn is_write_vectored(&self) -> bool {
+                tokio::io::AsyncWrite::is_write_vectored(&self.$field)
+            }
+
+            fn poll_flush(
+                self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                tokio::io::AsyncWrite::poll_flush(
+                    std::pin::Pin::new(&mut self.get_mut().$field),
+                    cx,
+                )
+            }
+
+            fn poll_shutdown(
+                self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                tokio::io::AsyncWrite::poll_shutdown(
+                    std::pin::Pin::new(&mut self.get_mut().$field),
+                    cx,
+                )
+            }
+        }
+    };
+}
+
+mod connections;
+mod received;
+
+pub use connections::{Acceptor, Connection, OpenCall, Peer, Standing};
+pub use received::ReceivedAt;
