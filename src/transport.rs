@@ -1,9 +1,10 @@
 //! Transport: the gRPC port below HTTP/2. Accepting connections under
-//! their bounds and deadlines (`connections.rs`, with each connection's
-//! standing in `connections/standing.rs`), TLS, the HTTP/2 preface, who a
-//! client certificate names ([`Peer`]), and when the kernel received a
-//! connection's bytes (`received.rs`). It hands tonic connections that are
-//! ready for HTTP/2; what a call means is `grpc`'s.
+//! their bounds and deadlines (`connections.rs`, each connection's standing
+//! in `connections/standing.rs`), the TLS handshake (the server's rustls
+//! configuration in `tls.rs`), the HTTP/2 preface, who a client
+//! certificate names ([`Peer`]), and when the kernel received a
+//! connection's bytes (`received.rs`). It hands tonic connections ready
+//! for HTTP/2; what a call means is `grpc`'s.
 //!
 //! Architecture Invariant: transport knows bytes, sockets, TLS, peers and
 //! the deadlines of connections only. It never imports `crate::grpc`,
@@ -71,6 +72,7 @@ macro_rules! delegate_async_write {
 
 mod connections;
 mod received;
+mod tls;
 
 pub use connections::{Acceptor, Connection, OpenCall, Peer, Standing};
 pub use received::ReceivedAt;
