@@ -1,7 +1,8 @@
 //! Transport: the gRPC port below HTTP/2. Accepting connections under
 //! their bounds and deadlines (`connections.rs`, each connection's standing
 //! in `connections/standing.rs`), the TLS handshake (the server's rustls
-//! configuration in `tls.rs`), the HTTP/2 preface, who a client
+//! configuration in `tls.rs`), the HTTP/2 preface (read again by the HTTP/2
+//! server through `prefixed.rs`), who a client
 //! certificate names ([`Peer`]), and when the kernel received a
 //! connection's bytes (`received.rs`). It hands tonic connections ready
 //! for HTTP/2; what a call means is `grpc`'s.
@@ -14,11 +15,20 @@
 //! closure.
 
 /// `AsyncWrite` for a wrapper that changes only how it reads: every write
-/// goes to `$field` unchanged. Used by the connection types
-/// (`received.rs`).
+/// goes to `$field` unchanged. Used by the connection types (`received.rs`,
+/// `prefixed.rs`); a generic wrapper names its type parameters first
+/// (`impl<T> Wrapper<T>`), each of which must then be `AsyncWrite + Unpin`.
 macro_rules! delegate_async_write {
+    // `impl` first: a type may start with it too, so the plain arm would
+    // take it for one.
+    (impl<$($param:ident),+> $wrapper:ty, $field:ident) => {
+        delegate_async_write!(@impl [$($param: tokio::io::AsyncWrite + Unpin),+] $wrapper, $field);
+    };
     ($wrapper:ty, $field:ident) => {
-        impl tokio::io::AsyncWrite for $wrapper {
+        delegate_async_write!(@impl [] $wrapper, $field);
+    };
+    (@impl [$($generics:tt)*] $wrapper:ty, $field:ident) => {
+        impl<$($generics)*> tokio::io::AsyncWrite for $wrapper {
             fn poll_write(
                 self: std::pin::Pin<&mut Self>,
                 cx: &mut std::task::Context<'_>,
@@ -71,6 +81,7 @@ macro_rules! delegate_async_write {
 }
 
 mod connections;
+mod prefixed;
 mod received;
 mod tls;
 

@@ -42,6 +42,7 @@ use tokio::time::{Instant, Sleep};
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
 
+use super::prefixed::PrefixedIo;
 use super::received::{ReceivedAt, TimedTcp};
 use super::tls;
 use crate::auth::certificate_identities;
@@ -175,13 +176,14 @@ impl Acceptor {
     }
 
     /// The TLS handshake (if any) and the HTTP/2 preface, which the caller
-    /// bounds in time.
+    /// bounds in time. The IO returned serves the preface again first, for
+    /// the HTTP/2 server.
     async fn handshake(
         &self,
         stream: TcpStream,
         remote_addr: SocketAddr,
         standing: Arc<Standing>,
-    ) -> io::Result<(Io, Peer)> {
+    ) -> io::Result<(PrefixedIo<Io>, Peer)> {
         // Without it, Nagle's algorithm held a response's last small segment
         // until the caller's delayed ACK: a 40 ms tail on a share of calls.
         stream.set_nodelay(true)?;
@@ -209,7 +211,7 @@ impl Acceptor {
             ));
         }
         Ok((
-            io,
+            PrefixedIo::new(&PREFACE[..], io),
             Peer {
                 remote_addr,
                 identities,
@@ -328,7 +330,6 @@ async fn accept_loop(
                     let ready = Instant::now();
                     let connection = Connection {
                         io,
-                        replayed: 0,
                         peer,
                         ready,
                         deadlines,
@@ -408,16 +409,15 @@ fn within_file_limit(wanted: usize) -> usize {
 
 /// An accepted connection, past its handshake, holding its place until it
 /// closes. The preface it already sent is read again first, by the HTTP/2
-/// server.
+/// server ([`PrefixedIo`]).
 ///
 /// It closes itself: a read returns end of file, and a write an error,
 /// once it is evicted or past a deadline, and the HTTP/2 server, which
-/// always has a read or a flush pending, then drops it. The deadlines are one timer per connection, polled by
-/// that read, so they cost nothing per call.
+/// always has a read or a flush pending, then drops it. The deadlines are
+/// one timer per connection, polled by that read, so they cost nothing per
+/// call.
 pub struct Connection {
-    io: Io,
-    /// How much of [`PREFACE`] has been read again.
-    replayed: usize,
+    io: PrefixedIo<Io>,
     peer: Peer,
     /// When its handshake finished.
     ready: Instant,
@@ -523,13 +523,6 @@ impl AsyncRead for Connection {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.replayed < PREFACE.len() {
-            let rest = &PREFACE[this.replayed..];
-            let n = rest.len().min(buf.remaining());
-            buf.put_slice(&rest[..n]);
-            this.replayed += n;
-            return Poll::Ready(Ok(()));
-        }
         if this.is_closing(cx) {
             // End of file: HTTP/2 ends the connection as if the peer had.
             return Poll::Ready(Ok(()));
@@ -590,3 +583,4 @@ impl AsyncWrite for Connection {
         Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
     }
 }
+
