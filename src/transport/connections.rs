@@ -372,15 +372,15 @@ async fn admit(registry: &Arc<Registry>, remote_ip: std::net::IpAddr) -> Result<
     }
 }
 
-/// Errors that `accept` returns again at once until something is closed.
+/// Errors that `accept` returns again at once until something is closed:
+/// out of descriptors (the process's or the system's), of socket buffers,
+/// or of memory. The numbers are libc's, which differ between systems
+/// (ENOBUFS is 105 on Linux, 55 on the BSDs and macOS); std names ENOMEM
+/// alone among them, as `OutOfMemory`.
 fn is_exhaustion(error: &io::Error) -> bool {
-    const EMFILE: i32 = 24;
-    const ENFILE: i32 = 23;
-    const ENOBUFS: i32 = 105;
-    const ENOMEM: i32 = 12;
     matches!(
         error.raw_os_error(),
-        Some(EMFILE | ENFILE | ENOBUFS | ENOMEM)
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS)
     ) || error.kind() == io::ErrorKind::OutOfMemory
 }
 
@@ -584,3 +584,26 @@ impl AsyncWrite for Connection {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exhaustion_is_told_by_this_systems_numbers() {
+        for exhausted in [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ENOMEM] {
+            assert!(
+                is_exhaustion(&io::Error::from_raw_os_error(exhausted)),
+                "{exhausted}"
+            );
+        }
+        assert!(is_exhaustion(&io::ErrorKind::OutOfMemory.into()));
+        // A peer that gave up before its connection was accepted: the next
+        // accept succeeds, so no backoff.
+        for passing in [libc::ECONNABORTED, libc::ECONNRESET, libc::EINTR] {
+            assert!(
+                !is_exhaustion(&io::Error::from_raw_os_error(passing)),
+                "{passing}"
+            );
+        }
+    }
+}
