@@ -6,70 +6,11 @@
 //! Invariant: no decision logic here, and only this module (and `pb`) sees
 //! generated types. `Service = { decider, recorder }`, plus how to reload.
 
-/// `AsyncWrite` for a wrapper that changes only how it reads: every write
-/// goes to `$field` unchanged. Used by the connection types
-/// (`connections.rs`, `received.rs`).
-macro_rules! delegate_async_write {
-    ($wrapper:ty, $field:ident) => {
-        impl tokio::io::AsyncWrite for $wrapper {
-            fn poll_write(
-                self: std::pin::Pin<&mut Self>,
-                cx: &mut std::task::Context<'_>,
-                buf: &[u8],
-            ) -> std::task::Poll<std::io::Result<usize>> {
-                tokio::io::AsyncWrite::poll_write(
-                    std::pin::Pin::new(&mut self.get_mut().$field),
-                    cx,
-                    buf,
-                )
-            }
-
-            fn poll_write_vectored(
-                self: std::pin::Pin<&mut Self>,
-                cx: &mut std::task::Context<'_>,
-                bufs: &[std::io::IoSlice<'_>],
-            ) -> std::task::Poll<std::io::Result<usize>> {
-                tokio::io::AsyncWrite::poll_write_vectored(
-                    std::pin::Pin::new(&mut self.get_mut().$field),
-                    cx,
-                    bufs,
-                )
-            }
-
-            fn is_write_vectored(&self) -> bool {
-                tokio::io::AsyncWrite::is_write_vectored(&self.$field)
-            }
-
-            fn poll_flush(
-                self: std::pin::Pin<&mut Self>,
-                cx: &mut std::task::Context<'_>,
-            ) -> std::task::Poll<std::io::Result<()>> {
-                tokio::io::AsyncWrite::poll_flush(
-                    std::pin::Pin::new(&mut self.get_mut().$field),
-                    cx,
-                )
-            }
-
-            fn poll_shutdown(
-                self: std::pin::Pin<&mut Self>,
-                cx: &mut std::task::Context<'_>,
-            ) -> std::task::Poll<std::io::Result<()>> {
-                tokio::io::AsyncWrite::poll_shutdown(
-                    std::pin::Pin::new(&mut self.get_mut().$field),
-                    cx,
-                )
-            }
-        }
-    };
-}
-
 mod admin;
 mod answer;
-mod connections;
 mod deadline;
 mod decider;
 mod gate;
-mod received;
 mod report;
 mod serve;
 mod status;
@@ -87,8 +28,7 @@ use crate::decision_log::DecisionLog;
 use crate::record::Recorder;
 pub use crate::reload::{RELOAD_INTERVAL, Reload, ReloadError, Reloader};
 use crate::telemetry::{Metrics, TraceContext, Tracer};
-pub use connections::{Acceptor, OpenCall, Peer, Standing};
-pub use received::ReceivedAt;
+use crate::transport::Peer;
 pub use serve::{ServeError, bind, serve};
 
 /// The health-service name that reports the budget store's reachability:

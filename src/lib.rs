@@ -3,9 +3,9 @@
 //!
 //! The rules are `retryd_engine`'s, the budgets `retryd_budget`'s and the
 //! wire types `retryd_proto`'s; this crate is what serves them: the
-//! configuration, who may call, the decision pipeline (`decide`), the gRPC
-//! edge, and what calls leave behind (`record`, `telemetry`). `main.rs`
-//! wires them together.
+//! configuration, who may call, the decision pipeline (`decide`), the
+//! transport under the gRPC edge, the edge itself, and what calls leave
+//! behind (`record`, `telemetry`). `main.rs` wires them together.
 
 pub mod auth;
 pub mod build;
@@ -17,6 +17,7 @@ pub mod policy;
 pub mod record;
 pub mod reload;
 pub mod telemetry;
+pub mod transport;
 
 // The crates this one serves, under the names the code reads best with.
 use retryd_budget as budget;

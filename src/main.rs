@@ -16,6 +16,7 @@ use retryd::config::{Config, StoreConfig};
 use retryd::decision_log::DecisionLog;
 use retryd::grpc::{self, Reload, Service};
 use retryd::telemetry::{self, Metrics, Tracer};
+use retryd::transport::Acceptor;
 use retryd_budget::redis::{Mode, RedisConfig, RedisMode, redact_url};
 use retryd_budget::{BudgetStore, ExactStore, LeasedStore, MemoryBudgetStore, RedisBudgetStore};
 
@@ -121,7 +122,7 @@ fn replay(config: &std::path::Path, file: &std::path::Path, json: bool) -> anyho
 fn check_config(file: &std::path::Path) -> anyhow::Result<()> {
     let config = Config::load(Some(file))?;
     // The certificates and keys are parsed as serving would parse them.
-    grpc::Acceptor::try_new(config.tls.as_ref(), &config.server_limits)?;
+    Acceptor::try_new(config.tls.as_ref(), &config.server_limits)?;
     println!(
         "{}: ok ({} named upstreams, store {})",
         file.display(),
@@ -232,7 +233,7 @@ fn serve(config_path: Option<PathBuf>) -> anyhow::Result<()> {
             "limits.max_upstreams_per_principal = 0: the principals share limits.max_upstreams with no share of their own, so one team's flood of upstream names refuses every other team's new upstreams"
         );
     }
-    let acceptor = grpc::Acceptor::try_new(config.tls.as_ref(), &config.server_limits)?;
+    let acceptor = Acceptor::try_new(config.tls.as_ref(), &config.server_limits)?;
     let decision_log = config
         .decision_log
         .as_ref()
@@ -331,7 +332,7 @@ fn describe_redis(redis: &RedisConfig) -> String {
 /// What `serve` prepared before any port is bound.
 struct Served {
     config_path: Option<PathBuf>,
-    acceptor: grpc::Acceptor,
+    acceptor: Acceptor,
     decision_log: Option<DecisionLog>,
 }
 

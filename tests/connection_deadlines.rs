@@ -16,8 +16,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use retryd::config::Config;
-use retryd::grpc::{self, Acceptor, Reload, Service};
+use retryd::grpc::{self, Reload, Service};
 use retryd::telemetry::{Metrics, Tracer};
+use retryd::transport::Acceptor;
 use retryd_budget::MemoryBudgetStore;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;

@@ -8,8 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use retryd::config::Config;
-use retryd::grpc::{self, Acceptor, Reload, Service};
+use retryd::grpc::{self, Reload, Service};
 use retryd::telemetry::{Metrics, Tracer};
+use retryd::transport::Acceptor;
 use retryd_budget::memory::ManualClock;
 use retryd_budget::{BucketConfig, BudgetStore, MemoryBudgetStore};
 use retryd_proto as pb;

@@ -13,8 +13,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use retryd::config::Config;
-use retryd::grpc::{self, Acceptor, Reload, Service};
+use retryd::grpc::{self, Reload, Service};
 use retryd::telemetry::{Metrics, Tracer};
+use retryd::transport::Acceptor;
 use retryd_budget::memory::{Clock, ManualClock};
 use retryd_budget::{
     BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, MemoryBudgetStore, ReportClaim,

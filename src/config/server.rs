@@ -2,7 +2,7 @@
 //! not even PEM refused) and its transport limits, and the refusal to
 //! listen beyond loopback without authentication.
 //!
-//! It reads files but binds nothing: the acceptor in `grpc` builds TLS
+//! It reads files but binds nothing: the acceptor in `transport` builds TLS
 //! from the [`TlsConfig`] this returns.
 
 use std::net::SocketAddr;

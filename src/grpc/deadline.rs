@@ -8,8 +8,9 @@
 //! the store call:
 //!
 //! - the deadline, counted from when the kernel received the call (see
-//!   `received.rs`; from the handler's start where that is unknown): past
-//!   it, the call is answered DEADLINE_EXCEEDED and nothing is spent;
+//!   `transport/received.rs`; from the handler's start where that is
+//!   unknown): past it, the call is answered DEADLINE_EXCEEDED and nothing
+//!   is spent;
 //! - a caller that cancelled (gRPC clients reset the stream when their
 //!   deadline passes): the call yields once, and hyper, which polls a
 //!   stream's reset only while its handler is pending, drops the handler

@@ -39,12 +39,13 @@ use tokio::time::{Instant, Sleep};
 use tonic::body::Body;
 use tonic::codegen::http;
 
-use super::{OpenCall, Peer, Service, trace_context_of_headers};
+use super::{Service, trace_context_of_headers};
 use crate::budget::BudgetStore;
 use crate::telemetry::{
     Attribute, SPAN_GET_BUDGET, SPAN_LIST_BUDGETS, SPAN_RELOAD_CONFIG, SPAN_SET_RETRIES_ENABLED,
     attr,
 };
+use crate::transport::{OpenCall, Peer};
 
 /// The services whose calls must authenticate: every one of retryd's own.
 /// Health and reflection answer anyone, as they always have.

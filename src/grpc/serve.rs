@@ -9,12 +9,11 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tonic::transport::Server;
 
-use super::{
-    Acceptor, FILE_DESCRIPTOR_SET, STORE_ANY_HEALTH_SERVICE, STORE_HEALTH_SERVICE, Service,
-};
+use super::{FILE_DESCRIPTOR_SET, STORE_ANY_HEALTH_SERVICE, STORE_HEALTH_SERVICE, Service};
 use crate::budget::BudgetStore;
 use crate::config::ServerLimits;
 use crate::pb;
+use crate::transport::Acceptor;
 
 /// How often `serve` sweeps for idle upstreams: a few times per idle
 /// period, within 1–15 s, so an idle upstream goes within about a quarter

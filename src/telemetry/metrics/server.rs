@@ -30,7 +30,7 @@ const SCRAPE_CONNECTION_LIFETIME: Duration = Duration::from_secs(10);
 
 /// Most metrics connections open at once: a quarter of the descriptors
 /// the gRPC port's bound keeps for everything else (`RESERVED_FILES` in
-/// `grpc/connections.rs`), and more scrapers than any deployment runs.
+/// `transport/connections.rs`), and more scrapers than any deployment runs.
 const MAX_SCRAPE_CONNECTIONS: usize = 16;
 
 /// Serves `GET /metrics` over HTTP/1.1 (hyper) on `listener` until

@@ -39,13 +39,12 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
-use tokio_rustls::rustls;
-use tokio_rustls::rustls::pki_types::pem::PemObject;
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
 
+use super::prefixed::PrefixedIo;
 use super::received::{ReceivedAt, TimedTcp};
+use super::tls;
 use crate::auth::certificate_identities;
 use crate::config::{InvalidConfig, ServerLimits, TlsConfig};
 use crate::telemetry::Throttle;
@@ -137,7 +136,7 @@ impl Acceptor {
         limits: &ServerLimits,
     ) -> Result<Acceptor, InvalidConfig> {
         let tls = tls
-            .map(|tls| server_config(tls).map(|config| Arc::new(config).into()))
+            .map(|tls| tls::server_config(tls).map(|config| Arc::new(config).into()))
             .transpose()?;
         Ok(Acceptor {
             tls,
@@ -177,13 +176,14 @@ impl Acceptor {
     }
 
     /// The TLS handshake (if any) and the HTTP/2 preface, which the caller
-    /// bounds in time.
+    /// bounds in time. The IO returned serves the preface again first, for
+    /// the HTTP/2 server.
     async fn handshake(
         &self,
         stream: TcpStream,
         remote_addr: SocketAddr,
         standing: Arc<Standing>,
-    ) -> io::Result<(Io, Peer)> {
+    ) -> io::Result<(PrefixedIo<Io>, Peer)> {
         // Without it, Nagle's algorithm held a response's last small segment
         // until the caller's delayed ACK: a 40 ms tail on a share of calls.
         stream.set_nodelay(true)?;
@@ -211,7 +211,7 @@ impl Acceptor {
             ));
         }
         Ok((
-            io,
+            PrefixedIo::new(&PREFACE[..], io),
             Peer {
                 remote_addr,
                 identities,
@@ -330,7 +330,6 @@ async fn accept_loop(
                     let ready = Instant::now();
                     let connection = Connection {
                         io,
-                        replayed: 0,
                         peer,
                         ready,
                         deadlines,
@@ -373,15 +372,15 @@ async fn admit(registry: &Arc<Registry>, remote_ip: std::net::IpAddr) -> Result<
     }
 }
 
-/// Errors that `accept` returns again at once until something is closed.
+/// Errors that `accept` returns again at once until something is closed:
+/// out of descriptors (the process's or the system's), of socket buffers,
+/// or of memory. The numbers are libc's, which differ between systems
+/// (ENOBUFS is 105 on Linux, 55 on the BSDs and macOS); std names ENOMEM
+/// alone among them, as `OutOfMemory`.
 fn is_exhaustion(error: &io::Error) -> bool {
-    const EMFILE: i32 = 24;
-    const ENFILE: i32 = 23;
-    const ENOBUFS: i32 = 105;
-    const ENOMEM: i32 = 12;
     matches!(
         error.raw_os_error(),
-        Some(EMFILE | ENFILE | ENOBUFS | ENOMEM)
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS)
     ) || error.kind() == io::ErrorKind::OutOfMemory
 }
 
@@ -408,93 +407,17 @@ fn within_file_limit(wanted: usize) -> usize {
     }
 }
 
-/// The rustls configuration of `[server.tls]`, every PEM parsed.
-fn server_config(tls: &TlsConfig) -> Result<rustls::ServerConfig, InvalidConfig> {
-    let invalid = |key: &str, reason: String| InvalidConfig::Value {
-        key: key.to_owned(),
-        reason,
-    };
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let chain = certificates("server.tls.cert_file", &tls.cert_pem)?;
-    let key = PrivateKeyDer::from_pem_slice(&tls.key_pem).map_err(|error| {
-        invalid(
-            "server.tls.key_file",
-            format!("no usable PEM private key: {error}"),
-        )
-    })?;
-    let builder = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
-        .with_safe_default_protocol_versions()
-        .map_err(|error| invalid("server.tls", error.to_string()))?;
-    let builder = match &tls.client_ca_pem {
-        None => builder.with_no_client_auth(),
-        Some(ca_pem) => {
-            let mut roots = rustls::RootCertStore::empty();
-            for ca in certificates("server.tls.client_ca_file", ca_pem)? {
-                roots.add(ca).map_err(|error| {
-                    invalid(
-                        "server.tls.client_ca_file",
-                        format!("not a usable CA certificate: {error}"),
-                    )
-                })?;
-            }
-            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                Arc::new(roots),
-                provider,
-            );
-            let verifier = if tls.client_auth_optional {
-                verifier.allow_unauthenticated()
-            } else {
-                verifier
-            };
-            builder.with_client_cert_verifier(
-                verifier
-                    .build()
-                    .map_err(|error| invalid("server.tls.client_ca_file", error.to_string()))?,
-            )
-        }
-    };
-    let mut config = builder.with_single_cert(chain, key).map_err(|error| {
-        invalid(
-            "server.tls.key_file",
-            format!("cannot be used with server.tls.cert_file: {error}"),
-        )
-    })?;
-    config.alpn_protocols = vec![b"h2".to_vec()];
-    Ok(config)
-}
-
-/// Every certificate of a PEM file, which must hold at least one.
-fn certificates(key: &str, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, InvalidConfig> {
-    let invalid = |reason: String| InvalidConfig::Value {
-        key: key.to_owned(),
-        reason,
-    };
-    let certificates = CertificateDer::pem_slice_iter(pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|error| invalid(format!("not a PEM certificate file: {error}")))?;
-    for certificate in &certificates {
-        use x509_parser::prelude::{FromDer, X509Certificate};
-        X509Certificate::from_der(certificate.as_ref())
-            .map_err(|error| invalid(format!("a certificate does not parse: {error}")))?;
-    }
-    if certificates.is_empty() {
-        return Err(invalid("holds no PEM certificate".into()));
-    }
-    Ok(certificates)
-}
-
 /// An accepted connection, past its handshake, holding its place until it
 /// closes. The preface it already sent is read again first, by the HTTP/2
-/// server.
+/// server ([`PrefixedIo`]).
 ///
 /// It closes itself: a read returns end of file, and a write an error,
 /// once it is evicted or past a deadline, and the HTTP/2 server, which
-/// always has a read or a flush pending, then drops it. The deadlines are one timer per connection, polled by
-/// that read, so they cost nothing per call.
+/// always has a read or a flush pending, then drops it. The deadlines are
+/// one timer per connection, polled by that read, so they cost nothing per
+/// call.
 pub struct Connection {
-    io: Io,
-    /// How much of [`PREFACE`] has been read again.
-    replayed: usize,
+    io: PrefixedIo<Io>,
     peer: Peer,
     /// When its handshake finished.
     ready: Instant,
@@ -600,13 +523,6 @@ impl AsyncRead for Connection {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        if this.replayed < PREFACE.len() {
-            let rest = &PREFACE[this.replayed..];
-            let n = rest.len().min(buf.remaining());
-            buf.put_slice(&rest[..n]);
-            this.replayed += n;
-            return Poll::Ready(Ok(()));
-        }
         if this.is_closing(cx) {
             // End of file: HTTP/2 ends the connection as if the peer had.
             return Poll::Ready(Ok(()));
@@ -665,5 +581,29 @@ impl AsyncWrite for Connection {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exhaustion_is_told_by_this_systems_numbers() {
+        for exhausted in [libc::EMFILE, libc::ENFILE, libc::ENOBUFS, libc::ENOMEM] {
+            assert!(
+                is_exhaustion(&io::Error::from_raw_os_error(exhausted)),
+                "{exhausted}"
+            );
+        }
+        assert!(is_exhaustion(&io::ErrorKind::OutOfMemory.into()));
+        // A peer that gave up before its connection was accepted: the next
+        // accept succeeds, so no backoff.
+        for passing in [libc::ECONNABORTED, libc::ECONNRESET, libc::EINTR] {
+            assert!(
+                !is_exhaustion(&io::Error::from_raw_os_error(passing)),
+                "{passing}"
+            );
+        }
     }
 }

@@ -1,55 +1,23 @@
-//! When the kernel received a connection's bytes.
-//!
-//! A caller's `grpc-timeout` counts from when it sent the call, but retryd
-//! only sees the call when it reads it, which can be much later: while the
-//! process was stopped, starved of CPU or paused with its VM, the call sat
-//! in the socket. Measured from the read, such a call looks fresh, is
-//! decided and spends a token, although its caller gave up long ago. The
-//! kernel stamps every segment it receives (`SO_TIMESTAMPNS`, which Linux
-//! reports for TCP too), so each read here notes the receive time of the
-//! latest segment it returned: a lower bound of how old anything in that
-//! read is, never an overestimate. `grpc/deadline.rs` counts the deadline
-//! from it.
-//!
-//! Where the socket option is not available the stamp stays unknown and
-//! the deadline counts from the handler's start, as before.
+//! Reads with the kernel's receive timestamps, on Linux: `SO_TIMESTAMPNS`
+//! asked for on each accepted socket, and every read a `recvmsg` whose
+//! `SCM_TIMESTAMPNS` control message gives when the kernel received the
+//! latest of the bytes returned. The only `unsafe` of transport, all of it
+//! libc calls on the socket tokio owns.
 
 use std::io;
 use std::mem::MaybeUninit;
 use std::os::fd::AsRawFd;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
-use std::time::{Duration, SystemTime};
 
 use tokio::io::{AsyncRead, Interest, ReadBuf};
 use tokio::net::TcpStream;
 
-/// The receive time of a connection's latest read, shared by the reader
-/// and the connection's calls. Nanoseconds since the Unix epoch; 0 while
-/// unknown.
-#[derive(Clone, Debug, Default)]
-pub struct ReceivedAt(Arc<AtomicU64>);
-
-impl ReceivedAt {
-    /// When the kernel received the latest bytes this connection read, if
-    /// it said.
-    pub fn get(&self) -> Option<SystemTime> {
-        match self.0.load(Ordering::Relaxed) {
-            0 => None,
-            nanos => Some(SystemTime::UNIX_EPOCH + Duration::from_nanos(nanos)),
-        }
-    }
-
-    fn set(&self, nanos: u64) {
-        self.0.store(nanos, Ordering::Relaxed);
-    }
-}
+use super::ReceivedAt;
 
 /// A TCP stream whose reads note when the kernel received their bytes.
 #[derive(Debug)]
-pub(super) struct TimedTcp {
+pub(in crate::transport) struct TimedTcp {
     stream: TcpStream,
     received: ReceivedAt,
 }
@@ -57,7 +25,7 @@ pub(super) struct TimedTcp {
 impl TimedTcp {
     /// Asks the kernel to stamp `stream`'s segments. Without the option the
     /// stream still works; its calls' deadlines count from the handler.
-    pub(super) fn new(stream: TcpStream) -> (TimedTcp, ReceivedAt) {
+    pub(in crate::transport) fn new(stream: TcpStream) -> (TimedTcp, ReceivedAt) {
         let enabled: libc::c_int = 1;
         // SAFETY: a valid socket, and a c_int option of the size passed.
         let refused = unsafe {
