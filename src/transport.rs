@@ -86,4 +86,4 @@ mod received;
 mod tls;
 
 pub use connections::{Acceptor, Connection, OpenCall, Peer, Standing};
-pub use received::ReceivedAt;
+pub use received::{Arrival, ReceivedAt};

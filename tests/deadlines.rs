@@ -62,29 +62,7 @@ fn with_timeout<T>(message: T, timeout: Duration) -> tonic::Request<T> {
 async fn calls_abandoned_while_frozen_spend_nothing() {
     let server = Server::start(CONFIG);
     let mut client = server.decider().await;
-    // The connection is up and the bucket exists before the freeze.
-    assert_eq!(tokens(&server, "frozen").await, 2.0);
-
-    server.signal("STOP");
-    wait_for_state(&server, 'T');
-    for _ in 0..3 {
-        let call = client.decide(with_timeout(
-            retryable("frozen"),
-            Duration::from_millis(300),
-        ));
-        // The client gives up, as the caller's fallback would: dropping
-        // the call resets its stream.
-        // (tonic's client enforces grpc-timeout itself, which also resets.)
-        let outcome = tokio::time::timeout(Duration::from_millis(400), call).await;
-        assert!(
-            !matches!(outcome, Ok(Ok(_))),
-            "a frozen retryd answered: {outcome:?}"
-        );
-    }
-    server.signal("CONT");
-
-    // Whatever retryd did with the three calls on waking, it spent nothing.
-    assert_eq!(tokens(&server, "frozen").await, 2.0, "{}", server.logs());
+    frozen_run(&server, &mut client, "frozen", 0).await;
     let granted = client
         .decide(with_timeout(retryable("frozen"), Duration::from_secs(5)))
         .await
@@ -92,20 +70,126 @@ async fn calls_abandoned_while_frozen_spend_nothing() {
         .into_inner();
     assert_eq!(granted.verdict(), pb::Verdict::Retry, "{granted:?}");
     assert_eq!(granted.tokens_remaining, 1.0);
+}
+
+/// One frozen run on `upstream`'s fresh 2-token budget: retryd stopped,
+/// three calls given up by the client (each resetting its stream), retryd
+/// resumed; once it has dealt with all three (each answered
+/// DEADLINE_EXCEEDED or dropped on its reset, as counted), nothing is spent.
+async fn frozen_run(
+    server: &Server,
+    client: &mut pb::retry_decider_client::RetryDeciderClient<tonic::transport::Channel>,
+    upstream: &str,
+    run: usize,
+) {
+    // The connection is up and the bucket exists before the freeze.
+    assert_eq!(tokens(server, upstream).await, 2.0);
+    let before = given_up(server);
+    server.signal("STOP");
+    wait_for_state(server, 'T');
+    for _ in 0..3 {
+        // The client gives up, as the caller's fallback would: tonic's
+        // client enforces grpc-timeout itself and resets the stream.
+        let call = client.decide(with_timeout(
+            retryable(upstream),
+            Duration::from_millis(300),
+        ));
+        let outcome = tokio::time::timeout(Duration::from_millis(400), call).await;
+        assert!(
+            !matches!(outcome, Ok(Ok(_))),
+            "run {run}: a frozen retryd answered: {outcome:?}"
+        );
+    }
+    // The client's connection task writes the resets of the calls it gave
+    // up on, as any client's does before its caller moves on: let it run
+    // (tokio runs every ready task before a yielded one).
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    server.signal("CONT");
+    let waited = Instant::now();
+    while given_up(server) < before + 3.0 {
+        assert!(
+            waited.elapsed() < support::HANG_GUARD,
+            "run {run}: {} of the three calls given up, {} tokens left",
+            given_up(server) - before,
+            tokens(server, upstream).await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        tokens(server, upstream).await,
+        2.0,
+        "run {run}: {}",
+        server.logs()
+    );
+}
+
+/// Calls given up on so far: those answered DEADLINE_EXCEEDED and those
+/// their caller's reset dropped.
+fn given_up(server: &Server) -> f64 {
     let scrape = server.scrape();
-    let given_up: f64 = ["deadline", "cancelled"]
+    ["deadline", "cancelled"]
         .iter()
         .map(|reason| {
             let series = format!("retryd_expired_requests_total{{reason=\"{reason}\"}} ");
             scrape
                 .lines()
                 .find_map(|line| line.strip_prefix(&series))
-                .unwrap_or_else(|| panic!("no {series} in {scrape}"))
-                .parse::<f64>()
-                .unwrap()
+                .map_or(0.0, |value| value.parse::<f64>().unwrap())
         })
-        .sum();
-    assert_eq!(given_up, 3.0, "{scrape}");
+        .sum()
+}
+
+/// Two threads that keep the machine's two cores busy while alive, as
+/// `stress-ng --cpu 2` does.
+struct CpuLoad {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl CpuLoad {
+    fn start(threads: usize) -> CpuLoad {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let threads = (0..threads)
+            .map(|_| {
+                let stop = std::sync::Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    let mut x = 1u64;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        x = std::hint::black_box(
+                            x.wrapping_mul(6364136223846793005).wrapping_add(1),
+                        );
+                    }
+                })
+            })
+            .collect();
+        CpuLoad { stop, threads }
+    }
+}
+
+impl Drop for CpuLoad {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The frozen case, 20 times in a row with both cores busy. On a loaded
+/// machine one yield let the handler run again before the connection's
+/// task had processed the reset it had already read, and the call spent
+/// (7 of 8 runs under `stress-ng --cpu 2`); each run here waits until
+/// retryd has dealt with all three calls before it reads the budget.
+#[tokio::test]
+async fn calls_abandoned_while_frozen_spend_nothing_on_a_busy_machine() {
+    let server = Server::start(CONFIG);
+    let mut client = server.decider().await;
+    let _load = CpuLoad::start(2);
+    for run in 0..20 {
+        frozen_run(&server, &mut client, &format!("frozen-{run}"), run).await;
+    }
 }
 
 /// A DecideStream whose deadline passed answers each later item

@@ -9,13 +9,18 @@
 //!
 //! - the deadline, counted from when the kernel received the call (see
 //!   `transport/received.rs`; from the handler's start where that is
-//!   unknown): past it, the call is answered DEADLINE_EXCEEDED and nothing
-//!   is spent;
+//!   unknown), taken when the call was dispatched, so that bytes read after
+//!   it (its own reset, other calls) cannot make it look younger: past it,
+//!   the call is answered DEADLINE_EXCEEDED and nothing is spent;
 //! - a caller that cancelled (gRPC clients reset the stream when their
-//!   deadline passes): the call yields once, and hyper, which polls a
-//!   stream's reset only while its handler is pending, drops the handler
-//!   there. Frames that waited in the socket while retryd was frozen are all
-//!   read before any handler runs, so the reset is seen.
+//!   deadline passes): the call waits until its connection's reader has
+//!   found nothing more to read after the read that dispatched it (so HTTP/2
+//!   has processed every frame that came with or after it, a reset
+//!   included), then yields once, and hyper, which polls a stream's reset
+//!   only while its handler is pending, drops the handler there. One yield
+//!   alone was a race: on a busy machine the handler ran again before the
+//!   connection's task had processed the reset that was already read (7 of
+//!   8 frozen-server runs under `stress-ng --cpu 2` spent a token).
 //!
 //! Only a call that carries `grpc-timeout` pays for the yield: about 4,800
 //! instructions, 8% of a unary call (callgrind). Yielding only for calls
@@ -31,6 +36,7 @@ use tonic::metadata::MetadataMap;
 
 use crate::telemetry::Metrics;
 use crate::telemetry::metrics::Expiry;
+use crate::transport::{Arrival, ReceivedAt};
 
 /// When the caller's `grpc-timeout` runs out, counted from `received`
 /// (when the kernel received the call, if known) or else from now; `None`
@@ -97,13 +103,25 @@ impl Drop for CancelWatch {
     }
 }
 
-/// Yields once, so that a call its caller already reset is dropped here,
-/// then checks the deadline: `Err` if it passed, having counted it.
+/// Waits until the call's connection has processed what was read with and
+/// after the call (`arrived`, if the call came through the acceptor), at
+/// most until `deadline`, and yields once, so that a call its caller
+/// already reset is dropped here; then checks the deadline: `Err` if it
+/// passed, having counted it.
 pub(super) async fn still_wanted(
     deadline: Instant,
+    arrived: Option<(&ReceivedAt, Arrival)>,
     metrics: &Arc<Metrics>,
 ) -> Result<(), tonic::Status> {
     let watch = CancelWatch::new(metrics);
+    if let Some((received, arrival)) = arrived {
+        // Past the deadline the call is refused below anyway.
+        let _ = tokio::time::timeout_at(
+            tokio::time::Instant::from_std(deadline),
+            received.drained_past(arrival.reads),
+        )
+        .await;
+    }
     tokio::task::yield_now().await;
     watch.disarm();
     expired(deadline, metrics)

@@ -18,6 +18,7 @@ use crate::budget::BudgetStore;
 use crate::decide::Draw;
 use crate::pb;
 use crate::telemetry::TraceContext;
+use crate::transport::{Arrival, ReceivedAt};
 
 /// How many stream items may be in flight at once. Responses still leave
 /// in request order; the window only lets store round trips overlap.
@@ -91,6 +92,19 @@ impl<S: BudgetStore> Service<S> {
     }
 }
 
+/// The connection a request came on and when the request arrived on it,
+/// as the gate noted at its dispatch (from the connection now, for a
+/// request that did not pass the gate).
+fn arrival<T>(request: &Request<T>) -> Option<(&ReceivedAt, Arrival)> {
+    let peer = peer(request)?;
+    let arrival = request
+        .extensions()
+        .get::<Arrival>()
+        .copied()
+        .unwrap_or_else(|| peer.received.arrival());
+    Some((&peer.received, arrival))
+}
+
 type DecideResponseStream = Pin<Box<dyn Stream<Item = Result<pb::DecideResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -102,9 +116,10 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         // One load of the configuration serves authentication and decision.
         let live = self.live();
         let principal = self.authenticate(&live, &request, RPC_DECIDE)?;
-        let received = peer(&request).and_then(|peer| peer.received.get());
+        let arrived = arrival(&request);
+        let received = arrived.and_then(|(_, arrival)| arrival.received);
         if let Some(deadline) = deadline::caller_deadline(request.metadata(), received) {
-            deadline::still_wanted(deadline, self.recorder().metrics()).await?;
+            deadline::still_wanted(deadline, arrived, self.recorder().metrics()).await?;
         }
         let parent = trace_context(request.metadata());
         let (message, parent) = (request.get_ref(), parent.as_ref());
@@ -133,7 +148,7 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         let principal = Arc::clone(self.authenticate(&self.live(), &request, RPC_DECIDE_STREAM)?);
         // The stream's deadline covers every item: one arriving after it is
         // answered DEADLINE_EXCEEDED in place, and spends nothing.
-        let received = peer(&request).and_then(|peer| peer.received.get());
+        let received = arrival(&request).and_then(|(_, arrival)| arrival.received);
         let deadline = deadline::caller_deadline(request.metadata(), received);
         // Every item's span is a child of the stream's trace context.
         let parent = trace_context(request.metadata()).map(Arc::new);

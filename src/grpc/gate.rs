@@ -122,7 +122,17 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: http::Request<Body>) -> Self::Future {
+    fn call(&mut self, mut request: http::Request<Body>) -> Self::Future {
+        // Taken now, in the connection's task right after the read that held
+        // the call's headers: later reads must not make the call look
+        // younger (`grpc/deadline.rs`).
+        if let Some(arrival) = request
+            .extensions()
+            .get::<Peer>()
+            .map(|peer| peer.received.arrival())
+        {
+            request.extensions_mut().insert(arrival);
+        }
         let path = request.uri().path();
         let peer = request.extensions().get::<Peer>();
         let call = peer.map(|peer| peer.standing().call_opened());

@@ -527,7 +527,16 @@ impl AsyncRead for Connection {
             // End of file: HTTP/2 ends the connection as if the peer had.
             return Poll::Ready(Ok(()));
         }
-        Pin::new(&mut this.io).poll_read(cx, buf)
+        // Counted here, above TLS, where HTTP/2 reads: its asking again and
+        // finding nothing means it processed every frame read before.
+        let filled = buf.filled().len();
+        let read = Pin::new(&mut this.io).poll_read(cx, buf);
+        match &read {
+            Poll::Ready(Ok(())) if buf.filled().len() > filled => this.peer.received.read(),
+            Poll::Pending => this.peer.received.drained(),
+            _ => {}
+        }
+        read
     }
 }
 
