@@ -2,10 +2,10 @@
 //! their bounds and deadlines (`connections.rs`, each connection's standing
 //! in `connections/standing.rs`), the TLS handshake (the server's rustls
 //! configuration in `tls.rs`), the HTTP/2 preface (read again by the HTTP/2
-//! server through `prefixed.rs`), who a client
-//! certificate names ([`Peer`]), and when the kernel received a
-//! connection's bytes (`received.rs`). It hands tonic connections ready
-//! for HTTP/2; what a call means is `grpc`'s.
+//! server through `prefixed.rs`), who a client certificate names
+//! ([`Peer`]), and when the kernel received a connection's bytes
+//! (`received.rs`, Linux only). It hands tonic connections ready for
+//! HTTP/2; what a call means is `grpc`'s.
 //!
 //! Architecture Invariant: transport knows bytes, sockets, TLS, peers and
 //! the deadlines of connections only. It never imports `crate::grpc`,
