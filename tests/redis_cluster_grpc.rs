@@ -202,7 +202,10 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
             assert_eq!(any, ServingStatus::Serving, "part of the store is up");
             break killed.elapsed();
         }
-        assert!(killed.elapsed() < HANG_GUARD, "{ALL} never turned NOT_SERVING");
+        assert!(
+            killed.elapsed() < HANG_GUARD,
+            "{ALL} never turned NOT_SERVING"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     // After the promotion: every affected upstream answers RETRY again,
@@ -345,7 +348,10 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
             assert_eq!(server.health(ANY).await.unwrap(), ServingStatus::Serving);
             break;
         }
-        assert!(gone.elapsed() < HANG_GUARD, "{ALL} never turned NOT_SERVING");
+        assert!(
+            gone.elapsed() < HANG_GUARD,
+            "{ALL} never turned NOT_SERVING"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let (all_ok, all_said) = health_command(&server, ALL);
@@ -371,7 +377,10 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
             assert_eq!(server.health(ALL).await.unwrap(), ServingStatus::NotServing);
             break;
         }
-        assert!(gone.elapsed() < HANG_GUARD, "{ANY} never turned NOT_SERVING");
+        assert!(
+            gone.elapsed() < HANG_GUARD,
+            "{ANY} never turned NOT_SERVING"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let (any_ok, any_said) = health_command(&server, ANY);
