@@ -7,7 +7,6 @@
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
 
 use retryd_proto as pb;
 use retryd_proto::retry_admin_client::RetryAdminClient;
@@ -61,7 +60,7 @@ impl Server {
             stderr_log,
             _dir: dir,
         };
-        let line = match line_rx.recv_timeout(Duration::from_secs(60)) {
+        let line = match line_rx.recv_timeout(retryd_testkit::HANG_GUARD) {
             Ok(line) if !line.trim().is_empty() => line,
             other => panic!(
                 "retryd printed no address line ({other:?}); stderr:\n{}",

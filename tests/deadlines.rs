@@ -30,7 +30,7 @@ async fn tokens(server: &Server, upstream: &str) -> f64 {
 /// a signal is delivered asynchronously.
 fn wait_for_state(server: &Server, state: char) {
     let path = format!("/proc/{}/stat", server.pid());
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + support::HANG_GUARD;
     loop {
         let stat = std::fs::read_to_string(&path).expect("read /proc stat");
         // The state follows the parenthesised command name.

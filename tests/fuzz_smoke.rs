@@ -1,14 +1,14 @@
 //! The fuzz targets' checks on stable Rust, in every `cargo test`: a few
 //! thousand seeded pseudo-random inputs per target, mutations of the
 //! committed seeds, and every committed seed and regression input under
-//! `fuzz/`. The checks themselves live in `fuzz/src/checks.rs`, included by
+//! `fuzz/`. The checks themselves live in `fuzz/src/checks/`, included by
 //! path so that retryd never depends on the fuzz crate; the coverage-guided
 //! runs are `scripts/fuzz` (see `fuzz/README.md`).
 //!
 //! Every run draws the same inputs (a fixed ChaCha seed), so a failure here
 //! reproduces, and proptest shrinks it to a small input before reporting.
 
-#[path = "../fuzz/src/checks.rs"]
+#[path = "../fuzz/src/checks/mod.rs"]
 pub mod checks;
 
 use std::cell::RefCell;

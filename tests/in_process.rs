@@ -23,7 +23,7 @@ use retryd_budget::{
 };
 use retryd_proto as pb;
 use retryd_proto::retry_decider_client::RetryDeciderClient;
-use retryd_testkit::retryable;
+use retryd_testkit::{HANG_GUARD, retryable};
 use tokio::sync::Semaphore;
 use tonic::transport::Channel;
 
@@ -129,10 +129,10 @@ impl GatedStore {
         self.gate(upstream).add_permits(1);
     }
 
-    /// Waits until `count` calls have been answered (bounded: a generous
-    /// limit, since nothing here races the clock).
+    /// Waits until `count` calls have been answered (bounded by the
+    /// testkit's hang guard, since nothing here races the clock).
     async fn wait_answered(&self, count: usize) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let deadline = tokio::time::Instant::now() + HANG_GUARD;
         while self.answered.load(Ordering::SeqCst) < count {
             assert!(
                 tokio::time::Instant::now() < deadline,

@@ -57,9 +57,9 @@ impl Received {
         }
     }
 
-    /// Waits (up to 20 s: a busy machine) for a span of `TRACE`.
+    /// Waits (up to the testkit's hang guard) for a span of `TRACE`.
     async fn span_of_trace(&self) -> (Vec<KeyValue>, Span) {
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + support::HANG_GUARD;
         loop {
             let found = self
                 .exports
@@ -327,7 +327,7 @@ async fn otel_variables_alone_send_spans_over_http_with_tls_and_a_header() {
         ],
     );
     decide_in_trace(&refusing).await;
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + support::HANG_GUARD;
     while support_metric(&refusing.scrape(), "retryd_spans_export_failed_total") < 1.0 {
         assert!(
             Instant::now() < deadline,
@@ -364,7 +364,7 @@ async fn telemetry_keys_send_spans_over_grpc_with_tls_and_replicas_differ() {
     let second = Server::start_with_env(&config, &env);
     decide_in_trace(&first).await;
     decide_in_trace(&second).await;
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + support::HANG_GUARD;
     let instances = loop {
         let instances: std::collections::BTreeSet<String> = received
             .exports

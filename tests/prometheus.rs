@@ -17,6 +17,12 @@ use std::time::{Duration, Instant};
 use retryd_proto as pb;
 use support::{Server, retryable};
 
+/// How long a wait for Prometheus may take: its own start, then its 1 s
+/// scrape and rule-evaluation intervals on a busy machine. Not a wait for
+/// retryd (those use the testkit's `HANG_GUARD`), nor a latency claim: a
+/// third party's pace: 90 s, three hang guards.
+const PROMETHEUS_PACE: Duration = Duration::from_secs(90);
+
 fn deploy() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy")
 }
@@ -133,9 +139,9 @@ impl Prometheus {
             .unwrap_or_default()
     }
 
-    /// Waits (up to 90 s: a busy machine) until `expr` returns a series.
+    /// Waits (up to [`PROMETHEUS_PACE`]) until `expr` returns a series.
     fn wait_for(&self, expr: &str) -> Vec<serde_json::Value> {
-        let deadline = Instant::now() + Duration::from_secs(90);
+        let deadline = Instant::now() + PROMETHEUS_PACE;
         loop {
             let answer = self.get(&format!("/api/v1/query?query={}", encode(expr)));
             if let Some(result) = answer.as_ref().and_then(|a| a["data"]["result"].as_array()) {
@@ -272,7 +278,7 @@ async fn every_panel_and_alert_evaluates_on_a_real_prometheus_scraping_retryd() 
 
     // Rates need two scrapes with traffic between them: keep driving until
     // the recording rule has a value.
-    let deadline = Instant::now() + Duration::from_secs(90);
+    let deadline = Instant::now() + PROMETHEUS_PACE;
     while prometheus
         .get(&format!(
             "/api/v1/query?query={}",
@@ -325,7 +331,7 @@ async fn every_panel_and_alert_evaluates_on_a_real_prometheus_scraping_retryd() 
             .map(|point| point[1].as_str().unwrap().parse().unwrap())
             .collect()
     };
-    let deadline = Instant::now() + Duration::from_secs(90);
+    let deadline = Instant::now() + PROMETHEUS_PACE;
     let (retry_samples, report_samples) = loop {
         let retry_samples = sample("retryd_retries_granted_total{upstream=\"pay\"}[10m]");
         let report_samples =
@@ -344,7 +350,7 @@ async fn every_panel_and_alert_evaluates_on_a_real_prometheus_scraping_retryd() 
         (0.4..=0.6).contains(&expected),
         "5 or 6 retries per 10 reported: {expected}"
     );
-    let deadline = Instant::now() + Duration::from_secs(90);
+    let deadline = Instant::now() + PROMETHEUS_PACE;
     loop {
         let value: Option<f64> = prometheus
             .query("upstream:retryd_retry_amplification:ratio_rate5m{upstream=\"pay\"}")

@@ -239,7 +239,7 @@ fn serve_and_fail(store: &str, env: &[(&str, &str)]) -> (bool, String) {
         .stderr(Stdio::piped())
         .spawn()
         .expect("run retryd");
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + support::HANG_GUARD;
     while child.try_wait().unwrap().is_none() {
         assert!(
             Instant::now() < deadline,

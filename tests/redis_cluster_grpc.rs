@@ -24,14 +24,11 @@ use retryd_budget::redis::{Exact, RedisAccess, RedisConfig, RedisMode};
 use retryd_budget::{BucketConfig, BudgetStore, ExactStore, OnUnavailable, RedisBudgetStore};
 use retryd_proto as pb;
 use support::redis::{RedisCluster, fresh_prefix};
-use support::{Server, ServingStatus, binary, retryable};
+use support::{HANG_GUARD, Server, ServingStatus, binary, retryable};
 
 const INITIAL: f64 = 1.0e6;
 const ALL: &str = "retryd.v1.BudgetStore";
 const ANY: &str = "retryd.v1.BudgetStore.Any";
-/// The promotion took 2–3 s here (`cluster-node-timeout 1000`); 20 s so
-/// that a loaded 2-core machine cannot break the test.
-const WITHIN: Duration = Duration::from_secs(20);
 
 fn bucket_key(prefix: &str, upstream: &str) -> String {
     format!("{prefix}:{{u:{upstream}}}:bucket")
@@ -171,7 +168,13 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
             }
         }));
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Every upstream has been answered RETRY before the failure.
+    support::eventually("every upstream decided before the failure", || {
+        seen.values()
+            .all(|state| state.lock().unwrap().retries > 0)
+            .then_some(())
+    })
+    .await;
     assert_eq!(server.health(ALL).await.unwrap(), ServingStatus::Serving);
     assert_eq!(server.health(ANY).await.unwrap(), ServingStatus::Serving);
     for (upstream, state) in &seen {
@@ -186,6 +189,9 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
 
     cluster.nodes[victim].kill();
     let killed = Instant::now();
+    // The promotion (`cluster-node-timeout 1000`) took 2–3 s here; the
+    // waits below are liveness checks bounded by the testkit's hang guard,
+    // not latency claims, and the times are printed.
     // During the failure: part of the store. Health is polled every
     // 250 ms, so the partial state is seen well inside the 2–3 s before
     // the promotion.
@@ -196,7 +202,10 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
             assert_eq!(any, ServingStatus::Serving, "part of the store is up");
             break killed.elapsed();
         }
-        assert!(killed.elapsed() < WITHIN, "{ALL} never turned NOT_SERVING");
+        assert!(
+            killed.elapsed() < HANG_GUARD,
+            "{ALL} never turned NOT_SERVING"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     // After the promotion: every affected upstream answers RETRY again,
@@ -205,8 +214,8 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
     let returned = loop {
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(
-            killed.elapsed() < WITHIN,
-            "the affected upstreams were not shared again within {WITHIN:?}"
+            killed.elapsed() < HANG_GUARD,
+            "the affected upstreams were not shared again within {HANG_GUARD:?}"
         );
         let last_deny = affected
             .iter()
@@ -339,7 +348,10 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
             assert_eq!(server.health(ANY).await.unwrap(), ServingStatus::Serving);
             break;
         }
-        assert!(gone.elapsed() < WITHIN, "{ALL} never turned NOT_SERVING");
+        assert!(
+            gone.elapsed() < HANG_GUARD,
+            "{ALL} never turned NOT_SERVING"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let (all_ok, all_said) = health_command(&server, ALL);
@@ -365,7 +377,10 @@ async fn a_lost_master_costs_no_grpc_call_and_the_health_entries_say_how_much_is
             assert_eq!(server.health(ALL).await.unwrap(), ServingStatus::NotServing);
             break;
         }
-        assert!(gone.elapsed() < WITHIN, "{ANY} never turned NOT_SERVING");
+        assert!(
+            gone.elapsed() < HANG_GUARD,
+            "{ANY} never turned NOT_SERVING"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let (any_ok, any_said) = health_command(&server, ANY);

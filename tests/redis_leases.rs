@@ -219,10 +219,17 @@ async fn a_lease_returned_with_tokens_left_halves_the_next() {
     // and leaves 63 of it.
     let sizes = sizes_while_withdrawing(&setup, &store, "quiet", &config, 64).await;
     assert_eq!(sizes, [1, 2, 4, 8, 16, 32, 64]);
-    // Spendable for lease_ttl / 2; then the sweep hands 63 back.
-    tokio::time::sleep(setup.lease_ttl).await;
+    // Spendable for lease_ttl / 2; then the sweep hands 63 back: polled
+    // for (the sweep is a background task), within the hang guard.
     let mut redis = setup.redis().await;
-    assert!(setup.leases(&mut redis, "quiet").await.is_empty());
+    let started = std::time::Instant::now();
+    while !setup.leases(&mut redis, "quiet").await.is_empty() {
+        assert!(
+            started.elapsed() < retryd_testkit::HANG_GUARD,
+            "the sweep never handed the lease back"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let sizes = sizes_while_withdrawing(&setup, &store, "quiet", &config, 1).await;
     assert_eq!(sizes, [32]);
     // Nothing was lost on the way: granted + shared = the budget.

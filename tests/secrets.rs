@@ -101,7 +101,7 @@ fn run(arguments: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Run {
     };
     let stdout = reader(Box::new(child.stdout.take().expect("piped stdout")));
     let stderr = reader(Box::new(child.stderr.take().expect("piped stderr")));
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + support::HANG_GUARD;
     let status = loop {
         if let Some(status) = child.try_wait().expect("wait for retryd") {
             break status;
@@ -109,7 +109,10 @@ fn run(arguments: &[&str], env: &[(&str, &str)], stdin: &[u8]) -> Run {
         if Instant::now() > deadline {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("retryd {arguments:?} did not exit within 30 s");
+            panic!(
+                "retryd {arguments:?} did not exit within {:?}",
+                support::HANG_GUARD
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
     };
@@ -141,7 +144,7 @@ fn replace(path: &Path, text: &str) {
 
 /// Waits until `server` has logged `needle` at least `count` times.
 fn wait_for_log(server: &Server, needle: &str, count: usize) -> String {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + support::HANG_GUARD;
     loop {
         let logs = server.logs();
         if logs.matches(needle).count() >= count {

@@ -6,6 +6,7 @@
 use retryd_testkit as support;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,6 +28,8 @@ use tonic::transport::Channel;
 #[derive(Clone, Default)]
 struct Collector {
     spans: Arc<Mutex<Vec<Span>>>,
+    /// Export calls received, answered or not.
+    exports: Arc<AtomicUsize>,
     stalled: bool,
 }
 
@@ -36,6 +39,7 @@ impl TraceService for Collector {
         &self,
         request: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        self.exports.fetch_add(1, Ordering::SeqCst);
         if self.stalled {
             tokio::time::sleep(Duration::from_secs(3600)).await;
         }
@@ -61,7 +65,8 @@ impl Collector {
         addr
     }
 
-    /// Waits until `count` spans satisfy `filter`, or 10 s.
+    /// Waits until `count` spans satisfy `filter` (within the testkit's
+    /// hang guard).
     async fn wait_for(&self, count: usize, filter: impl Fn(&Span) -> bool) -> Vec<Span> {
         support::eventually(&format!("{count} matching spans"), || {
             let found: Vec<Span> = self
@@ -284,28 +289,47 @@ async fn every_decision_is_one_span_in_the_callers_trace() {
     assert_eq!(spans[0].name, "retry.report_traffic");
 }
 
-/// Sends `n` sequential decisions, each with a trace context.
+/// Sends `n` sequential decisions, each with a trace context, each
+/// answered within the hang guard (one held by an exporter would wait an
+/// hour). Returns how long they took.
 async fn decide_sequentially(client: &mut RetryDeciderClient<Channel>, n: usize) -> Duration {
     let started = Instant::now();
     for i in 0..n {
         let trace_id = format!("{:032x}", 0xE0000 + i);
-        let response = client
-            .decide(traced(retryable("timed"), &trace_id, PARENT))
-            .await
-            .unwrap();
+        let response = tokio::time::timeout(
+            support::HANG_GUARD,
+            client.decide(traced(retryable("timed"), &trace_id, PARENT)),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "decision {i} waited {:?}: for the exporter?",
+                support::HANG_GUARD
+            )
+        })
+        .unwrap();
         assert_ne!(response.into_inner().verdict(), pb::Verdict::Unspecified);
     }
     started.elapsed()
 }
 
+/// A black-box test cannot pause the server's clock, so this one claims no
+/// latency (a wall-time ratio against a server without an exporter was a
+/// ceiling a loaded machine could break). It shows instead that decisions
+/// never wait for an export: 3000 of them are answered while the stalled
+/// collector holds an export it never answers, which an exporter on the
+/// decision path would make each of them wait for (an hour: the testkit's
+/// hang guard, on each decision, fails the test first), and the full queue
+/// drops and counts spans rather than holding their decisions. The times
+/// are printed.
 #[tokio::test]
 async fn a_stalled_or_absent_collector_never_slows_decisions() {
     let stalled = Collector {
         stalled: true,
         ..Collector::default()
-    }
-    .start()
-    .await;
+    };
+    let stalled_exports = Arc::clone(&stalled.exports);
+    let stalled = stalled.start().await;
     // A port with nothing listening: bind, note, close.
     let absent = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -314,37 +338,25 @@ async fn a_stalled_or_absent_collector_never_slows_decisions() {
     // A small export queue, so that the stalled exporter fills it and the
     // drop path is exercised.
     let config = "[defaults]\nbudget = { capacity = 1000000.0, initial = 1000000.0 }\n[telemetry]\nexport_queue = 64\n";
-    let baseline = Server::start(config);
     let with_stalled = Server::start(&format!("{config}otlp_endpoint = \"http://{stalled}\"\n"));
     let with_absent = Server::start(&format!("{config}otlp_endpoint = \"http://{absent}\"\n"));
-    let mut clients = [
-        baseline.decider().await,
-        with_stalled.decider().await,
-        with_absent.decider().await,
-    ];
+    let mut clients = [with_stalled.decider().await, with_absent.decider().await];
 
-    // Rounds interleave the three servers, so that the machine's noise
-    // falls on all of them alike.
-    let mut totals = [Duration::ZERO; 3];
+    // The stalled collector holds an export before the measured decisions.
+    decide_sequentially(&mut clients[0], 1).await;
+    support::eventually("an export reaches the stalled collector", || {
+        (stalled_exports.load(Ordering::SeqCst) > 0).then_some(())
+    })
+    .await;
+
+    let mut totals = [Duration::ZERO; 2];
     for _ in 0..20 {
         for (client, total) in clients.iter_mut().zip(&mut totals) {
             *total += decide_sequentially(client, 150).await;
         }
     }
-    let [base, stalled_time, absent_time] = totals;
-    eprintln!(
-        "3000 decisions each: no exporter {base:?}, stalled {stalled_time:?}, absent {absent_time:?}"
-    );
-    // Generous: a blocking exporter would take an hour per stalled export.
-    let limit = base * 2 + Duration::from_secs(1);
-    assert!(
-        stalled_time < limit,
-        "stalled collector: {stalled_time:?} vs {base:?}"
-    );
-    assert!(
-        absent_time < limit,
-        "absent collector: {absent_time:?} vs {base:?}"
-    );
+    let [stalled_time, absent_time] = totals;
+    eprintln!("3000 decisions each: stalled collector {stalled_time:?}, absent {absent_time:?}");
 
     let scrape = with_stalled.scrape();
     let dropped = metric(&scrape, "retryd_spans_dropped_total");
@@ -472,13 +484,15 @@ async fn decision_log_lines_carry_trace_and_decision_ids() {
         .await
         .unwrap()
         .into_inner();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let logs = server.logs();
-    let line = logs
-        .lines()
-        .find(|line| line.contains(&response.decision_id))
-        .unwrap_or_else(|| panic!("no log line for the decision:\n{logs}"));
-    let json: serde_json::Value = serde_json::from_str(line).expect("a JSON log line");
+    let line = support::eventually("the decision's log line", || {
+        server
+            .logs()
+            .lines()
+            .find(|line| line.contains(&response.decision_id))
+            .map(str::to_owned)
+    })
+    .await;
+    let json: serde_json::Value = serde_json::from_str(&line).expect("a JSON log line");
     assert_eq!(json["trace_id"], trace_id);
     assert_eq!(json["verdict"], "retry");
     assert_eq!(json["upstream"], "logged");

@@ -138,8 +138,11 @@ func TestReconnectsWithinTwoSecondsOfRetrydsReturn(t *testing.T) {
 		if err == nil && !d.Fallback {
 			break
 		}
-		if time.Since(back) > 2*time.Second+time.Second {
-			t.Fatalf("still falling back %v after retryd returned", time.Since(back))
+		// The client's promise, not a wait bound: grpc-go asks again at most
+		// ReconnectBackoff.MaxDelay (2 s) after a failed connect, and the
+		// connection itself gets a second on a loaded machine.
+		if limit := ReconnectBackoff.MaxDelay + time.Second; time.Since(back) > limit {
+			t.Fatalf("still falling back %v after retryd returned (the promise: %v)", time.Since(back), limit)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -164,7 +167,7 @@ func TestDecideStreamFallsBackAndReopens(t *testing.T) {
 		if d, err := stream.Decide(connectFailure("x", pb.Idempotency_IDEMPOTENCY_SAFE)); err == nil && !d.Fallback {
 			break
 		}
-		if time.Since(start) > 5*time.Second {
+		if time.Since(start) > hangGuard {
 			t.Fatal("the stream was not reopened")
 		}
 	}

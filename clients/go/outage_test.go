@@ -36,7 +36,7 @@ func checkOneWarningPerOutage(t *testing.T, logs *logBuffer, fallbacks int) {
 func decideUntilAnswered(t *testing.T, client *Client) int {
 	t.Helper()
 	fallbacks := 0
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+	for deadline := time.Now().Add(hangGuard); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 		d, err := client.Decide(context.Background(), connectFailure("x", pb.Idempotency_IDEMPOTENCY_SAFE))
 		if err != nil {
 			t.Fatal(err)

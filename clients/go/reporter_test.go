@@ -123,11 +123,18 @@ func TestReporterSplitsBatchesOf1024AndStopsOnClose(t *testing.T) {
 	if requests != 1500 {
 		t.Fatalf("%d requests in %d entries reported", requests, entries)
 	}
+	// Nothing sends after Close: its goroutine has ended (a state, checked
+	// at once, instead of sleeping five intervals to see nothing arrive),
+	// and what is recorded afterwards stays pending.
+	select {
+	case <-reporter.done:
+	default:
+		t.Fatal("the reporter's goroutine still runs after Close")
+	}
 	sent := len(fake.reports())
 	reporter.Record("late", 1)
-	time.Sleep(100 * time.Millisecond) // five intervals: a running reporter would have sent
-	if len(fake.reports()) != sent {
-		t.Fatal("the reporter still sends after Close")
+	if len(fake.reports()) != sent || reporter.Pending()["late"] != 1 {
+		t.Fatalf("the reporter still sends after Close: %d reports, pending %v", len(fake.reports()), reporter.Pending())
 	}
 }
 

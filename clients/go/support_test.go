@@ -18,6 +18,12 @@ import (
 	"time"
 )
 
+// hangGuard is how long a test waits for a state it expects before failing:
+// a guard against a hang, never a latency claim (the Rust testkit's
+// HANG_GUARD). A bound that is the client's promise is named as such where
+// it is asserted.
+const hangGuard = 30 * time.Second
+
 // clientTestConfig has fast backoffs, so that end-to-end retry tests sleep
 // milliseconds.
 const clientTestConfig = `
@@ -166,7 +172,7 @@ func (s *retrydServer) crash() { s.kill() }
 func (s *retrydServer) freeze() {
 	_ = s.cmd.Process.Signal(syscall.SIGSTOP)
 	stat := fmt.Sprintf("/proc/%d/stat", s.cmd.Process.Pid)
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+	for deadline := time.Now().Add(hangGuard); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
 		data, err := os.ReadFile(stat)
 		// The state follows the parenthesized command name: "pid (comm) T ...".
 		if i := strings.LastIndexByte(string(data), ')'); err == nil && i >= 0 && i+2 < len(data) && data[i+2] == 'T' {

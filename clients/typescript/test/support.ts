@@ -7,6 +7,12 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
 
+/**
+ * How long a test waits for a state it expects before failing: a guard
+ * against a hang, never a latency claim (the Rust testkit's HANG_GUARD).
+ */
+export const HANG_GUARD_MS = 30_000;
+
 export const REPO = path.resolve(__dirname, '..', '..', '..', '..');
 /** The conformance vectors: the repository's, or $RETRYD_VECTORS (e.g. a newer copy). */
 export const VECTORS = process.env.RETRYD_VECTORS || path.join(REPO, 'conformance', 'decisions.json');

@@ -206,7 +206,7 @@ impl Server {
             let _ = BufReader::new(stdout).read_line(&mut line);
             let _ = tx.send(line);
         });
-        let line = rx.recv_timeout(Duration::from_secs(30)).unwrap_or_default();
+        let line = rx.recv_timeout(HANG_GUARD).unwrap_or_default();
         if line.is_empty() {
             let _ = child.kill();
             let mut log = String::new();
