@@ -15,11 +15,12 @@ use ::redis::{
     Script, ScriptInvocation, TlsMode, Value,
 };
 
-use super::config::RedisAccess;
+use super::config::{RedisAccess, RedisConfig};
+use super::error::{RedisStoreError, unavailable};
 use super::scripts::Scripts;
 use super::sentinel::SentinelConnection;
 use super::socket::{certificates, tcp_settings};
-use super::{RedisConfig, RedisStoreError, RedisUrl, unavailable};
+use super::url::RedisUrl;
 use crate::StoreError;
 
 /// How long `connect` may take.
@@ -271,6 +272,7 @@ fn check_version(info: &str) -> Result<(), RedisStoreError> {
         if (major, minor) < MIN_VERSION {
             return Err(RedisStoreError::Version {
                 found: version.to_owned(),
+                needed: MIN_VERSION,
             });
         }
     }

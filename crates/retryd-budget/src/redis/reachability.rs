@@ -6,7 +6,7 @@
 //! other upstream stays shared. Each node's circuit re-probes on its own
 //! and its state changes are logged once. Nothing here sends a request:
 //! the core does (`shared.rs`) and the background task refreshes the map
-//! (`rounds.rs`).
+//! (`shared/rounds.rs`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};

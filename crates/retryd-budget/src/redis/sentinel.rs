@@ -14,8 +14,9 @@ use ::redis::aio::MultiplexedConnection;
 use ::redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use ::redis::{AsyncConnectionConfig, IntoConnectionInfo, RedisError, RedisResult, TlsMode};
 
+use super::config::RedisConfig;
 use super::socket::{certificates, tcp_settings};
-use super::{RedisConfig, RedisUrl};
+use super::url::RedisUrl;
 
 /// The primary's connection, shared by every clone.
 #[derive(Clone)]

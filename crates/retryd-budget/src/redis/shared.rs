@@ -6,6 +6,17 @@
 //! is all that differs between the two stores. It must not hold anything
 //! that only one mode needs: that lives in the mode (`M`, and `M::Upstream`
 //! per upstream).
+//!
+//! Its impls are here and in the modules it declares (`shared/`), one per
+//! concern; those import this file and the leaf modules below it, never a
+//! mode (`exact.rs`, `leased.rs`) nor `redis.rs`, which import this.
+
+mod admin;
+mod direct;
+mod fallback;
+mod index;
+mod reports;
+mod rounds;
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -18,12 +29,13 @@ use dashmap::DashMap;
 use tokio::time::Instant;
 
 use super::circuit::Transition;
+use super::config::{RedisConfig, RedisMode};
 use super::connection::Connection;
+use super::error::{Failure, RedisStoreError};
 use super::keys::KeySpace;
 use super::reachability::{Reachability, Route};
 use super::replies::Reply;
 use super::scripts::Scripts;
-use super::{Failure, RedisConfig, RedisStoreError, rounds};
 use crate::{
     BucketConfig, BudgetCheck, MemoryBudgetStore, StoreError, StoreStats, units_to_tokens,
 };
@@ -39,7 +51,7 @@ pub(super) const FAN_OUT: usize = 32;
 /// operations whose answers depend on it, its background round and its
 /// shutdown. Called statically, never asked at run time which mode it is.
 ///
-/// Public only in name, so that [`super::Mode`] can require it: this module
+/// Public only in name, so that [`Mode`] can require it: this module
 /// is private, so nothing outside the crate can implement or call it.
 pub trait Operations: Sized + Send + Sync + 'static {
     /// What this mode keeps per upstream.
@@ -178,6 +190,15 @@ pub(super) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // Nothing panics while holding these locks; if something did, the data
     // is still a valid value of its type.
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// How a Redis store keeps its budgets: [`Exact`](super::Exact) or
+/// [`Leased`](super::Leased), and no
+/// other (the trait is sealed: what a mode must supply is the store's
+/// business).
+pub trait Mode: Operations {
+    /// The `store.mode` this is, for logs and labels.
+    const MODE: RedisMode;
 }
 
 /// The state of one store, generic over its mode. Public only in name, as

@@ -9,16 +9,16 @@ use std::time::Duration;
 use ::redis::cmd;
 use tokio::time::Instant;
 
-use super::shared::{Core, Operations};
-use super::{Failure, RedisStoreError, unavailable};
+use super::{Core, Operations};
 use crate::StoreError;
+use crate::redis::error::{Failure, RedisStoreError, unavailable};
 use crate::reports::{CLAIM_LEASE_NANOS, ReportClaim};
 
 impl<M: Operations> Core<M> {
     /// Claims `id` in Redis. An unreachable Redis is an error: the report
     /// is then refused before any deposit, and its re-send applies it once
     /// Redis is back (deposits are late, never doubled).
-    pub(super) async fn claim_report(
+    pub(in crate::redis) async fn claim_report(
         &self,
         id: &str,
         digest: u64,
@@ -53,7 +53,7 @@ impl<M: Operations> Core<M> {
 
     /// Settles a claimed id. `XX`: an id whose window ran out meanwhile is
     /// not brought back without an expiry.
-    pub(super) async fn settle_report(
+    pub(in crate::redis) async fn settle_report(
         &self,
         id: &str,
         digest: u64,

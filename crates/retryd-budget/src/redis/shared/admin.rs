@@ -9,9 +9,9 @@ use std::sync::{Arc, PoisonError};
 use futures::StreamExt;
 use tokio::time::Instant;
 
-use super::Failure;
-use super::replies::INF_SCORE;
-use super::shared::{Circuited, Core, FAN_OUT, Operations, UpstreamState};
+use super::{Circuited, Core, FAN_OUT, Operations, UpstreamState};
+use crate::redis::error::Failure;
+use crate::redis::replies::INF_SCORE;
 use crate::{BucketConfig, BudgetSnapshot, StoreError, units_to_tokens};
 
 /// The longest a whole `list` may take, however many upstreams it reads
@@ -21,7 +21,7 @@ const LIST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 impl<M: Operations> Core<M> {
     /// Remembers the kill switch a reply showed, for answers during an
     /// outage (bounded by `max_upstreams`).
-    pub(super) fn note_switch(&self, upstream: &str, enabled: bool) {
+    pub(in crate::redis) fn note_switch(&self, upstream: &str, enabled: bool) {
         let known_off = self.is_known_off(upstream);
         if known_off == enabled {
             let mut disabled = self
@@ -36,7 +36,7 @@ impl<M: Operations> Core<M> {
         }
     }
 
-    pub(super) fn is_known_off(&self, upstream: &str) -> bool {
+    pub(in crate::redis) fn is_known_off(&self, upstream: &str) -> bool {
         self.disabled
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -44,7 +44,7 @@ impl<M: Operations> Core<M> {
     }
 
     /// [`crate::BudgetStore::set_retries_enabled`], within one deadline.
-    pub(super) async fn set_retries_enabled(
+    pub(in crate::redis) async fn set_retries_enabled(
         self: &Arc<Self>,
         upstream: &str,
         config: &BucketConfig,
@@ -87,7 +87,7 @@ impl<M: Operations> Core<M> {
     /// `LIST_DEADLINE`), plus what this replica holds of each. Outside the
     /// circuit (`Circuited::No`): a scrape listing thousands of upstreams
     /// must never open it for the decisions, whose path this is not.
-    pub(super) async fn list<F>(
+    pub(in crate::redis) async fn list<F>(
         self: &Arc<Self>,
         config_of: F,
     ) -> Result<Vec<BudgetSnapshot>, StoreError>
