@@ -20,6 +20,8 @@ mod leases;
 
 mod connection;
 mod reachability;
+
+mod cluster;
 mod sentinel;
 
 mod circuit;
@@ -28,6 +30,7 @@ mod error;
 mod keys;
 mod replies;
 mod scripts;
+mod slots;
 mod socket;
 mod url;
 

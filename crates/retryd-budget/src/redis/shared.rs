@@ -459,7 +459,7 @@ impl<M: Operations> Core<M> {
         for argument in extra {
             invocation.arg(*argument);
         }
-        let request = self.connection.invoke(&invocation);
+        let request = self.connection.invoke(Some(&keys.bucket), &invocation);
         let values: Vec<i64> = match circuited {
             Circuited::Yes => self.call(Some(&keys.bucket), deadline, request).await?,
             Circuited::No => {

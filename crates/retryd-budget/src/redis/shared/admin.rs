@@ -101,7 +101,7 @@ impl<M: Operations> Core<M> {
             .call_outside_circuit(
                 Some(self.keys.index()),
                 deadline,
-                self.connection.invoke(&invocation),
+                self.connection.invoke(Some(self.keys.index()), &invocation),
             )
             .await
             .map_err(Failure::into_error)?;

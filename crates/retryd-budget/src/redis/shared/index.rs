@@ -55,7 +55,7 @@ impl<M: Operations> Core<M> {
             .call(
                 Some(self.keys.index()),
                 deadline,
-                self.connection.invoke(&invocation),
+                self.connection.invoke(Some(self.keys.index()), &invocation),
             )
             .await
             .map_err(Ok)?;
@@ -139,7 +139,7 @@ impl<M: Operations> Core<M> {
             .call(
                 Some(self.keys.index()),
                 self.deadline(),
-                self.connection.invoke(&invocation),
+                self.connection.invoke(Some(self.keys.index()), &invocation),
             )
             .await
         {
@@ -235,7 +235,8 @@ impl<M: Operations> Core<M> {
             .call(
                 Some(self.keys.index()),
                 deadline,
-                self.connection.query::<i64>(&command),
+                self.connection
+                    .query::<i64>(Some(self.keys.index()), &command),
             )
             .await
             .is_err()

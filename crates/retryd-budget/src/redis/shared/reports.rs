@@ -35,7 +35,11 @@ impl<M: Operations> Core<M> {
             .arg(window_ms(window))
             .arg(CLAIM_LEASE_NANOS / 1_000_000);
         let reply: Vec<i64> = self
-            .call(Some(&key), deadline, self.connection.invoke(&invocation))
+            .call(
+                Some(&key),
+                deadline,
+                self.connection.invoke(Some(&key), &invocation),
+            )
             .await
             .map_err(Failure::into_error)?;
         match reply.as_slice() {
@@ -68,7 +72,11 @@ impl<M: Operations> Core<M> {
             .arg("XX")
             .arg("KEEPTTL");
         let _: Option<String> = self
-            .call(Some(&key), deadline, self.connection.query(&command))
+            .call(
+                Some(&key),
+                deadline,
+                self.connection.query(Some(&key), &command),
+            )
             .await
             .map_err(Failure::into_error)?;
         Ok(())

@@ -70,7 +70,8 @@ impl<M: Operations> Core<M> {
                 .send(
                     probe_key.as_deref(),
                     Instant::now() + self.timeout,
-                    self.connection.invoke::<i64>(&invocation),
+                    self.connection
+                        .invoke::<i64>(probe_key.as_deref(), &invocation),
                 )
                 .await;
         }
@@ -102,11 +103,12 @@ impl<M: Operations> Core<M> {
         command.arg("SLOTS");
         let answer = tokio::time::timeout(
             self.timeout.max(Duration::from_millis(100)),
-            self.connection.query::<::redis::Value>(&command),
+            self.connection.query::<::redis::Value>(None, &command),
         )
         .await;
         match answer {
             Ok(Ok(reply)) => {
+                self.connection.learn_slots(&reply);
                 if let Err(error) = self.reach.update(&reply, self.keys.prefix()) {
                     tracing::warn!(%error, "cannot read the Redis Cluster's slot map");
                 }
@@ -124,7 +126,8 @@ impl<M: Operations> Core<M> {
                 .call(
                     Some(self.keys.index()),
                     Instant::now() + self.timeout,
-                    self.connection.query::<Vec<String>>(&command),
+                    self.connection
+                        .query::<Vec<String>>(Some(self.keys.index()), &command),
                 )
                 .await
             {
