@@ -44,8 +44,8 @@ pub use self::config::{
 pub use self::exact::Exact;
 pub use self::leased::Leased;
 pub use self::scripts::CHECK_SOURCE;
-use self::shared::Core;
 pub use self::shared::Mode;
+use self::shared::{Core, Source};
 pub use self::url::{RedisUrl, redact_url};
 use crate::reports::ReportClaim;
 use crate::{BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, StoreError, StoreStats};
@@ -153,8 +153,14 @@ impl<M: Mode> BudgetStore for RedisBudgetStore<M> {
     ) -> impl Future<Output = Result<BudgetSnapshot, StoreError>> + Send {
         let core = &self.core;
         async move {
-            let (check, tracked) = M::view(core, upstream, config, core.deadline()).await?;
-            Ok(check.into_snapshot(upstream, tracked))
+            let (check, source) = M::view(core, upstream, config, core.deadline()).await?;
+            Ok(match source {
+                Source::Shared { tracked } => check.into_snapshot(upstream, tracked),
+                Source::Local => BudgetSnapshot {
+                    shared_unavailable: true,
+                    ..check.into_snapshot(upstream, true)
+                },
+            })
         }
     }
 

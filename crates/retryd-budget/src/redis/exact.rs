@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::config::{RedisConfig, RedisMode};
-use super::shared::{Core, Mode, Operations};
+use super::shared::{Core, Mode, Operations, Source};
 use crate::{BucketConfig, BudgetCheck, StoreError};
 
 /// The exact mode of [`super::RedisBudgetStore`]: every withdrawal is one
@@ -40,7 +40,7 @@ impl Operations for Exact {
         upstream: &str,
         config: &BucketConfig,
         deadline: Instant,
-    ) -> impl Future<Output = Result<(BudgetCheck, bool), StoreError>> + Send {
+    ) -> impl Future<Output = Result<(BudgetCheck, Source), StoreError>> + Send {
         core.direct_view(upstream, config, deadline)
     }
 

@@ -26,7 +26,7 @@ use tokio::time::Instant;
 use super::config::{RedisConfig, RedisMode};
 use super::leases::{Acquisition, LastAcquisition, Lease, LeaseSize, Return, lease_cap};
 use super::replies::Reply;
-use super::shared::{Core, Mode, Operations, UpstreamState, lock};
+use super::shared::{Core, Mode, Operations, Source, UpstreamState, lock};
 use crate::{BucketConfig, BudgetCheck, StoreError, UNITS_PER_TOKEN, units_to_tokens};
 
 /// Deposits are flushed and leases swept this often.
@@ -196,7 +196,7 @@ impl Operations for Leased {
         upstream: &str,
         config: &BucketConfig,
         deadline: Instant,
-    ) -> impl Future<Output = Result<(BudgetCheck, bool), StoreError>> + Send {
+    ) -> impl Future<Output = Result<(BudgetCheck, Source), StoreError>> + Send {
         spend::view_with_lease(core, upstream, config, deadline)
     }
 

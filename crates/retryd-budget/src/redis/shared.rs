@@ -66,13 +66,13 @@ pub trait Operations: Sized + Send + Sync + 'static {
     /// The per-upstream state of an upstream this replica just learnt of.
     fn upstream(&self) -> Self::Upstream;
 
-    /// [`crate::BudgetStore::view`], with whether the upstream is tracked.
+    /// [`crate::BudgetStore::view`], with where the reading came from.
     fn view(
         core: &Arc<Core<Self>>,
         upstream: &str,
         config: &BucketConfig,
         deadline: Instant,
-    ) -> impl Future<Output = Result<(BudgetCheck, bool), StoreError>> + Send;
+    ) -> impl Future<Output = Result<(BudgetCheck, Source), StoreError>> + Send;
 
     /// [`crate::BudgetStore::check`].
     fn check(
@@ -105,6 +105,17 @@ pub trait Operations: Sized + Send + Sync + 'static {
 
     /// [`crate::BudgetStore::shutdown`]: at least stops the background task.
     fn shutdown(core: &Arc<Core<Self>>) -> impl Future<Output = ()> + Send;
+}
+
+/// Where a view's reading came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The shared bucket (with this replica's lease, in leased mode);
+    /// `tracked` is false if Redis holds no state for the upstream yet.
+    Shared { tracked: bool },
+    /// This replica's local fallback bucket: Redis was believed down, or
+    /// did not answer.
+    Local,
 }
 
 /// What the core asks of a mode's per-upstream state, so that the shared

@@ -14,7 +14,7 @@ use super::returns::queue_return;
 use super::{LeaseState, Leased, Reading};
 use crate::redis::error::{Failure, RedisStoreError};
 use crate::redis::leases::{Acquisition, Lease, LeaseEnd};
-use crate::redis::shared::{Core, Upstream, UpstreamState, bump, lock};
+use crate::redis::shared::{Core, Source, Upstream, UpstreamState, bump, lock};
 use crate::{
     BucketConfig, BudgetCheck, OnUnavailable, StoreError, UNITS_PER_TOKEN, units_to_tokens,
 };
@@ -31,7 +31,7 @@ pub(super) async fn view_with_lease(
     upstream: &str,
     config: &BucketConfig,
     deadline: Instant,
-) -> Result<(BudgetCheck, bool), StoreError> {
+) -> Result<(BudgetCheck, Source), StoreError> {
     let known = (!is_closed(core))
         .then(|| {
             core.upstreams
@@ -83,7 +83,7 @@ pub(super) async fn view_with_lease(
             retries_enabled: reading.enabled,
             withdrew: false,
         },
-        true,
+        Source::Shared { tracked: true },
     ))
 }
 

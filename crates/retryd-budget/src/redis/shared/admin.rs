@@ -9,10 +9,11 @@ use std::sync::{Arc, PoisonError};
 use futures::StreamExt;
 use tokio::time::Instant;
 
+use super::fallback::local_config;
 use super::{Circuited, Core, FAN_OUT, Operations, UpstreamState};
 use crate::redis::error::Failure;
 use crate::redis::replies::INF_SCORE;
-use crate::{BucketConfig, BudgetSnapshot, StoreError, units_to_tokens};
+use crate::{BucketConfig, BudgetSnapshot, BudgetStore, StoreError, units_to_tokens};
 
 /// The longest a whole `list` may take, however many upstreams it reads
 /// (each read is bounded by the store timeout too).
@@ -84,9 +85,11 @@ impl<M: Operations> Core<M> {
 
     /// [`crate::BudgetStore::list`]: the index, then every live bucket (32
     /// reads at a time, each bounded by the store timeout, all by
-    /// `LIST_DEADLINE`), plus what this replica holds of each. Outside the
-    /// circuit (`Circuited::No`): a scrape listing thousands of upstreams
-    /// must never open it for the decisions, whose path this is not.
+    /// `LIST_DEADLINE`), plus what this replica holds of each; a bucket
+    /// whose node did not answer is listed `shared_unavailable`, with this
+    /// replica's local reading. Outside the circuit (`Circuited::No`): a
+    /// scrape listing thousands of upstreams must never open it for the
+    /// decisions, whose path this is not.
     pub(in crate::redis) async fn list<F>(
         self: &Arc<Self>,
         config_of: F,
@@ -132,7 +135,18 @@ impl<M: Operations> Core<M> {
         let now = Instant::now();
         let mut snapshots = Vec::with_capacity(readings.len());
         for (name, config, reply) in readings {
-            let reply = reply.map_err(Failure::into_error)?;
+            let Ok(reply) = reply else {
+                // Its node did not answer (a Cluster master down, or slow):
+                // listed as unavailable, with this replica's local reading.
+                let mut local = self.fallback.view(&name, &local_config(&config)).await?;
+                local.retries_enabled &= !self.is_known_off(&name);
+                snapshots.push(BudgetSnapshot {
+                    tracked: true,
+                    shared_unavailable: true,
+                    ..local
+                });
+                continue;
+            };
             if !reply.tracked {
                 continue;
             }
@@ -149,6 +163,7 @@ impl<M: Operations> Core<M> {
                 ),
                 retries_enabled: reply.enabled,
                 tracked: true,
+                shared_unavailable: false,
                 upstream: name,
             });
         }

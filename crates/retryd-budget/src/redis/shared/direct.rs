@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 
-use super::{Core, Operations};
+use super::{Core, Operations, Source};
 use crate::{BucketConfig, BudgetCheck, StoreError, units_to_tokens};
 
 impl<M: Operations> Core<M> {
@@ -19,7 +19,7 @@ impl<M: Operations> Core<M> {
         upstream: &str,
         config: &BucketConfig,
         deadline: Instant,
-    ) -> Result<(BudgetCheck, bool), StoreError> {
+    ) -> Result<(BudgetCheck, Source), StoreError> {
         let reply = match self
             .run_bucket(&self.scripts.view, upstream, config, &[], deadline)
             .await
@@ -39,7 +39,9 @@ impl<M: Operations> Core<M> {
                 retries_enabled: reply.enabled,
                 withdrew: false,
             },
-            reply.tracked,
+            Source::Shared {
+                tracked: reply.tracked,
+            },
         ))
     }
 

@@ -5,7 +5,7 @@
 //! immediate: nothing here waits on Redis, so a fallback adds nothing to a
 //! call's deadline. The same for both modes.
 
-use super::{Core, Operations, bump};
+use super::{Core, Operations, Source, bump};
 use crate::redis::error::{Failure, RedisStoreError, unavailable};
 use crate::{BucketConfig, BudgetCheck, BudgetStore, OnUnavailable, StoreError, units_to_tokens};
 
@@ -56,7 +56,7 @@ impl<M: Operations> Core<M> {
         upstream: &str,
         config: &BucketConfig,
         leased_units: u64,
-    ) -> Result<(BudgetCheck, bool), StoreError> {
+    ) -> Result<(BudgetCheck, Source), StoreError> {
         match config.on_unavailable {
             OnUnavailable::Local => {
                 bump(&self.counters.fallbacks, 1);
@@ -66,7 +66,7 @@ impl<M: Operations> Core<M> {
                     .await?;
                 check.tokens += units_to_tokens(leased_units);
                 check.retries_enabled &= !self.is_known_off(upstream);
-                Ok((check, true))
+                Ok((check, Source::Local))
             }
             OnUnavailable::Deny => {
                 bump(&self.counters.unavailable, 1);
