@@ -7,7 +7,12 @@
 //! is ever denied (and the store's fallback counter counts only the lost
 //! master's upstreams' denials); no call fails; the lost master's upstreams
 //! are shared again within 1 s of their replica's promotion. Bounded: about
-//! 1,100 decisions a second for at most `WITHIN`, on loopback.
+//! 450 decisions a second for about 4 s (at most `WITHIN`), on loopback.
+//!
+//! It is a latency promise at 20 ms on a real clock: a machine too busy to
+//! answer a loopback request within 10 ms (half the timeout, which opens a
+//! master's circuit) fails it before any master is lost, and the summary
+//! it prints (every DENY's time from the kill) shows that.
 
 use retryd_testkit as support;
 
@@ -23,7 +28,7 @@ use support::{Server, retryable};
 const INITIAL: f64 = 1.0e6;
 const PER_MASTER: usize = 3;
 /// Between two decisions of one upstream.
-const PACE: Duration = Duration::from_millis(8);
+const PACE: Duration = Duration::from_millis(20);
 /// The promotion takes 2–3 s here (`cluster-node-timeout 1000`); the
 /// whole run is bounded by this.
 const WITHIN: Duration = Duration::from_secs(20);
@@ -95,6 +100,9 @@ async fn a_lost_master_slows_only_its_own_slots_at_the_default_timeout() {
         .map(|url| format!("\"{url}\""))
         .collect();
     // No `timeout`: the default, 20 ms.
+    // `RETRYD_TEST_LOG=info,retryd_budget=debug` shows each failed call
+    // in the server's log, printed if the test fails.
+    let log_level = std::env::var("RETRYD_TEST_LOG").unwrap_or_else(|_| "info".into());
     let server = Server::start(&format!(
         r#"
         [store]
@@ -103,6 +111,9 @@ async fn a_lost_master_slows_only_its_own_slots_at_the_default_timeout() {
         mode = "exact"
         on_unavailable = "local"
         key_prefix = "{prefix}"
+
+        [telemetry]
+        log_level = "{log_level}"
 
         [defaults]
         budget = {{ capacity = {INITIAL:.1}, initial = {INITIAL:.1}, ratio = 0.5, min_per_second = 0.0 }}
@@ -148,11 +159,10 @@ async fn a_lost_master_slows_only_its_own_slots_at_the_default_timeout() {
         }));
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(
-        fallbacks_metric(&server.scrape()),
-        0,
-        "fell back before the kill"
-    );
+    let denied_before_kill: u64 = seen
+        .values()
+        .map(|state| state.lock().unwrap().denies)
+        .sum();
 
     cluster.nodes[victim].kill();
     let killed = Instant::now();
@@ -173,38 +183,63 @@ async fn a_lost_master_slows_only_its_own_slots_at_the_default_timeout() {
     }
     let fallbacks = fallbacks_metric(&server.scrape());
 
+    // Everything seen first, then the verdicts.
+    let ms_after_kill = |at: &Instant| match at.checked_duration_since(killed) {
+        Some(after) => after.as_millis() as i64,
+        None => -(killed.duration_since(*at).as_millis() as i64),
+    };
     let mut total = 0;
     let mut affected_denies = 0;
+    let mut live_denied = Vec::new();
     for (upstream, state) in &seen {
         let state = state.lock().unwrap();
         total += state.retries + state.denies + state.n_errors;
-        assert_eq!(
-            state.n_errors, 0,
-            "{upstream}: {} gRPC errors, e.g. {:?}",
-            state.n_errors, state.errors
-        );
         let on_victim = affected.contains(upstream);
+        let denied_at: Vec<i64> = state.deny_times.iter().map(ms_after_kill).collect();
         println!(
-            "{upstream} ({}): {} RETRY, {} DENY",
+            "{upstream} ({}): {} RETRY, {} DENY, {} errors; DENYs at (ms after the kill) {denied_at:?}",
             if on_victim {
                 "lost master"
             } else {
                 "live master"
             },
             state.retries,
-            state.denies
+            state.denies,
+            state.n_errors,
         );
-        if !on_victim {
-            assert_eq!(
-                state.denies,
-                0,
-                "{upstream}, on a live master, answered {} times from the fallback, {:?} after the kill first",
-                state.denies,
-                state.deny_times.first().map(|at| at.duration_since(killed))
-            );
-            continue;
+        if on_victim {
+            affected_denies += state.denies;
+        } else if state.denies > 0 {
+            live_denied.push(upstream.clone());
         }
-        affected_denies += state.denies;
+    }
+    let promoted_ms = ms_after_kill(&promoted);
+    println!(
+        "master SIGKILLed at the default store timeout: {total} calls; {denied_before_kill} DENYs before the kill; \
+         replica promoted {promoted_ms} ms after the kill; {fallbacks} fallback answers counted, \
+         {affected_denies} DENYs of the lost master's upstreams"
+    );
+
+    for (upstream, state) in &seen {
+        let state = state.lock().unwrap();
+        assert_eq!(
+            state.n_errors, 0,
+            "{upstream}: {} gRPC errors, e.g. {:?}",
+            state.n_errors, state.errors
+        );
+    }
+    assert!(
+        live_denied.is_empty(),
+        "upstreams on live masters answered from the fallback: {live_denied:?}"
+    );
+    // Every fallback answer the store counted was one of the lost master's
+    // upstreams' DENYs.
+    assert_eq!(
+        fallbacks, affected_denies,
+        "the store counted {fallbacks} fallback answers, the lost master's upstreams got {affected_denies} DENYs"
+    );
+    for upstream in &affected {
+        let state = seen[upstream].lock().unwrap();
         assert!(state.denies > 0, "{upstream} never fell back");
         // Shared again within a second of the promotion, and stays so.
         let last_deny = *state.deny_times.last().unwrap();
@@ -218,22 +253,4 @@ async fn a_lost_master_slows_only_its_own_slots_at_the_default_timeout() {
             "{upstream}: no RETRY after its last fallback answer"
         );
     }
-    // Every fallback answer the store counted was one of the lost master's
-    // upstreams' DENYs.
-    assert_eq!(
-        fallbacks, affected_denies,
-        "the store counted {fallbacks} fallback answers, the lost master's upstreams got {affected_denies} DENYs"
-    );
-    let last_affected_deny = affected
-        .iter()
-        .filter_map(|upstream| seen[upstream].lock().unwrap().deny_times.last().copied())
-        .max()
-        .unwrap();
-    println!(
-        "master SIGKILLed at the default store timeout: {total} calls, none failed; \
-         replica promoted {:?} after the kill; the lost master's upstreams' last fallback {:?} after the promotion; \
-         {fallbacks} fallback answers, all theirs",
-        promoted.duration_since(killed),
-        last_affected_deny.checked_duration_since(promoted)
-    );
 }

@@ -119,7 +119,11 @@ impl ClusterNodes {
         Ok(infos)
     }
 
-    /// Takes a `CLUSTER SLOTS` reply as the slots' owners.
+    /// Takes a `CLUSTER SLOTS` reply as the slots' owners, and connects in
+    /// the background to any master it names that has no connection yet (a
+    /// promoted replica, a resharding target), so that the first decision
+    /// routed there finds one ready rather than spending its deadline on
+    /// the connect and the script loads.
     pub(super) fn learn(&self, reply: &Value) -> Result<(), String> {
         let ranges = parse_slots(reply)?;
         let mut owners = vec![None; SLOTS];
@@ -134,6 +138,22 @@ impl ClusterNodes {
             }
         }
         *write(&self.inner.owners) = owners;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Ok(());
+        };
+        for address in names.into_values() {
+            let Ok(node) = self.node(&address) else {
+                continue;
+            };
+            if node.current().is_some() || node.connecting.try_lock().is_err() {
+                continue;
+            }
+            let inner = Arc::clone(&self.inner);
+            runtime.spawn(async move {
+                // A failure is the first request's to report.
+                let _ = node.connection(&inner).await;
+            });
+        }
         Ok(())
     }
 
@@ -314,13 +334,17 @@ impl Node {
         if let Some(current) = self.current() {
             return Ok(current);
         }
-        let mut connection = self
+        let connection = self
             .client
             .get_multiplexed_async_connection_with_config(&inner.connect)
             .await?;
-        for script in &inner.scripts {
-            script.load_async(&mut connection).await?;
-        }
+        // All at once: a multiplexed connection pipelines them, one round
+        // trip rather than one per script.
+        futures::future::try_join_all(inner.scripts.iter().map(|script| {
+            let mut connection = connection.clone();
+            async move { script.load_async(&mut connection).await }
+        }))
+        .await?;
         let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
         *write(&self.current) = Some((generation, connection.clone()));
         Ok((generation, connection))
@@ -332,12 +356,14 @@ impl Node {
 
     /// After `error` on the connection of `generation`: drops it if the
     /// error says the connection is no good (not for a reply, such as
-    /// MOVED, that a live node sent on it).
+    /// MOVED, that a live node sent on it, nor for a slow answer: a
+    /// multiplexed connection outlives one request's timeout, and a new one
+    /// would cost a connect and the script loads).
     fn failed(&self, generation: u64, error: &RedisError) {
-        let broken = error.is_io_error()
-            || error.is_connection_dropped()
-            || error.is_unrecoverable_error()
-            || error.is_timeout();
+        let broken = !error.is_timeout()
+            && (error.is_io_error()
+                || error.is_connection_dropped()
+                || error.is_unrecoverable_error());
         if !broken {
             return;
         }
