@@ -70,6 +70,8 @@ async fn a_single_node_waits_for_the_whole_store_timeout() {
         took >= Duration::from_millis(750) && took < Duration::from_millis(1400),
         "answered after {took:?}"
     );
-    assert!(store.stats().backend_timeouts >= 1);
+    // Whichever timer fired first (the store's, or redis-rs's response timeout,
+    // which is the same 800 ms), the request failed.
+    assert!(store.stats().backend_errors >= 1, "{:?}", store.stats());
     store.shutdown().await;
 }
