@@ -254,3 +254,107 @@ async fn a_lost_master_slows_only_its_own_slots_at_the_default_timeout() {
         );
     }
 }
+
+/// A master that hangs (SIGSTOP: its sockets stay open, nothing answers)
+/// for 700 ms, less than the Cluster takes to fail it over: its own
+/// upstreams answer from their fallback, the live masters' never do. At a
+/// 200 ms store timeout, so that only a wait behind the hung master, not a
+/// busy machine, can keep a live master's request past half of it. (The
+/// redis-rs Cluster client passed this too: a request the core gave up on
+/// is dropped there without a reconnection; what stalled it was the I/O
+/// errors and MOVED replies of a dead node, which the first test covers.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_master_holds_up_no_request_to_another() {
+    let mut cluster = RedisCluster::start_with_replicas(3);
+    let prefix = fresh_prefix("isolation-hung");
+    let mut by_master: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+    for n in 0.. {
+        let upstream = format!("hung-{n}");
+        let master = cluster
+            .master_of(&bucket_key(&prefix, &upstream))
+            .expect("a master serves every slot");
+        let names = by_master.entry(master).or_default();
+        if names.len() < PER_MASTER {
+            names.push(upstream);
+        }
+        if by_master.len() == 3 && by_master.values().all(|names| names.len() == PER_MASTER) {
+            break;
+        }
+    }
+    let victim = *by_master.keys().next().unwrap();
+    let urls: Vec<String> = cluster
+        .urls()
+        .iter()
+        .map(|url| format!("\"{url}\""))
+        .collect();
+    let server = Server::start(&format!(
+        r#"
+        [store]
+        kind = "redis"
+        url = [{}]
+        mode = "exact"
+        timeout = "200ms"
+        on_unavailable = "local"
+        key_prefix = "{prefix}"
+
+        [defaults]
+        budget = {{ capacity = {INITIAL:.1}, initial = {INITIAL:.1}, ratio = 0.5, min_per_second = 0.0 }}
+        "#,
+        urls.join(", ")
+    ));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for (master, upstreams) in &by_master {
+        for upstream in upstreams {
+            let mut decider = server.decider().await;
+            let (stop, upstream, on_victim) =
+                (Arc::clone(&stop), upstream.clone(), *master == victim);
+            tasks.push(tokio::spawn(async move {
+                let (mut retries, mut denies, mut errors) = (0u64, 0u64, 0u64);
+                let mut pace = tokio::time::interval(PACE);
+                while !stop.load(Ordering::Relaxed) {
+                    pace.tick().await;
+                    match decider.decide(retryable(&upstream)).await {
+                        Ok(answer) if answer.get_ref().verdict() == pb::Verdict::Retry => {
+                            retries += 1
+                        }
+                        Ok(_) => denies += 1,
+                        Err(_) => errors += 1,
+                    }
+                }
+                (upstream, on_victim, retries, denies, errors)
+            }));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    cluster.nodes[victim].stop();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    cluster.nodes[victim].cont();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut seen = Vec::new();
+    for task in tasks {
+        seen.push(task.await.expect("a load task panicked"));
+    }
+    for (upstream, on_victim, retries, denies, errors) in &seen {
+        println!(
+            "{upstream} ({}): {retries} RETRY, {denies} DENY, {errors} errors",
+            if *on_victim {
+                "hung master"
+            } else {
+                "live master"
+            }
+        );
+    }
+    for (upstream, on_victim, _, denies, errors) in &seen {
+        assert_eq!(*errors, 0, "{upstream}: gRPC errors");
+        if *on_victim {
+            assert!(*denies > 0, "{upstream} on the hung master never fell back");
+        } else {
+            assert_eq!(
+                *denies, 0,
+                "{upstream}, on a live master, answered from the fallback"
+            );
+        }
+    }
+}
