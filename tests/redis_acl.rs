@@ -26,12 +26,13 @@ const PREFIX: &str = "aclretryd";
 
 /// The least privileges retryd needs, as README.md states them: its own
 /// keys, the scripts, and the commands those scripts and the store run
-/// (`+cluster|slots` for a Cluster's slot map, `+role` for Sentinel's
-/// check that the node it names is the primary).
+/// (`+cluster|slots` for a Cluster's slot map, `+asking` to follow an ASK
+/// redirect while a slot moves, `+role` for Sentinel's check that the node
+/// it names is the primary).
 const RULES: &str = "-@all +evalsha +script|load +info \
                      +zadd +zrangebyscore +set +time +hmget +hset +exists \
                      +pexpire +persist +pttl +del +get +zcard +zrange +zrem +zremrangebyscore \
-                     +zscore +role +cluster|slots";
+                     +zscore +role +cluster|slots +asking";
 
 /// `ACL SETUSER retryd` with `rules` on keys `prefix:*`.
 fn acl(prefix: &str, password: &str, rules: &str) -> Vec<String> {
@@ -402,12 +403,22 @@ async fn under_sentinel_the_user_runs_every_operation_and_the_sentinels_password
     };
     println!("Sentinel, wrong data-node password: {error}");
     assert_refused_clearly(&error, wrong);
+    assert!(
+        error.contains("data nodes' credentials") && !error.contains("sentinels' URLs"),
+        "the error does not say the data nodes refused: {error}"
+    );
+    let data_node_error = error;
     let error = match store_at::<Exact>(sentinel_urls(&sentinels, wrong), master, PASSWORD).await {
         Ok(_) => panic!("a wrong sentinel password connected"),
         Err(error) => error,
     };
     println!("Sentinel, wrong sentinel password: {error}");
     assert_refused_clearly(&error, wrong);
+    assert!(
+        error.contains("sentinels' URLs") && !error.contains("data nodes' credentials"),
+        "the error does not say a sentinel refused: {error}"
+    );
+    assert_ne!(error, data_node_error);
 }
 
 /// `retryd serve` on `store`, 5 decisions that must be RETRY, and its log.
@@ -481,5 +492,81 @@ async fn on_a_cluster_and_under_sentinel_no_password_appears_in_a_log_line() {
         assert!(!served, "{topology}: served with a wrong password");
         assert_refused_clearly(&stderr, wrong);
         assert!(stderr.contains("store.url"), "{topology}: {stderr}");
+    }
+}
+
+/// Resharding needs `+asking`: with a report id's slot half moved (the
+/// target importing it, the source migrating it), the source redirects a
+/// new id's claim by ASK, and the target serves it only after `ASKING`.
+/// With the README's ACL (which has `+asking`) the claim lands on the
+/// target; without `+asking` the target refuses `ASKING`, answers MOVED
+/// back to the source, and the claim fails (a report then is not
+/// deduplicated, which its caller sees as an error, never as a double
+/// count).
+#[tokio::test]
+async fn on_a_cluster_resharding_needs_asking() {
+    for (rules, works) in [
+        (RULES.to_owned(), true),
+        (RULES.replace(" +asking", ""), false),
+    ] {
+        let mut cluster = cluster_with_user(&rules);
+        let store = store_at::<Exact>(cluster.urls(), None, PASSWORD)
+            .await
+            .unwrap();
+        let id = "reshard-report-1";
+        let key = format!("{PREFIX}:{{r:{id}}}:report");
+        let source = cluster.master_of(&key).expect("a master serves the slot");
+        let target = (source + 1) % cluster.nodes.len();
+        let slot = cluster.nodes[source].cli(&["CLUSTER", "KEYSLOT", &key]);
+        let slot = slot.trim();
+        let id_of = |node: usize| {
+            cluster.nodes[node]
+                .cli(&["CLUSTER", "MYID"])
+                .trim()
+                .to_owned()
+        };
+        let (source_id, target_id) = (id_of(source), id_of(target));
+        for (node, arguments) in [
+            (
+                target,
+                ["CLUSTER", "SETSLOT", slot, "IMPORTING", source_id.as_str()],
+            ),
+            (
+                source,
+                ["CLUSTER", "SETSLOT", slot, "MIGRATING", target_id.as_str()],
+            ),
+        ] {
+            let answer = cluster.nodes[node].cli(&arguments);
+            assert!(answer.contains("OK"), "{arguments:?}: {answer}");
+        }
+        let claim = store.claim_report(id, 7, 1, Duration::from_secs(60)).await;
+        println!(
+            "ACL {}: claim during the move: {claim:?}",
+            if works {
+                "with +asking"
+            } else {
+                "without +asking"
+            }
+        );
+        if works {
+            assert_eq!(claim.unwrap(), ReportClaim::Fresh);
+            let asked = cluster.nodes[target].cli(&["INFO", "commandstats"]);
+            assert!(
+                asked.contains("cmdstat_asking"),
+                "no ASKING reached the target"
+            );
+            let on = |node: usize| {
+                let count = cluster.nodes[node].cli(&["CLUSTER", "COUNTKEYSINSLOT", slot]);
+                count.trim().to_owned()
+            };
+            assert_eq!(
+                (on(source), on(target)),
+                ("0".into(), "1".into()),
+                "the claim is not on the target"
+            );
+        } else {
+            assert!(claim.is_err(), "claimed without +asking: {claim:?}");
+        }
+        store.shutdown().await;
     }
 }

@@ -231,3 +231,44 @@ impl<'de> Deserialize<'de> for FailureKindName {
             })
     }
 }
+
+/// A list of names as the file writes it (`["connect", "dns"]`) or as an
+/// environment variable can, which holds one string: comma-separated
+/// (`RETRYD__DEFAULTS__PERMANENT_FAILURES=connect,dns`; spaces around a
+/// name are ignored, an empty string is the empty list). Each name is then
+/// read as `T` reads it, so a typo is refused with the names accepted.
+pub(super) fn names_or_commas<'de, D, T>(deserializer: D) -> Result<Option<Vec<T>>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    struct Names<T>(std::marker::PhantomData<T>);
+
+    impl<'de, T: Deserialize<'de>> de::Visitor<'de> for Names<T> {
+        type Value = Vec<T>;
+
+        fn expecting(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+            formatter.write_str("a list of names, or one string of comma-separated names")
+        }
+
+        fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let mut names = Vec::new();
+            while let Some(name) = seq.next_element::<T>()? {
+                names.push(name);
+            }
+            Ok(names)
+        }
+
+        fn visit_str<E: de::Error>(self, text: &str) -> Result<Vec<T>, E> {
+            text.split(',')
+                .map(str::trim)
+                .filter(|name| !name.is_empty())
+                .map(|name| T::deserialize(name.into_deserializer()))
+                .collect()
+        }
+    }
+
+    deserializer
+        .deserialize_any(Names(std::marker::PhantomData))
+        .map(Some)
+}

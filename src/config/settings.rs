@@ -23,7 +23,7 @@ use crate::budget::redis::redact_url;
 
 use super::enums::{
     ClientAuth, FailureKindName, GrpcCodeName, JitterName, LogFormat, OnUnavailableName, StoreKind,
-    StoreMode,
+    StoreMode, names_or_commas,
 };
 
 /// The configuration file as written: every section optional.
@@ -421,8 +421,11 @@ pub struct PolicySettings {
     pub transient_500: Option<bool>,
     /// The gRPC codes retried, e.g. `["unavailable", "internal"]`; replaces
     /// the default list.
+    #[serde(default, deserialize_with = "names_or_commas")]
     pub grpc_retryable_codes: Option<Vec<GrpcCodeName>>,
-    /// Extra permanent failure kinds, e.g. `["connect"]`.
+    /// Extra permanent failure kinds, e.g. `["connect"]`; from the
+    /// environment, comma-separated (`connect,dns`).
+    #[serde(default, deserialize_with = "names_or_commas")]
     pub permanent_failures: Option<Vec<FailureKindName>>,
     /// `local` or `deny` while the shared store is unreachable.
     pub on_unavailable: Option<OnUnavailableName>,

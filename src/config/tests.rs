@@ -539,3 +539,67 @@ fn a_garbage_otlp_ca_file_is_refused_naming_its_key() {
         assert!(error.starts_with("telemetry.otlp_ca_file"), "{error}");
     }
 }
+
+/// `permanent_failures` (and `grpc_retryable_codes`) from the environment:
+/// one string, comma-separated, for `[defaults]` and for an upstream; a
+/// misspelt name is refused with the names accepted, as from the file.
+#[test]
+fn permanent_failures_are_comma_separated_in_the_environment() {
+    use crate::engine::FailureKind;
+    let from = |variables: &[(&str, &str)]| {
+        let environment = variables
+            .iter()
+            .map(|(name, value)| (name.to_string(), value.to_string()))
+            .collect::<HashMap<_, _>>();
+        Settings::from_sources("[upstreams.pay]\nmax_attempts = 2\n", Some(environment))
+            .and_then(Config::try_from)
+    };
+    let config = from(&[
+        (
+            "RETRYD__DEFAULTS__PERMANENT_FAILURES",
+            "connect, connection_reset",
+        ),
+        ("RETRYD__UPSTREAMS__PAY__PERMANENT_FAILURES", "dns"),
+        (
+            "RETRYD__DEFAULTS__GRPC_RETRYABLE_CODES",
+            "unavailable,aborted",
+        ),
+    ])
+    .unwrap();
+    assert_eq!(
+        config.policies.defaults().engine.permanent_failures,
+        [FailureKind::Connect, FailureKind::ConnectionReset]
+    );
+    assert_eq!(
+        config.policies.get("pay").engine.permanent_failures,
+        [FailureKind::Dns]
+    );
+    let from_file =
+        self::config("[defaults]\ngrpc_retryable_codes = [\"unavailable\", \"aborted\"]\n")
+            .unwrap();
+    assert_eq!(
+        config.policies.defaults().engine.grpc_retryable,
+        from_file.policies.defaults().engine.grpc_retryable
+    );
+    // An empty string is the empty list.
+    let config = from(&[("RETRYD__DEFAULTS__PERMANENT_FAILURES", "")]).unwrap();
+    assert!(
+        config
+            .policies
+            .defaults()
+            .engine
+            .permanent_failures
+            .is_empty()
+    );
+    let message = from(&[("RETRYD__DEFAULTS__PERMANENT_FAILURES", "connect,gremlins")])
+        .unwrap_err()
+        .to_string();
+    assert!(message.contains("defaults.permanent_failures"), "{message}");
+    assert!(message.contains("\"gremlins\""), "{message}");
+    // The file's lists read as before.
+    let config = self::config("[defaults]\npermanent_failures = [\"dns\"]\n").unwrap();
+    assert_eq!(
+        config.policies.defaults().engine.permanent_failures,
+        [FailureKind::Dns]
+    );
+}

@@ -107,6 +107,7 @@ fn budget(snapshot: BudgetSnapshot, policy: &UpstreamPolicy) -> pb::Budget {
         min_per_second: policy.bucket.min_per_second,
         retries_enabled: snapshot.retries_enabled,
         tracked: snapshot.tracked,
+        shared_unavailable: snapshot.shared_unavailable,
     }
 }
 

@@ -166,6 +166,11 @@ pub struct BudgetSnapshot {
     pub retries_enabled: bool,
     /// False if the store holds no state for the upstream yet.
     pub tracked: bool,
+    /// True if the shared budget could not be read (a shared store believed
+    /// down, or that did not answer): `tokens` is then this replica's local
+    /// fallback bucket, not the fleet's budget. Always false for the memory
+    /// store.
+    pub shared_unavailable: bool,
 }
 
 /// What one decision learns from an upstream's budget, and whether it
@@ -189,6 +194,7 @@ impl BudgetCheck {
             tokens: self.tokens,
             retries_enabled: self.retries_enabled,
             tracked,
+            shared_unavailable: false,
         }
     }
 }

@@ -605,6 +605,7 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
                     tokens: units_to_tokens(units),
                     retries_enabled: entry.value().retries_enabled.load(Ordering::Acquire),
                     tracked: true,
+                    shared_unavailable: false,
                 })
             })
             .collect();

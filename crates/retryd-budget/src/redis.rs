@@ -3,30 +3,34 @@
 //! store types, [`ExactStore`] and [`LeasedStore`], over one core.
 //!
 //! This file owns the public surface (the store type, its [`Mode`]s, the
-//! one [`BudgetStore`] impl) and the module's one error type; the work is
-//! done in `redis/`, one file per responsibility. It must not decide
+//! one [`BudgetStore`] impl); the work is done in `redis/`, one file per
+//! responsibility. It must not decide
 //! anything about retries. The design (why two types, what each mode
 //! promises, what happens when Redis is slow or down) is the module's doc
 //! page, `redis/README.md`.
 #![doc = include_str!("redis/README.md")]
 
-mod admin;
+// From the top down: each module imports only those below it (and its
+// own children), never this file; `redis/README.md` has the map.
+mod exact;
+mod leased;
+mod shared;
+
+mod leases;
+
+mod connection;
+mod reachability;
+
+mod cluster;
+mod sentinel;
+
 mod circuit;
 mod config;
-mod connection;
-mod exact;
-mod fallback;
-mod index;
+mod error;
 mod keys;
-mod leased;
-mod leases;
-mod reachability;
 mod replies;
-mod reports;
-mod rounds;
 mod scripts;
-mod sentinel;
-mod shared;
+mod slots;
 mod socket;
 mod url;
 
@@ -34,26 +38,17 @@ use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 
-use ::redis::RedisError;
-
 pub use self::config::{
     RedisAccess, RedisConfig, RedisMode, RedisPassword, RedisTls, SentinelConfig,
 };
 pub use self::exact::Exact;
 pub use self::leased::Leased;
 pub use self::scripts::CHECK_SOURCE;
-use self::shared::{Core, Operations};
+pub use self::shared::Mode;
+use self::shared::{Core, Source};
 pub use self::url::{RedisUrl, redact_url};
 use crate::reports::ReportClaim;
 use crate::{BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, StoreError, StoreStats};
-
-/// How a Redis store keeps its budgets: [`Exact`] or [`Leased`], and no
-/// other (the trait is sealed: what a mode must supply is the store's
-/// business).
-pub trait Mode: Operations {
-    /// The `store.mode` this is, for logs and labels.
-    const MODE: RedisMode;
-}
 
 /// Budgets in Redis, shared by every replica that uses the same Redis and
 /// key prefix, kept the way `M` says. Cheap to clone: clones share one
@@ -147,57 +142,6 @@ impl RedisBudgetStore<Leased> {
     }
 }
 
-/// Redis-specific failures, boxed into [`StoreError::Unavailable`].
-#[derive(Debug, thiserror::Error)]
-enum RedisStoreError {
-    #[error("Redis did not answer in time")]
-    Timeout,
-    #[error(
-        "Redis is believed down (re-probed every {:?})",
-        circuit::PROBE_INTERVAL
-    )]
-    CircuitOpen,
-    #[error("Redis: {0}")]
-    Redis(#[source] RedisError),
-    #[error(
-        "Redis {found} is too old: retryd needs {}.{} or later",
-        connection::MIN_VERSION.0,
-        connection::MIN_VERSION.1
-    )]
-    Version { found: String },
-    #[error("unexpected reply from Redis: {0}")]
-    Reply(String),
-}
-
-impl From<RedisError> for RedisStoreError {
-    fn from(error: RedisError) -> Self {
-        RedisStoreError::Redis(error)
-    }
-}
-
-fn unavailable(error: RedisStoreError) -> StoreError {
-    StoreError::Unavailable(Box::new(error))
-}
-
-/// Why a call to Redis gave no answer.
-#[derive(Debug)]
-enum Failure {
-    /// Not sent (the circuit is open or no time was left): nothing happened
-    /// in Redis.
-    NotSent,
-    /// Sent without an answer: it may or may not have happened.
-    Unknown(RedisStoreError),
-}
-
-impl Failure {
-    fn into_error(self) -> StoreError {
-        match self {
-            Failure::NotSent => unavailable(RedisStoreError::CircuitOpen),
-            Failure::Unknown(error) => unavailable(error),
-        }
-    }
-}
-
 /// One impl for both modes: what they share is here, what differs is a
 /// static call into `M`. Each call takes its one deadline here, at its
 /// first poll, so that every Redis request it makes shares it.
@@ -209,8 +153,14 @@ impl<M: Mode> BudgetStore for RedisBudgetStore<M> {
     ) -> impl Future<Output = Result<BudgetSnapshot, StoreError>> + Send {
         let core = &self.core;
         async move {
-            let (check, tracked) = M::view(core, upstream, config, core.deadline()).await?;
-            Ok(check.into_snapshot(upstream, tracked))
+            let (check, source) = M::view(core, upstream, config, core.deadline()).await?;
+            Ok(match source {
+                Source::Shared { tracked } => check.into_snapshot(upstream, tracked),
+                Source::Local => BudgetSnapshot {
+                    shared_unavailable: true,
+                    ..check.into_snapshot(upstream, true)
+                },
+            })
         }
     }
 

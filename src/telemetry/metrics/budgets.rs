@@ -99,6 +99,7 @@ mod tests {
             tokens,
             retries_enabled: true,
             tracked: true,
+            shared_unavailable: false,
         }]
     }
 

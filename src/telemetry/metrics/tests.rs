@@ -170,6 +170,7 @@ fn budget(upstream: &str, tokens: f64, retries_enabled: bool) -> BudgetSnapshot 
         tokens,
         retries_enabled,
         tracked: true,
+        shared_unavailable: false,
     }
 }
 

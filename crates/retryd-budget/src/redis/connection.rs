@@ -8,18 +8,18 @@
 use std::time::Duration;
 
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use ::redis::cluster::ClusterClientBuilder;
-use ::redis::cluster_async::ClusterConnection;
 use ::redis::{
-    Client, Cmd, ConnectionAddr, ConnectionInfo, FromRedisValue, IntoConnectionInfo, RedisResult,
-    Script, ScriptInvocation, TlsMode, Value,
+    AsyncConnectionConfig, Client, Cmd, ConnectionAddr, ConnectionInfo, FromRedisValue,
+    IntoConnectionInfo, RedisResult, Script, ScriptInvocation, Value,
 };
 
-use super::config::RedisAccess;
+use super::cluster::ClusterNodes;
+use super::config::{RedisAccess, RedisConfig};
+use super::error::{RedisStoreError, unavailable};
 use super::scripts::Scripts;
 use super::sentinel::SentinelConnection;
 use super::socket::{certificates, tcp_settings};
-use super::{RedisConfig, RedisStoreError, RedisUrl, unavailable};
+use super::url::RedisUrl;
 use crate::StoreError;
 
 /// How long `connect` may take.
@@ -33,7 +33,7 @@ pub(super) const MIN_VERSION: (u32, u32) = (5, 0);
 #[derive(Clone)]
 pub(super) enum Connection {
     Single(ConnectionManager),
-    Cluster(ClusterConnection),
+    Cluster(ClusterNodes),
     Sentinel(SentinelConnection),
 }
 
@@ -43,8 +43,8 @@ impl Connection {
         config: &RedisConfig,
     ) -> Result<(Connection, Scripts), StoreError> {
         let setup = async {
-            let connection = open(config).await?;
             let scripts = Scripts::new();
+            let connection = open(config, &scripts).await?;
             for script in scripts.all() {
                 connection.load(script).await?;
             }
@@ -60,8 +60,10 @@ impl Connection {
         matches!(self, Connection::Cluster(_))
     }
 
+    /// Runs a script on the node serving `key` (any node for `None`).
     pub(super) async fn invoke<T: FromRedisValue>(
         &self,
+        key: Option<&str>,
         invocation: &ScriptInvocation<'_>,
     ) -> RedisResult<T> {
         // Script::invoke_async sends EVALSHA and, on NOSCRIPT, SCRIPT LOAD
@@ -70,9 +72,7 @@ impl Connection {
             Connection::Single(connection) => {
                 invocation.invoke_async(&mut connection.clone()).await
             }
-            Connection::Cluster(connection) => {
-                invocation.invoke_async(&mut connection.clone()).await
-            }
+            Connection::Cluster(nodes) => invocation.invoke_async(&mut nodes.routed(key)).await,
             Connection::Sentinel(sentinel) => {
                 let (generation, mut connection) = sentinel.connection().await?;
                 let answer = invocation.invoke_async(&mut connection).await;
@@ -80,6 +80,16 @@ impl Connection {
                     sentinel.failed(generation, error);
                 }
                 answer
+            }
+        }
+    }
+
+    /// A Cluster's `CLUSTER SLOTS`, read by the core: where each slot's
+    /// requests go from now on.
+    pub(super) fn learn_slots(&self, reply: &Value) {
+        if let Connection::Cluster(nodes) = self {
+            if let Err(error) = nodes.learn(reply) {
+                tracing::warn!(%error, "cannot read the Redis Cluster's slot map");
             }
         }
     }
@@ -93,10 +103,15 @@ impl Connection {
         }
     }
 
-    pub(super) async fn query<T: FromRedisValue>(&self, command: &Cmd) -> RedisResult<T> {
+    /// Sends a command to the node serving `key` (any node for `None`).
+    pub(super) async fn query<T: FromRedisValue>(
+        &self,
+        key: Option<&str>,
+        command: &Cmd,
+    ) -> RedisResult<T> {
         match self {
             Connection::Single(connection) => command.query_async(&mut connection.clone()).await,
-            Connection::Cluster(connection) => command.query_async(&mut connection.clone()).await,
+            Connection::Cluster(nodes) => command.query_async(&mut nodes.routed(key)).await,
             Connection::Sentinel(sentinel) => {
                 let (generation, mut connection) = sentinel.connection().await?;
                 let answer = command.query_async(&mut connection).await;
@@ -111,7 +126,8 @@ impl Connection {
     async fn load(&self, script: &Script) -> RedisResult<String> {
         match self {
             Connection::Single(connection) => script.load_async(&mut connection.clone()).await,
-            Connection::Cluster(connection) => script.load_async(&mut connection.clone()).await,
+            // Every node loads every script before its first request.
+            Connection::Cluster(_) => Ok(script.get_hash().to_owned()),
             Connection::Sentinel(sentinel) => {
                 let (generation, mut connection) = sentinel.connection().await?;
                 let answer = script.load_async(&mut connection).await;
@@ -167,7 +183,7 @@ fn single_client(url: &RedisUrl, access: &RedisAccess) -> RedisResult<Client> {
     }
 }
 
-async fn open(config: &RedisConfig) -> Result<Connection, RedisStoreError> {
+async fn open(config: &RedisConfig, scripts: &Scripts) -> Result<Connection, RedisStoreError> {
     let Some(first) = config.urls.first() else {
         return Err(RedisStoreError::Reply("no Redis URL configured".into()));
     };
@@ -175,7 +191,11 @@ async fn open(config: &RedisConfig) -> Result<Connection, RedisStoreError> {
     if let Some(sentinel) = &access.sentinel {
         let connection =
             Connection::Sentinel(SentinelConnection::new(config, &sentinel.master_name)?);
-        let info = text_of(&connection.query::<Value>(&::redis::cmd("INFO")).await?);
+        let info = text_of(
+            &connection
+                .query::<Value>(None, &::redis::cmd("INFO"))
+                .await?,
+        );
         check_version(&info)?;
         return Ok(connection);
     }
@@ -192,44 +212,46 @@ async fn open(config: &RedisConfig) -> Result<Connection, RedisStoreError> {
             .set_response_timeout(Some(config.timeout.max(Duration::from_millis(100))));
         let manager = ConnectionManager::new_with_config(client, manager_config).await?;
         let connection = Connection::Single(manager);
-        let info = text_of(&connection.query::<Value>(&::redis::cmd("INFO")).await?);
+        let info = text_of(
+            &connection
+                .query::<Value>(None, &::redis::cmd("INFO"))
+                .await?,
+        );
         check_version(&info)?;
         if !info.contains("cluster_enabled:1") {
             return Ok(connection);
         }
     }
-    let nodes = config
+    // A Cluster: a connection per node, retryd's own (see `cluster.rs`).
+    let template = connection_info(first, access)?;
+    let seeds = config
         .urls
         .iter()
-        .map(|url| connection_info(url, access))
-        .collect::<RedisResult<Vec<_>>>()?;
-    let mut builder = ClusterClientBuilder::new(nodes)
-        .tcp_settings(tcp_settings())
-        .connection_timeout(Duration::from_secs(1))
-        .response_timeout(config.timeout.max(Duration::from_millis(100)))
-        .retries(3)
-        .min_retry_wait(10)
-        .max_retry_wait(100);
-    if let Some(username) = &access.username {
-        builder = builder.username(username);
-    }
-    if let Some(password) = &access.password {
-        builder = builder.password(password.expose());
-    }
-    if first.is_tls() {
-        // The nodes a Cluster names are reached as the configured ones.
-        builder = builder
-            .tls(if access.tls.insecure_skip_verify {
-                TlsMode::Insecure
-            } else {
-                TlsMode::Secure
+        .map(|url| {
+            let info = connection_info(url, access)?;
+            Ok(match info.addr() {
+                ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => {
+                    format!("{host}:{port}")
+                }
+                other => other.to_string(),
             })
-            .certs(certificates(&access.tls));
+        })
+        .collect::<RedisResult<Vec<_>>>()?;
+    let connect = AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(1)))
+        .set_response_timeout(Some(config.timeout.max(Duration::from_millis(100))));
+    let nodes = ClusterNodes::new(
+        seeds,
+        template,
+        first.is_tls().then(|| access.tls.clone()),
+        connect,
+        scripts.all().into_iter().cloned().collect(),
+    );
+    // Every master, each with its own INFO.
+    for info in nodes.discover().await? {
+        check_version(&text_of(&info))?;
     }
-    let connection = Connection::Cluster(builder.build()?.get_async_connection().await?);
-    let info = text_of(&connection.query::<Value>(&::redis::cmd("INFO")).await?);
-    check_version(&info)?;
-    Ok(connection)
+    Ok(Connection::Cluster(nodes))
 }
 
 /// Every string inside a reply (a Cluster answers INFO per node).
@@ -271,6 +293,7 @@ fn check_version(info: &str) -> Result<(), RedisStoreError> {
         if (major, minor) < MIN_VERSION {
             return Err(RedisStoreError::Version {
                 found: version.to_owned(),
+                needed: MIN_VERSION,
             });
         }
     }

@@ -1,11 +1,8 @@
 //! Exact mode: every operation is one script on the upstream's keys
 //! (after its admission to the index), so withdrawals are atomic across the
 //! fleet and a fleet short of budget grants exactly the budget. The mode
-//! holds nothing of its own, per store or per upstream.
-//!
-//! The direct operations here are generic over the mode because a leased
-//! store answers with them too, once it has shut down and handed its
-//! leases back. They must not consult any per-upstream mode state.
+//! holds nothing of its own, per store or per upstream. Its operations
+//! are the core's direct ones (`shared/direct.rs`).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -13,9 +10,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::shared::{Core, Operations};
-use super::{Mode, RedisConfig, RedisMode};
-use crate::{BucketConfig, BudgetCheck, StoreError, units_to_tokens};
+use super::config::{RedisConfig, RedisMode};
+use super::shared::{Core, Mode, Operations, Source};
+use crate::{BucketConfig, BudgetCheck, StoreError};
 
 /// The exact mode of [`super::RedisBudgetStore`]: every withdrawal is one
 /// atomic script call. It has no state of its own.
@@ -43,7 +40,7 @@ impl Operations for Exact {
         upstream: &str,
         config: &BucketConfig,
         deadline: Instant,
-    ) -> impl Future<Output = Result<(BudgetCheck, bool), StoreError>> + Send {
+    ) -> impl Future<Output = Result<(BudgetCheck, Source), StoreError>> + Send {
         core.direct_view(upstream, config, deadline)
     }
 
@@ -83,126 +80,5 @@ impl Operations for Exact {
     fn shutdown(core: &Arc<Core<Exact>>) -> impl Future<Output = ()> + Send {
         core.close();
         std::future::ready(())
-    }
-}
-
-impl<M: Operations> Core<M> {
-    /// The budget without spending, read from Redis, and whether it is
-    /// tracked; creates nothing.
-    pub(super) async fn direct_view(
-        self: &Arc<Self>,
-        upstream: &str,
-        config: &BucketConfig,
-        deadline: Instant,
-    ) -> Result<(BudgetCheck, bool), StoreError> {
-        let reply = match self
-            .run_bucket(&self.scripts.view, upstream, config, &[], deadline)
-            .await
-        {
-            Ok(reply) => reply,
-            Err(_) => return self.fallback_view(upstream, config, 0).await,
-        };
-        self.note_switch(upstream, reply.enabled);
-        let tokens = if reply.tracked {
-            reply.tokens.min(config.capacity_units())
-        } else {
-            reply.tokens
-        };
-        Ok((
-            BudgetCheck {
-                tokens: units_to_tokens(tokens),
-                retries_enabled: reply.enabled,
-                withdrew: false,
-            },
-            reply.tracked,
-        ))
-    }
-
-    /// A decision's business with the budget: one script that reads and,
-    /// if asked, withdraws.
-    pub(super) async fn direct_check(
-        self: &Arc<Self>,
-        upstream: &str,
-        config: &BucketConfig,
-        withdraw: bool,
-        deadline: Instant,
-    ) -> Result<BudgetCheck, StoreError> {
-        if !withdraw {
-            return Ok(self.direct_view(upstream, config, deadline).await?.0);
-        }
-        let state = match self.admitted(upstream, config, deadline).await {
-            Ok(state) => state,
-            Err(Ok(failure)) => return self.fallback_check(upstream, config, failure).await,
-            Err(Err(refused)) => return Err(refused),
-        };
-        match self
-            .run_bucket(&self.scripts.check, upstream, config, &["1"], deadline)
-            .await
-        {
-            Ok(reply) => {
-                self.after_write(upstream, &state, &reply);
-                Ok(BudgetCheck {
-                    tokens: units_to_tokens(reply.tokens),
-                    retries_enabled: reply.enabled,
-                    withdrew: reply.result == 1,
-                })
-            }
-            Err(failure) => self.fallback_check(upstream, config, failure).await,
-        }
-    }
-
-    pub(super) async fn direct_withdraw(
-        self: &Arc<Self>,
-        upstream: &str,
-        config: &BucketConfig,
-        deadline: Instant,
-    ) -> Result<Option<f64>, StoreError> {
-        let state = match self.admitted(upstream, config, deadline).await {
-            Ok(state) => state,
-            Err(Ok(failure)) => return self.fallback_withdraw(upstream, config, failure).await,
-            Err(Err(refused)) => return Err(refused),
-        };
-        match self
-            .run_bucket(&self.scripts.withdraw, upstream, config, &[], deadline)
-            .await
-        {
-            Ok(reply) => {
-                self.after_write(upstream, &state, &reply);
-                Ok((reply.result == 1).then(|| units_to_tokens(reply.tokens)))
-            }
-            Err(failure) => self.fallback_withdraw(upstream, config, failure).await,
-        }
-    }
-
-    pub(super) async fn direct_deposit(
-        self: &Arc<Self>,
-        upstream: &str,
-        config: &BucketConfig,
-        requests: u64,
-        deadline: Instant,
-    ) -> Result<(), StoreError> {
-        let state = match self.admitted(upstream, config, deadline).await {
-            Ok(state) => state,
-            Err(Ok(failure)) => {
-                return self
-                    .fallback_deposit(upstream, config, requests, failure)
-                    .await;
-            }
-            Err(Err(refused)) => return Err(refused),
-        };
-        let units = config.deposit_units(requests).to_string();
-        match self
-            .run_bucket(&self.scripts.deposit, upstream, config, &[&units], deadline)
-            .await
-        {
-            Ok(reply) => {
-                self.after_write(upstream, &state, &reply);
-                Ok(())
-            }
-            Err(failure) => {
-                self.fallback_deposit(upstream, config, requests, failure)
-                    .await
-            }
-        }
     }
 }

@@ -2,11 +2,19 @@
 //! a lease and spends them locally (a compare-and-swap), batches deposits,
 //! and answers views from its lease plus a short-lived reading of the
 //! shared bucket. This file owns the mode's state (the lease policy, the
-//! return queue, the lease ids; per upstream, `LeaseState`) and its four
-//! operations; taking, retiring and returning leases is `leases.rs`, the
-//! background rounds `rounds.rs`. After `shutdown` every operation is the
-//! exact store's (`exact.rs`), so nothing is left stranded here. It must
-//! never spend a token it does not hold in a live lease.
+//! return queue, the lease ids; per upstream, `LeaseState`) and its
+//! `Operations`; the four operations and taking a lease are
+//! `leased/spend.rs`, its part of the background round (flushing deposits,
+//! retiring and returning leases) `leased/returns.rs`, and what a lease is
+//! `leases.rs`. After `shutdown` every operation is the core's direct one
+//! (as an exact store's), so nothing is left stranded here. It must never
+//! spend a token it does not hold in a live lease.
+//!
+//! The mode sits above the core: it and its modules import `shared.rs` and
+//! the leaf modules, and nothing below imports them.
+
+mod returns;
+mod spend;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,13 +23,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::leases::{Acquisition, LastAcquisition, Lease, Return};
+use super::config::{RedisConfig, RedisMode};
+use super::leases::{Acquisition, LastAcquisition, Lease, LeaseSize, Return, lease_cap};
 use super::replies::Reply;
-use super::shared::{Core, Operations, Upstream, UpstreamState, lock};
-use super::{Failure, Mode, RedisConfig, RedisMode, RedisStoreError};
-use crate::{
-    BucketConfig, BudgetCheck, OnUnavailable, StoreError, UNITS_PER_TOKEN, units_to_tokens,
-};
+use super::shared::{Core, Mode, Operations, Source, UpstreamState, lock};
+use crate::{BucketConfig, BudgetCheck, StoreError, UNITS_PER_TOKEN, units_to_tokens};
 
 /// Deposits are flushed and leases swept this often.
 const TICK: Duration = Duration::from_millis(5);
@@ -51,6 +57,15 @@ impl Leased {
     pub(super) fn lease_acquisitions(&self) -> u64 {
         self.lease_acquisitions.load(Ordering::Relaxed)
     }
+
+    /// The largest lease of a bucket (see [`lease_cap`]).
+    fn lease_cap(&self, config: &BucketConfig) -> u64 {
+        lease_cap(
+            self.lease_units,
+            self.max_lease_units,
+            config.capacity_units(),
+        )
+    }
 }
 
 /// A reading of the shared bucket, for views.
@@ -67,7 +82,7 @@ pub(super) struct Reading {
 pub struct LeaseState {
     pub(super) lease: Mutex<Option<Arc<Lease>>>,
     /// Units the next lease asks for (see `leases::next_lease_units`).
-    pub(super) lease_size: AtomicU64,
+    lease_size: LeaseSize,
     /// One lease acquisition at a time; the others wait for its outcome.
     acquiring: tokio::sync::Mutex<()>,
     acquisitions: AtomicU64,
@@ -83,7 +98,7 @@ impl LeaseState {
     pub(super) fn new(lease_units: u64) -> LeaseState {
         LeaseState {
             lease: Mutex::new(None),
-            lease_size: AtomicU64::new(lease_units),
+            lease_size: LeaseSize::new(lease_units),
             acquiring: tokio::sync::Mutex::new(()),
             acquisitions: AtomicU64::new(0),
             last_acquisition: LastAcquisition::new(Acquisition::Acquired),
@@ -181,8 +196,8 @@ impl Operations for Leased {
         upstream: &str,
         config: &BucketConfig,
         deadline: Instant,
-    ) -> impl Future<Output = Result<(BudgetCheck, bool), StoreError>> + Send {
-        core.view_with_lease(upstream, config, deadline)
+    ) -> impl Future<Output = Result<(BudgetCheck, Source), StoreError>> + Send {
+        spend::view_with_lease(core, upstream, config, deadline)
     }
 
     fn check(
@@ -192,7 +207,7 @@ impl Operations for Leased {
         withdraw: bool,
         deadline: Instant,
     ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send {
-        core.check_with_lease(upstream, config, withdraw, deadline)
+        spend::check_with_lease(core, upstream, config, withdraw, deadline)
     }
 
     fn try_withdraw(
@@ -201,7 +216,7 @@ impl Operations for Leased {
         config: &BucketConfig,
         deadline: Instant,
     ) -> impl Future<Output = Result<Option<f64>, StoreError>> + Send {
-        core.withdraw_from_lease(upstream, config, deadline)
+        spend::withdraw_from_lease(core, upstream, config, deadline)
     }
 
     fn deposit(
@@ -211,250 +226,16 @@ impl Operations for Leased {
         requests: u64,
         deadline: Instant,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        core.deposit_batched(upstream, config, requests, deadline)
+        spend::deposit_batched(core, upstream, config, requests, deadline)
     }
 
     fn round(core: &Arc<Core<Leased>>) -> impl Future<Output = ()> + Send {
-        core.settle_leases(false)
+        returns::settle_leases(core, false)
     }
 
     async fn shutdown(core: &Arc<Core<Leased>>) {
         if core.close() {
-            core.settle_leases(true).await;
+            returns::settle_leases(core, true).await;
         }
-    }
-}
-
-impl Core<Leased> {
-    fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
-    }
-
-    /// A view: this replica's lease and deposits on top of a reading of the
-    /// shared bucket (cached for up to 100 ms); an upstream this replica
-    /// holds nothing of is read as an exact store reads it.
-    async fn view_with_lease(
-        self: &Arc<Self>,
-        upstream: &str,
-        config: &BucketConfig,
-        deadline: Instant,
-    ) -> Result<(BudgetCheck, bool), StoreError> {
-        let known = (!self.is_closed())
-            .then(|| {
-                self.upstreams
-                    .get(upstream)
-                    .map(|entry| Arc::clone(entry.value()))
-            })
-            .flatten();
-        let Some(state) = known else {
-            return self.direct_view(upstream, config, deadline).await;
-        };
-        let now = Instant::now();
-        let local = state.mode.local_units(now, config);
-        // While Redis is believed down a cached reading is not trusted: the
-        // upstream's on_unavailable policy answers.
-        let cached = state
-            .mode
-            .cached(now, self.mode.view_cache)
-            .filter(|_| self.is_up_for(upstream));
-        let reading = match cached {
-            Some(reading) => reading,
-            None => {
-                let reply = match self
-                    .run_bucket(&self.scripts.view, upstream, config, &[], deadline)
-                    .await
-                {
-                    Ok(reply) => reply,
-                    Err(_) => {
-                        let leased = state.mode.lease_units(now);
-                        return self.fallback_view(upstream, config, leased).await;
-                    }
-                };
-                self.note_switch(upstream, reply.enabled);
-                state.mode.remember(&reply);
-                Reading {
-                    units: reply.tokens,
-                    enabled: reply.enabled,
-                    read_at: now,
-                }
-            }
-        };
-        Ok((
-            BudgetCheck {
-                tokens: units_to_tokens(
-                    reading
-                        .units
-                        .saturating_add(local)
-                        .min(config.capacity_units()),
-                ),
-                retries_enabled: reading.enabled,
-                withdrew: false,
-            },
-            true,
-        ))
-    }
-
-    /// A decision's business with the budget: the view (usually no round
-    /// trip), then, if it promises a token, the lease; both within the
-    /// call's one deadline.
-    async fn check_with_lease(
-        self: &Arc<Self>,
-        upstream: &str,
-        config: &BucketConfig,
-        withdraw: bool,
-        deadline: Instant,
-    ) -> Result<BudgetCheck, StoreError> {
-        if !withdraw {
-            return Ok(self.view_with_lease(upstream, config, deadline).await?.0);
-        }
-        if self.is_closed() {
-            return self.direct_check(upstream, config, true, deadline).await;
-        }
-        let (view, _) = self.view_with_lease(upstream, config, deadline).await?;
-        if !view.retries_enabled || view.tokens < 1.0 {
-            return Ok(view);
-        }
-        Ok(
-            match self.withdraw_from_lease(upstream, config, deadline).await? {
-                Some(left) => BudgetCheck {
-                    tokens: left,
-                    retries_enabled: true,
-                    withdrew: true,
-                },
-                // Less than a whole token, however much the view promised.
-                None => BudgetCheck {
-                    tokens: 0.0,
-                    retries_enabled: true,
-                    withdrew: false,
-                },
-            },
-        )
-    }
-
-    async fn withdraw_from_lease(
-        self: &Arc<Self>,
-        upstream: &str,
-        config: &BucketConfig,
-        deadline: Instant,
-    ) -> Result<Option<f64>, StoreError> {
-        if self.is_closed() {
-            return self.direct_withdraw(upstream, config, deadline).await;
-        }
-        let state = match self.admitted(upstream, config, deadline).await {
-            Ok(state) => state,
-            Err(Ok(failure)) => return self.fallback_withdraw(upstream, config, failure).await,
-            Err(Err(refused)) => return Err(refused),
-        };
-        self.spend_or_lease(upstream, config, &state, deadline)
-            .await
-    }
-
-    async fn spend_or_lease(
-        self: &Arc<Self>,
-        upstream: &str,
-        config: &BucketConfig,
-        state: &Arc<Upstream<LeaseState>>,
-        deadline: Instant,
-    ) -> Result<Option<f64>, StoreError> {
-        let held = &state.mode;
-        // `deny` means no retry while Redis is down, lease or not; `local`
-        // spends what its lease already reserved before its local bucket.
-        if !self.is_up_for(upstream) && config.on_unavailable == OnUnavailable::Deny {
-            return self
-                .fallback_withdraw(upstream, config, Failure::NotSent)
-                .await;
-        }
-        if let Some(left) = held.spend(Instant::now()) {
-            return Ok(Some(held.left(left, config)));
-        }
-        // The lease is dry or expired: one task asks Redis for another while
-        // the others wait for its answer rather than each asking in turn.
-        let generation = held.acquisitions.load(Ordering::Acquire);
-        let Ok(_guard) = tokio::time::timeout_at(deadline, held.acquiring.lock()).await else {
-            return self
-                .fallback_withdraw(upstream, config, Failure::Unknown(RedisStoreError::Timeout))
-                .await;
-        };
-        if held.acquisitions.load(Ordering::Acquire) != generation {
-            if let Some(left) = held.spend(Instant::now()) {
-                return Ok(Some(held.left(left, config)));
-            }
-            match held.last_acquisition.load() {
-                Acquisition::Empty => return Ok(None),
-                Acquisition::Failed => {
-                    return self
-                        .fallback_withdraw(upstream, config, Failure::NotSent)
-                        .await;
-                }
-                // Others spent that lease already: take a new one.
-                Acquisition::Acquired => {}
-            }
-        }
-        // Out of time after waiting: answer from the fallback and leave the
-        // lease, untouched, to the next task, which has time of its own.
-        if Instant::now() >= deadline {
-            return self
-                .fallback_withdraw(upstream, config, Failure::Unknown(RedisStoreError::Timeout))
-                .await;
-        }
-        let outcome = self.acquire(upstream, config, state, deadline).await;
-        let (code, answer) = match outcome {
-            Ok(Some(left)) => (Acquisition::Acquired, Ok(Some(held.left(left, config)))),
-            Ok(None) => (Acquisition::Empty, Ok(None)),
-            // Redis is believed down: the tasks that waited for this answer
-            // take it too rather than each trying in turn.
-            Err(failure) if !self.is_up_for(upstream) => (
-                Acquisition::Failed,
-                self.fallback_withdraw(upstream, config, failure).await,
-            ),
-            // Redis is up and only this task ran short of its deadline (it
-            // waited long for the lock): the next one tries for itself.
-            Err(failure) => return self.fallback_withdraw(upstream, config, failure).await,
-        };
-        held.last_acquisition.store(code);
-        held.acquisitions.fetch_add(1, Ordering::AcqRel);
-        answer
-    }
-
-    /// A deposit, counted here and flushed to Redis by the next round
-    /// (`rounds.rs`); while Redis is down, the upstream's policy answers.
-    async fn deposit_batched(
-        self: &Arc<Self>,
-        upstream: &str,
-        config: &BucketConfig,
-        requests: u64,
-        deadline: Instant,
-    ) -> Result<(), StoreError> {
-        if self.is_closed() {
-            return self
-                .direct_deposit(upstream, config, requests, deadline)
-                .await;
-        }
-        let state = match self.admitted(upstream, config, deadline).await {
-            Ok(state) => state,
-            Err(Ok(failure)) => {
-                return self
-                    .fallback_deposit(upstream, config, requests, failure)
-                    .await;
-            }
-            Err(Err(refused)) => return Err(refused),
-        };
-        if !self.is_up_for(upstream) {
-            // Not batched for a Redis that is down: the policy answers.
-            return self
-                .fallback_deposit(upstream, config, requests, Failure::NotSent)
-                .await;
-        }
-        // Counted under the map's lock, so housekeeping cannot drop the
-        // entry between the lookup and the count.
-        let entry = self
-            .upstreams
-            .entry(upstream.into())
-            .or_insert_with(|| Arc::clone(&state));
-        entry
-            .mode
-            .pending_requests
-            .fetch_add(requests, Ordering::AcqRel);
-        Ok(())
     }
 }

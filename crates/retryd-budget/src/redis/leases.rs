@@ -1,20 +1,14 @@
-//! Leases, leased mode only: what one is (whole tokens this replica alone
-//! spends, until half its `lease_ttl`), how big the next one is (doubling
-//! for a busy upstream, halving for a quiet one, within a cap), taking one
-//! (the acquire script hands the previous one back in the same call),
-//! retiring one and queueing its return. An acquisition whose answer never
-//! came counts as consumed; a return that fails is forfeited: budgets err
-//! towards fewer retries. Spending is in `leased.rs`, the returns are sent
-//! by `rounds.rs`.
+//! Leases, leased mode only, as values: what one is (whole tokens this
+//! replica alone spends, until half its `lease_ttl`), how big the next one
+//! is (doubling for a busy upstream, halving for a quiet one, within a
+//! cap), how the last acquisition went, and a lease to hand back. A leaf:
+//! it knows no core and no connection; taking, retiring and returning
+//! leases is the mode's (`leased/spend.rs`, `leased/returns.rs`).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 use tokio::time::Instant;
 
-use super::Failure;
-use super::leased::{LeaseState, Leased};
-use super::shared::{Core, Upstream, bump, lock};
 use crate::{BucketConfig, UNITS_PER_TOKEN};
 
 /// How the last acquisition of an upstream went, for the tasks that waited
@@ -60,10 +54,10 @@ pub(super) struct Lease {
     pub(super) remaining: AtomicU64,
     /// When it was asked for, to tell a lease that ran dry quickly (the
     /// next should be bigger) from one that merely ran dry.
-    taken_at: Instant,
+    pub(super) taken_at: Instant,
     /// Local spending ends here, half a `lease_ttl` before Redis forgets
     /// the lease, so that the return arrives while it is still live.
-    spend_until: Instant,
+    pub(super) spend_until: Instant,
 }
 
 impl Lease {
@@ -92,7 +86,7 @@ impl Lease {
 
 /// How a lease ended, as far as the size of the next one is concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum LeaseEnd {
+pub(super) enum LeaseEnd {
     /// Spent within a quarter of `lease_ttl`: demand outruns the lease, and
     /// every refill is a round trip others wait for.
     DrainedQuickly,
@@ -107,7 +101,7 @@ enum LeaseEnd {
 /// the capacity so that one replica never holds most of a small bucket,
 /// both in whole tokens; never below `min_units` (`lease_tokens`), the size
 /// a lease always had.
-fn lease_cap(min_units: u64, max_units: u64, capacity_units: u64) -> u64 {
+pub(super) fn lease_cap(min_units: u64, max_units: u64, capacity_units: u64) -> u64 {
     let whole = |units: u64| units / UNITS_PER_TOKEN * UNITS_PER_TOKEN;
     whole(max_units.min(capacity_units / 4)).max(min_units)
 }
@@ -135,162 +129,32 @@ pub(super) struct Return {
     pub(super) config: BucketConfig,
 }
 
-impl LeaseState {
+/// The size of an upstream's next lease, in units (see
+/// [`next_lease_units`]), resized by whichever task saw a lease end.
+#[derive(Debug)]
+pub(super) struct LeaseSize(AtomicU64);
+
+impl LeaseSize {
+    pub(super) fn new(units: u64) -> LeaseSize {
+        LeaseSize(AtomicU64::new(units))
+    }
+
     /// Resizes the next lease after one ended; returns the new size.
-    fn resize_lease(&self, end: LeaseEnd, min_units: u64, cap: u64) -> u64 {
+    pub(super) fn resize(&self, end: LeaseEnd, min_units: u64, cap: u64) -> u64 {
         let resize = |size| next_lease_units(size, end, min_units, cap);
         // The closure always answers Some, so this never fails.
         let before = self
-            .lease_size
+            .0
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |size| {
                 Some(resize(size))
             })
             .unwrap_or_else(|size| size);
         resize(before)
     }
-}
 
-impl Leased {
-    /// The largest lease of a bucket (see [`lease_cap`]).
-    fn lease_cap(&self, config: &BucketConfig) -> u64 {
-        lease_cap(
-            self.lease_units,
-            self.max_lease_units,
-            config.capacity_units(),
-        )
-    }
-}
-
-impl Core<Leased> {
-    /// Takes a new lease and spends one token of it. `Ok(Some(left))`: a
-    /// token was granted; `Ok(None)`: the bucket had no whole token.
-    pub(super) async fn acquire(
-        self: &Arc<Self>,
-        upstream: &str,
-        config: &BucketConfig,
-        state: &Arc<Upstream<LeaseState>>,
-        deadline: Instant,
-    ) -> Result<Option<u64>, Failure> {
-        let (mode, held) = (&self.mode, &state.mode);
-        // The previous lease (dry, or expired with tokens left) goes back in
-        // the same script: until then it occupies room in the bucket.
-        let previous = lock(&held.lease).take();
-        let (previous_member, previous_unused) = match &previous {
-            Some(lease) => (
-                lease.member.as_str(),
-                lease.remaining.swap(0, Ordering::AcqRel),
-            ),
-            None => ("", 0),
-        };
-        let taken_at = Instant::now();
-        let end = match &previous {
-            Some(_) if previous_unused > 0 => LeaseEnd::LeftOver,
-            Some(lease) if taken_at.duration_since(lease.taken_at) <= mode.lease_ttl / 4 => {
-                LeaseEnd::DrainedQuickly
-            }
-            _ => LeaseEnd::Drained,
-        };
-        // Resized even without a previous lease: the capacity may have
-        // been lowered since.
-        let requested = held.resize_lease(end, mode.lease_units, mode.lease_cap(config));
-        let sequence = mode.lease_sequence.fetch_add(1, Ordering::Relaxed);
-        let id = format!("{}-{sequence}", mode.replica);
-        let spend_until = taken_at + mode.lease_ttl / 2;
-        let lease_units = requested.to_string();
-        let ttl_ms = (mode.lease_ttl.as_millis() as u64).max(1).to_string();
-        let unused = previous_unused.to_string();
-        let result = self
-            .run_bucket(
-                &self.scripts.acquire,
-                upstream,
-                config,
-                &[&id, &lease_units, &ttl_ms, previous_member, &unused],
-                deadline,
-            )
-            .await;
-        let reply = match result {
-            Ok(reply) => reply,
-            Err(failure) => {
-                if let Some(lease) = previous {
-                    match failure {
-                        // Redis saw nothing: return the old lease later.
-                        Failure::NotSent => {
-                            self.queue_return(upstream, state, &lease, previous_unused)
-                        }
-                        // It may have been credited back, or not: forfeit.
-                        Failure::Unknown(_) => {
-                            bump(&self.counters.forfeited_units, previous_unused);
-                        }
-                    }
-                }
-                return Err(failure);
-            }
-        };
-        bump(&mode.lease_acquisitions, 1);
-        self.after_write(upstream, state, &reply);
-        let taken = reply.result.max(0) as u64;
-        if taken < UNITS_PER_TOKEN {
-            return Ok(None);
-        }
-        let left = taken - UNITS_PER_TOKEN;
-        *lock(&held.lease) = Some(Arc::new(Lease {
-            member: format!("{id}:{taken}"),
-            remaining: AtomicU64::new(left),
-            taken_at,
-            spend_until,
-        }));
-        Ok(Some(left))
-    }
-
-    /// Takes the upstream's lease out of use if it has expired (or always,
-    /// with `all`), queueing what it has left for return.
-    pub(super) fn retire_lease(
-        &self,
-        upstream: &str,
-        state: &Upstream<LeaseState>,
-        now: Instant,
-        all: bool,
-    ) {
-        let lease = {
-            let mut slot = lock(&state.mode.lease);
-            match slot.as_ref() {
-                Some(lease) if all || now >= lease.spend_until => slot.take(),
-                _ => None,
-            }
-        };
-        let Some(lease) = lease else { return };
-        // A spender racing with this swap either took its token first or
-        // finds nothing: the same unit is never both spent and returned.
-        let units = lease.remaining.swap(0, Ordering::AcqRel);
-        if units > 0 {
-            state.mode.resize_lease(
-                LeaseEnd::LeftOver,
-                self.mode.lease_units,
-                self.mode.lease_cap(&state.config()),
-            );
-        }
-        // Returned even when dry: a live lease occupies room in the bucket.
-        self.queue_return(upstream, state, &lease, units);
-    }
-
-    fn queue_return(
-        &self,
-        upstream: &str,
-        state: &Upstream<LeaseState>,
-        lease: &Lease,
-        units: u64,
-    ) {
-        let mut returns = lock(&self.mode.returns);
-        if returns.len() >= self.max_upstreams.max(64) {
-            bump(&self.counters.forfeited_units, units);
-            return;
-        }
-        returns.push(Return {
-            upstream: upstream.into(),
-            member: lease.member.clone(),
-            units,
-            config: state.config(),
-        });
+    #[cfg(test)]
+    fn load(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
     }
 }
 
@@ -353,17 +217,11 @@ mod tests {
     }
 
     #[test]
-    fn an_upstream_starts_at_lease_tokens_and_resizes_atomically() {
-        let state = LeaseState::new(2 * T);
-        assert_eq!(state.lease_size.load(Ordering::Acquire), 2 * T);
-        assert_eq!(
-            state.resize_lease(LeaseEnd::DrainedQuickly, 2 * T, 100 * T),
-            4 * T
-        );
-        assert_eq!(
-            state.resize_lease(LeaseEnd::LeftOver, 2 * T, 100 * T),
-            2 * T
-        );
-        assert_eq!(state.lease_size.load(Ordering::Acquire), 2 * T);
+    fn a_lease_size_starts_at_lease_tokens_and_resizes_atomically() {
+        let size = LeaseSize::new(2 * T);
+        assert_eq!(size.load(), 2 * T);
+        assert_eq!(size.resize(LeaseEnd::DrainedQuickly, 2 * T, 100 * T), 4 * T);
+        assert_eq!(size.resize(LeaseEnd::LeftOver, 2 * T, 100 * T), 2 * T);
+        assert_eq!(size.load(), 2 * T);
     }
 }

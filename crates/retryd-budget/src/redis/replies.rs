@@ -3,7 +3,7 @@
 //! unexpected reply (`RedisStoreError::Reply`), never a guess. Nothing here
 //! talks to Redis or acts on a reply.
 
-use super::RedisStoreError;
+use super::error::RedisStoreError;
 
 /// Local marker for the `+inf` score of an upstream whose retries are off
 /// (a reply carries it as a negative number).

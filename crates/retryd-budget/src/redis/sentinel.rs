@@ -12,10 +12,14 @@ use std::time::Duration;
 
 use ::redis::aio::MultiplexedConnection;
 use ::redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
-use ::redis::{AsyncConnectionConfig, IntoConnectionInfo, RedisError, RedisResult, TlsMode};
+use ::redis::{
+    AsyncConnectionConfig, Client, ConnectionAddr, ErrorKind, IntoConnectionInfo, RedisError,
+    RedisResult, TlsMode,
+};
 
+use super::config::RedisConfig;
 use super::socket::{certificates, tcp_settings};
-use super::{RedisConfig, RedisUrl};
+use super::url::RedisUrl;
 
 /// The primary's connection, shared by every clone.
 #[derive(Clone)]
@@ -31,6 +35,9 @@ struct Inner {
     current: RwLock<Option<(u64, MultiplexedConnection)>>,
     generation: AtomicU64,
     connect: AsyncConnectionConfig,
+    /// The first sentinel, reached with its own credentials, to tell whose
+    /// password was refused when connecting fails to authenticate.
+    first_sentinel: Client,
 }
 
 impl SentinelConnection {
@@ -38,6 +45,7 @@ impl SentinelConnection {
     /// `master_name`. Connects nothing yet.
     pub(super) fn new(config: &RedisConfig, master_name: &str) -> RedisResult<SentinelConnection> {
         let access = &config.access;
+        let first_sentinel = sentinel_client(config)?;
         let mut sentinels = Vec::new();
         let mut sentinel_auth = None;
         for url in &config.urls {
@@ -88,6 +96,7 @@ impl SentinelConnection {
                 current: RwLock::new(None),
                 generation: AtomicU64::new(0),
                 connect,
+                first_sentinel,
             }),
         })
     }
@@ -103,9 +112,16 @@ impl SentinelConnection {
         if let Some(current) = self.current() {
             return Ok(current);
         }
-        let connection = client
+        let connection = match client
             .get_async_connection_with_config(&self.inner.connect)
-            .await?;
+            .await
+        {
+            Ok(connection) => connection,
+            Err(error) if error.kind() == ErrorKind::AuthenticationFailed => {
+                return Err(self.whose_password(error).await);
+            }
+            Err(error) => return Err(error),
+        };
         let generation = self.inner.generation.fetch_add(1, Ordering::AcqRel) + 1;
         *self
             .inner
@@ -113,6 +129,31 @@ impl SentinelConnection {
             .write()
             .unwrap_or_else(PoisonError::into_inner) = Some((generation, connection.clone()));
         Ok((generation, connection))
+    }
+
+    /// A refused password, said to be the sentinels' (from their URLs) or
+    /// the data nodes' (`store.username`, `store.password*`): both fail
+    /// alike inside redis-rs, so the first sentinel is asked again, alone.
+    async fn whose_password(&self, error: RedisError) -> RedisError {
+        let sentinel = self
+            .inner
+            .first_sentinel
+            .get_multiplexed_async_connection_with_config(&self.inner.connect)
+            .await;
+        let whose = match sentinel {
+            Err(refused) if refused.kind() == ErrorKind::AuthenticationFailed => {
+                "a sentinel refused the password of the sentinels' URLs"
+            }
+            _ => {
+                "the primary the sentinels name refused the data nodes' credentials \
+                 (store.username, store.password)"
+            }
+        };
+        RedisError::from((
+            ErrorKind::AuthenticationFailed,
+            "Authentication failed",
+            format!("{whose}: {error}"),
+        ))
     }
 
     fn current(&self) -> Option<(u64, MultiplexedConnection)> {
@@ -160,4 +201,39 @@ impl SentinelConnection {
             .unwrap_or_else(PoisonError::into_inner);
         *current = None;
     }
+}
+
+/// The first sentinel as its URL names it (with its password), over TLS
+/// as the sentinel client reaches it.
+fn sentinel_client(config: &RedisConfig) -> RedisResult<Client> {
+    let Some(url) = config.urls.first() else {
+        return Err(RedisError::from((
+            ErrorKind::InvalidClientConfig,
+            "no sentinel URL configured",
+        )));
+    };
+    let mut info = url
+        .expose_credentials()
+        .into_connection_info()?
+        .set_tcp_settings(tcp_settings());
+    if !url.is_tls() {
+        return Client::open(info);
+    }
+    if config.access.tls.insecure_skip_verify {
+        if let ConnectionAddr::TcpTls {
+            host,
+            port,
+            tls_params,
+            ..
+        } = info.addr().clone()
+        {
+            info = info.set_addr(ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: true,
+                tls_params,
+            });
+        }
+    }
+    Client::build_with_tls(info, certificates(&config.access.tls))
 }

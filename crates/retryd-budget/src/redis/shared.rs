@@ -6,6 +6,17 @@
 //! is all that differs between the two stores. It must not hold anything
 //! that only one mode needs: that lives in the mode (`M`, and `M::Upstream`
 //! per upstream).
+//!
+//! Its impls are here and in the modules it declares (`shared/`), one per
+//! concern; those import this file and the leaf modules below it, never a
+//! mode (`exact.rs`, `leased.rs`) nor `redis.rs`, which import this.
+
+mod admin;
+mod direct;
+mod fallback;
+mod index;
+mod reports;
+mod rounds;
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -18,12 +29,13 @@ use dashmap::DashMap;
 use tokio::time::Instant;
 
 use super::circuit::Transition;
+use super::config::{RedisConfig, RedisMode};
 use super::connection::Connection;
+use super::error::{Failure, RedisStoreError};
 use super::keys::KeySpace;
 use super::reachability::{Reachability, Route};
 use super::replies::Reply;
 use super::scripts::Scripts;
-use super::{Failure, RedisConfig, RedisStoreError, rounds};
 use crate::{
     BucketConfig, BudgetCheck, MemoryBudgetStore, StoreError, StoreStats, units_to_tokens,
 };
@@ -39,7 +51,7 @@ pub(super) const FAN_OUT: usize = 32;
 /// operations whose answers depend on it, its background round and its
 /// shutdown. Called statically, never asked at run time which mode it is.
 ///
-/// Public only in name, so that [`super::Mode`] can require it: this module
+/// Public only in name, so that [`Mode`] can require it: this module
 /// is private, so nothing outside the crate can implement or call it.
 pub trait Operations: Sized + Send + Sync + 'static {
     /// What this mode keeps per upstream.
@@ -54,13 +66,13 @@ pub trait Operations: Sized + Send + Sync + 'static {
     /// The per-upstream state of an upstream this replica just learnt of.
     fn upstream(&self) -> Self::Upstream;
 
-    /// [`crate::BudgetStore::view`], with whether the upstream is tracked.
+    /// [`crate::BudgetStore::view`], with where the reading came from.
     fn view(
         core: &Arc<Core<Self>>,
         upstream: &str,
         config: &BucketConfig,
         deadline: Instant,
-    ) -> impl Future<Output = Result<(BudgetCheck, bool), StoreError>> + Send;
+    ) -> impl Future<Output = Result<(BudgetCheck, Source), StoreError>> + Send;
 
     /// [`crate::BudgetStore::check`].
     fn check(
@@ -93,6 +105,17 @@ pub trait Operations: Sized + Send + Sync + 'static {
 
     /// [`crate::BudgetStore::shutdown`]: at least stops the background task.
     fn shutdown(core: &Arc<Core<Self>>) -> impl Future<Output = ()> + Send;
+}
+
+/// Where a view's reading came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The shared bucket (with this replica's lease, in leased mode);
+    /// `tracked` is false if Redis holds no state for the upstream yet.
+    Shared { tracked: bool },
+    /// This replica's local fallback bucket: Redis was believed down, or
+    /// did not answer.
+    Local,
 }
 
 /// What the core asks of a mode's per-upstream state, so that the shared
@@ -178,6 +201,15 @@ pub(super) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // Nothing panics while holding these locks; if something did, the data
     // is still a valid value of its type.
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// How a Redis store keeps its budgets: [`Exact`](super::Exact) or
+/// [`Leased`](super::Leased), and no
+/// other (the trait is sealed: what a mode must supply is the store's
+/// business).
+pub trait Mode: Operations {
+    /// The `store.mode` this is, for logs and labels.
+    const MODE: RedisMode;
 }
 
 /// The state of one store, generic over its mode. Public only in name, as
@@ -438,7 +470,7 @@ impl<M: Operations> Core<M> {
         for argument in extra {
             invocation.arg(*argument);
         }
-        let request = self.connection.invoke(&invocation);
+        let request = self.connection.invoke(Some(&keys.bucket), &invocation);
         let values: Vec<i64> = match circuited {
             Circuited::Yes => self.call(Some(&keys.bucket), deadline, request).await?,
             Circuited::No => {

@@ -1,7 +1,7 @@
-//! How every socket to Redis is set up, whoever opens it (the one-node and
-//! Cluster clients in `connection.rs`, Sentinel's in `sentinel.rs`): the
-//! TCP settings and the client's TLS material. Both openers import this;
-//! it imports neither, so neither imports the other.
+//! How every socket to Redis is set up, whoever opens it (the one-node
+//! client in `connection.rs`, a Cluster's nodes in `cluster.rs`, Sentinel's
+//! in `sentinel.rs`): the TCP settings and the client's TLS material. The
+//! openers import this; it imports none of them.
 
 use ::redis::{ClientTlsConfig, TlsCertificates};
 

@@ -9,16 +9,16 @@ use std::time::Duration;
 use ::redis::cmd;
 use tokio::time::Instant;
 
-use super::shared::{Core, Operations};
-use super::{Failure, RedisStoreError, unavailable};
+use super::{Core, Operations};
 use crate::StoreError;
+use crate::redis::error::{Failure, RedisStoreError, unavailable};
 use crate::reports::{CLAIM_LEASE_NANOS, ReportClaim};
 
 impl<M: Operations> Core<M> {
     /// Claims `id` in Redis. An unreachable Redis is an error: the report
     /// is then refused before any deposit, and its re-send applies it once
     /// Redis is back (deposits are late, never doubled).
-    pub(super) async fn claim_report(
+    pub(in crate::redis) async fn claim_report(
         &self,
         id: &str,
         digest: u64,
@@ -35,7 +35,11 @@ impl<M: Operations> Core<M> {
             .arg(window_ms(window))
             .arg(CLAIM_LEASE_NANOS / 1_000_000);
         let reply: Vec<i64> = self
-            .call(Some(&key), deadline, self.connection.invoke(&invocation))
+            .call(
+                Some(&key),
+                deadline,
+                self.connection.invoke(Some(&key), &invocation),
+            )
             .await
             .map_err(Failure::into_error)?;
         match reply.as_slice() {
@@ -53,7 +57,7 @@ impl<M: Operations> Core<M> {
 
     /// Settles a claimed id. `XX`: an id whose window ran out meanwhile is
     /// not brought back without an expiry.
-    pub(super) async fn settle_report(
+    pub(in crate::redis) async fn settle_report(
         &self,
         id: &str,
         digest: u64,
@@ -68,7 +72,11 @@ impl<M: Operations> Core<M> {
             .arg("XX")
             .arg("KEEPTTL");
         let _: Option<String> = self
-            .call(Some(&key), deadline, self.connection.query(&command))
+            .call(
+                Some(&key),
+                deadline,
+                self.connection.query(Some(&key), &command),
+            )
             .await
             .map_err(Failure::into_error)?;
         Ok(())

@@ -9,10 +9,11 @@ use std::sync::{Arc, PoisonError};
 use futures::StreamExt;
 use tokio::time::Instant;
 
-use super::Failure;
-use super::replies::INF_SCORE;
-use super::shared::{Circuited, Core, FAN_OUT, Operations, UpstreamState};
-use crate::{BucketConfig, BudgetSnapshot, StoreError, units_to_tokens};
+use super::fallback::local_config;
+use super::{Circuited, Core, FAN_OUT, Operations, UpstreamState};
+use crate::redis::error::Failure;
+use crate::redis::replies::INF_SCORE;
+use crate::{BucketConfig, BudgetSnapshot, BudgetStore, StoreError, units_to_tokens};
 
 /// The longest a whole `list` may take, however many upstreams it reads
 /// (each read is bounded by the store timeout too).
@@ -21,7 +22,7 @@ const LIST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 impl<M: Operations> Core<M> {
     /// Remembers the kill switch a reply showed, for answers during an
     /// outage (bounded by `max_upstreams`).
-    pub(super) fn note_switch(&self, upstream: &str, enabled: bool) {
+    pub(in crate::redis) fn note_switch(&self, upstream: &str, enabled: bool) {
         let known_off = self.is_known_off(upstream);
         if known_off == enabled {
             let mut disabled = self
@@ -36,7 +37,7 @@ impl<M: Operations> Core<M> {
         }
     }
 
-    pub(super) fn is_known_off(&self, upstream: &str) -> bool {
+    pub(in crate::redis) fn is_known_off(&self, upstream: &str) -> bool {
         self.disabled
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -44,7 +45,7 @@ impl<M: Operations> Core<M> {
     }
 
     /// [`crate::BudgetStore::set_retries_enabled`], within one deadline.
-    pub(super) async fn set_retries_enabled(
+    pub(in crate::redis) async fn set_retries_enabled(
         self: &Arc<Self>,
         upstream: &str,
         config: &BucketConfig,
@@ -84,10 +85,12 @@ impl<M: Operations> Core<M> {
 
     /// [`crate::BudgetStore::list`]: the index, then every live bucket (32
     /// reads at a time, each bounded by the store timeout, all by
-    /// `LIST_DEADLINE`), plus what this replica holds of each. Outside the
-    /// circuit (`Circuited::No`): a scrape listing thousands of upstreams
-    /// must never open it for the decisions, whose path this is not.
-    pub(super) async fn list<F>(
+    /// `LIST_DEADLINE`), plus what this replica holds of each; a bucket
+    /// whose node did not answer is listed `shared_unavailable`, with this
+    /// replica's local reading. Outside the circuit (`Circuited::No`): a
+    /// scrape listing thousands of upstreams must never open it for the
+    /// decisions, whose path this is not.
+    pub(in crate::redis) async fn list<F>(
         self: &Arc<Self>,
         config_of: F,
     ) -> Result<Vec<BudgetSnapshot>, StoreError>
@@ -101,7 +104,7 @@ impl<M: Operations> Core<M> {
             .call_outside_circuit(
                 Some(self.keys.index()),
                 deadline,
-                self.connection.invoke(&invocation),
+                self.connection.invoke(Some(self.keys.index()), &invocation),
             )
             .await
             .map_err(Failure::into_error)?;
@@ -132,7 +135,18 @@ impl<M: Operations> Core<M> {
         let now = Instant::now();
         let mut snapshots = Vec::with_capacity(readings.len());
         for (name, config, reply) in readings {
-            let reply = reply.map_err(Failure::into_error)?;
+            let Ok(reply) = reply else {
+                // Its node did not answer (a Cluster master down, or slow):
+                // listed as unavailable, with this replica's local reading.
+                let mut local = self.fallback.view(&name, &local_config(&config)).await?;
+                local.retries_enabled &= !self.is_known_off(&name);
+                snapshots.push(BudgetSnapshot {
+                    tracked: true,
+                    shared_unavailable: true,
+                    ..local
+                });
+                continue;
+            };
             if !reply.tracked {
                 continue;
             }
@@ -149,6 +163,7 @@ impl<M: Operations> Core<M> {
                 ),
                 retries_enabled: reply.enabled,
                 tracked: true,
+                shared_unavailable: false,
                 upstream: name,
             });
         }

@@ -11,18 +11,16 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError, Weak};
 use std::time::Duration;
 
-use futures::StreamExt;
 use tokio::time::{Instant, MissedTickBehavior};
 
-use super::leased::{LeaseState, Leased};
-use super::shared::{Core, FAN_OUT, Operations, Upstream, UpstreamState, bump, lock};
+use super::{Core, Operations, UpstreamState, bump};
 
 /// The kill-switch cache and the local map are tidied this often.
 const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(1);
 /// A Cluster's slot map is re-read this often while a master is down.
 const DEGRADED_SLOTS_INTERVAL: Duration = Duration::from_millis(50);
 
-pub(super) fn spawn_supervised<M: Operations>(store: Weak<Core<M>>) {
+pub(in crate::redis) fn spawn_supervised<M: Operations>(store: Weak<Core<M>>) {
     // The background task must not die silently: if it ever panics, it is
     // counted, logged and restarted. It holds only a weak reference, so
     // dropping the store ends it.
@@ -72,7 +70,8 @@ impl<M: Operations> Core<M> {
                 .send(
                     probe_key.as_deref(),
                     Instant::now() + self.timeout,
-                    self.connection.invoke::<i64>(&invocation),
+                    self.connection
+                        .invoke::<i64>(probe_key.as_deref(), &invocation),
                 )
                 .await;
         }
@@ -99,16 +98,17 @@ impl<M: Operations> Core<M> {
     /// Reads `CLUSTER SLOTS` from some node (any answers for the whole
     /// Cluster), outside every node's circuit: it is bookkeeping, and a
     /// dead node's failure must not count against a live one.
-    pub(super) async fn refresh_slots(&self) {
+    pub(in crate::redis) async fn refresh_slots(&self) {
         let mut command = ::redis::cmd("CLUSTER");
         command.arg("SLOTS");
         let answer = tokio::time::timeout(
             self.timeout.max(Duration::from_millis(100)),
-            self.connection.query::<::redis::Value>(&command),
+            self.connection.query::<::redis::Value>(None, &command),
         )
         .await;
         match answer {
             Ok(Ok(reply)) => {
+                self.connection.learn_slots(&reply);
                 if let Err(error) = self.reach.update(&reply, self.keys.prefix()) {
                     tracing::warn!(%error, "cannot read the Redis Cluster's slot map");
                 }
@@ -126,7 +126,8 @@ impl<M: Operations> Core<M> {
                 .call(
                     Some(self.keys.index()),
                     Instant::now() + self.timeout,
-                    self.connection.query::<Vec<String>>(&command),
+                    self.connection
+                        .query::<Vec<String>>(Some(self.keys.index()), &command),
                 )
                 .await
             {
@@ -148,102 +149,5 @@ impl<M: Operations> Core<M> {
                 || Arc::strong_count(state) > 1
                 || state.mode.holds_anything()
         });
-    }
-}
-
-impl Core<Leased> {
-    /// Flushes batched deposits, retires leases (expired ones, or `all` of
-    /// them at shutdown) and hands their unspent tokens back to Redis.
-    pub(super) async fn settle_leases(self: &Arc<Self>, all: bool) {
-        self.flush_deposits().await;
-        let now = Instant::now();
-        let holding: Vec<(Box<str>, Arc<Upstream<LeaseState>>)> = self
-            .upstreams
-            .iter()
-            .map(|entry| (entry.key().clone(), Arc::clone(entry.value())))
-            .collect();
-        for (upstream, state) in holding {
-            self.retire_lease(&upstream, &state, now, all);
-        }
-        self.return_leases().await;
-    }
-
-    async fn flush_deposits(self: &Arc<Self>) {
-        let due: Vec<(Box<str>, Arc<Upstream<LeaseState>>)> = self
-            .upstreams
-            .iter()
-            .filter(|entry| entry.mode.pending_requests.load(Ordering::Acquire) > 0)
-            .map(|entry| (entry.key().clone(), Arc::clone(entry.value())))
-            .collect();
-        futures::stream::iter(due)
-            .for_each_concurrent(FAN_OUT, |(upstream, state)| async move {
-                self.flush_one(&upstream, &state).await;
-            })
-            .await;
-    }
-
-    async fn flush_one(self: &Arc<Self>, upstream: &str, state: &Arc<Upstream<LeaseState>>) {
-        let held = &state.mode;
-        let requests = held.pending_requests.swap(0, Ordering::AcqRel);
-        if requests == 0 {
-            return;
-        }
-        let config = state.config();
-        let units = config.deposit_units(requests);
-        held.in_flight_units.fetch_add(units, Ordering::AcqRel);
-        let text = units.to_string();
-        let result = self
-            .run_bucket(
-                &self.scripts.deposit,
-                upstream,
-                &config,
-                &[&text],
-                Instant::now() + self.timeout,
-            )
-            .await;
-        match result {
-            Ok(reply) => self.after_write(upstream, state, &reply),
-            Err(failure) => {
-                // Counted inside; nobody waits for this answer.
-                let _ = self
-                    .fallback_deposit(upstream, &config, requests, failure)
-                    .await;
-            }
-        }
-        held.in_flight_units.fetch_sub(units, Ordering::AcqRel);
-    }
-
-    async fn return_leases(self: &Arc<Self>) {
-        let due = std::mem::take(&mut *lock(&self.mode.returns));
-        if due.is_empty() {
-            return;
-        }
-        futures::stream::iter(due)
-            .for_each_concurrent(FAN_OUT, |lease| async move {
-                let unused = lease.units.to_string();
-                let result = self
-                    .run_bucket(
-                        &self.scripts.release,
-                        &lease.upstream,
-                        &lease.config,
-                        &[&lease.member, &unused],
-                        Instant::now() + self.timeout,
-                    )
-                    .await;
-                let credited = match result {
-                    Ok(reply) => {
-                        if let Some(state) = self.upstreams.get(&*lease.upstream) {
-                            state.mode.remember(&reply);
-                        }
-                        (reply.result.max(0) as u64).min(lease.units)
-                    }
-                    Err(_) => 0,
-                };
-                // Whatever was not credited back (the lease had expired in
-                // Redis, the return failed, or capacity capped it) is lost
-                // to the budget: fewer retries, never more.
-                bump(&self.counters.forfeited_units, lease.units - credited);
-            })
-            .await;
     }
 }

@@ -10,9 +10,9 @@ use std::sync::atomic::Ordering;
 
 use tokio::time::Instant;
 
-use super::Failure;
-use super::replies::{Admission, INF_SCORE, Reply};
-use super::shared::{Core, Operations, Upstream, UpstreamState, lock};
+use super::{Core, Operations, Upstream, UpstreamState, lock};
+use crate::redis::error::Failure;
+use crate::redis::replies::{Admission, INF_SCORE, Reply};
 use crate::{BucketConfig, StoreError};
 
 /// An index entry outlives the bucket it stands for by this much, so that
@@ -28,12 +28,12 @@ const FAR_SCORE: u64 = 1_000_000_000_000_000;
 
 /// An admission that went nowhere: Redis gave no answer (the caller falls
 /// back), or it refused the upstream.
-pub(super) type NotAdmitted = Result<Failure, StoreError>;
+pub(in crate::redis) type NotAdmitted = Result<Failure, StoreError>;
 
 impl<M: Operations> Core<M> {
     /// The upstream's local state, admitting it to the fleet-wide index
     /// first if this replica does not know it to be there.
-    pub(super) async fn admitted(
+    pub(in crate::redis) async fn admitted(
         &self,
         upstream: &str,
         config: &BucketConfig,
@@ -55,7 +55,7 @@ impl<M: Operations> Core<M> {
             .call(
                 Some(self.keys.index()),
                 deadline,
-                self.connection.invoke(&invocation),
+                self.connection.invoke(Some(self.keys.index()), &invocation),
             )
             .await
             .map_err(Ok)?;
@@ -74,7 +74,7 @@ impl<M: Operations> Core<M> {
     /// [`crate::BudgetStore::admit`]: one script on the index admits every
     /// upstream the replica does not know to be there for a while yet, all
     /// or none; with Redis unreachable, [`Core::admit_locally`].
-    pub(super) async fn admit(
+    pub(in crate::redis) async fn admit(
         &self,
         upstreams: &[(&str, &BucketConfig)],
     ) -> Result<(), StoreError> {
@@ -139,7 +139,7 @@ impl<M: Operations> Core<M> {
             .call(
                 Some(self.keys.index()),
                 self.deadline(),
-                self.connection.invoke(&invocation),
+                self.connection.invoke(Some(self.keys.index()), &invocation),
             )
             .await
         {
@@ -189,7 +189,11 @@ impl<M: Operations> Core<M> {
     /// After a write: the index entry must outlive the bucket, and read
     /// `+inf` exactly while retries are off. Returns the score to write, if
     /// this caller is the one to write it.
-    pub(super) fn index_update(&self, state: &Upstream<M::Upstream>, reply: &Reply) -> Option<u64> {
+    pub(in crate::redis) fn index_update(
+        &self,
+        state: &Upstream<M::Upstream>,
+        reply: &Reply,
+    ) -> Option<u64> {
         let desired = match reply.index {
             -1 => INF_SCORE,
             -3 => FAR_SCORE,
@@ -213,7 +217,7 @@ impl<M: Operations> Core<M> {
         })
     }
 
-    pub(super) async fn write_index(
+    pub(in crate::redis) async fn write_index(
         &self,
         upstream: &str,
         state: &Upstream<M::Upstream>,
@@ -231,7 +235,8 @@ impl<M: Operations> Core<M> {
             .call(
                 Some(self.keys.index()),
                 deadline,
-                self.connection.query::<i64>(&command),
+                self.connection
+                    .query::<i64>(Some(self.keys.index()), &command),
             )
             .await
             .is_err()
@@ -243,7 +248,7 @@ impl<M: Operations> Core<M> {
 
     /// Everything a bucket reply teaches this replica: the kill switch, the
     /// mode's reading, and whether the index entry needs refreshing.
-    pub(super) fn after_write(
+    pub(in crate::redis) fn after_write(
         self: &Arc<Self>,
         upstream: &str,
         state: &Arc<Upstream<M::Upstream>>,

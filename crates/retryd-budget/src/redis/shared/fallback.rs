@@ -5,13 +5,13 @@
 //! immediate: nothing here waits on Redis, so a fallback adds nothing to a
 //! call's deadline. The same for both modes.
 
-use super::Failure;
-use super::shared::{Core, Operations, bump};
+use super::{Core, Operations, Source, bump};
+use crate::redis::error::{Failure, RedisStoreError, unavailable};
 use crate::{BucketConfig, BudgetCheck, BudgetStore, OnUnavailable, StoreError, units_to_tokens};
 
 /// The parameters of the fallback bucket: same capacity and ratio, no
 /// initial tokens, no floor (see the module docs for why).
-pub(super) fn local_config(config: &BucketConfig) -> BucketConfig {
+pub(in crate::redis) fn local_config(config: &BucketConfig) -> BucketConfig {
     BucketConfig {
         initial: 0.0,
         min_per_second: 0.0,
@@ -25,7 +25,7 @@ impl<M: Operations> Core<M> {
     /// denies, its deposit would fail, so the report is refused whole;
     /// otherwise every upstream is admitted to the local fallback (all or
     /// none), where deposits Redis never saw go.
-    pub(super) async fn admit_locally(
+    pub(in crate::redis) async fn admit_locally(
         &self,
         upstreams: &[(&str, &BucketConfig)],
         failure: Failure,
@@ -51,12 +51,12 @@ impl<M: Operations> Core<M> {
     /// A view while Redis is unreachable: the local bucket plus what this
     /// replica's lease holds (`leased_units`, 0 for an exact store), under
     /// the last known kill switch.
-    pub(super) async fn fallback_view(
+    pub(in crate::redis) async fn fallback_view(
         &self,
         upstream: &str,
         config: &BucketConfig,
         leased_units: u64,
-    ) -> Result<(BudgetCheck, bool), StoreError> {
+    ) -> Result<(BudgetCheck, Source), StoreError> {
         match config.on_unavailable {
             OnUnavailable::Local => {
                 bump(&self.counters.fallbacks, 1);
@@ -66,11 +66,11 @@ impl<M: Operations> Core<M> {
                     .await?;
                 check.tokens += units_to_tokens(leased_units);
                 check.retries_enabled &= !self.is_known_off(upstream);
-                Ok((check, true))
+                Ok((check, Source::Local))
             }
             OnUnavailable::Deny => {
                 bump(&self.counters.unavailable, 1);
-                Err(super::unavailable(super::RedisStoreError::CircuitOpen))
+                Err(unavailable(RedisStoreError::CircuitOpen))
             }
         }
     }
@@ -78,7 +78,7 @@ impl<M: Operations> Core<M> {
     /// A decision's check that Redis did not answer: the local bucket,
     /// under the last known kill switch. A RETRY from here is paid by a
     /// local token, whatever happened to the shared one.
-    pub(super) async fn fallback_check(
+    pub(in crate::redis) async fn fallback_check(
         &self,
         upstream: &str,
         config: &BucketConfig,
@@ -102,7 +102,7 @@ impl<M: Operations> Core<M> {
         }
     }
 
-    pub(super) async fn fallback_withdraw(
+    pub(in crate::redis) async fn fallback_withdraw(
         &self,
         upstream: &str,
         config: &BucketConfig,
@@ -122,7 +122,7 @@ impl<M: Operations> Core<M> {
         }
     }
 
-    pub(super) async fn fallback_deposit(
+    pub(in crate::redis) async fn fallback_deposit(
         &self,
         upstream: &str,
         config: &BucketConfig,
