@@ -63,7 +63,7 @@ func TestFallbackWhenRetrydIsUnreachable(t *testing.T) {
 		t.Fatalf("%+v, %v", d, err)
 	}
 	if len(logs.matching("local rule")) != 1 {
-		t.Fatalf("logs %q", logs.lines)
+		t.Fatalf("logs %q", logs.all())
 	}
 	req := connectFailure("x", pb.Idempotency_IDEMPOTENCY_NON_IDEMPOTENT)
 	req.Failure = pb.FailureKind_FAILURE_KIND_RESPONSE_HEADER_TIMEOUT

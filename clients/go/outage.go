@@ -26,7 +26,10 @@ func newOutageLog(logger *log.Logger) *outageLog {
 	return &outageLog{logger: logger, now: time.Now}
 }
 
-// begin marks retryd unreachable, logging if it was not already.
+// begin marks retryd unreachable, reporting whether it was not already.
+// The callers hold mu while they log, so that a line is written in the
+// order of the state changes it describes: a test (or an operator) that
+// sees retryd answer again also sees the line that says so.
 func (o *outageLog) begin() (began bool) {
 	if !o.down {
 		o.down, o.since = true, o.now()
@@ -40,9 +43,9 @@ func (o *outageLog) begin() (began bool) {
 // answer (cause says how).
 func (o *outageLog) fallback(cause string) {
 	o.mu.Lock()
+	defer o.mu.Unlock()
 	began := o.begin()
 	o.decisions++
-	o.mu.Unlock()
 	if began {
 		o.logger.Printf("retryd: unreachable (%s); the local rule decides until it answers again (one warning per outage)", cause)
 	}
@@ -52,9 +55,9 @@ func (o *outageLog) fallback(cause string) {
 // re-sent.
 func (o *outageLog) reportFailed(cause string) {
 	o.mu.Lock()
+	defer o.mu.Unlock()
 	began := o.begin()
 	o.reports++
-	o.mu.Unlock()
 	if began {
 		o.logger.Printf("retryd: unreachable (%s); traffic counts are kept and re-sent when it answers again (one warning per outage)", cause)
 	}
@@ -63,13 +66,11 @@ func (o *outageLog) reportFailed(cause string) {
 // answered records a call retryd answered, ending an outage if one was on.
 func (o *outageLog) answered() {
 	o.mu.Lock()
+	defer o.mu.Unlock()
 	if !o.down {
-		o.mu.Unlock()
 		return
 	}
 	o.down = false
-	lasted, decisions, reports := o.now().Sub(o.since), o.decisions, o.reports
-	o.mu.Unlock()
 	o.logger.Printf("retryd: answering again after %s unreachable; meanwhile %d decision(s) were made by the local rule and %d traffic batch(es) were not taken (kept, re-sent)",
-		lasted.Round(time.Millisecond), decisions, reports)
+		o.now().Sub(o.since).Round(time.Millisecond), o.decisions, o.reports)
 }

@@ -20,7 +20,7 @@ func checkOneWarningPerOutage(t *testing.T, logs *logBuffer, fallbacks int) {
 	t.Helper()
 	down, back := logs.matching("retryd: unreachable"), logs.matching("answering again")
 	if len(down) != 1 || len(back) != 1 {
-		t.Fatalf("want one warning each way, got %q", logs.lines)
+		t.Fatalf("want one warning each way, got %q", logs.all())
 	}
 	match := answeringAgain.FindStringSubmatch(back[0])
 	if match == nil {

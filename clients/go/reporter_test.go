@@ -92,7 +92,7 @@ func TestReporterDropsABatchRefusedForGood(t *testing.T) {
 			t.Fatalf("%s: sent %d times", code, n)
 		}
 		if reporter.Dropped() != 5 || len(reporter.Pending()) != 0 || len(logs.matching("dropping")) != 1 {
-			t.Fatalf("%s: dropped %d, pending %v, logs %q", code, reporter.Dropped(), reporter.Pending(), logs.lines)
+			t.Fatalf("%s: dropped %d, pending %v, logs %q", code, reporter.Dropped(), reporter.Pending(), logs.all())
 		}
 	}
 }

@@ -222,6 +222,14 @@ func (b *logBuffer) matching(substring string) []string {
 	return out
 }
 
+// all is a copy of every line so far, read under the lock: the client's
+// goroutines may still be writing when a test reports what it saw.
+func (b *logBuffer) all() []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return append([]string(nil), b.lines...)
+}
+
 func (b *logBuffer) logger() *log.Logger { return log.New(b, "", 0) }
 
 // newClient connects to addr with opts and closes the client when the test
