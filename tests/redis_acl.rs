@@ -120,7 +120,7 @@ async fn store_at<M: Mode>(
     let config = RedisConfig {
         urls: urls.into_iter().map(Into::into).collect(),
         mode: M::MODE,
-        timeout: Duration::from_millis(500),
+        timeout: Duration::from_millis(20), // the server's default
         lease_tokens: 2.0,
         max_lease_tokens: 1000.0,
         lease_ttl: Duration::from_secs(2),
@@ -264,7 +264,7 @@ async fn the_password_never_appears_in_a_log_line() {
     std::fs::write(&password_file, format!("{PASSWORD}\n")).unwrap();
     let store = |mode: &str, password: &str| {
         format!(
-            "[store]\nkind = \"redis\"\nurl = \"{}\"\nmode = \"{mode}\"\ntimeout = \"500ms\"\nkey_prefix = \"{PREFIX}\"\nusername = \"retryd\"\n{password}\n",
+            "[store]\nkind = \"redis\"\nurl = \"{}\"\nmode = \"{mode}\"\nkey_prefix = \"{PREFIX}\"\nusername = \"retryd\"\n{password}\n",
             redis.url()
         )
     };
@@ -457,7 +457,7 @@ async fn on_a_cluster_and_under_sentinel_no_password_appears_in_a_log_line() {
     };
     let store = |urls: &[String], extra: &str| {
         format!(
-            "[store]\nkind = \"redis\"\nurl = [{}]\nmode = \"exact\"\ntimeout = \"500ms\"\nkey_prefix = \"{PREFIX}\"\nusername = \"retryd\"\npassword_file = \"{}\"\n{extra}",
+            "[store]\nkind = \"redis\"\nurl = [{}]\nmode = \"exact\"\nkey_prefix = \"{PREFIX}\"\nusername = \"retryd\"\npassword_file = \"{}\"\n{extra}",
             toml_list(urls),
             password_file.display()
         )

@@ -66,6 +66,15 @@ async fn get_budget_says_the_shared_budget_is_unavailable_while_redis_is_down() 
         .unwrap();
     assert!(budget.shared_unavailable, "{budget:?}");
     assert_eq!(budget.tokens, 0.0, "the local bucket starts empty");
+    // Three timeouts in a row open the circuit (one late answer does not).
+    // Until then a decision is still sent to Redis, which would apply it
+    // when it resumes: wait for the circuit, so that the one below is not.
+    let deadline = Instant::now() + WITHIN;
+    while !server.scrape().contains("\nretryd_store_available 0\n") {
+        let budget = admin.get_budget(get.clone()).await.unwrap().into_inner();
+        assert!(budget.budget.unwrap().shared_unavailable);
+        assert!(Instant::now() < deadline, "the outage was never noticed");
+    }
     // A decision meanwhile is answered from the local bucket, and says so
     // as it did before this field: the budget is the local one's.
     let answer = decider.decide(retryable("pay")).await.unwrap().into_inner();

@@ -9,10 +9,12 @@
 //! are shared again within 1 s of their replica's promotion. Bounded: about
 //! 450 decisions a second for about 4 s (at most `WITHIN`), on loopback.
 //!
-//! It is a latency promise at 20 ms on a real clock: a machine too busy to
-//! answer a loopback request within 10 ms (half the timeout, which opens a
-//! master's circuit) fails it before any master is lost, and the summary
-//! it prints (every DENY's time from the kill) shows that.
+//! It is a promise at 20 ms on a real clock, kept on a busy machine (run
+//! under `stress-ng --cpu 2` on 2 cores): one late answer does not open a
+//! master's circuit (three timeouts in a row do), and a request whose
+//! process was starved waits once more rather than falling back (see
+//! `answered_by` in the budget crate's redis/shared.rs). The summary it
+//! prints gives every DENY's time from the kill.
 
 use retryd_testkit as support;
 
@@ -61,7 +63,6 @@ fn fallbacks_metric(scrape: &str) -> u64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "issue 37 open: on this 2-core CI machine the debug binary's store calls exceed the circuit's 10 ms before any master is lost; run with --ignored on an idle machine"]
 async fn a_lost_master_slows_only_its_own_slots_at_the_default_timeout() {
     let mut cluster = RedisCluster::start_with_replicas(3);
     let prefix = fresh_prefix("isolation");

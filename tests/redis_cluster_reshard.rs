@@ -19,11 +19,11 @@ use retryd_budget::redis::{Exact, RedisAccess, RedisConfig, RedisMode};
 use retryd_budget::{BucketConfig, BudgetStore, ExactStore, OnUnavailable, RedisBudgetStore};
 
 const TOKENS: f64 = 600.0;
-/// Long enough that no withdrawal's outcome is unknown on a loaded
-/// machine (a timed-out withdrawal may have spent a token without a RETRY,
-/// and then "exactly" could not be checked); the move's redirects and
-/// TRYAGAINs are answered well within it.
-const TIMEOUT: Duration = Duration::from_secs(1);
+/// The server's default `store.timeout`: no withdrawal's outcome may be
+/// unknown (a timed-out withdrawal may have spent a token without a
+/// RETRY, and then "exactly" could not be checked), and the move's
+/// redirects and TRYAGAINs are answered within it.
+const TIMEOUT: Duration = Duration::from_millis(20);
 const WITHIN: Duration = Duration::from_secs(30);
 
 fn bucket(tokens: f64) -> BucketConfig {

@@ -43,7 +43,7 @@ impl Setup {
         Setup {
             urls,
             prefix: redis_harness::fresh_prefix("replicas"),
-            timeout: Duration::from_millis(500),
+            timeout: Duration::from_millis(20), // the server's default
             lease_tokens: 5.0,
             max_lease_tokens: 1000.0,
             lease_ttl: Duration::from_secs(2),
@@ -302,9 +302,9 @@ async fn fleet_under_load<M: Mode>(stall: bool) -> (f64, f64) {
     let mode = M::MODE;
     let server = RedisServer::start();
     let mut setup = Setup::new(vec![server.url()]);
-    // Short enough that the stalls are outages; when healthy, long enough
-    // that a busy test machine does not make one.
-    setup.timeout = Duration::from_millis(if stall { 40 } else { 500 });
+    // Short enough that the stalls are outages; when healthy, the server's
+    // default.
+    setup.timeout = Duration::from_millis(if stall { 40 } else { 20 });
     let replicas = setup.replicas::<M>(3).await;
     let config = bucket(30.0, 10.0, 0.5, 5.0);
     let run_for = Duration::from_millis(1500);

@@ -88,7 +88,7 @@ fn config<M: Mode>(url: String, tls: RedisTls) -> RedisConfig {
     RedisConfig {
         urls: vec![url.into()],
         mode: M::MODE,
-        timeout: Duration::from_millis(500),
+        timeout: Duration::from_millis(20), // the server's default
         lease_tokens: 2.0,
         max_lease_tokens: 1000.0,
         lease_ttl: Duration::from_secs(2),

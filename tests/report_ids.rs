@@ -120,7 +120,7 @@ async fn bad_report_ids_name_the_field_and_deposit_nothing() {
 async fn two_replicas(mode: &str) {
     let redis = RedisServer::start();
     let config = format!(
-        "{BUDGET}[store]\nkind = \"redis\"\nurl = \"{}\"\nmode = \"{mode}\"\ntimeout = \"500ms\"\n",
+        "{BUDGET}[store]\nkind = \"redis\"\nurl = \"{}\"\nmode = \"{mode}\"\n",
         redis.url()
     );
     let first_replica = Server::start(&config);

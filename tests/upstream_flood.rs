@@ -74,7 +74,7 @@ async fn memory_store_a_flood_never_locks_out_a_configured_upstream() {
 async fn redis_exact_a_flood_never_locks_out_a_configured_upstream() {
     let redis = RedisServer::start();
     let server = Server::start(&config(&format!(
-        "[store]\nkind = \"redis\"\nurl = \"{}\"\nmode = \"exact\"\ntimeout = \"500ms\"\n",
+        "[store]\nkind = \"redis\"\nurl = \"{}\"\nmode = \"exact\"\n",
         redis.url()
     )));
     flood_then_decide(&server).await;
@@ -84,7 +84,7 @@ async fn redis_exact_a_flood_never_locks_out_a_configured_upstream() {
 async fn redis_leased_a_flood_never_locks_out_a_configured_upstream() {
     let redis = RedisServer::start();
     let server = Server::start(&config(&format!(
-        "[store]\nkind = \"redis\"\nurl = \"{}\"\nmode = \"leased\"\ntimeout = \"500ms\"\n",
+        "[store]\nkind = \"redis\"\nurl = \"{}\"\nmode = \"leased\"\n",
         redis.url()
     )));
     flood_then_decide(&server).await;
@@ -225,7 +225,7 @@ async fn memory_store_one_principals_flood_leaves_the_others_share() {
 async fn redis_exact_one_principals_flood_leaves_the_others_share() {
     let redis = RedisServer::start();
     let server = Server::start(&shared_config(&format!(
-        "[store]\nkind = \"redis\"\nurl = \"{}\"\nmode = \"exact\"\ntimeout = \"500ms\"\n",
+        "[store]\nkind = \"redis\"\nurl = \"{}\"\nmode = \"exact\"\n",
         redis.url()
     )));
     one_principal_floods(&server).await;

@@ -1,9 +1,11 @@
-//! Whether one Redis (a node, or the whole store) is believed reachable. After a failure, requests stop
-//! waiting on Redis and answer from their fallback at once; one request
-//! (or the background task) re-probes every `PROBE_INTERVAL`, and the first
-//! success closes the circuit again. Lock-free: two atomics.
+//! Whether one Redis (a node, or the whole store) is believed reachable.
+//! After a connection error, or `TIMEOUTS_TO_OPEN` timeouts in a row,
+//! requests stop waiting on Redis and answer from their fallback at once;
+//! one request (or the background task) re-probes every `PROBE_INTERVAL`,
+//! and the first success closes the circuit again. Lock-free: three
+//! atomics.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 // The store's one clock, tokio's (the same instant as `std` outside tests), so
 // that a test pausing it moves probes, deadlines and caches together.
@@ -12,10 +14,21 @@ use tokio::time::Instant;
 /// How often Redis is re-tried while it is believed down.
 pub(super) const PROBE_INTERVAL: Duration = Duration::from_millis(150);
 
+/// Timeouts in a row, with no answer between them, that open a circuit.
+/// One late answer is not an outage: on a busy machine a live node's
+/// answer misses the default 20 ms timeout now and then, and opening on it
+/// sent every upstream of that master to its fallback for a whole probe
+/// interval (issue 37: 150 ms of fallbacks on a live master). A node that
+/// stopped answering times out every request, so waiting for three costs
+/// two more timeouts, not an interval.
+pub(super) const TIMEOUTS_TO_OPEN: u32 = 3;
+
 #[derive(Debug)]
 pub(super) struct Circuit {
     origin: Instant,
     up: AtomicBool,
+    /// Timeouts since the last answer, while up.
+    timeouts: AtomicU32,
     /// Milliseconds since `origin` before which no probe is sent.
     next_probe: AtomicU64,
 }
@@ -33,6 +46,7 @@ impl Circuit {
         Circuit {
             origin: Instant::now(),
             up: AtomicBool::new(true),
+            timeouts: AtomicU32::new(0),
             next_probe: AtomicU64::new(0),
         }
     }
@@ -71,6 +85,7 @@ impl Circuit {
     }
 
     pub(super) fn success(&self) -> Transition {
+        self.timeouts.store(0, Ordering::Release);
         if self.up.swap(true, Ordering::AcqRel) {
             Transition::None
         } else {
@@ -78,7 +93,20 @@ impl Circuit {
         }
     }
 
+    /// A request that got no answer in time: opens the circuit at the
+    /// `TIMEOUTS_TO_OPEN`th in a row (at once while it is open, to push the
+    /// next probe back).
+    pub(super) fn timeout(&self) -> Transition {
+        if self.is_up() && self.timeouts.fetch_add(1, Ordering::AcqRel) + 1 < TIMEOUTS_TO_OPEN {
+            return Transition::None;
+        }
+        self.failure()
+    }
+
+    /// A request that failed: the connection is gone (refused, reset,
+    /// closed) or the node answered with an error. Opens the circuit.
     pub(super) fn failure(&self) -> Transition {
+        self.timeouts.store(0, Ordering::Release);
         self.next_probe.store(
             self.now_ms() + PROBE_INTERVAL.as_millis() as u64,
             Ordering::Release,
@@ -107,5 +135,32 @@ mod tests {
         assert!(!circuit.allow(), "and only one");
         assert_eq!(circuit.success(), Transition::Closed);
         assert!(circuit.allow());
+    }
+
+    #[test]
+    fn timeouts_open_only_in_a_row() {
+        let circuit = Circuit::new();
+        for _ in 0..TIMEOUTS_TO_OPEN - 1 {
+            assert_eq!(circuit.timeout(), Transition::None);
+        }
+        assert_eq!(
+            circuit.success(),
+            Transition::None,
+            "an answer between them"
+        );
+        for _ in 0..TIMEOUTS_TO_OPEN - 1 {
+            assert_eq!(circuit.timeout(), Transition::None);
+            assert!(circuit.is_up());
+        }
+        assert_eq!(circuit.timeout(), Transition::Opened);
+        assert!(!circuit.allow());
+        assert_eq!(circuit.timeout(), Transition::None, "already open");
+        assert_eq!(circuit.success(), Transition::Closed);
+        assert_eq!(
+            circuit.timeout(),
+            Transition::None,
+            "the count starts again"
+        );
+        assert!(circuit.is_up());
     }
 }

@@ -162,7 +162,11 @@ async fn spend_or_lease(
     // The lease is dry or expired: one task asks Redis for another while
     // the others wait for its answer rather than each asking in turn.
     let generation = held.acquisitions.load(Ordering::Acquire);
-    let Ok(_guard) = tokio::time::timeout_at(deadline, held.acquiring.lock()).await else {
+    // The wait is for the holder's Redis call, which may wait once more
+    // when this process was starved (`within`): as long as that, since the
+    // holder tells its answer, a failure included, when it has one.
+    let Ok(_guard) = tokio::time::timeout_at(deadline + core.timeout, held.acquiring.lock()).await
+    else {
         return core
             .fallback_withdraw(upstream, config, Failure::Unknown(RedisStoreError::Timeout))
             .await;
