@@ -423,9 +423,13 @@ where
         (None, None) => (None, false),
     };
     if let Some(limit) = limit {
+        // A little later than the layer's own limit: a tonic server answers
+        // its expired deadline CANCELLED, which must not win the race with
+        // the timeout the layer decides on.
+        let margin = Duration::from_millis(50);
         request.headers_mut().insert(
             "grpc-timeout",
-            grpc_timeout_value(limit.saturating_duration_since(now)),
+            grpc_timeout_value(limit.saturating_duration_since(now) + margin),
         );
     }
     let request = std::mem::replace(request, http::Request::new(Body::empty()));
@@ -468,7 +472,13 @@ fn transport_failure(error: BoxError, before_call: bool) -> Attempted {
         timeout |= error.downcast_ref::<tonic::TimeoutExpired>().is_some();
         source = error.source();
     }
-    let status = tonic::Status::from_error(error);
+    // The channel enforces the `grpc-timeout` the layer set and calls its
+    // expiry CANCELLED; to the caller it is the attempt's deadline.
+    let status = if timeout && !connect {
+        tonic::Status::deadline_exceeded("the attempt ran out of time")
+    } else {
+        tonic::Status::from_error(error)
+    };
     let outcome = if connect {
         Outcome {
             evidence: pb::Evidence::NotSent,
