@@ -31,6 +31,10 @@ backoff = { base = "5ms", max = "20ms", jitter = "full" }
 
 [upstreams."shadowed"]
 enforce = false
+
+# Far from full and without a time refill, so that deposits show.
+[upstreams."filled"]
+budget = { capacity = 1000.0, initial = 10.0, ratio = 0.1, min_per_second = 0.0 }
 "#;
 
 /// A retryd for the suites.

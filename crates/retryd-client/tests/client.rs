@@ -1,0 +1,349 @@
+//! The client itself against a real retryd: the API key and mTLS, the
+//! traffic reporter's batches and re-sends, one warning per outage with its
+//! counts, and shadow answers followed by the local rule.
+
+mod support;
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use retryd_client::engine::{DenyReason, Verdict};
+use retryd_client::{Client, Error, Source, pb};
+
+/// A request retryd answers RETRY at its defaults (a refused connection).
+fn refused(upstream: &str, attempt: u32) -> pb::DecideRequest {
+    pb::DecideRequest {
+        upstream: upstream.into(),
+        operation: "PUT /things/1".into(),
+        idempotency: pb::Idempotency::Idempotent as i32,
+        attempt,
+        failure: pb::FailureKind::Connect as i32,
+        ..Default::default()
+    }
+}
+
+/// `retryd hash-key` of `key`, so that the suite never imports the server.
+fn hash_key(key: &str) -> String {
+    let mut child = Command::new(retryd_testkit::binary())
+        .arg("hash-key")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("retryd hash-key");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(key.as_bytes())
+        .expect("write key");
+    let output = child.wait_with_output().expect("hash-key output");
+    assert!(output.status.success());
+    String::from_utf8(output.stdout)
+        .expect("hex")
+        .trim()
+        .to_owned()
+}
+
+const KEY: &str = "checkout-key-0123456789";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_key_travels_as_a_bearer_token() {
+    let retryd = support::Retryd::start(&format!(
+        "{}\n[[auth.principals]]\nname = \"checkout\"\napi_keys_sha256 = [\"{}\"]\nupstreams = [\"*\"]\n",
+        support::RETRYD_CONFIG,
+        hash_key(KEY)
+    ));
+    let with_key = Client::builder(format!("http://{}", retryd.grpc))
+        .api_key(KEY)
+        .no_fallback()
+        .disable_reporting()
+        .connect()
+        .await
+        .expect("client");
+    let decision = with_key
+        .decide(&refused("payments", 1))
+        .await
+        .expect("decided");
+    assert_eq!(decision.source, Source::Retryd);
+    assert!(!decision.decision_id.is_empty());
+
+    let without = Client::builder(format!("http://{}", retryd.grpc))
+        .no_fallback()
+        .disable_reporting()
+        .connect()
+        .await
+        .expect("client");
+    match without.decide(&refused("payments", 1)).await {
+        Err(Error::Unavailable(status)) => assert_eq!(status.code(), tonic::Code::Unauthenticated),
+        other => panic!("{other:?}"),
+    }
+    let spaced = Client::builder(format!("http://{}", retryd.grpc))
+        .api_key("has a space")
+        .connect()
+        .await;
+    assert!(matches!(spaced, Err(Error::InvalidConfig(_))), "{spaced:?}");
+}
+
+struct Pki {
+    ca: String,
+    server: (String, String),
+    client: (String, String),
+}
+
+fn pki() -> Pki {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().expect("key");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "retryd-client test CA");
+    let ca_cert = ca_params.self_signed(&ca_key).expect("CA");
+    let ca = Issuer::new(ca_params, ca_key);
+    let leaf = |name: &str| {
+        let key = KeyPair::generate().expect("key");
+        let cert = CertificateParams::new(vec![name.to_owned()])
+            .expect("params")
+            .signed_by(&key, &ca)
+            .expect("leaf");
+        (cert.pem(), key.serialize_pem())
+    };
+    Pki {
+        ca: ca_cert.pem(),
+        server: leaf("localhost"),
+        client: leaf("checkout.example"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_the_client_certificate_is_the_credential() {
+    use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+    let pki = pki();
+    let dir = tempfile::tempdir().expect("dir");
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("write");
+        path.display().to_string()
+    };
+    let retryd = support::Retryd::start(&format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nmetrics_listen = \"127.0.0.1:0\"\n[server.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nclient_ca_file = \"{}\"\nclient_auth = \"required\"\n[[auth.principals]]\nname = \"checkout\"\nidentities = [\"checkout.example\"]\nupstreams = [\"*\"]\n",
+        write("server.pem", &pki.server.0),
+        write("server.key", &pki.server.1),
+        write("ca.pem", &pki.ca),
+    ));
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(&pki.ca))
+        .domain_name("localhost");
+    let client = Client::builder(format!("https://{}", retryd.grpc))
+        .tls(
+            tls.clone()
+                .identity(Identity::from_pem(&pki.client.0, &pki.client.1)),
+        )
+        .no_fallback()
+        .disable_reporting()
+        .connect()
+        .await
+        .expect("client");
+    let decision = client
+        .decide(&refused("payments", 1))
+        .await
+        .expect("decided");
+    assert_eq!(decision.source, Source::Retryd);
+
+    // Without a certificate the handshake is refused: the fallback decides.
+    let anonymous = Client::builder(format!("https://{}", retryd.grpc))
+        .tls(tls)
+        .disable_reporting()
+        .connect()
+        .await
+        .expect("client");
+    let decision = anonymous
+        .decide(&refused("payments", 1))
+        .await
+        .expect("decided");
+    assert_eq!(decision.source, Source::Fallback);
+}
+
+/// Warnings logged through `tracing`, collected.
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Logs {
+    fn lines(&self) -> Vec<String> {
+        let bytes = self.0.lock().expect("logs").clone();
+        String::from_utf8_lossy(&bytes)
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl Write for Logs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("logs").extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// One warning when retryd stops answering and one when it is back, with
+/// the counts of what happened meanwhile; the traffic batch retryd did not
+/// take is kept with its id and re-sent once retryd is back.
+#[tokio::test(flavor = "current_thread")]
+async fn one_warning_per_outage_and_the_unsent_batch_is_re_sent() {
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    // The test runs on one thread: the guard covers every task.
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let port = support::refused_addr().await.port();
+    let client = Client::builder(format!("http://127.0.0.1:{port}"))
+        .connect_timeout(Duration::from_millis(200))
+        .disable_reporting()
+        .connect()
+        .await
+        .expect("built while retryd is down");
+    for _ in 0..5 {
+        let decision = client
+            .decide(&refused("catalog", 1))
+            .await
+            .expect("decided");
+        assert_eq!(decision.source, Source::Fallback);
+    }
+    client.reporter().record("filled", 40);
+    assert!(client.reporter().flush().await.is_err(), "retryd is down");
+    assert_eq!(client.reporter().pending().await.get("filled"), Some(&40));
+    let outage = client.outage();
+    assert_eq!(
+        (outage.outages, outage.decisions, outage.reports),
+        (1, 5, 1)
+    );
+    let unreachable: Vec<String> = logs
+        .lines()
+        .into_iter()
+        .filter(|line| line.contains("unreachable ("))
+        .collect();
+    assert_eq!(unreachable.len(), 1, "{unreachable:?}");
+
+    // retryd comes up on that port.
+    let retryd = support::Retryd::start(&format!(
+        "[server]\nlisten = \"127.0.0.1:{port}\"\nmetrics_listen = \"127.0.0.1:0\"\n{}",
+        support::RETRYD_CONFIG
+    ));
+    let before = client.get_budget("filled").await.expect("budget").tokens;
+    client.reporter().flush().await.expect("taken now");
+    assert!(client.reporter().pending().await.is_empty());
+    let after = client.get_budget("filled").await.expect("budget").tokens;
+    // 40 first attempts at ratio 0.1: four tokens.
+    assert!((after - before - 4.0).abs() < 1e-6, "{before} -> {after}");
+    let back: Vec<String> = logs
+        .lines()
+        .into_iter()
+        .filter(|line| line.contains("answering again"))
+        .collect();
+    assert_eq!(back.len(), 1, "{back:?}");
+    assert!(
+        back[0].contains("5 decision(s)") && back[0].contains("1 traffic batch(es)"),
+        "{back:?}"
+    );
+    assert!(!client.outage().unreachable);
+    drop(retryd);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_id_is_applied_once_however_often_it_is_sent() {
+    let retryd = support::retryd();
+    let client = support::client(&retryd).await;
+    let report = pb::ReportTrafficRequest {
+        traffic: vec![pb::UpstreamTraffic {
+            upstream: "catalog".into(),
+            requests: 30,
+        }],
+        report_id: retryd_client::new_report_id(),
+    };
+    assert_eq!(report.report_id.len(), 36);
+    let first = client.report_traffic(report.clone()).await.expect("first");
+    assert_eq!((first.accepted, first.already_applied), (1, 0));
+    let again = client.report_traffic(report).await.expect("again");
+    assert_eq!((again.accepted, again.already_applied), (0, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_background_reporter_sends_first_attempts() {
+    let retryd = support::retryd();
+    let client = Client::builder(format!("http://{}", retryd.grpc))
+        .reporter(retryd_client::ReporterOptions {
+            interval: Duration::from_millis(50),
+            ..Default::default()
+        })
+        .connect()
+        .await
+        .expect("client");
+    let before = client.get_budget("filled").await.expect("budget").tokens;
+    client.reporter().record("filled", 100);
+    retryd_testkit::eventually("the batch taken", || {
+        futures::executor::block_on(client.reporter().pending())
+            .is_empty()
+            .then_some(())
+    })
+    .await;
+    let after = client.get_budget("filled").await.expect("budget").tokens;
+    assert!((after - before - 10.0).abs() < 1e-6, "{before} -> {after}");
+    client.close(Duration::from_secs(5)).await.expect("closed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_answer_is_followed_by_the_local_rule() {
+    let retryd = support::retryd();
+    let client = support::client(&retryd).await;
+    // retryd allows 3 attempts; the local rule 2: attempt 2 differs.
+    let decision = client
+        .decide(&refused("shadowed", 2))
+        .await
+        .expect("decided");
+    assert_eq!(decision.source, Source::Shadow);
+    assert_eq!(decision.verdict, Verdict::Deny(DenyReason::MaxAttempts));
+    let retryd_answer = decision.retryd.as_ref().expect("retryd's answer beside it");
+    assert!(retryd_answer.should_retry());
+    assert_eq!(decision.decision_id, retryd_answer.decision_id);
+    assert_eq!(client.shadow_divergences().get("shadowed"), Some(&1));
+
+    // Where they agree nothing is counted; an enforced upstream is retryd's.
+    let decision = client
+        .decide(&refused("shadowed", 1))
+        .await
+        .expect("decided");
+    assert_eq!(decision.source, Source::Shadow);
+    assert!(decision.should_retry());
+    assert_eq!(client.shadow_divergences().get("shadowed"), Some(&1));
+    let decision = client
+        .decide(&refused("enforced", 2))
+        .await
+        .expect("decided");
+    assert_eq!(decision.source, Source::Retryd);
+    assert!(decision.should_retry());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_request_is_never_hidden_by_the_fallback() {
+    let port = support::refused_addr().await.port();
+    let client = Client::builder(format!("http://127.0.0.1:{port}"))
+        .connect_timeout(Duration::from_millis(100))
+        .disable_reporting()
+        .connect()
+        .await
+        .expect("client");
+    match client.decide(&refused("", 1)).await {
+        Err(Error::InvalidRequest(invalid)) => assert_eq!(invalid.field, "upstream"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(client.outage().outages, 0, "a bug, not an outage");
+}
