@@ -309,3 +309,106 @@ pub(crate) fn ended_by_caller(request: &pb::DecideRequest, expired: bool) -> Opt
         retryd: None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use retryd_engine::DenyReason;
+
+    fn refused(upstream: &str) -> pb::DecideRequest {
+        pb::DecideRequest {
+            upstream: upstream.into(),
+            idempotency: pb::Idempotency::Idempotent as i32,
+            attempt: 1,
+            failure: pb::FailureKind::Connect as i32,
+            ..Default::default()
+        }
+    }
+
+    fn one_token() -> FallbackPolicy {
+        FallbackPolicy::default().upstream(
+            "small",
+            UpstreamFallback {
+                budget: LocalBudget {
+                    capacity: 1.0,
+                    initial: 1.0,
+                    ratio: 0.5,
+                    min_per_second: 1.0,
+                },
+                ..UpstreamFallback::default()
+            },
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_spends_a_local_token_and_time_refills_it() {
+        let fallback = Fallback::new(one_token());
+        let decide = || {
+            fallback
+                .decide(&refused("small"), "test", Source::Fallback)
+                .expect("valid")
+        };
+        assert!(decide().should_retry());
+        assert_eq!(fallback.tokens("small"), 0.0);
+        assert_eq!(decide().deny_reason(), Some(DenyReason::BudgetExhausted));
+        // A denial spends nothing; a second refills one token.
+        tokio::time::advance(Duration::from_millis(999)).await;
+        assert_eq!(decide().deny_reason(), Some(DenyReason::BudgetExhausted));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(decide().should_retry());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn first_attempts_fill_the_local_bucket_up_to_its_capacity() {
+        let fallback = Fallback::new(one_token());
+        assert!(
+            fallback
+                .decide(&refused("small"), "test", Source::Fallback)
+                .expect("valid")
+                .should_retry()
+        );
+        fallback.record_traffic("small", 1);
+        assert_eq!(fallback.tokens("small"), 0.5);
+        fallback.record_traffic("small", 10);
+        assert_eq!(fallback.tokens("small"), 1.0, "capped");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_locally_disabled_upstream_is_denied_retries_disabled() {
+        let mut policy = FallbackPolicy::default();
+        policy.disabled.insert("off".into());
+        let decision = Fallback::new(policy)
+            .decide(&refused("off"), "test", Source::Fallback)
+            .expect("valid");
+        assert_eq!(decision.deny_reason(), Some(DenyReason::RetriesDisabled));
+        assert_eq!(decision.rule, 5);
+    }
+
+    #[test]
+    fn the_caller_ending_a_possibly_sent_charge_is_of_unknown_outcome() {
+        let charge = pb::DecideRequest {
+            upstream: "payments".into(),
+            idempotency: pb::Idempotency::NonIdempotent as i32,
+            attempt: 1,
+            failure: pb::FailureKind::ResponseHeaderTimeout as i32,
+            ..Default::default()
+        };
+        let decision = ended_by_caller(&charge, true).expect("unknown outcome");
+        assert_eq!(decision.deny_reason(), Some(DenyReason::Deadline));
+        assert_eq!(
+            decision.unknown_outcome,
+            Some(retryd_engine::UnknownOutcome::Reconcile)
+        );
+        // Proven not sent, or safe to repeat: a plain failure.
+        let not_sent = pb::DecideRequest {
+            failure: pb::FailureKind::Connect as i32,
+            ..charge.clone()
+        };
+        assert!(ended_by_caller(&not_sent, true).is_none());
+        let safe = pb::DecideRequest {
+            idempotency: pb::Idempotency::Safe as i32,
+            ..charge
+        };
+        assert!(ended_by_caller(&safe, true).is_none());
+    }
+}

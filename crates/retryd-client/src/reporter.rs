@@ -262,3 +262,20 @@ pub fn new_report_id() -> String {
         &hex[20..]
     )
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_report_id_is_a_version_4_uuid() {
+        let id = super::new_report_id();
+        assert_eq!(id.len(), 36);
+        let groups: Vec<&str> = id.split('-').collect();
+        assert_eq!(
+            groups.iter().map(|g| g.len()).collect::<Vec<_>>(),
+            [8, 4, 4, 4, 12]
+        );
+        assert!(groups[2].starts_with('4'));
+        assert!(matches!(groups[3].as_bytes()[0], b'8' | b'9' | b'a' | b'b'));
+        assert_ne!(id, super::new_report_id());
+    }
+}

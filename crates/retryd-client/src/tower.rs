@@ -667,3 +667,28 @@ pub fn outcome_of(status: &tonic::Status) -> Option<GrpcOutcome> {
         attempts: text(ATTEMPTS_KEY)?.parse().ok()?,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_reads_every_unit_and_refuses_garbage() {
+        let read = |raw: &'static str| {
+            let mut headers = http::HeaderMap::new();
+            headers.insert("grpc-timeout", http::HeaderValue::from_static(raw));
+            grpc_timeout(&headers)
+        };
+        assert_eq!(read("2H"), Some(Duration::from_secs(7200)));
+        assert_eq!(read("3M"), Some(Duration::from_secs(180)));
+        assert_eq!(read("4S"), Some(Duration::from_secs(4)));
+        assert_eq!(read("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(read("7u"), Some(Duration::from_micros(7)));
+        assert_eq!(read("9n"), Some(Duration::from_nanos(9)));
+        for garbage in ["", "m", "10", "10x", "-5m"] {
+            assert_eq!(read(garbage), None, "{garbage:?}");
+        }
+        assert_eq!(grpc_timeout_value(Duration::from_micros(1)), "1m");
+        assert_eq!(grpc_timeout_value(Duration::from_millis(1500)), "1500m");
+    }
+}
