@@ -92,8 +92,11 @@ impl TrafficReporter {
         }
         let mut counts = self.shared.counts.lock().unwrap_or_else(|e| e.into_inner());
         let max = self.shared.options.max_upstreams;
-        if counts.pending.len() < max || counts.pending.contains_key(upstream) {
-            *counts.pending.entry(upstream.to_owned()).or_default() += requests;
+        // The common case, a known upstream, allocates nothing.
+        if let Some(count) = counts.pending.get_mut(upstream) {
+            *count += requests;
+        } else if counts.pending.len() < max {
+            counts.pending.insert(upstream.to_owned(), requests);
         } else {
             counts.dropped += requests;
         }

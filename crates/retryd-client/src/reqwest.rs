@@ -174,12 +174,15 @@ impl Middleware for RetryMiddleware {
             .or_else(|| self.upstream.clone())
             .or_else(|| request.url().host_str().map(str::to_owned))
             .unwrap_or_else(|| "unknown".to_owned());
-        let operation = call.operation.clone().unwrap_or_else(|| {
-            adapter::truncate(
-                &format!("{} {}", request.method(), request.url().path()),
-                MAX_NAME_BYTES,
-            )
-        });
+        // Only a failed attempt needs the operation's name: a successful
+        // call pays for no formatting.
+        let method = request.method().clone();
+        let operation = |url: &reqwest::Url| {
+            call.operation.clone().unwrap_or_else(|| {
+                adapter::truncate(&format!("{method} {}", url.path()), MAX_NAME_BYTES)
+            })
+        };
+        let url = request.url().clone();
         // A streaming body cannot be cloned: it is one-shot.
         let body = match request.body() {
             None => None,
@@ -220,7 +223,7 @@ impl Middleware for RetryMiddleware {
             let outcome = &failed.outcome;
             let decide_request = pb::DecideRequest {
                 upstream: upstream.clone(),
-                operation: operation.clone(),
+                operation: operation(&url),
                 idempotency: pb_idempotency(idempotency) as i32,
                 body: body.clone(),
                 attempt,
