@@ -347,3 +347,51 @@ async fn an_invalid_request_is_never_hidden_by_the_fallback() {
     }
     assert_eq!(client.outage().outages, 0, "a bug, not an outage");
 }
+
+/// The variable that makes `first_decision_in_a_fresh_process` do its work
+/// (the address of retryd); without it that test returns at once.
+const FIRST_DECISION: &str = "RETRYD_CLIENT_FIRST_DECISION";
+
+/// The child half of `the_first_decision_is_retryds_from_process_start`: a
+/// fresh process builds a client at its defaults and makes one decision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_decision_in_a_fresh_process() {
+    let Ok(addr) = std::env::var(FIRST_DECISION) else {
+        return;
+    };
+    let client = Client::builder(format!("http://{addr}"))
+        .connect()
+        .await
+        .expect("client");
+    let decision = client.decide(&refused("first", 1)).await.expect("decided");
+    println!("FIRST-DECISION source={:?}", decision.source);
+}
+
+/// The client connects when it is built, so that the first decision of a
+/// new process is retryd's and not the fallback's (at the default 200 ms
+/// timeout). The time from spawning the process to its answer is printed,
+/// not asserted: it is the README's figure, not a promise under load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_decision_is_retryds_from_process_start() {
+    let retryd = support::retryd();
+    let addr = retryd.grpc.to_string();
+    let (elapsed, output) = tokio::task::spawn_blocking(move || {
+        let started = std::time::Instant::now();
+        let output = Command::new(std::env::current_exe().expect("own path"))
+            .args([
+                "--exact",
+                "first_decision_in_a_fresh_process",
+                "--nocapture",
+            ])
+            .env(FIRST_DECISION, addr)
+            .output()
+            .expect("run the child");
+        (started.elapsed(), output)
+    })
+    .await
+    .expect("child");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    assert!(stdout.contains("FIRST-DECISION source=Retryd"), "{stdout}");
+    eprintln!("process start to the first decision: {elapsed:?}");
+}
