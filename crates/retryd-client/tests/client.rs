@@ -395,3 +395,162 @@ async fn the_first_decision_is_retryds_from_process_start() {
     assert!(stdout.contains("FIRST-DECISION source=Retryd"), "{stdout}");
     eprintln!("process start to the first decision: {elapsed:?}");
 }
+
+/// A stand-in for retryd that never answers a decision and fails the first
+/// `failing` traffic reports with UNAVAILABLE, recording what it was sent.
+#[derive(Clone, Default)]
+struct Recorder {
+    timeouts: Arc<Mutex<Vec<String>>>,
+    reports: Arc<Mutex<Vec<pb::ReportTrafficRequest>>>,
+    failing: Arc<std::sync::atomic::AtomicU32>,
+}
+
+#[tonic::async_trait]
+impl pb::retry_decider_server::RetryDecider for Recorder {
+    async fn decide(
+        &self,
+        request: tonic::Request<pb::DecideRequest>,
+    ) -> Result<tonic::Response<pb::DecideResponse>, tonic::Status> {
+        let timeout = request
+            .metadata()
+            .get("grpc-timeout")
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or("none")
+            .to_owned();
+        self.timeouts.lock().expect("timeouts").push(timeout);
+        std::future::pending().await
+    }
+
+    type DecideStreamStream =
+        futures::stream::BoxStream<'static, Result<pb::DecideResponse, tonic::Status>>;
+
+    async fn decide_stream(
+        &self,
+        _request: tonic::Request<tonic::Streaming<pb::DecideRequest>>,
+    ) -> Result<tonic::Response<Self::DecideStreamStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not here"))
+    }
+
+    async fn report_traffic(
+        &self,
+        request: tonic::Request<pb::ReportTrafficRequest>,
+    ) -> Result<tonic::Response<pb::ReportTrafficResponse>, tonic::Status> {
+        use std::sync::atomic::Ordering;
+        let report = request.into_inner();
+        let entries = report.traffic.len() as u32;
+        self.reports.lock().expect("reports").push(report);
+        let failing = self.failing.load(Ordering::SeqCst);
+        if failing > 0 {
+            self.failing.store(failing - 1, Ordering::SeqCst);
+            return Err(tonic::Status::unavailable("not now"));
+        }
+        Ok(tonic::Response::new(pb::ReportTrafficResponse {
+            accepted: entries,
+            already_applied: 0,
+        }))
+    }
+}
+
+async fn recorder(failing: u32) -> (std::net::SocketAddr, Recorder) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let recorder = Recorder::default();
+    recorder
+        .failing
+        .store(failing, std::sync::atomic::Ordering::SeqCst);
+    let service = pb::retry_decider_server::RetryDeciderServer::new(recorder.clone());
+    tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+            .await;
+    });
+    (addr, recorder)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_is_bounded_by_the_callers_deadline_with_a_floor() {
+    let (addr, recorder) = recorder(0).await;
+    let client = Client::builder(format!("http://{addr}"))
+        .timeout(Duration::from_secs(30))
+        .disable_reporting()
+        .connect()
+        .await
+        .expect("client");
+    let with_deadline = |remaining: Duration| pb::DecideRequest {
+        deadline_remaining: Some(retryd_client::pb_duration(remaining)),
+        ..refused("catalog", 1)
+    };
+    // 120 ms left: the call may take 120 ms, not the client's 30 s, and
+    // the local rule decides when retryd does not answer in it.
+    let decision = client
+        .decide(&with_deadline(Duration::from_millis(120)))
+        .await
+        .expect("decided");
+    assert_eq!(decision.source, Source::Fallback);
+    // 10 ms left: still 50 ms, so that retryd can answer DENY DEADLINE.
+    let decision = client
+        .decide(&with_deadline(Duration::from_millis(10)))
+        .await
+        .expect("decided");
+    assert_eq!(decision.deny_reason(), Some(DenyReason::Deadline));
+    // What retryd was told, as grpc-timeout.
+    let timeouts = recorder.timeouts.lock().expect("timeouts").clone();
+    let millis = |raw: &str| -> u64 {
+        let (digits, unit) = raw.split_at(raw.len() - 1);
+        let value: u64 = digits.parse().expect("digits");
+        match unit {
+            "m" => value,
+            "u" => value / 1000,
+            "n" => value / 1_000_000,
+            "S" => value * 1000,
+            other => panic!("unit {other}"),
+        }
+    };
+    assert_eq!(timeouts.len(), 2, "{timeouts:?}");
+    assert!(millis(&timeouts[0]) <= 120, "{timeouts:?}");
+    assert!(
+        millis(&timeouts[1]) <= 50 && millis(&timeouts[1]) > 10,
+        "{timeouts:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_not_taken_is_re_sent_with_its_id_and_entries() {
+    let (addr, recorder) = recorder(2).await;
+    let client = Client::builder(format!("http://{addr}"))
+        .disable_reporting()
+        .connect()
+        .await
+        .expect("client");
+    let reporter = client.reporter();
+    reporter.record("b-upstream", 3);
+    reporter.record("a-upstream", 2);
+    assert!(reporter.flush().await.is_err());
+    // Recorded meanwhile: waits for the next batch, never joins the old one.
+    reporter.record("a-upstream", 5);
+    assert!(reporter.flush().await.is_err());
+    reporter.flush().await.expect("taken at the third try");
+    let reports = recorder.reports.lock().expect("reports").clone();
+    assert_eq!(reports.len(), 4, "{reports:?}");
+    let entries = |report: &pb::ReportTrafficRequest| -> Vec<(String, u64)> {
+        report
+            .traffic
+            .iter()
+            .map(|entry| (entry.upstream.clone(), entry.requests))
+            .collect()
+    };
+    for resent in &reports[..3] {
+        assert_eq!(resent.report_id, reports[0].report_id);
+        assert_eq!(
+            entries(resent),
+            [("a-upstream".to_owned(), 2), ("b-upstream".to_owned(), 3)]
+        );
+    }
+    assert_ne!(reports[3].report_id, reports[0].report_id);
+    assert_eq!(entries(&reports[3]), [("a-upstream".to_owned(), 5)]);
+    assert!(reporter.pending().await.is_empty());
+    assert_eq!(reporter.dropped(), 0);
+}
