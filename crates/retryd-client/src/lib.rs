@@ -161,6 +161,6 @@ pub use reqwest::{
 pub use shadow::DEFAULT_SHADOW_LOG_INTERVAL;
 #[cfg(feature = "tower")]
 pub use tower::{
-    ATTEMPTS_KEY, DEFAULT_MAX_REPLAY_BYTES, DENY_REASON_KEY, GrpcOutcome, RetrydLayer,
-    RetrydService, UNKNOWN_OUTCOME_KEY, VERDICT_KEY, outcome_of,
+    ATTEMPTS_KEY, DEFAULT_MAX_REPLAY_BYTES, DENY_REASON_KEY, GrpcOutcome, RefreshMetadata,
+    RetrydLayer, RetrydService, UNKNOWN_OUTCOME_KEY, VERDICT_KEY, outcome_of,
 };

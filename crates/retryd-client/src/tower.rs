@@ -69,13 +69,28 @@ pub struct RetrydLayer {
     config: Arc<Config>,
 }
 
-#[derive(Debug)]
+/// Sets fresh credentials on the next attempt's headers after retryd
+/// answered UNAUTHENTICATED with `refresh_credentials`.
+pub type RefreshMetadata = Arc<dyn Fn(&mut http::HeaderMap) -> Result<(), BoxError> + Send + Sync>;
+
 struct Config {
     client: Client,
     upstream: Option<String>,
     attempt_timeout: Option<Duration>,
     max_replay_bytes: usize,
     reporting: bool,
+    refresh_credentials: Option<RefreshMetadata>,
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("upstream", &self.upstream)
+            .field("attempt_timeout", &self.attempt_timeout)
+            .field("max_replay_bytes", &self.max_replay_bytes)
+            .field("reporting", &self.reporting)
+            .finish_non_exhaustive()
+    }
 }
 
 impl RetrydLayer {
@@ -89,6 +104,7 @@ impl RetrydLayer {
                 attempt_timeout: None,
                 max_replay_bytes: DEFAULT_MAX_REPLAY_BYTES,
                 reporting: true,
+                refresh_credentials: None,
             }),
         }
     }
@@ -113,6 +129,15 @@ impl RetrydLayer {
     /// Stops counting first attempts on the client's reporter.
     pub fn disable_reporting(mut self) -> Self {
         self.config_mut().reporting = false;
+        self
+    }
+
+    /// Called before replaying a call retryd answered with
+    /// `refresh_credentials` (after UNAUTHENTICATED, SAFE calls only), to
+    /// set fresh credentials on its headers; without it such a call fails
+    /// with its status.
+    pub fn refresh_credentials(mut self, refresh: RefreshMetadata) -> Self {
+        self.config_mut().refresh_credentials = Some(refresh);
         self
     }
 }
@@ -300,7 +325,7 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let started = Instant::now();
-    let (parts, body) = request.into_parts();
+    let (mut parts, body) = request.into_parts();
     let call = parts.extensions.get::<Call>().cloned().unwrap_or_default();
     let idempotency = call.idempotency.unwrap_or(Idempotency::NonIdempotent);
     let upstream = call
@@ -327,6 +352,7 @@ where
 
     let mut decisions: Vec<Decision> = Vec::new();
     let mut previous_backoff = Duration::ZERO;
+    let mut auth_refreshed = false;
     for attempt in 1.. {
         let body = match &mut replay {
             Replay::Kept(bytes) => Body::new(Frames::new(bytes.clone(), None)),
@@ -364,6 +390,7 @@ where
                 .as_deref()
                 .map(|raw| adapter::truncate(raw, MAX_HEADER_BYTES)),
             max_attempts: call.max_attempts,
+            auth_refresh_attempted: auth_refreshed,
             ..Default::default()
         };
         if ended {
@@ -383,14 +410,21 @@ where
         let backoff = decision.backoff();
         let fits = deadline.is_none_or(|deadline| Instant::now() + backoff < deadline);
         let replayable = matches!(replay, Replay::Kept(_));
+        let refreshable = !decision.refresh_credentials() || config.refresh_credentials.is_some();
         if decision.is_outcome_unknown()
             || !decision.should_retry()
-            || decision.refresh_credentials()
+            || !refreshable
             || !replayable
             || !fits
             || attempt >= MAX_LOOP
         {
             return Err(marked(status, &decision, &decisions, attempt));
+        }
+        if decision.refresh_credentials() {
+            if let Some(refresh) = &config.refresh_credentials {
+                refresh(&mut parts.headers)?;
+                auth_refreshed = true;
+            }
         }
         previous_backoff = backoff;
         tokio::time::sleep(backoff).await;

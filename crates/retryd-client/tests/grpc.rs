@@ -250,3 +250,50 @@ async fn a_success_after_a_retry_carries_its_decisions_and_a_first_success_none(
     assert!(response.extensions().get::<Decisions>().is_none());
     assert_eq!(attempts.count(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unauthenticated_is_replayed_once_with_fresh_credentials_for_a_safe_call() {
+    let retryd = support::retryd();
+    let client = support::client(&retryd).await;
+    let (addr, attempts) =
+        support::grpc_server(GrpcAnswer::UnauthenticatedUnless("Bearer fresh")).await;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect_lazy();
+    let refresh: retryd_client::RefreshMetadata = std::sync::Arc::new(|headers| {
+        headers.insert(
+            "authorization",
+            http::HeaderValue::from_static("Bearer fresh"),
+        );
+        Ok(())
+    });
+    let service = tower::ServiceBuilder::new()
+        .layer(RetrydLayer::new(client.clone(), "ledger").refresh_credentials(refresh))
+        .service(channel);
+    let mut upstream = pb::retry_decider_client::RetryDeciderClient::new(service);
+    let response = upstream
+        .decide(call(Idempotency::Safe))
+        .await
+        .expect("replayed");
+    assert_eq!(attempts.count(), 2);
+    let decisions = &response
+        .extensions()
+        .get::<Decisions>()
+        .expect("decisions")
+        .0;
+    assert!(decisions[0].refresh_credentials());
+
+    // Without a refresh hook, or for a call that is not SAFE, the status stands.
+    let (mut upstream, attempts) = upstream_client(
+        &client,
+        GrpcAnswer::UnauthenticatedUnless("Bearer fresh"),
+        None,
+    )
+    .await;
+    let status = upstream
+        .decide(call(Idempotency::Safe))
+        .await
+        .expect_err("stale");
+    assert_eq!(status.code(), tonic::Code::Unauthenticated);
+    assert_eq!(attempts.count(), 1);
+}

@@ -483,3 +483,45 @@ async fn a_success_asks_nothing_and_counts_one_first_attempt() {
     assert_eq!(attempts.count(), 3);
     assert_eq!(client.reporter().pending().await.get("catalog"), Some(&3));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_401_is_replayed_once_with_fresh_credentials_for_a_safe_get() {
+    let retryd = support::retryd();
+    let client = support::client(&retryd).await;
+    let (addr, attempts) = support::hyper_server(Answer::UnauthorizedUnless("Bearer fresh")).await;
+    let refresh: retryd_client::RefreshCredentials = std::sync::Arc::new(|request| {
+        request.headers_mut().insert(
+            "authorization",
+            reqwest::header::HeaderValue::from_static("Bearer fresh"),
+        );
+        Ok(())
+    });
+    let http = http(RetryMiddleware::new(client.clone()).refresh_credentials(refresh));
+    let response = http
+        .get(format!("http://{addr}/items"))
+        .header("authorization", "Bearer stale")
+        .with_extension(safe())
+        .send()
+        .await
+        .expect("replayed");
+    assert_eq!(response.status(), 200);
+    assert_eq!(attempts.count(), 2);
+    let decisions = &response
+        .extensions()
+        .get::<Decisions>()
+        .expect("decisions")
+        .0;
+    assert!(decisions[0].refresh_credentials());
+
+    // A POST gets no refresh-and-replay: its 401 is returned as it is.
+    let (addr, attempts) = support::hyper_server(Answer::UnauthorizedUnless("Bearer fresh")).await;
+    let response = http
+        .post(format!("http://{addr}/v1/charges"))
+        .body("amount=1")
+        .with_extension(charge())
+        .send()
+        .await
+        .expect("the 401");
+    assert_eq!(response.status(), 401);
+    assert_eq!(attempts.count(), 1);
+}

@@ -79,6 +79,8 @@ pub enum Answer {
     Status(u16, Vec<(&'static str, String)>),
     /// No answer, ever (a held response).
     Hold,
+    /// 401 unless `authorization` is this value, then 200.
+    UnauthorizedUnless(&'static str),
 }
 
 /// A hyper HTTP/1.1 server answering every request with `answer`; each
@@ -100,13 +102,29 @@ pub async fn hyper_server(answer: Answer) -> (SocketAddr, Attempts) {
                     let answer = answer.clone();
                     let counted = counted.clone();
                     async move {
+                        let authorization = request
+                            .headers()
+                            .get("authorization")
+                            .map(|value| value.as_bytes().to_vec());
                         let _ = request.into_body().collect().await;
                         counted.add();
+                        let answer = match answer {
+                            Answer::UnauthorizedUnless(token) => {
+                                let status = if authorization.as_deref() == Some(token.as_bytes()) {
+                                    200
+                                } else {
+                                    401
+                                };
+                                Answer::Status(status, vec![])
+                            }
+                            other => other,
+                        };
                         match answer {
                             Answer::Hold => {
                                 std::future::pending::<()>().await;
                                 unreachable!()
                             }
+                            Answer::UnauthorizedUnless(_) => unreachable!("answered above"),
                             Answer::Status(status, headers) => {
                                 let mut response = hyper::Response::builder().status(status);
                                 for (name, value) in headers {
@@ -244,6 +262,8 @@ pub enum GrpcAnswer {
     Hold,
     /// Succeeds.
     Ok,
+    /// UNAUTHENTICATED unless `authorization` is this value, then succeeds.
+    UnauthenticatedUnless(&'static str),
 }
 
 /// An upstream speaking gRPC (retryd's own contract stands in for any
@@ -255,10 +275,14 @@ struct Upstream {
 }
 
 impl Upstream {
-    async fn answer(&self) -> Result<(), tonic::Status> {
+    async fn answer(&self, authorization: Option<&str>) -> Result<(), tonic::Status> {
         self.attempts.add();
         match &self.answer {
             GrpcAnswer::Ok => Ok(()),
+            GrpcAnswer::UnauthenticatedUnless(token) if authorization == Some(*token) => Ok(()),
+            GrpcAnswer::UnauthenticatedUnless(_) => {
+                Err(tonic::Status::unauthenticated("stale credentials"))
+            }
             GrpcAnswer::Hold => std::future::pending().await,
             GrpcAnswer::Fail(code, pushback) => {
                 let mut status = tonic::Status::new(*code, "the upstream says no");
@@ -277,9 +301,13 @@ impl Upstream {
 impl pb::retry_decider_server::RetryDecider for Upstream {
     async fn decide(
         &self,
-        _request: tonic::Request<pb::DecideRequest>,
+        request: tonic::Request<pb::DecideRequest>,
     ) -> Result<tonic::Response<pb::DecideResponse>, tonic::Status> {
-        self.answer().await?;
+        let authorization = request
+            .metadata()
+            .get("authorization")
+            .and_then(|value| value.to_str().ok());
+        self.answer(authorization).await?;
         Ok(tonic::Response::new(pb::DecideResponse {
             decision_id: "upstream-ok".into(),
             ..Default::default()
@@ -293,7 +321,7 @@ impl pb::retry_decider_server::RetryDecider for Upstream {
         &self,
         _request: tonic::Request<tonic::Streaming<pb::DecideRequest>>,
     ) -> Result<tonic::Response<Self::DecideStreamStream>, tonic::Status> {
-        self.answer().await?;
+        self.answer(None).await?;
         Ok(tonic::Response::new(Box::pin(futures::stream::empty())))
     }
 
