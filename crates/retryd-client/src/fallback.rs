@@ -87,6 +87,35 @@ impl Default for UpstreamFallback {
 }
 
 /// What the fallback applies: a default and per-upstream overrides.
+///
+/// Mirroring retryd's configuration for an upstream gives retryd's answers
+/// while retryd is away:
+///
+/// ```
+/// use retryd_client::{Fallback, FallbackPolicy, LocalBudget, Source, UpstreamFallback, pb};
+/// use retryd_client::engine::{DenyReason, Policy};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// // retryd's `[upstreams."search"] max_attempts = 5`, its defaults otherwise.
+/// let search = UpstreamFallback {
+///     policy: Policy { max_attempts: 5, ..Policy::default() },
+///     budget: LocalBudget { capacity: 100.0, initial: 100.0, ..LocalBudget::default() },
+/// };
+/// let fallback = Fallback::new(FallbackPolicy::default().upstream("search", search));
+/// let third = pb::DecideRequest {
+///     upstream: "search".into(),
+///     idempotency: pb::Idempotency::Safe as i32,
+///     attempt: 3,
+///     http_status: 503,
+///     ..Default::default()
+/// };
+/// assert!(fallback.decide(&third, "example", Source::Fallback).unwrap().should_retry());
+/// // Any other upstream gets the stricter default: two attempts in all.
+/// let other = pb::DecideRequest { upstream: "ledger".into(), ..third };
+/// let decision = fallback.decide(&other, "example", Source::Fallback).unwrap();
+/// assert_eq!(decision.deny_reason(), Some(DenyReason::MaxAttempts));
+/// # }
+/// ```
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct FallbackPolicy {
     /// For any upstream not named.

@@ -554,3 +554,43 @@ async fn a_batch_not_taken_is_re_sent_with_its_id_and_entries() {
     assert!(reporter.pending().await.is_empty());
     assert_eq!(reporter.dropped(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_stream_falls_back_and_is_reopened_when_retryd_is_back() {
+    let port = support::refused_addr().await.port();
+    let config = format!(
+        "[server]\nlisten = \"127.0.0.1:{port}\"\nmetrics_listen = \"127.0.0.1:0\"\nshutdown_grace = \"1s\"\n{}",
+        support::RETRYD_CONFIG
+    );
+    let mut retryd = support::Retryd::start(&config);
+    let client = Client::builder(format!("http://127.0.0.1:{port}"))
+        .disable_reporting()
+        .connect()
+        .await
+        .expect("client");
+    let stream = client.decide_stream();
+    let decision = stream
+        .decide(&refused("catalog", 1))
+        .await
+        .expect("decided");
+    assert_eq!(decision.source, Source::Retryd);
+
+    retryd.terminate(retryd_testkit::HANG_GUARD);
+    drop(retryd);
+    let decision = stream
+        .decide(&refused("catalog", 1))
+        .await
+        .expect("decided");
+    assert_eq!(decision.source, Source::Fallback);
+    assert!(client.outage().unreachable);
+
+    let _retryd = support::Retryd::start(&config);
+    let decision = retryd_testkit::eventually("the stream reopened", || {
+        let decision =
+            futures::executor::block_on(stream.decide(&refused("catalog", 1))).expect("decided");
+        (decision.source == Source::Retryd).then_some(decision)
+    })
+    .await;
+    assert!(!decision.decision_id.is_empty());
+    assert!(!client.outage().unreachable);
+}
