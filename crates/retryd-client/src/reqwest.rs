@@ -206,7 +206,9 @@ impl Middleware for RetryMiddleware {
         let mut previous_backoff = Duration::ZERO;
         let mut auth_refreshed = false;
         let mut current = request;
-        for attempt in 1.. {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
             let replay = current.try_clone();
             let failed = match self
                 .attempt(current, extensions, next.clone(), deadline)
@@ -278,7 +280,6 @@ impl Middleware for RetryMiddleware {
             tokio::time::sleep(backoff).await;
             current = next_request;
         }
-        unreachable!("the attempt loop returns")
     }
 }
 

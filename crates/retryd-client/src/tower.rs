@@ -73,6 +73,7 @@ pub struct RetrydLayer {
 /// answered UNAUTHENTICATED with `refresh_credentials`.
 pub type RefreshMetadata = Arc<dyn Fn(&mut http::HeaderMap) -> Result<(), BoxError> + Send + Sync>;
 
+#[derive(Clone)]
 struct Config {
     client: Client,
     upstream: Option<String>,
@@ -110,7 +111,8 @@ impl RetrydLayer {
     }
 
     fn config_mut(&mut self) -> &mut Config {
-        Arc::get_mut(&mut self.config).expect("configured before it is cloned")
+        // Copy-on-write: configuring a layer never changes one cloned from it.
+        Arc::make_mut(&mut self.config)
     }
 
     /// Bounds each attempt (and sets its `grpc-timeout`); running out of it
@@ -353,7 +355,9 @@ where
     let mut decisions: Vec<Decision> = Vec::new();
     let mut previous_backoff = Duration::ZERO;
     let mut auth_refreshed = false;
-    for attempt in 1.. {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
         let body = match &mut replay {
             Replay::Kept(bytes) => Body::new(Frames::new(bytes.clone(), None)),
             Replay::OneShot(body) => body.take().unwrap_or_default(),
@@ -429,7 +433,6 @@ where
         previous_backoff = backoff;
         tokio::time::sleep(backoff).await;
     }
-    unreachable!("the attempt loop returns")
 }
 
 async fn one_attempt<S, ResBody>(
