@@ -86,6 +86,8 @@ fn main() {
             .with(RetryMiddleware::new(retryd.clone()).upstream("catalog"))
             .build();
         let call = Call::new(Idempotency::Safe).deadline_in(Duration::from_secs(3600));
+        // The same call without a deadline: no timer is armed.
+        let undated = Call::new(Idempotency::Safe);
 
         let time_plain = |n: usize| {
             let plain = plain.clone();
@@ -111,7 +113,7 @@ fn main() {
                 started.elapsed()
             }
         };
-        let time_governed = |n: usize| {
+        let time_governed = |n: usize, call: &Call| {
             let governed = governed.clone();
             let url = url.clone();
             let call = call.clone();
@@ -133,25 +135,29 @@ fn main() {
         // Warm-up: connections, pools, caches.
         time_plain(batch).await;
         time_bare(batch).await;
-        time_governed(batch).await;
+        time_governed(batch, &call).await;
 
         let (mut bare_ratio, mut governed_ratio) = (Vec::new(), Vec::new());
+        let mut undated_ratio = Vec::new();
         let (mut plain_us, mut governed_us) = (Vec::new(), Vec::new());
         for round in 0..rounds {
             // Alternate the order so that neither side always runs first.
-            let (p, b, g) = if round % 2 == 0 {
+            let (p, b, g, u) = if round % 2 == 0 {
                 let p = time_plain(batch).await;
                 let b = time_bare(batch).await;
-                let g = time_governed(batch).await;
-                (p, b, g)
+                let g = time_governed(batch, &call).await;
+                let u = time_governed(batch, &undated).await;
+                (p, b, g, u)
             } else {
-                let g = time_governed(batch).await;
+                let u = time_governed(batch, &undated).await;
+                let g = time_governed(batch, &call).await;
                 let b = time_bare(batch).await;
                 let p = time_plain(batch).await;
-                (p, b, g)
+                (p, b, g, u)
             };
             bare_ratio.push(b.as_secs_f64() / p.as_secs_f64());
             governed_ratio.push(g.as_secs_f64() / p.as_secs_f64());
+            undated_ratio.push(u.as_secs_f64() / p.as_secs_f64());
             plain_us.push(p.as_secs_f64() * 1e6 / batch as f64);
             governed_us.push(g.as_secs_f64() * 1e6 / batch as f64);
         }
@@ -161,13 +167,15 @@ fn main() {
         let governed_us = median(&mut governed_us);
         let bare_ratio = median(&mut bare_ratio);
         let governed_ratio = median(&mut governed_ratio);
+        let undated_ratio = median(&mut undated_ratio);
         println!("| side | µs per call (median of {rounds} rounds × {batch}) | time ÷ plain reqwest (median) |");
         println!("| --- | --- | --- |");
         println!("| plain reqwest | {plain_us:.1} | 1.00 |");
         println!("| reqwest-middleware, no middleware | | {bare_ratio:.3} |");
         println!("| reqwest-middleware + RetryMiddleware | {governed_us:.1} | {governed_ratio:.3} |");
+        println!("| the same, the call without a deadline (no timer) | | {undated_ratio:.3} |");
         println!(
-            "{{\"bench\":\"retryd-client overhead\",\"plain_us\":{plain_us:.2},\"governed_us\":{governed_us:.2},\"bare_ratio\":{bare_ratio:.4},\"governed_ratio\":{governed_ratio:.4},\"rounds\":{rounds},\"batch\":{batch}}}"
+            "{{\"bench\":\"retryd-client overhead\",\"plain_us\":{plain_us:.2},\"governed_us\":{governed_us:.2},\"bare_ratio\":{bare_ratio:.4},\"governed_ratio\":{governed_ratio:.4},\"undated_ratio\":{undated_ratio:.4},\"rounds\":{rounds},\"batch\":{batch}}}"
         );
     });
 }
