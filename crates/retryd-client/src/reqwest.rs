@@ -4,7 +4,8 @@
 //! caller's deadline.
 //!
 //! The mapping (the crate README has it as a table): a connect or DNS
-//! error proves NOT_SENT, and nothing else does. A timeout, a reset, an
+//! error, or an HTTP/2 REFUSED_STREAM, proves NOT_SENT, and nothing else
+//! does. A timeout, a reset, an
 //! incomplete message or any other error once a connection was made is
 //! SENT_NO_RESPONSE; a body that breaks after the headers is
 //! PARTIAL_RESPONSE. A streaming body (`try_clone` gives `None`) is
@@ -374,6 +375,16 @@ fn classify(error: &reqwest_middleware::Error) -> Outcome {
             ..Outcome::default()
         };
     }
+    if refused_stream(error) {
+        // RFC 9113 §8.7: a stream the server reset with REFUSED_STREAM was
+        // not processed. (A GOAWAY proves as much only for streams above
+        // its last stream id, which the error does not say: not used.)
+        return Outcome {
+            evidence: pb::Evidence::NotSent,
+            failure: pb::FailureKind::Http2RefusedStream,
+            ..Outcome::default()
+        };
+    }
     if error.is_builder() {
         // Refused before it was sent (an invalid URL or header): permanent.
         return Outcome {
@@ -389,6 +400,21 @@ fn classify(error: &reqwest_middleware::Error) -> Outcome {
         return sent(pb::FailureKind::ConnectionReset);
     }
     sent(pb::FailureKind::GenericIo)
+}
+
+/// Whether the chain holds an HTTP/2 reset with REFUSED_STREAM sent by the
+/// server.
+fn refused_stream(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(error);
+    while let Some(error) = source {
+        if let Some(h2) = error.downcast_ref::<h2::Error>() {
+            if h2.is_reset() && h2.is_remote() && h2.reason() == Some(h2::Reason::REFUSED_STREAM) {
+                return true;
+            }
+        }
+        source = error.source();
+    }
+    false
 }
 
 /// Whether the chain shows the connection broke after it was made: hyper's

@@ -525,3 +525,40 @@ async fn a_401_is_replayed_once_with_fresh_credentials_for_a_safe_get() {
     assert_eq!(response.status(), 401);
     assert_eq!(attempts.count(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_refused_stream_is_not_sent_and_retried_even_for_a_charge() {
+    let retryd = support::retryd();
+    let client = support::client(&retryd).await;
+    let (addr, refused) = support::h2_refusing_server().await;
+    let http = ClientBuilder::new(
+        reqwest::Client::builder()
+            .http2_prior_knowledge()
+            .build()
+            .expect("reqwest"),
+    )
+    .with(RetryMiddleware::new(client))
+    .build();
+    let error = http
+        .post(format!("http://{addr}/v1/charges"))
+        .body("amount=1")
+        .with_extension(charge())
+        .send()
+        .await
+        .expect_err("every stream is refused");
+    let failed = failed(&error);
+    assert_eq!(failed.attempts, 3);
+    assert!(
+        failed
+            .decisions
+            .iter()
+            .all(|d| d.effective_evidence == Evidence::NotSent)
+    );
+    assert_eq!(
+        failed.decisions[2].deny_reason(),
+        Some(DenyReason::MaxAttempts)
+    );
+    // reqwest's own policy re-sends a refused stream by itself too (its
+    // protocol NACKs): proven unprocessed, so never an attempt.
+    assert!(refused.count() >= 3, "{} streams", refused.count());
+}

@@ -355,3 +355,30 @@ pub async fn grpc_server(answer: GrpcAnswer) -> (SocketAddr, Attempts) {
 pub async fn retryd_testkit_eventually(what: &str, probe: impl FnMut() -> Option<()>) {
     retryd_testkit::eventually(what, probe).await
 }
+
+/// An HTTP/2 (prior knowledge) server that refuses every stream with
+/// REFUSED_STREAM, counting the streams it refused.
+pub async fn h2_refusing_server() -> (SocketAddr, Attempts) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let refused = Attempts::default();
+    let counted = refused.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let Ok(mut connection) = h2::server::handshake(stream).await else {
+                    return;
+                };
+                while let Some(Ok((_request, mut respond))) = connection.accept().await {
+                    counted.add();
+                    respond.send_reset(h2::Reason::REFUSED_STREAM);
+                }
+            });
+        }
+    });
+    (addr, refused)
+}
