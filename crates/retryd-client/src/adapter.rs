@@ -5,6 +5,9 @@
 //! decision with the deadline left.
 //!
 //! Neither adapter decides: both describe an attempt and ask [`Client`].
+// Each adapter is a feature; with one of them (or none) off, part of what
+// they share goes unused, which is no defect.
+#![cfg_attr(not(all(feature = "reqwest", feature = "tower")), allow(dead_code))]
 
 use std::time::Duration;
 

@@ -310,6 +310,8 @@ pub(crate) fn facts(attempt: &request::Attempt, budget: BudgetView, jitter: f64)
 /// a call of unknown outcome (the engine's mark, computed by the engine on
 /// the same facts), which the adapters surface as ambiguous; `None` for a
 /// plain failure.
+// Used by the adapters only, each a feature.
+#[cfg_attr(not(any(feature = "reqwest", feature = "tower")), allow(dead_code))]
 pub(crate) fn ended_by_caller(request: &pb::DecideRequest, expired: bool) -> Option<Decision> {
     let mut attempt = request::attempt(request).ok()?;
     // No deadline left: rule 6 (or an earlier rule) denies, and the engine

@@ -351,6 +351,8 @@ pub fn pb_duration(duration: Duration) -> prost_types::Duration {
 }
 
 /// The wire value of an engine idempotency.
+// Used by the adapters only, each a feature.
+#[cfg_attr(not(any(feature = "reqwest", feature = "tower")), allow(dead_code))]
 pub(crate) fn pb_idempotency(idempotency: Idempotency) -> pb::Idempotency {
     match idempotency {
         Idempotency::Safe => pb::Idempotency::Safe,
