@@ -1,0 +1,284 @@
+//! The traffic reporter: first-attempt counts batched into `ReportTraffic`
+//! calls, each batch with a random `report_id` that it keeps when re-sent,
+//! as every other client does.
+//!
+//! Budgets fill from reported first attempts only ("retries never fund
+//! retries"), so [`TrafficReporter::record`] is called once per real
+//! request, never for a retry. A batch retryd did not take (unreachable,
+//! timed out, ABORTED, a partial failure) is re-sent later with the same
+//! id and the same entries in the same order, so retryd applies each entry
+//! at most once; counts recorded meanwhile wait for the next batch. A batch
+//! refused for good (PERMISSION_DENIED, RESOURCE_EXHAUSTED,
+//! INVALID_ARGUMENT) is dropped with one warning and counted in
+//! [`TrafficReporter::dropped`].
+//!
+//! It sends through [`crate::Client`]; it makes no decision.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use retryd_proto as pb;
+use tokio::sync::Notify;
+
+use crate::client::{Client, Error, Inner};
+use crate::request::MAX_TRAFFIC_ENTRIES;
+
+/// How the reporter batches.
+#[derive(Clone, Debug)]
+pub struct ReporterOptions {
+    /// How often pending counts are sent (default 1 s).
+    pub interval: Duration,
+    /// Most distinct upstreams held while retryd is unreachable (default
+    /// 10,000); counts for more are dropped and counted.
+    pub max_upstreams: usize,
+}
+
+impl Default for ReporterOptions {
+    fn default() -> Self {
+        ReporterOptions {
+            interval: Duration::from_secs(1),
+            max_upstreams: 10_000,
+        }
+    }
+}
+
+/// Batches first-attempt counts into `ReportTraffic` calls; see the module
+/// docs. Recording is a map increment under a lock.
+#[derive(Debug)]
+pub struct TrafficReporter {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    client: Weak<Inner>,
+    options: ReporterOptions,
+    counts: Mutex<Counts>,
+    // One flush at a time: the unsent batches are re-sent in order.
+    sending: tokio::sync::Mutex<VecDeque<pb::ReportTrafficRequest>>,
+    stop: Notify,
+    stopped: std::sync::atomic::AtomicBool,
+}
+
+#[derive(Debug, Default)]
+struct Counts {
+    pending: HashMap<String, u64>,
+    dropped: u64,
+}
+
+impl TrafficReporter {
+    pub(crate) fn new(client: Client, options: ReporterOptions) -> TrafficReporter {
+        TrafficReporter {
+            shared: Arc::new(Shared {
+                client: Arc::downgrade(&client.inner),
+                options,
+                counts: Mutex::new(Counts::default()),
+                sending: tokio::sync::Mutex::new(VecDeque::new()),
+                stop: Notify::new(),
+                stopped: std::sync::atomic::AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// Counts `requests` first attempts to `upstream` (and deposits them in
+    /// the local fallback's bucket).
+    pub fn record(&self, upstream: &str, requests: u64) {
+        if requests == 0 || upstream.is_empty() {
+            return;
+        }
+        if let Some(inner) = self.shared.client.upgrade() {
+            inner.fallback.record_traffic(upstream, requests);
+        }
+        let mut counts = self.shared.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let max = self.shared.options.max_upstreams;
+        // The common case, a known upstream, allocates nothing.
+        if let Some(count) = counts.pending.get_mut(upstream) {
+            *count += requests;
+        } else if counts.pending.len() < max {
+            counts.pending.insert(upstream.to_owned(), requests);
+        } else {
+            counts.dropped += requests;
+        }
+    }
+
+    /// The counts not yet taken by retryd: recorded since the last batch
+    /// was cut, plus those of batches kept for a re-send.
+    pub async fn pending(&self) -> HashMap<String, u64> {
+        let unsent = self.shared.sending.lock().await;
+        let counts = self.shared.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let mut total = counts.pending.clone();
+        for batch in unsent.iter() {
+            for entry in &batch.traffic {
+                *total.entry(entry.upstream.clone()).or_default() += entry.requests;
+            }
+        }
+        total
+    }
+
+    /// Requests never reported: over the upstream bound, or in a batch
+    /// retryd refused for good.
+    pub fn dropped(&self) -> u64 {
+        self.shared
+            .counts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .dropped
+    }
+
+    /// Cuts the pending counts into batches (in upstream order, so a batch
+    /// is deterministic) and empties them.
+    fn cut(&self) -> VecDeque<pb::ReportTrafficRequest> {
+        let pending = std::mem::take(
+            &mut self
+                .shared
+                .counts
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .pending,
+        );
+        let sorted: BTreeMap<String, u64> = pending.into_iter().collect();
+        let entries: Vec<pb::UpstreamTraffic> = sorted
+            .into_iter()
+            .map(|(upstream, requests)| pb::UpstreamTraffic { upstream, requests })
+            .collect();
+        entries
+            .chunks(MAX_TRAFFIC_ENTRIES)
+            .map(|chunk| pb::ReportTrafficRequest {
+                traffic: chunk.to_vec(),
+                report_id: new_report_id(),
+            })
+            .collect()
+    }
+
+    /// Sends what is pending now: first the batches retryd has not taken
+    /// yet (same ids), then, once they are all taken, the counts recorded
+    /// since. Returns the error of a batch kept for a re-send; a batch
+    /// dropped for good is not an error (it is logged and counted).
+    pub async fn flush(&self) -> Result<(), Error> {
+        let Some(inner) = self.shared.client.upgrade() else {
+            return Ok(());
+        };
+        let client = Client { inner };
+        let mut unsent = self.shared.sending.lock().await;
+        // While old batches are unsent, new counts keep accumulating in
+        // `pending` (bounded) rather than in ever more batches.
+        if unsent.is_empty() {
+            *unsent = self.cut();
+        }
+        while let Some(batch) = unsent.front() {
+            match client.report_traffic(batch.clone()).await {
+                Ok(_) => {}
+                Err(status) if is_permanent(status.code()) => {
+                    // retryd answered, with a refusal: not an outage.
+                    client.inner.outage.answered();
+                    let requests: u64 = batch.traffic.iter().map(|entry| entry.requests).sum();
+                    self.shared
+                        .counts
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .dropped += requests;
+                    tracing::warn!(
+                        target: "retryd_client",
+                        "retryd: traffic report {} refused ({:?}), dropping its {requests} request(s) for {} upstream(s): {}",
+                        batch.report_id,
+                        status.code(),
+                        batch.traffic.len(),
+                        status.message()
+                    );
+                }
+                Err(status) => {
+                    client.inner.outage.report_failed(&format!(
+                        "{:?}: {}",
+                        status.code(),
+                        status.message()
+                    ));
+                    return Err(Error::Unavailable(status));
+                }
+            }
+            unsent.pop_front();
+            if unsent.is_empty() {
+                // Everything old is taken: what was recorded meanwhile goes now.
+                *unsent = self.cut();
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends pending counts every interval until [`TrafficReporter::stop`]
+    /// (or until every [`Client`] is dropped).
+    pub(crate) fn start(&self) {
+        let reporter = TrafficReporter {
+            shared: self.shared.clone(),
+        };
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(reporter.shared.options.interval);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticker.tick().await;
+            loop {
+                tokio::select! {
+                    _ = reporter.shared.stop.notified() => return,
+                    _ = ticker.tick() => {}
+                }
+                if reporter.shared.client.strong_count() == 0 {
+                    return;
+                }
+                // A failure is counted by the outage log and kept.
+                let _ = reporter.flush().await;
+            }
+        });
+    }
+
+    /// Stops the background task (the counts stay; [`TrafficReporter::flush`]
+    /// still sends them).
+    pub fn stop(&self) {
+        use std::sync::atomic::Ordering;
+        if !self.shared.stopped.swap(true, Ordering::AcqRel) {
+            self.shared.stop.notify_one();
+        }
+    }
+}
+
+/// Whether retryd refused a report for good: the same batch would be
+/// refused again.
+fn is_permanent(code: tonic::Code) -> bool {
+    matches!(
+        code,
+        tonic::Code::PermissionDenied
+            | tonic::Code::ResourceExhausted
+            | tonic::Code::InvalidArgument
+    )
+}
+
+/// A random UUID (version 4), as the contract suggests.
+pub fn new_report_id() -> String {
+    let mut bytes: [u8; 16] = rand::random();
+    bytes[6] = (bytes[6] & 0x0f) | 0x40;
+    bytes[8] = (bytes[8] & 0x3f) | 0x80;
+    let hex: String = bytes.iter().map(|byte| format!("{byte:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_report_id_is_a_version_4_uuid() {
+        let id = super::new_report_id();
+        assert_eq!(id.len(), 36);
+        let groups: Vec<&str> = id.split('-').collect();
+        assert_eq!(
+            groups.iter().map(|g| g.len()).collect::<Vec<_>>(),
+            [8, 4, 4, 4, 12]
+        );
+        assert!(groups[2].starts_with('4'));
+        assert!(matches!(groups[3].as_bytes()[0], b'8' | b'9' | b'a' | b'b'));
+        assert_ne!(id, super::new_report_id());
+    }
+}
