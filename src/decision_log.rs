@@ -25,7 +25,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::decide::{Attempt, Decided, Draw, NO_BODY};
-use crate::engine::{Body, Evidence, Facts, FailureKind, GrpcCode, Idempotency, Verdict};
+use crate::engine::{
+    Body, Evidence, Facts, FailureKind, GrpcCode, Idempotency, Lineage, Verdict, layer_name,
+};
 use crate::telemetry::Metrics;
 
 /// The format's version, on every line.
@@ -100,6 +102,13 @@ pub struct DecisionLine {
     /// The caller's own attempt limit, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_attempts: Option<u32>,
+    /// The call chain's lineage (`edge:2/middle:1`), if the call was made
+    /// while serving a request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lineage: Option<String>,
+    /// The layer below that already retried the failure, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retried_below: Option<String>,
     /// The wall clock the decision read (Unix nanoseconds), which only an
     /// HTTP-date Retry-After uses.
     pub now_unix_ns: u64,
@@ -382,6 +391,10 @@ impl DecisionLog {
             auth_refresh_attempted: facts.auth_refresh_attempted,
             previous_backoff_ns: facts.previous_backoff.map(nanos),
             max_attempts: facts.max_attempts,
+            lineage: Some(facts.lineage.as_str())
+                .filter(|raw| !raw.is_empty())
+                .map(str::to_owned),
+            retried_below: facts.retried_below.map(str::to_owned),
             now_unix_ns: facts.now.duration_since(UNIX_EPOCH).map_or(0, nanos),
             jitter: facts.jitter,
             verdict: decision.verdict.as_str().to_owned(),
@@ -451,6 +464,14 @@ pub fn attempt_of(line: &DecisionLine) -> Result<(Attempt<'_>, Draw), &'static s
         auth_refresh_attempted: line.auth_refresh_attempted,
         previous_backoff: line.previous_backoff_ns.map(nanos),
         max_attempts: line.max_attempts,
+        lineage: match &line.lineage {
+            None => Lineage::EDGE,
+            Some(raw) => Lineage::parse(raw).map_err(|_| "lineage")?,
+        },
+        retried_below: match &line.retried_below {
+            None => None,
+            Some(layer) => Some(layer_name(layer).map_err(|_| "retried_below")?),
+        },
         budget: crate::engine::BudgetView::OPEN,
         now: UNIX_EPOCH,
         jitter: 0.0,

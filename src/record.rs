@@ -116,6 +116,7 @@ impl Recorder {
             attempt.upstream,
             &decided.principal.name,
             decision,
+            attempt.reported.lineage.depth(),
             recording.started.elapsed(),
             span_trace,
         );
@@ -320,6 +321,22 @@ impl Recorder {
         }
         if let Some(mark) = decision.unknown_outcome {
             attributes.push((attr::UNKNOWN_OUTCOME, Attribute::Static(mark.as_str())));
+        }
+        // The chain's attributes only in a chain: an edge decision's span
+        // is as it was.
+        let lineage = reported.lineage;
+        if !lineage.as_str().is_empty() {
+            attributes.push((
+                attr::CHAIN_DEPTH,
+                Attribute::Int(i64::from(lineage.depth())),
+            ));
+            attributes.push((
+                attr::CHAIN_LINEAGE,
+                Attribute::Text(lineage.as_str().to_owned()),
+            ));
+        }
+        if let Some(layer) = reported.retried_below {
+            attributes.push((attr::CHAIN_RETRIED_BELOW, Attribute::Text(layer.to_owned())));
         }
         match decision.verdict {
             Verdict::Retry { backoff, .. } => {

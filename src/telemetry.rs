@@ -98,6 +98,14 @@ pub mod attr {
     /// Set when the attempt may have taken effect upstream, whatever the
     /// verdict: `reconcile` or `resend_with_key` (absent otherwise).
     pub const UNKNOWN_OUTCOME: &str = "retry.unknown_outcome";
+    /// The deciding layer's depth in its call chain: 1 at the edge, one
+    /// more per enclosing call (docs/lineage.md).
+    pub const CHAIN_DEPTH: &str = "retry.chain.depth";
+    /// The call chain's lineage, `edge:2/middle:1` (absent at the edge).
+    pub const CHAIN_LINEAGE: &str = "retry.chain.lineage";
+    /// The layer below that had already retried the failure (absent if
+    /// none said so).
+    pub const CHAIN_RETRIED_BELOW: &str = "retry.chain.retried_below";
     /// The raw `grpc-retry-pushback-ms` the attempt reported.
     pub const GRPC_PUSHBACK: &str = "retry.grpc.pushback_ms";
     /// Entries in a traffic report.

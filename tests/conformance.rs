@@ -235,6 +235,8 @@ fn decide_request(request: &Value) -> pb::DecideRequest {
         // Present (even empty) when the vector names it: presence matters.
         grpc_retry_pushback_ms: field(request, "grpcRetryPushbackMs", "grpc_retry_pushback_ms")
             .map(|value| value.as_str().expect("pushback string").to_string()),
+        lineage: text("lineage", "lineage"),
+        retried_below: text("retriedBelow", "retried_below"),
     }
 }
 

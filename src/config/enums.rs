@@ -1,4 +1,4 @@
-//! The enumerated settings (`store.kind`, `store.mode`, `on_unavailable`,
+//! The enumerated settings (`store.kind`, `store.mode`, `on_unavailable`, `inside_enclosing_retry`,
 //! `backoff.jitter`, `telemetry.log_format`, `server.tls.client_auth`,
 //! `permanent_failures`): serde enums, read by name so that a typo is
 //! refused with the names accepted, and the mapping of each to the type of
@@ -22,7 +22,7 @@ use serde::{Deserialize, Deserializer};
 
 use crate::budget::OnUnavailable;
 use crate::budget::redis::RedisMode;
-use crate::engine::{FailureKind, GrpcCode, Jitter, VariantArray};
+use crate::engine::{EnclosingRetry, FailureKind, GrpcCode, Jitter, VariantArray};
 
 /// How every message for a name that is not accepted begins; `loading`
 /// recognises it to name the key first.
@@ -87,6 +87,7 @@ deserialize_by_name!(
     StoreMode,
     OnUnavailableName,
     JitterName,
+    EnclosingRetryName,
     LogFormat,
     ClientAuth
 );
@@ -164,6 +165,26 @@ impl From<JitterName> for Jitter {
         match name {
             JitterName::Full => Jitter::Full,
             JitterName::Decorrelated => Jitter::Decorrelated,
+        }
+    }
+}
+
+/// `inside_enclosing_retry`: the spelling of the engine's
+/// [`EnclosingRetry`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(remote = "Self", rename_all = "snake_case")]
+pub enum EnclosingRetryName {
+    /// Not retried while a layer above retries (DENY INSIDE_ENCLOSING_RETRY).
+    Deny,
+    /// Retried on this hop's budget, as if not enclosed.
+    Allow,
+}
+
+impl From<EnclosingRetryName> for EnclosingRetry {
+    fn from(name: EnclosingRetryName) -> EnclosingRetry {
+        match name {
+            EnclosingRetryName::Deny => EnclosingRetry::Deny,
+            EnclosingRetryName::Allow => EnclosingRetry::Allow,
         }
     }
 }

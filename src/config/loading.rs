@@ -133,16 +133,20 @@ fn dotted_key(key: &str) -> String {
     let Some(rest) = key.strip_prefix("upstreams.") else {
         return key.to_owned();
     };
-    let field_at = [".on_unavailable", ".backoff.jitter"]
-        .into_iter()
-        .find_map(|field| rest.strip_suffix(field).map(str::len))
-        .or_else(|| {
-            // `permanent_failures[3]`
-            let at = rest.rfind(".permanent_failures[")?;
-            let index = rest[at..].strip_prefix(".permanent_failures[")?;
-            let digits = index.strip_suffix(']')?;
-            (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())).then_some(at)
-        });
+    let field_at = [
+        ".on_unavailable",
+        ".inside_enclosing_retry",
+        ".backoff.jitter",
+    ]
+    .into_iter()
+    .find_map(|field| rest.strip_suffix(field).map(str::len))
+    .or_else(|| {
+        // `permanent_failures[3]`
+        let at = rest.rfind(".permanent_failures[")?;
+        let index = rest[at..].strip_prefix(".permanent_failures[")?;
+        let digits = index.strip_suffix(']')?;
+        (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())).then_some(at)
+    });
     match field_at {
         Some(at) => format!("upstreams.{:?}{}", &rest[..at], &rest[at..]),
         None => key.to_owned(),

@@ -120,6 +120,9 @@ fn resolve_policy(
     if let Some(names) = &overrides.permanent_failures {
         engine.permanent_failures = names.iter().map(|name| name.0).collect();
     }
+    if let Some(enclosing) = overrides.inside_enclosing_retry {
+        engine.inside_enclosing_retry = enclosing.into();
+    }
     if let Some(on_unavailable) = overrides.on_unavailable {
         bucket.on_unavailable = on_unavailable.into();
     }

@@ -22,8 +22,8 @@ use crate::budget::BucketConfig;
 use crate::budget::redis::redact_url;
 
 use super::enums::{
-    ClientAuth, FailureKindName, GrpcCodeName, JitterName, LogFormat, OnUnavailableName, StoreKind,
-    StoreMode, names_or_commas,
+    ClientAuth, EnclosingRetryName, FailureKindName, GrpcCodeName, JitterName, LogFormat,
+    OnUnavailableName, StoreKind, StoreMode, names_or_commas,
 };
 
 /// The configuration file as written: every section optional.
@@ -429,6 +429,9 @@ pub struct PolicySettings {
     pub permanent_failures: Option<Vec<FailureKindName>>,
     /// `local` or `deny` while the shared store is unreachable.
     pub on_unavailable: Option<OnUnavailableName>,
+    /// `deny` (the default) or `allow`: whether a call made inside a retry
+    /// of an enclosing call may be retried too (docs/lineage.md).
+    pub inside_enclosing_retry: Option<EnclosingRetryName>,
     /// False: decide and count, on a shadow budget, but tell callers the
     /// decision is not enforced.
     pub enforce: Option<bool>,

@@ -391,6 +391,13 @@ fn a_misspelt_name_is_refused_with_the_names_accepted() {
             "upstreams.\"pay\".on_unavailable: unknown variant \"panic\", expected \"local\" or \"deny\"",
         ),
         (
+            "upstreams.pay",
+            "inside_enclosing_retry",
+            "never",
+            "",
+            "upstreams.\"pay\".inside_enclosing_retry: unknown variant \"never\", expected \"deny\" or \"allow\"",
+        ),
+        (
             "defaults.backoff",
             "jitter",
             "equal",
@@ -601,5 +608,22 @@ fn permanent_failures_are_comma_separated_in_the_environment() {
     assert_eq!(
         config.policies.defaults().engine.permanent_failures,
         [FailureKind::Dns]
+    );
+}
+
+#[test]
+fn inside_enclosing_retry_is_denied_unless_an_upstream_allows_it() {
+    use crate::engine::EnclosingRetry;
+    let config = Config::try_from(
+        Settings::from_toml("[upstreams.fanout]\ninside_enclosing_retry = \"allow\"\n").unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        config.policies.defaults().engine.inside_enclosing_retry,
+        EnclosingRetry::Deny
+    );
+    assert_eq!(
+        config.policies.get("fanout").engine.inside_enclosing_retry,
+        EnclosingRetry::Allow
     );
 }

@@ -12,6 +12,8 @@ pub(super) fn response(decided: &Decided<'_>) -> pb::DecideResponse {
         decision,
         decided.decision_id.clone(),
         decided.tokens_remaining,
+        // From the facts, so that a chain's denial names its layers.
+        decision.explanation_in(&decided.attempt.reported),
     );
     answer.shadow = decided.shadow;
     answer
@@ -21,6 +23,7 @@ fn decision_response(
     decision: &Decision,
     decision_id: String,
     tokens_remaining: f64,
+    explanation: String,
 ) -> pb::DecideResponse {
     let (verdict, backoff, deny_reason, refresh_credentials) = match decision.verdict {
         Verdict::Retry {
@@ -54,7 +57,7 @@ fn decision_response(
         evidence_adjusted: decision.evidence_adjusted,
         decision_id,
         tokens_remaining,
-        explanation: decision.explanation(),
+        explanation,
         error: None,
         shadow: false,
         unknown_outcome: unknown_outcome(decision.unknown_outcome) as i32,
@@ -78,6 +81,8 @@ fn deny_reason(reason: DenyReason) -> pb::DenyReason {
         DenyReason::ResponseAlreadyDelivered => pb::DenyReason::ResponseAlreadyDelivered,
         DenyReason::RuntimeDraining => pb::DenyReason::RuntimeDraining,
         DenyReason::RetriesDisabled => pb::DenyReason::RetriesDisabled,
+        DenyReason::RetriedBelow => pb::DenyReason::RetriedBelow,
+        DenyReason::InsideEnclosingRetry => pb::DenyReason::InsideEnclosingRetry,
         DenyReason::Deadline => pb::DenyReason::Deadline,
         DenyReason::PermanentFailure => pb::DenyReason::PermanentFailure,
         DenyReason::StatusNotRetryable => pb::DenyReason::StatusNotRetryable,

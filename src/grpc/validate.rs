@@ -5,7 +5,8 @@ use std::time::{Duration, SystemTime};
 
 use crate::decide::{Attempt, NO_BODY};
 use crate::engine::{
-    Body, BudgetView, Evidence, Facts, FailureKind, GrpcCode, Idempotency, Replayability,
+    Body, BudgetView, Evidence, Facts, FailureKind, GrpcCode, Idempotency, Lineage, Replayability,
+    retried_below,
 };
 use crate::pb;
 
@@ -144,6 +145,14 @@ pub fn decide_request(request: &pb::DecideRequest) -> Result<Attempt<'_>, Invali
         ));
     }
     let retry_after = Some(request.retry_after.as_str()).filter(|raw| !raw.is_empty());
+    let lineage =
+        Lineage::parse(&request.lineage).map_err(|error| invalid("lineage", error.to_string()))?;
+    let retried_below = retried_below(
+        &request.retried_below,
+        claimed_evidence,
+        http_status.is_some() || grpc_status.is_some(),
+    )
+    .map_err(|error| invalid("retried_below", error.to_string()))?;
     let deadline_remaining = duration("deadline_remaining", request.deadline_remaining.as_ref())?;
     let previous_backoff = duration("previous_backoff", request.previous_backoff.as_ref())?;
     Ok(Attempt {
@@ -166,6 +175,8 @@ pub fn decide_request(request: &pb::DecideRequest) -> Result<Attempt<'_>, Invali
             auth_refresh_attempted: request.auth_refresh_attempted,
             previous_backoff,
             max_attempts: (request.max_attempts > 0).then_some(request.max_attempts),
+            lineage,
+            retried_below,
             budget: BudgetView::OPEN,
             now: SystemTime::UNIX_EPOCH,
             jitter: 0.0,

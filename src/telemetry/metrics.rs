@@ -49,6 +49,10 @@ pub const METRIC_BUILD_INFO: &str = "retryd_build_info";
 /// upstream, deciding rule and what the caller must do (`reconcile`,
 /// `resend_with_key`): the writes of unknown outcome, however decided.
 pub const METRIC_UNKNOWN_OUTCOMES: &str = "retryd_unknown_outcomes_total";
+/// Counter of decisions by depth in a call chain (1 at the edge; `8+` for
+/// 8 and deeper) and verdict (docs/lineage.md): how much each layer of a
+/// chain retries.
+pub const METRIC_CHAIN_DECISIONS: &str = "retryd_chain_decisions_total";
 /// Histogram of the time to decide, store round trips included.
 pub const METRIC_DECISION_SECONDS: &str = "retryd_decision_duration_seconds";
 /// Counter of real requests reported through ReportTraffic.
@@ -206,7 +210,23 @@ struct DecisionShard {
     /// By upstream label, then deciding rule (1 to 9), then mark
     /// (reconcile, resend with key).
     unknown_outcomes: Vec<[[AtomicU64; UNKNOWN_OUTCOME_KINDS]; RULES]>,
+    /// By depth in the call chain (1 to `CHAIN_DEPTHS`, the last for
+    /// deeper ones too), then verdict (retry, ambiguous, deny).
+    chain: [[AtomicU64; 3]; CHAIN_DEPTHS],
     latency: Histogram,
+}
+
+/// The depths the chain counter tells apart: a deeper decision counts in
+/// the last (`8+`). Chains are rarely deeper; the label stays bounded.
+const CHAIN_DEPTHS: usize = 8;
+
+/// The `depth` label of a chain counter row.
+fn chain_depth_label(row: usize) -> String {
+    if row + 1 == CHAIN_DEPTHS {
+        format!("{CHAIN_DEPTHS}+")
+    } else {
+        (row + 1).to_string()
+    }
 }
 
 /// The rules of the decision order, 1 to 9.
@@ -341,6 +361,7 @@ impl Metrics {
                     .map(|_| Default::default())
                     .collect(),
                 unknown_outcomes: labels.iter().map(|_| Default::default()).collect(),
+                chain: Default::default(),
                 latency: Histogram::default(),
             })
             .collect();
@@ -421,6 +442,7 @@ impl Metrics {
         upstream: &str,
         principal: &str,
         decision: &Decision,
+        depth: u32,
         elapsed: Duration,
         trace_id: Option<[u8; 16]>,
     ) {
@@ -434,6 +456,8 @@ impl Metrics {
             .copied()
             .unwrap_or(self.principal_labels.len() - 1);
         shard.principals[principal_row][outcome.min(2)].fetch_add(1, Ordering::Relaxed);
+        let depth_row = (depth.max(1) as usize).min(CHAIN_DEPTHS) - 1;
+        shard.chain[depth_row][outcome.min(2)].fetch_add(1, Ordering::Relaxed);
         if let Some(mark) = decision.unknown_outcome {
             let rule = usize::from(decision.rule.number()).clamp(1, RULES) - 1;
             shard.unknown_outcomes[row][rule][unknown_outcome_index(mark)]

@@ -169,6 +169,8 @@ fn deny_reason(raw: i32) -> Option<DenyReason> {
         Pb::RetriesDisabled => DenyReason::RetriesDisabled,
         Pb::BudgetUnavailable => DenyReason::BudgetUnavailable,
         Pb::ServerPushback => DenyReason::ServerPushback,
+        Pb::RetriedBelow => DenyReason::RetriedBelow,
+        Pb::InsideEnclosingRetry => DenyReason::InsideEnclosingRetry,
     })
 }
 
@@ -187,6 +189,8 @@ pub fn deny_reason_name(reason: DenyReason) -> &'static str {
         DenyReason::PermanentFailure => Pb::PermanentFailure,
         DenyReason::StatusNotRetryable => Pb::StatusNotRetryable,
         DenyReason::ServerPushback => Pb::ServerPushback,
+        DenyReason::RetriedBelow => Pb::RetriedBelow,
+        DenyReason::InsideEnclosingRetry => Pb::InsideEnclosingRetry,
     };
     wire.as_str_name()
 }

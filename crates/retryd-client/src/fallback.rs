@@ -19,7 +19,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
-use retryd_engine::{Backoff, BudgetView, Facts, Jitter, Policy, Verdict};
+use retryd_engine::{Backoff, BudgetView, Facts, Jitter, Lineage, Policy, Verdict};
 use retryd_proto as pb;
 use tokio::time::Instant;
 
@@ -298,6 +298,9 @@ pub(crate) fn facts(attempt: &request::Attempt, budget: BudgetView, jitter: f64)
         auth_refresh_attempted: attempt.auth_refresh_attempted,
         previous_backoff: attempt.previous_backoff,
         max_attempts: attempt.max_attempts,
+        // Validated when the attempt was read.
+        lineage: Lineage::parse(&attempt.lineage).unwrap_or(Lineage::EDGE),
+        retried_below: attempt.retried_below.as_deref(),
         budget,
         now: SystemTime::now(),
         jitter,

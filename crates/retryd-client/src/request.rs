@@ -9,7 +9,9 @@
 
 use std::time::Duration;
 
-use retryd_engine::{Body, Evidence, FailureKind, GrpcCode, Idempotency, Replayability};
+use retryd_engine::{
+    Body, Evidence, FailureKind, GrpcCode, Idempotency, Lineage, Replayability, retried_below,
+};
 use retryd_proto as pb;
 
 /// Longest upstream or operation name, in bytes (as retryd).
@@ -70,6 +72,9 @@ pub(crate) struct Attempt {
     pub(crate) auth_refresh_attempted: bool,
     pub(crate) previous_backoff: Option<Duration>,
     pub(crate) max_attempts: Option<u32>,
+    /// Validated: parses as a [`Lineage`] (empty at the edge).
+    pub(crate) lineage: String,
+    pub(crate) retried_below: Option<String>,
 }
 
 fn name(field: &str, raw: &str) -> Result<(), InvalidRequest> {
@@ -221,6 +226,17 @@ pub(crate) fn attempt(request: &pb::DecideRequest) -> Result<Attempt, InvalidReq
         auth_refresh_attempted: request.auth_refresh_attempted,
         previous_backoff: duration("previous_backoff", request.previous_backoff.as_ref())?,
         max_attempts: (request.max_attempts > 0).then_some(request.max_attempts),
+        lineage: Lineage::parse(&request.lineage)
+            .map_err(|error| invalid("lineage", error.to_string()))?
+            .as_str()
+            .to_owned(),
+        retried_below: retried_below(
+            &request.retried_below,
+            claimed_evidence,
+            http_status.is_some() || grpc_status.is_some(),
+        )
+        .map_err(|error| invalid("retried_below", error.to_string()))?
+        .map(str::to_owned),
     })
 }
 

@@ -10,7 +10,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use retryd_client::engine::{
-    Backoff, Evidence, FailureKind, GrpcCode, GrpcCodes, Jitter, Policy, UnknownOutcome, Verdict,
+    Backoff, EnclosingRetry, Evidence, FailureKind, GrpcCode, GrpcCodes, Jitter, Policy,
+    UnknownOutcome, Verdict,
 };
 use retryd_client::{
     Client, Decision, Error, FallbackPolicy, LocalBudget, Source, UpstreamFallback,
@@ -129,6 +130,8 @@ fn decide_request(request: &Value) -> pb::DecideRequest {
         grpc_status_code: uint(field(request, "grpcStatusCode", "grpc_status_code")),
         grpc_retry_pushback_ms: field(request, "grpcRetryPushbackMs", "grpc_retry_pushback_ms")
             .map(|value| value.as_str().expect("pushback").to_string()),
+        lineage: text("lineage", "lineage"),
+        retried_below: text("retriedBelow", "retried_below"),
     }
 }
 
@@ -346,6 +349,7 @@ fn mirrored_policy() -> FallbackPolicy {
             max: Duration::from_secs(5),
             jitter: Jitter::Full,
         },
+        inside_enclosing_retry: EnclosingRetry::Deny,
     };
     let budget = LocalBudget {
         capacity: 1000.0,
@@ -373,6 +377,10 @@ fn mirrored_policy() -> FallbackPolicy {
             },
         ),
         ("conf-transient500", with(&|p| p.transient_500 = true)),
+        (
+            "conf-chain-allow",
+            with(&|p| p.inside_enclosing_retry = EnclosingRetry::Allow),
+        ),
         (
             "conf-permanent",
             with(&|p| {

@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 use criterion::{Criterion, criterion_group, criterion_main};
 use retryd_engine::{
     self, Body, BudgetView, DenyReason, Evidence, Facts, FailureKind, GrpcCode, Idempotency,
-    Policy, Replayability, Verdict,
+    Lineage, Policy, Replayability, Verdict,
 };
 
 /// One benchmark case: the facts minus the borrowed body, and the verdict it
@@ -49,6 +49,8 @@ fn base(body: &Body) -> Facts<'_> {
         auth_refresh_attempted: false,
         previous_backoff: None,
         max_attempts: None,
+        lineage: Lineage::EDGE,
+        retried_below: None,
         budget: BudgetView {
             tokens: 100.0,
             retries_enabled: true,

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use super::{Decision, DenyReason, Rule, UnknownOutcome, Verdict};
+use super::{Decision, DenyReason, Facts, Rule, UnknownOutcome, Verdict};
 
 impl Decision {
     /// One line for humans, the text of `Display`, built only when asked
@@ -12,8 +12,20 @@ impl Decision {
     /// into one allocation rather than through `core::fmt`, which cost
     /// ~650 of a DecideStream item's ~8,700 server instructions (callgrind).
     pub fn explanation(&self) -> String {
-        // The longest explanation is under 200 bytes.
-        let mut text = String::with_capacity(200);
+        self.explain(None)
+    }
+
+    /// The explanation, naming the layers of a call chain's denial (which
+    /// layer retried below, which one above is retrying) from the facts
+    /// the decision was made on.
+    pub fn explanation_in(&self, facts: &Facts<'_>) -> String {
+        self.explain(Some(facts))
+    }
+
+    fn explain(&self, facts: Option<&Facts<'_>>) -> String {
+        // The longest is under 200 bytes, plus a chain denial's layer name
+        // (at most 64).
+        let mut text = String::with_capacity(264);
         let evidence = self.effective_evidence.as_str();
         match self.verdict {
             Verdict::Retry {
@@ -75,6 +87,12 @@ impl Decision {
                     }
                     DenyReason::RuntimeDraining => "the caller's runtime is draining",
                     DenyReason::RetriesDisabled => "an operator switched retries off for this upstream",
+                    DenyReason::RetriedBelow => {
+                        "a layer below already retried this failure, and only the layer nearest a failure retries it"
+                    }
+                    DenyReason::InsideEnclosingRetry => {
+                        "a layer above is already retrying the request this call serves"
+                    }
                     DenyReason::Deadline => "the remaining deadline leaves no room for another attempt",
                     DenyReason::PermanentFailure => "the failure is permanent",
                     DenyReason::StatusNotRetryable => match (self.http_status, self.grpc_status) {
@@ -97,6 +115,23 @@ impl Decision {
                         text.push_str(", gRPC status ");
                         text.push_str(code.as_str());
                     }
+                }
+                match (reason, facts) {
+                    (DenyReason::RetriedBelow, Some(facts)) => {
+                        if let Some(layer) = facts.retried_below {
+                            text.push_str(", retried by layer ");
+                            text.push_str(layer);
+                        }
+                    }
+                    (DenyReason::InsideEnclosingRetry, Some(facts)) => {
+                        if let Some((layer, attempt)) = facts.lineage.enclosing_retry() {
+                            text.push_str(", inside attempt ");
+                            push_decimal(&mut text, attempt.into());
+                            text.push_str(" of layer ");
+                            text.push_str(layer);
+                        }
+                    }
+                    _ => {}
                 }
                 text.push(')');
             }

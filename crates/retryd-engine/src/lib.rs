@@ -10,7 +10,7 @@
 //! [`decide`] evaluates them first to last and the first that applies wins,
 //! so a later rule can never re-enable what an earlier one forbade.
 //!
-//! About 530 lines because the decision order, rules 1 to 9 with the HTTP
+//! About 610 lines because the decision order, rules 1 to 9 with the HTTP
 //! and gRPC status rows, is one function and its types, read top to bottom;
 //! evidence, bodies, backoff, gRPC codes and the explanation are modules.
 #![forbid(unsafe_code)]
@@ -20,6 +20,7 @@ mod body;
 mod evidence;
 mod explanation;
 mod grpc;
+mod lineage;
 mod outcome;
 mod retry_after;
 #[cfg(test)]
@@ -31,6 +32,10 @@ pub use backoff::{Backoff, Jitter};
 pub use body::{Body, Replayability};
 pub use evidence::{Evidence, FailureKind, effective_evidence};
 pub use grpc::{GrpcCode, GrpcCodes, Pushback, parse_pushback};
+pub use lineage::{
+    Lineage, LineageError, MAX_LAYER_BYTES, MAX_LINEAGE_ATTEMPT, MAX_LINEAGE_BYTES,
+    MAX_LINEAGE_ENTRIES, layer_name, retried_below,
+};
 pub use outcome::UnknownOutcome;
 pub use retry_after::parse_retry_after;
 /// `VARIANTS`, the derived list of every variant of [`DenyReason`],
@@ -88,6 +93,22 @@ pub struct Policy {
     pub permanent_failures: Vec<FailureKind>,
     /// How long to wait before a retry.
     pub backoff: Backoff,
+    /// Whether a call made inside a retry of an enclosing call may be
+    /// retried as well (rule 5).
+    pub inside_enclosing_retry: EnclosingRetry,
+}
+
+/// Whether a layer retries a call it makes while serving a request that is
+/// itself a retry (`inside_enclosing_retry`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EnclosingRetry {
+    /// The enclosing layer is already retrying: do not multiply its
+    /// attempts by ours (DENY INSIDE_ENCLOSING_RETRY).
+    #[default]
+    Deny,
+    /// Decide as if the call were not enclosed: every layer retries on its
+    /// own budget, as before lineage.
+    Allow,
 }
 
 impl Default for Policy {
@@ -101,6 +122,7 @@ impl Default for Policy {
             grpc_retryable: GrpcCodes::DEFAULT,
             permanent_failures: Vec::new(),
             backoff: Backoff::default(),
+            inside_enclosing_retry: EnclosingRetry::Deny,
         }
     }
 }
@@ -179,6 +201,11 @@ pub struct Facts<'a> {
     pub previous_backoff: Option<Duration>,
     /// The caller's own attempt limit, if lower than the policy's.
     pub max_attempts: Option<u32>,
+    /// The enclosing calls, if the call is made while serving a request.
+    pub lineage: Lineage<'a>,
+    /// The layer below that already retried this failure, as the failed
+    /// response said (`retryd-retried`); only with a response.
+    pub retried_below: Option<&'a str>,
     /// The budget as it was looked at.
     pub budget: BudgetView,
     /// Wall-clock time, to read an HTTP-date Retry-After.
@@ -207,6 +234,10 @@ pub enum DenyReason {
     RuntimeDraining,
     /// Rule 5: an operator switched retries off.
     RetriesDisabled,
+    /// Rule 5: a layer below already retried this failure.
+    RetriedBelow,
+    /// Rule 5: the call is made inside a retry of an enclosing call.
+    InsideEnclosingRetry,
     /// Rule 6, or a Retry-After that cannot be honoured.
     Deadline,
     /// Rule 7.
@@ -228,6 +259,8 @@ impl DenyReason {
             DenyReason::ResponseAlreadyDelivered => "response_already_delivered",
             DenyReason::RuntimeDraining => "runtime_draining",
             DenyReason::RetriesDisabled => "retries_disabled",
+            DenyReason::RetriedBelow => "retried_below",
+            DenyReason::InsideEnclosingRetry => "inside_enclosing_retry",
             DenyReason::Deadline => "deadline",
             DenyReason::PermanentFailure => "permanent_failure",
             DenyReason::StatusNotRetryable => "status_not_retryable",
@@ -276,7 +309,8 @@ impl Rule {
     pub const BODY: Rule = Rule(3);
     /// Rule 4: first byte delivered.
     pub const FIRST_BYTE: Rule = Rule(4);
-    /// Rule 5: draining, or retries switched off.
+    /// Rule 5: draining, retries switched off, or the call chain's rule:
+    /// only one layer retries a failure.
     pub const DRAINING: Rule = Rule(5);
     /// Rule 6: deadline.
     pub const DEADLINE: Rule = Rule(6);
@@ -385,6 +419,19 @@ pub fn decide(facts: &Facts<'_>, policy: &Policy) -> Decision {
     }
     if !facts.budget.retries_enabled {
         return deny(DenyReason::RetriesDisabled, Rule::DRAINING);
+    }
+    // 5, in a call chain: the layer nearest the failure retries it
+    // (docs/lineage.md). One that already did, or was denied, said so on
+    // its response; retrying here would multiply its attempts by ours.
+    if facts.retried_below.is_some() {
+        return deny(DenyReason::RetriedBelow, Rule::DRAINING);
+    }
+    // And while a layer above is retrying the request we serve, our
+    // retries would multiply its attempts.
+    if facts.lineage.enclosing_retry().is_some()
+        && policy.inside_enclosing_retry == EnclosingRetry::Deny
+    {
+        return deny(DenyReason::InsideEnclosingRetry, Rule::DRAINING);
     }
     // 6. Not enough deadline left for even one more attempt.
     if let Some(remaining) = facts.deadline_remaining {

@@ -36,6 +36,8 @@ struct Case {
     enabled: bool,
     unavailable: bool,
     jitter: f64,
+    lineage: &'static str,
+    retried_below: Option<&'static str>,
 }
 
 fn case() -> Case {
@@ -59,6 +61,8 @@ fn case() -> Case {
         enabled: true,
         unavailable: false,
         jitter: 0.5,
+        lineage: "",
+        retried_below: None,
     }
 }
 
@@ -77,6 +81,16 @@ impl Case {
     }
     fn pushback(mut self, raw: &'static str) -> Self {
         self.pushback = Some(raw);
+        self
+    }
+    /// Made while serving a request whose lineage is `lineage`.
+    fn lineage(mut self, lineage: &'static str) -> Self {
+        self.lineage = lineage;
+        self
+    }
+    /// Its response said `layer` had already retried it.
+    fn retried_below(mut self, layer: &'static str) -> Self {
+        self.retried_below = Some(layer);
         self
     }
     fn idempotency(mut self, idempotency: Idempotency) -> Self {
@@ -100,6 +114,8 @@ impl Case {
             auth_refresh_attempted: self.auth_refreshed,
             previous_backoff: self.previous_backoff,
             max_attempts: self.max_attempts,
+            lineage: Lineage::parse(self.lineage).expect("a valid lineage"),
+            retried_below: self.retried_below,
             budget: BudgetView {
                 tokens: self.tokens,
                 retries_enabled: self.enabled,
@@ -631,6 +647,8 @@ fn retry_after_is_a_floor_within_the_deadline() {
         auth_refresh_attempted: false,
         previous_backoff: None,
         max_attempts: None,
+        lineage: Lineage::EDGE,
+        retried_below: None,
         budget: BudgetView {
             tokens: 1.0,
             retries_enabled: true,
@@ -688,6 +706,125 @@ fn explanations_name_the_rule() {
         text,
         "deny: the status is not retryable for this operation (rule 9, status 404)"
     );
+}
+
+/// Rule 5 in a call chain (docs/lineage.md): the layer nearest the failure
+/// retries it, and no other.
+#[test]
+fn only_one_layer_retries_a_failure() {
+    let policy = Policy::default();
+    let allow = Policy {
+        inside_enclosing_retry: EnclosingRetry::Allow,
+        ..Policy::default()
+    };
+    let failing = || case().status(503);
+    // The nearest layer, every enclosing call on its first attempt: retried.
+    check(
+        "5: first attempts",
+        failing().lineage("edge:1/middle:1"),
+        Expect::Retry,
+        9,
+    );
+    // A failure already retried below is denied, whatever the policy.
+    for policy in [&policy, &allow] {
+        check_with(
+            "5: retried below",
+            policy,
+            failing().retried_below("middle"),
+            Expect::Deny(RetriedBelow),
+            5,
+        );
+    }
+    // Inside an enclosing retry: denied by default, retried when allowed.
+    for lineage in ["edge:2", "edge:2/middle:1", "edge:1/middle:3", "...:4/x:1"] {
+        let inside = failing().lineage(lineage);
+        check(
+            "5: inside a retry",
+            inside,
+            Expect::Deny(InsideEnclosingRetry),
+            5,
+        );
+        check_with(
+            "5: allowed",
+            &allow,
+            failing().lineage(lineage),
+            Expect::Retry,
+            9,
+        );
+    }
+    // Earlier rules decide first; rule 5's own order is draining, the
+    // operator's switch, then the chain.
+    let mut exhausted = failing().retried_below("middle").lineage("edge:2");
+    exhausted.attempt = 3;
+    check("1 before 5", exhausted, Expect::Deny(MaxAttempts), 1);
+    let mut draining = failing().retried_below("middle");
+    draining.draining = true;
+    check("draining first", draining, Expect::Deny(RuntimeDraining), 5);
+    let mut disabled = failing().lineage("edge:2");
+    disabled.enabled = false;
+    check("switch first", disabled, Expect::Deny(RetriesDisabled), 5);
+    // The chain's denial keeps the mark: a timed-out POST is still unknown.
+    let mut post = case().idempotency(NonIdempotent).lineage("edge:2");
+    post.failure = Some(FailureKind::ResponseHeaderTimeout);
+    let decision = post.run(&policy);
+    assert_eq!(decision.verdict, Verdict::Deny(InsideEnclosingRetry));
+    assert_eq!(decision.unknown_outcome, Some(UnknownOutcome::Reconcile));
+}
+
+#[test]
+fn a_chain_denial_names_its_layers() {
+    let below = case().status(503).retried_below("middle");
+    let facts_below = Facts {
+        retried_below: Some("middle"),
+        ..base_facts()
+    };
+    assert_eq!(
+        below.run(&Policy::default()).explanation_in(&facts_below),
+        "deny: a layer below already retried this failure, and only the layer nearest a \
+         failure retries it (rule 5, retried by layer middle)"
+    );
+    let inside = case().status(503).lineage("edge:3/middle:1");
+    let facts_inside = Facts {
+        lineage: Lineage::parse("edge:3/middle:1").unwrap(),
+        ..base_facts()
+    };
+    assert_eq!(
+        inside.run(&Policy::default()).explanation_in(&facts_inside),
+        "deny: a layer above is already retrying the request this call serves (rule 5, \
+         inside attempt 3 of layer edge)"
+    );
+    // Without the facts, the same sentence without names.
+    assert_eq!(
+        inside.run(&Policy::default()).explanation(),
+        "deny: a layer above is already retrying the request this call serves (rule 5)"
+    );
+}
+
+/// Facts with nothing set but a status, for explanations that read them.
+fn base_facts() -> Facts<'static> {
+    static BODY: Body = Body::Bytes;
+    Facts {
+        idempotency: Idempotency::Safe,
+        body: &BODY,
+        attempt: 1,
+        claimed_evidence: None,
+        failure: None,
+        http_status: Some(503),
+        retry_after: None,
+        grpc_status: None,
+        grpc_pushback: None,
+        deadline_remaining: None,
+        first_byte_delivered: false,
+        runtime_draining: false,
+        auth_refresh_attempted: false,
+        previous_backoff: None,
+        max_attempts: None,
+        lineage: Lineage::EDGE,
+        retried_below: None,
+        budget: BudgetView::OPEN,
+        now: SystemTime::UNIX_EPOCH,
+        jitter: 0.5,
+    }
 }
 
 /// Every branch of the explanation text, exactly: callers log it and
@@ -763,6 +900,20 @@ fn every_explanation_word_for_word() {
         (
             decision(Verdict::Deny(RetriesDisabled), Rule::BUDGET, None, false),
             "deny: an operator switched retries off for this upstream (rule 2)",
+        ),
+        (
+            decision(Verdict::Deny(RetriedBelow), Rule::DRAINING, None, false),
+            "deny: a layer below already retried this failure, and only the layer nearest a \
+             failure retries it (rule 5)",
+        ),
+        (
+            decision(
+                Verdict::Deny(InsideEnclosingRetry),
+                Rule::DRAINING,
+                None,
+                false,
+            ),
+            "deny: a layer above is already retrying the request this call serves (rule 5)",
         ),
         (
             decision(Verdict::Deny(Deadline), Rule::DEADLINE, None, false),
@@ -878,8 +1029,22 @@ fn any_case() -> impl Strategy<Value = Case> {
             0.0f64..1.0,
             prop::bool::weighted(0.05),
         ),
+        (
+            prop::sample::select(vec![
+                "",
+                "",
+                "",
+                "edge:1",
+                "edge:2",
+                "edge:1/middle:1",
+                "edge:3/middle:1",
+                "...:4/middle:1",
+            ]),
+            // Mostly none: the mark decides whenever it is set.
+            prop::option::weighted(0.15, Just("middle")),
+        ),
     )
-        .prop_map(|(a, b)| {
+        .prop_map(|(a, b, c)| {
             // An HTTP call or a gRPC call, as validation allows: never both.
             let grpc_call = a.9;
             Case {
@@ -902,6 +1067,8 @@ fn any_case() -> impl Strategy<Value = Case> {
                 enabled: b.7,
                 unavailable: b.9,
                 jitter: b.8,
+                lineage: c.0,
+                retried_below: c.1,
             }
         })
 }
@@ -924,6 +1091,16 @@ fn first_forbidding_rule(case: &Case, policy: &Policy) -> Option<(DenyReason, u8
         (case.first_byte_delivered, ResponseAlreadyDelivered, 4),
         (case.draining, RuntimeDraining, 5),
         (!case.enabled, RetriesDisabled, 5),
+        (case.retried_below.is_some(), RetriedBelow, 5),
+        (
+            // Restated: some entry's attempt is not 1.
+            case.lineage
+                .split('/')
+                .any(|entry| !entry.is_empty() && !entry.ends_with(":1"))
+                && policy.inside_enclosing_retry == EnclosingRetry::Deny,
+            InsideEnclosingRetry,
+            5,
+        ),
         (
             case.deadline.is_some_and(|d| d < policy.min_attempt_budget),
             Deadline,
@@ -1650,6 +1827,9 @@ fn with_early_rules_neutralised(case: &Case) -> (Case, Policy) {
         first_byte_delivered: false,
         draining: false,
         deadline: None,
+        // The chain's rule denies like draining; it never changes the mark.
+        lineage: "",
+        retried_below: None,
         // The built-in permanent failures, each replaced by one with the
         // same evidence that is not permanent.
         failure: match case.failure {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use retryd::config::{Config, InvalidConfig, Settings, StoreConfig};
 use retryd::grpc::validate;
-use retryd_engine::{self as engine, BudgetView, Facts, Idempotency, Policy};
+use retryd_engine::{self as engine, BudgetView, Facts, Idempotency, Lineage, Policy};
 
 use super::decide::check_decision;
 use super::now;
@@ -141,6 +141,8 @@ fn decide_under(policy: &Policy) {
             auth_refresh_attempted: false,
             previous_backoff: previous,
             max_attempts: None,
+            lineage: Lineage::EDGE,
+            retried_below: None,
             budget: BudgetView {
                 tokens: 10.0,
                 retries_enabled: true,

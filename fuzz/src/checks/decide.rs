@@ -9,8 +9,8 @@ use prost::Message;
 use retryd::decide::{Attempt, Draw};
 use retryd::grpc::validate;
 use retryd_engine::{
-    self as engine, BudgetView, Decision, DenyReason, Evidence, Facts, FailureKind, Idempotency,
-    Jitter, Policy, Replayability, Verdict,
+    self as engine, BudgetView, Decision, DenyReason, EnclosingRetry, Evidence, Facts, FailureKind,
+    Idempotency, Jitter, Policy, Replayability, Verdict,
 };
 use retryd_proto as pb;
 
@@ -215,6 +215,8 @@ fn decide_request(input: &mut Input<'_>) -> pb::DecideRequest {
         },
         grpc_status_code: 0,
         grpc_retry_pushback_ms: None,
+        lineage: String::new(),
+        retried_below: String::new(),
     };
     // Drawn last, so the HTTP fields read the same bytes as before. Mostly
     // a gRPC code only for a call without an HTTP status (then without a
@@ -237,6 +239,23 @@ fn decide_request(input: &mut Input<'_>) -> pb::DecideRequest {
     };
     if pushback {
         request.grpc_retry_pushback_ms = Some(retry_after_text(input));
+    }
+    // The call chain, drawn after everything else: mostly none (the chain's
+    // denial would hide the rules after 5), else a lineage near the limits
+    // (docs/lineage.md) or a mark from below.
+    if input.byte() % 16 == 1 {
+        let entries = input.pick(&[1, 2, 3, 31, 32, 33]);
+        let lineage: Vec<String> = (0..entries)
+            .map(|_| {
+                let layer = input.pick(&["edge", "middle", "...", "", "mid dle", "a"]);
+                let attempt = input.pick(&["1", "2", "1000", "1001", "0", "01"]);
+                format!("{layer}:{attempt}")
+            })
+            .collect();
+        request.lineage = lineage.join("/");
+    }
+    if input.byte() % 16 == 1 {
+        request.retried_below = input.pick(&["middle", "", "mid/dle", "x"]).to_owned();
     }
     request
 }
@@ -292,6 +311,8 @@ const DECIDE_FIELDS: &[&str] = &[
     "max_attempts",
     "grpc_status_code",
     "grpc_retry_pushback_ms",
+    "lineage",
+    "retried_below",
 ];
 
 fn check_duration(what: &str, raw: Option<&prost_types::Duration>, valid: Option<Duration>) {
@@ -343,6 +364,26 @@ fn check_valid_decide_request(request: &pb::DecideRequest, valid: &Attempt<'_>) 
         None => assert!(request.grpc_retry_pushback_ms.is_none()),
     }
     let status_known = valid.reported.http_status.is_some() || valid.reported.grpc_status.is_some();
+    // The chain: carried over unchanged, within its limits, and a mark from
+    // below only with a response that carried it.
+    let lineage = valid.reported.lineage;
+    assert_eq!(lineage.as_str(), request.lineage);
+    assert!(lineage.as_str().len() <= engine::MAX_LINEAGE_BYTES);
+    assert!(lineage.depth() as usize <= engine::MAX_LINEAGE_ENTRIES + 1);
+    match valid.reported.retried_below {
+        Some(layer) => {
+            assert_eq!(layer, request.retried_below);
+            assert!(engine::layer_name(layer).is_ok());
+            assert!(
+                !matches!(
+                    valid.reported.claimed_evidence,
+                    Some(Evidence::NotSent | Evidence::SentNoResponse)
+                ) && (status_known || valid.reported.claimed_evidence.is_some()),
+                "a mark from below without a response"
+            );
+        }
+        None => assert!(request.retried_below.is_empty()),
+    }
     if valid.reported.claimed_evidence.is_none() {
         assert!(
             valid.reported.failure.is_some() || status_known,
@@ -431,6 +472,13 @@ fn first_forbidding_rule(facts: &Facts<'_>, policy: &Policy) -> Option<(DenyReas
         (
             !facts.budget.retries_enabled,
             DenyReason::RetriesDisabled,
+            5,
+        ),
+        (facts.retried_below.is_some(), DenyReason::RetriedBelow, 5),
+        (
+            facts.lineage.enclosing_retry().is_some()
+                && policy.inside_enclosing_retry == EnclosingRetry::Deny,
+            DenyReason::InsideEnclosingRetry,
             5,
         ),
         (

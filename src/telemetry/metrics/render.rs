@@ -225,6 +225,33 @@ impl Metrics {
             "Decisions whose attempt may have taken effect upstream (whatever the verdict), by upstream, deciding rule and what the caller must do.",
             unknown_outcomes,
         ));
+        let mut chain = Vec::new();
+        for row in 0..CHAIN_DEPTHS {
+            for (column, verdict) in ["retry", "ambiguous", "deny"].iter().enumerate() {
+                let value: u64 = self
+                    .shards
+                    .iter()
+                    .map(|shard| shard.chain[row][column].load(Ordering::Relaxed))
+                    .sum();
+                // The edge's row always, so that a ratio to it has a
+                // denominator; deeper ones once a chain reaches them.
+                if value == 0 && row > 0 {
+                    continue;
+                }
+                chain.push((
+                    vec![
+                        ("depth", chain_depth_label(row)),
+                        ("verdict", (*verdict).to_owned()),
+                    ],
+                    Number::Int(value),
+                ));
+            }
+        }
+        families.push(counter(
+            METRIC_CHAIN_DECISIONS,
+            "Decisions by depth in the call chain (1: no enclosing call; 8+: 8 and deeper) and verdict.",
+            chain,
+        ));
         families.push(counter(
             METRIC_RETRIES_GRANTED,
             "Retries granted (RETRY verdicts) by upstream.",

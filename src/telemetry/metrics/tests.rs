@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::budget::{BudgetSnapshot, StoreStats};
-use crate::engine::{Body, BudgetView, Evidence, Facts, Idempotency, Policy};
+use crate::engine::{Body, BudgetView, Evidence, Facts, Idempotency, Lineage, Policy};
 
 /// A decision with `verdict`'s kind: the engine's own answer to a call
 /// that was never sent (RETRY) or sent with no response and not
@@ -25,6 +25,8 @@ fn decision(idempotency: Idempotency, evidence: Evidence) -> Decision {
         auth_refresh_attempted: false,
         previous_backoff: None,
         max_attempts: None,
+        lineage: Lineage::EDGE,
+        retried_below: None,
         budget: BudgetView::OPEN,
         now: std::time::SystemTime::UNIX_EPOCH,
         jitter: 0.5,
@@ -98,13 +100,13 @@ fn every_store_operation_has_its_own_series() {
 fn decisions_are_counted_by_upstream_verdict_and_reason() {
     let metrics = Metrics::new(["payments"]);
     let elapsed = Duration::from_micros(40);
-    metrics.record_decision("payments", "anonymous", &retry(), elapsed, None);
-    metrics.record_decision("payments", "anonymous", &retry(), elapsed, None);
-    metrics.record_decision("payments", "anonymous", &ambiguous(), elapsed, None);
+    metrics.record_decision("payments", "anonymous", &retry(), 1, elapsed, None);
+    metrics.record_decision("payments", "anonymous", &retry(), 1, elapsed, None);
+    metrics.record_decision("payments", "anonymous", &ambiguous(), 1, elapsed, None);
     let exhausted = retry().into_budget_denial(DenyReason::BudgetExhausted);
-    metrics.record_decision("payments", "anonymous", &exhausted, elapsed, None);
+    metrics.record_decision("payments", "anonymous", &exhausted, 1, elapsed, None);
     // An upstream nobody configured counts as `_other`.
-    metrics.record_decision("made-up", "anonymous", &exhausted, elapsed, None);
+    metrics.record_decision("made-up", "anonymous", &exhausted, 1, elapsed, None);
     let page = metrics.render(&[], 1.0, &StoreStats::default());
     let mut lines = counter_lines(&page, METRIC_DECISIONS);
     lines.sort();
