@@ -139,6 +139,8 @@ pub(crate) struct Outcome {
     pub(crate) retry_after: String,
     pub(crate) grpc_status: u32,
     pub(crate) grpc_pushback: Option<String>,
+    /// The failed response's `retryd-retried`, if it named a valid layer.
+    pub(crate) retried_below: String,
 }
 
 /// Fills in the deadline left and the previous backoff, and asks.
@@ -156,6 +158,7 @@ pub(crate) async fn decide(
     if !previous_backoff.is_zero() {
         request.previous_backoff = Some(pb_duration(previous_backoff));
     }
+    request.lineage = crate::lineage::inbound_lineage();
     let decision = client.decide(&request).await?;
     Ok((request, decision))
 }

@@ -117,8 +117,19 @@
 //! # let _ = &mut ledger; Ok(()) }
 //! ```
 //!
-//! Not here yet: retry lineage (issue 31) and hedging (issue 33) exist in
-//! no client so far.
+//! # Call chains: one layer retries
+//!
+//! A service that both serves requests and makes outbound calls puts
+//! [`LineageLayer`] on its server (tower: axum, hyper, tonic). The adapters
+//! then send the `retryd.lineage` baggage member on each attempt and the
+//! inbound lineage with each Decide, read the `retryd-retried` mark of a
+//! failed response, and a failed response of the server says
+//! `retryd-retried` when its handler's outbound call was retried to the end
+//! or denied: only the layer nearest a failure retries it (docs/lineage.md
+//! in the repository). A task the handler spawns carries the request with
+//! [`Inbound::scope`].
+//!
+//! Not here yet: hedging (issue 33).
 //!
 //! # Architecture
 //!
@@ -130,6 +141,7 @@ mod adapter;
 mod client;
 mod decision;
 mod fallback;
+mod lineage;
 mod outage;
 mod reporter;
 mod request;
@@ -151,6 +163,9 @@ pub use client::{
 };
 pub use decision::{Decision, Source, deny_reason_name};
 pub use fallback::{Fallback, FallbackPolicy, LocalBudget, MAX_LOCAL_UPSTREAMS, UpstreamFallback};
+pub use lineage::{BAGGAGE_KEY, Inbound, RETRIED_HEADER, default_layer, lineage_of_baggage};
+#[cfg(feature = "tower")]
+pub use lineage::{LineageLayer, LineageService};
 pub use outage::OutageCounts;
 pub use reporter::{ReporterOptions, TrafficReporter, new_report_id};
 pub use request::{InvalidRequest, pb_duration};

@@ -30,6 +30,7 @@ use crate::adapter::{self, AmbiguousError, Call, CallFailed, Decisions, MAX_LOOP
 use crate::client::Client;
 use crate::decision::Decision;
 use crate::fallback;
+use crate::lineage;
 use crate::request::{MAX_HEADER_BYTES, MAX_NAME_BYTES, pb_idempotency};
 
 /// The statuses decided by retryd by default; any other response is
@@ -210,6 +211,7 @@ impl Middleware for RetryMiddleware {
         let mut attempt = 0;
         loop {
             attempt += 1;
+            lineage::set_baggage(current.headers_mut(), attempt);
             let replay = current.try_clone();
             let failed = match self
                 .attempt(current, extensions, next.clone(), deadline)
@@ -234,6 +236,7 @@ impl Middleware for RetryMiddleware {
                 failure: outcome.failure as i32,
                 http_status: outcome.http_status,
                 retry_after: adapter::truncate(&outcome.retry_after, MAX_HEADER_BYTES),
+                retried_below: outcome.retried_below.clone(),
                 auth_refresh_attempted: auth_refreshed,
                 max_attempts: call.max_attempts,
                 ..Default::default()
@@ -499,6 +502,7 @@ fn retry_after(response: &Response) -> String {
 async fn read_failed(mut response: Response, limit: usize) -> Attempted {
     let status = response.status();
     let retry_after = retry_after(&response);
+    let retried_below = lineage::retried_below(response.headers());
     match read_prefix(&mut response, limit).await {
         Err(error) => Attempted::Failed(Failed {
             outcome: partial(status, retry_after, &error),
@@ -511,6 +515,7 @@ async fn read_failed(mut response: Response, limit: usize) -> Attempted {
                 evidence: pb::Evidence::ResponseReceived,
                 http_status: u32::from(status.as_u16()),
                 retry_after,
+                retried_below,
                 ..Outcome::default()
             },
             response: Some(rebuilt(response, prefix, complete)),
@@ -574,6 +579,7 @@ fn ambiguous(
     attempts: u32,
     failed: Failed,
 ) -> reqwest_middleware::Error {
+    lineage::note_dependency_failed();
     reqwest_middleware::Error::middleware(AmbiguousError {
         decision,
         decisions,
@@ -589,6 +595,7 @@ fn ended_by_caller(
     mut decisions: Vec<Decision>,
     attempts: u32,
 ) -> reqwest_middleware::Error {
+    lineage::note_dependency_failed();
     match fallback::ended_by_caller(request, true) {
         Some(decision) => {
             decisions.push(decision.clone());
@@ -610,6 +617,9 @@ fn finish(
     decisions: Vec<Decision>,
     attempts: u32,
 ) -> reqwest_middleware::Result<Response> {
+    // No more attempts after a decision: the server's own failed response
+    // says so upward, whatever it makes of this one.
+    lineage::note_dependency_failed();
     if let Some(open) = decisions
         .iter()
         .rev()

@@ -47,6 +47,7 @@ use crate::adapter::{self, Call, Decisions, MAX_LOOP, Outcome};
 use crate::client::Client;
 use crate::decision::Decision;
 use crate::fallback;
+use crate::lineage;
 use crate::request::{MAX_HEADER_BYTES, MAX_NAME_BYTES, pb_idempotency};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -363,6 +364,7 @@ where
             Replay::OneShot(body) => body.take().unwrap_or_default(),
         };
         let mut attempt_request = http::Request::from_parts(parts.clone(), body);
+        lineage::set_baggage(attempt_request.headers_mut(), attempt);
         let (outcome, status, ended) =
             match one_attempt(&mut inner, &config, &mut attempt_request, deadline).await {
                 Attempted::Done(mut response) => {
@@ -395,9 +397,11 @@ where
                 .map(|raw| adapter::truncate(raw, MAX_HEADER_BYTES)),
             max_attempts: call.max_attempts,
             auth_refresh_attempted: auth_refreshed,
+            retried_below: outcome.retried_below.clone(),
             ..Default::default()
         };
         if ended {
+            lineage::note_dependency_failed();
             return Err(match fallback::ended_by_caller(&decide_request, true) {
                 Some(decision) => {
                     decisions.push(decision.clone());
@@ -422,6 +426,7 @@ where
             || !fits
             || attempt >= MAX_LOOP
         {
+            lineage::note_dependency_failed();
             return Err(marked(status, &decision, &decisions, attempt));
         }
         if decision.refresh_credentials() {
@@ -562,6 +567,7 @@ fn status_failure(headers: &http::HeaderMap) -> Option<Attempted> {
             evidence: pb::Evidence::ResponseReceived,
             grpc_status: status.code() as u32,
             grpc_pushback: pushback,
+            retried_below: lineage::retried_below(headers),
             ..Outcome::default()
         },
         status,
