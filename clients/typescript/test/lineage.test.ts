@@ -15,6 +15,7 @@ import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { after, before, describe, test } from 'node:test';
 import * as grpc from '@grpc/grpc-js';
+import express from 'express';
 import {
   currentChain,
   decisionOf,
@@ -362,6 +363,32 @@ describe('a call chain over node:http and gRPC', () => {
       assert.equal(chain.decisions[0]?.denyReason, 'INSIDE_ENCLOSING_RETRY', chain.decisions[0]?.explanation);
     } finally {
       await chain.close();
+    }
+  });
+
+  test('Express: lineageMiddleware as the first middleware, the route calling the back end', async () => {
+    const back = await HttpServer.start((_request, response) => {
+      response.writeHead(503);
+      response.end();
+    });
+    const app = express();
+    app.use(lineageMiddleware());
+    app.get('/', async (_request, response) => {
+      const result = await fetchWithRetries(middle, back.url, {}, { upstream: 'ts-chain-back', idempotency: 'SAFE', deadlineMs: 10_000 });
+      response.status(result.ok ? 200 : 503).send(result.ok ? 'ok' : 'the back end failed');
+    });
+    const mid = await HttpServer.start(app);
+    try {
+      const response = await fetch(mid.url, { headers: { baggage: 'retryd.lineage=edge:1' } });
+      assert.equal(response.status, 503);
+      assert.equal(response.headers.get('retryd-retried'), 'middle');
+      assert.deepEqual(
+        back.requests.map((headers) => headers.baggage),
+        ['retryd.lineage=edge:1/middle:1', 'retryd.lineage=edge:1/middle:2', 'retryd.lineage=edge:1/middle:3'],
+      );
+    } finally {
+      await mid.close();
+      await back.close();
     }
   });
 
