@@ -11,10 +11,12 @@
  * so) when it does not.
  */
 import { strict as assert } from 'node:assert';
+import { AsyncLocalStorage } from 'node:async_hooks';
 import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { after, before, describe, test } from 'node:test';
 import * as grpc from '@grpc/grpc-js';
+import { context, propagation, ROOT_CONTEXT, type Context, type ContextManager } from '@opentelemetry/api';
 import express from 'express';
 import {
   currentChain,
@@ -388,6 +390,55 @@ describe('a call chain over node:http and gRPC', () => {
       );
     } finally {
       await mid.close();
+      await back.close();
+    }
+  });
+
+  test('OpenTelemetry: the member is in the active baggage while the attempt is sent, beside the others', async () => {
+    /** A context manager on AsyncLocalStorage, as the SDK's: the context survives awaits. */
+    class AsyncContextManager implements ContextManager {
+      private readonly storage = new AsyncLocalStorage<Context>();
+      active(): Context {
+        return this.storage.getStore() ?? ROOT_CONTEXT;
+      }
+      with<A extends unknown[], F extends (...args: A) => ReturnType<F>>(ctx: Context, fn: F, thisArg?: ThisParameterType<F>, ...args: A): ReturnType<F> {
+        return this.storage.run(ctx, () => fn.call(thisArg, ...args));
+      }
+      bind<T>(_ctx: Context, target: T): T {
+        return target;
+      }
+      enable(): this {
+        return this;
+      }
+      disable(): this {
+        this.storage.disable();
+        return this;
+      }
+    }
+    const back = await HttpServer.start((_request, response) => {
+      response.writeHead(503);
+      response.end();
+    });
+    context.setGlobalContextManager(new AsyncContextManager());
+    try {
+      const seen: [string | undefined, string | undefined][] = [];
+      // What an instrumentation's propagator would read when the request goes out.
+      const observing: typeof fetch = (input, init) => {
+        const baggage = propagation.getBaggage(context.active());
+        seen.push([baggage?.getEntry('retryd.lineage')?.value, baggage?.getEntry('tenant')?.value]);
+        return fetch(input, init);
+      };
+      const withTenant = propagation.setBaggage(ROOT_CONTEXT, propagation.createBaggage({ tenant: { value: 'acme' } }));
+      await context.with(withTenant, () =>
+        fetchWithRetries(edge, back.url, {}, { upstream: 'ts-chain-back', idempotency: 'SAFE', deadlineMs: 10_000, fetch: observing, maxAttempts: 2 }),
+      );
+      assert.deepEqual(seen, [
+        ['edge:1', 'acme'],
+        ['edge:2', 'acme'],
+      ]);
+      assert.deepEqual(back.requests.map((headers) => headers.baggage), ['retryd.lineage=edge:1', 'retryd.lineage=edge:2']);
+    } finally {
+      context.disable();
       await back.close();
     }
   });
