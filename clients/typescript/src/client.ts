@@ -20,6 +20,7 @@ import type { RetryDeciderClient } from './generated/retryd/v1/RetryDecider';
 import type { UpstreamTraffic } from './generated/retryd/v1/UpstreamTraffic';
 import { InvalidRequestError, RetrydUnavailableError } from './errors';
 import { DEFAULT_LOCAL_POLICY, localDecide, type LocalPolicy } from './fallback';
+import { isLayerName, lineageError, resolveLayer } from './lineage';
 import { OutageLog } from './outage';
 import { proto } from './proto';
 import { MAX_TRAFFIC_ENTRIES, TrafficReporter, type Logger, type ReportResult, type TrafficReporterOptions } from './reporter';
@@ -73,6 +74,13 @@ export interface ClientOptions {
    * from the local rule, per upstream, in ms (default 60 000).
    */
   shadowLogIntervalMs?: number;
+  /**
+   * This service's layer name in call chains (docs/lineage.md): 1 to 64
+   * bytes of [A-Za-z0-9._-]. The adapters append `<layer>:<attempt>` to the
+   * `retryd.lineage` baggage member of each attempt. Default:
+   * OTEL_SERVICE_NAME if it is valid, else the program's name, else "service".
+   */
+  layer?: string;
 }
 
 /** A decision call's own options. */
@@ -142,6 +150,8 @@ export function toDecideRequest(input: DecideInput): DecideRequest {
     ...(input.grpcRetryPushbackMs === undefined || input.grpcRetryPushbackMs === null
       ? {}
       : { grpcRetryPushbackMs: input.grpcRetryPushbackMs }),
+    lineage: input.lineage ?? '',
+    retriedBelow: input.retriedBelow ?? '',
   };
 }
 
@@ -203,6 +213,18 @@ function checkRequired(input: DecideInput): void {
   if (!input.upstream) throw new InvalidRequestError('upstream: required');
   if (!input.idempotency) throw new InvalidRequestError('idempotency: required');
   if (!(input.attempt >= 1)) throw new InvalidRequestError('attempt: must be at least 1');
+  const lineage = input.lineage ? lineageError(input.lineage) : null;
+  if (lineage !== null) throw new InvalidRequestError(`lineage: ${lineage}`);
+  if (input.retriedBelow) {
+    if (!isLayerName(input.retriedBelow)) throw new InvalidRequestError('retried_below: not a layer name: 1 to 64 bytes of [A-Za-z0-9._-]');
+    // As retryd reads it: the mark travels on a response, so it needs one.
+    const claim = input.evidence;
+    const answered =
+      claim === undefined || claim === 0
+        ? Boolean(input.httpStatus || input.grpcStatusCode)
+        : claim === 'RESPONSE_RECEIVED' || claim === 'PARTIAL_RESPONSE' || claim === 3 || claim === 4;
+    if (!answered) throw new InvalidRequestError('retried_below: needs a response (evidence RESPONSE_RECEIVED or PARTIAL_RESPONSE, or a status)');
+  }
 }
 
 function isServiceError(error: unknown): error is grpc.ServiceError {
@@ -229,6 +251,8 @@ type Unary<Req, Res> = (
  */
 export class RetrydClient {
   readonly timeoutMs: number;
+  /** This service's layer name in call chains (the `layer` option, or its default). */
+  readonly layer: string;
   readonly fallback: LocalPolicy | null;
   /**
    * Counts real traffic and sends it to this retryd; null when created with
@@ -255,6 +279,7 @@ export class RetrydClient {
   /** `target` is a gRPC target such as "127.0.0.1:50051". */
   constructor(readonly target: string, options: ClientOptions = {}) {
     this.timeoutMs = options.timeoutMs ?? 200;
+    this.layer = resolveLayer(options.layer);
     this.fallback = options.fallback === undefined ? DEFAULT_LOCAL_POLICY : options.fallback;
     this.metadata = options.metadata ?? {};
     this.logger = options.logger ?? console;

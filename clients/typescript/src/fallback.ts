@@ -6,7 +6,9 @@
  * - it honours the local attempt limit (`maxAttempts`, 2 by default: at most
  *   one retry per call) and the request's own lower limit;
  * - it never retries a one-shot body, a response already delivered, a
- *   draining runtime, a deadline below `minAttemptBudgetMs`, or a permanent
+ *   draining runtime, a failure a layer below already retried
+ *   (`retriedBelow`), a call inside an enclosing retry (`lineage`; unless
+ *   `insideEnclosingRetry: 'allow'`), a deadline below `minAttemptBudgetMs`, or a permanent
  *   failure (profile rejection, invalid certificate, request encoding);
  * - it never retries what may have been sent unless the operation is safely
  *   idempotent: only proven NOT_SENT is retried for a NON_IDEMPOTENT call; a
@@ -31,6 +33,7 @@
  * (`unknownOutcomeOf`), whichever rule decided.
  */
 import type { DecideInput, Decision, DenyReason, Evidence, FailureKind, UnknownOutcome, Verdict } from './types';
+import { enclosingRetry } from './lineage';
 import { isSafelyIdempotent, replayabilityOf } from './types';
 
 export interface LocalPolicy {
@@ -39,6 +42,12 @@ export interface LocalPolicy {
   maxBackoffMs: number;
   minAttemptBudgetMs: number;
   maxRetryAfterMs: number;
+  /**
+   * Whether a call made inside a retry of an enclosing call (a lineage entry
+   * with an attempt above 1) may be retried as well: 'deny' (the default,
+   * as retryd's default policy) or 'allow'.
+   */
+  insideEnclosingRetry?: 'deny' | 'allow';
 }
 
 export const DEFAULT_LOCAL_POLICY: LocalPolicy = Object.freeze({
@@ -210,6 +219,20 @@ export function localDecide(
   }
   if (input.firstByteDelivered) return answer('DENY', 'RESPONSE_ALREADY_DELIVERED', 4, 'the response was already delivered');
   if (input.runtimeDraining) return answer('DENY', 'RUNTIME_DRAINING', 5, 'the runtime is draining');
+  // Rule 5 in a call chain (docs/lineage.md), as retryd: the layer nearest
+  // the failure retries it, and no layer retries inside an enclosing retry.
+  if (input.retriedBelow) {
+    return answer('DENY', 'RETRIED_BELOW', 5, `the layer below (${input.retriedBelow}) already retried this failure`);
+  }
+  const enclosing = enclosingRetry(input.lineage);
+  if (enclosing !== undefined && policy.insideEnclosingRetry !== 'allow') {
+    return answer(
+      'DENY',
+      'INSIDE_ENCLOSING_RETRY',
+      5,
+      `a layer above (${enclosing.layer}, attempt ${enclosing.attempt}) is already retrying the request this call serves`,
+    );
+  }
   const deadline = input.deadlineRemainingMs;
   if (deadline !== undefined && deadline < policy.minAttemptBudgetMs) {
     return answer('DENY', 'DEADLINE', 6, 'the deadline leaves no room for another attempt');

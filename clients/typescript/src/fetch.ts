@@ -48,7 +48,9 @@
  */
 import type { RetrydClient } from './client';
 import { AmbiguousExecutionError, attachDecision, leavesOutcomeUnknown } from './errors';
+import { currentChain, isLayerName, LINEAGE_BAGGAGE_KEY, outboundLineage, recordRetriedFailure, RETRIED_HEADER, withLineageBaggage } from './lineage';
 import type { TrafficReporter } from './reporter';
+import { withBaggageEntry } from './tracing';
 import type { Body, Decision, Evidence, FailureKind, Idempotency } from './types';
 
 /** What happened to one attempt, in retryd's terms. */
@@ -57,6 +59,14 @@ export interface Outcome {
   failure?: FailureKind;
   httpStatus?: number;
   retryAfter?: string | null;
+  /** The response's `retryd-retried` header, when it names a layer: a layer below already retried this failure. */
+  retriedBelow?: string;
+}
+
+/** The `retryd-retried` header of a response, if it is a valid layer name (else it came from an upstream we do not control). */
+function retriedBelowOf(response: Response): { retriedBelow?: string } {
+  const value = response.headers.get(RETRIED_HEADER)?.trim();
+  return isLayerName(value) ? { retriedBelow: value } : {};
 }
 
 /** Statuses worth asking retryd about; any other response is returned as is. */
@@ -135,6 +145,7 @@ export function classifyFetchError(error: unknown, response?: Response): Outcome
       failure,
       httpStatus: response.status,
       retryAfter: response.headers.get('retry-after'),
+      ...retriedBelowOf(response),
     };
   }
   if (some(codes, (code) => DNS.has(code))) return { evidence: 'NOT_SENT', failure: 'DNS' };
@@ -177,7 +188,12 @@ function isBuildError(error: unknown): boolean {
 
 /** A response that arrived: its status and Retry-After. */
 export function classifyResponse(response: Response): Outcome {
-  return { evidence: 'RESPONSE_RECEIVED', httpStatus: response.status, retryAfter: response.headers.get('retry-after') };
+  return {
+    evidence: 'RESPONSE_RECEIVED',
+    httpStatus: response.status,
+    retryAfter: response.headers.get('retry-after'),
+    ...retriedBelowOf(response),
+  };
 }
 
 /**
@@ -290,6 +306,8 @@ export async function fetchWithRetries(
   let previousBackoffMs: number | undefined;
   let authRefreshAttempted = false;
   let decision: Decision | undefined;
+  // The request being served, if an inbound wrapper (./lineage) set it.
+  const chain = currentChain();
   const settle = (response: Response): Response => {
     if (decision !== undefined) attachDecision(response, decision);
     return response;
@@ -321,6 +339,7 @@ export async function fetchWithRetries(
     let response: Response | undefined;
     let failure: unknown;
     let outcome: Outcome | undefined;
+    const lineage = outboundLineage(chain, retryd.layer, attempt);
     try {
       let request: Request | undefined;
       try {
@@ -331,8 +350,13 @@ export async function fetchWithRetries(
         outcome = REQUEST_ENCODING;
       }
       if (request !== undefined) {
+        // This attempt's place in the chain; the request's other baggage
+        // members are kept. Through OpenTelemetry's baggage as well, so that
+        // an instrumentation that injects it (replacing the header) sends it.
+        request.headers.set('baggage', withLineageBaggage(request.headers.get('baggage'), lineage.outbound));
+        const sending = request;
         try {
-          response = await fetchImpl(request);
+          response = await withBaggageEntry(LINEAGE_BAGGAGE_KEY, lineage.outbound, () => fetchImpl(sending));
         } catch (error) {
           if (userSignal?.aborted) throw error;
           failure = error;
@@ -368,6 +392,7 @@ export async function fetchWithRetries(
       authRefreshAttempted,
       previousBackoffMs,
       maxAttempts: options.maxAttempts,
+      lineage: lineage.inbound,
       ...outcome!,
     });
     // AMBIGUOUS, or a DENY that says the request may have taken effect: never
@@ -375,6 +400,7 @@ export async function fetchWithRetries(
     // A request the Request constructor refused is known never to have left
     // (its failure kind cannot prove NOT_SENT to retryd, so retryd marks it).
     if (leavesOutcomeUnknown(decision) && outcome !== REQUEST_ENCODING) {
+      recordRetriedFailure(chain, retryd.layer);
       const ambiguous = new AmbiguousExecutionError(decision, response, { cause: failure });
       attachDecision(ambiguous, decision);
       throw ambiguous;
@@ -385,6 +411,9 @@ export async function fetchWithRetries(
       else currentInit = (await options.onRefreshCredentials(currentInit)) ?? currentInit;
     }
     if (!retry) {
+      // The call ends in failure after retryd's decision: the inbound
+      // middleware says so upward, so that the layer above does not retry it.
+      recordRetriedFailure(chain, retryd.layer);
       if (response !== undefined && failure === undefined) return settle(response);
       attachDecision(failure, decision);
       throw failure;

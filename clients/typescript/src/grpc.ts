@@ -42,7 +42,9 @@
 import * as grpc from '@grpc/grpc-js';
 import type { RetrydClient } from './client';
 import { AmbiguousExecutionError, attachDecision, leavesOutcomeUnknown } from './errors';
+import { currentChain, isLayerName, LINEAGE_BAGGAGE_KEY, outboundLineage, recordRetriedFailure, RETRIED_HEADER, withLineageBaggage, type ChainContext } from './lineage';
 import type { TrafficReporter } from './reporter';
+import { withBaggageEntry } from './tracing';
 import type { Decision, Evidence, FailureKind, Idempotency } from './types';
 
 /** What a failed gRPC attempt proves, in retryd's terms. */
@@ -55,6 +57,14 @@ export interface GrpcOutcome {
   grpcRetryPushbackMs?: string;
   /** Whether response messages were already handed to the application. */
   firstByteDelivered: boolean;
+  /** The `retryd-retried` trailer, when it names a layer: a layer below already retried this failure. */
+  retriedBelow?: string;
+}
+
+/** Sets this attempt's `retryd.lineage` in the call's `baggage` metadata, keeping its other members. */
+function setLineage(metadata: grpc.Metadata, lineage: string): grpc.Metadata {
+  metadata.set('baggage', withLineageBaggage(metadata.get('baggage').map(String), lineage));
+  return metadata;
 }
 
 /** What the interceptor saw of an attempt before its status. */
@@ -102,6 +112,9 @@ export function classifyGrpcStatus(status: grpc.StatusObject, seen: AttemptSeen)
     const pushback = status.metadata?.get('grpc-retry-pushback-ms') ?? [];
     const outcome: GrpcOutcome = { evidence: 'RESPONSE_RECEIVED', grpcStatusCode: code, firstByteDelivered };
     if (pushback.length > 0) outcome.grpcRetryPushbackMs = String(pushback[0]);
+    // A value that is not a layer name came from an upstream we do not control.
+    const retried = String(status.metadata?.get(RETRIED_HEADER)[0] ?? '').trim();
+    if (isLayerName(retried)) outcome.retriedBelow = retried;
     return outcome;
   }
   const nothingArrived = !seen.headers && seen.messagesDelivered === 0;
@@ -200,12 +213,17 @@ function observe(seen: AttemptSeen, downstream: grpc.InterceptingListener, onSta
  * own loop, or to log what happened.
  */
 export function classifyingInterceptor(onOutcome?: (outcome: GrpcOutcome, status: grpc.StatusObject) => void): grpc.Interceptor {
+  return classifying(onOutcome);
+}
+
+/** classifyingInterceptor, sending `lineage` (a streaming call's one attempt) when given. */
+function classifying(onOutcome?: (outcome: GrpcOutcome, status: grpc.StatusObject) => void, lineage?: string): grpc.Interceptor {
   return (options, nextCall) => {
     const seen: AttemptSeen = { headers: false, messagesDelivered: 0 };
     return new grpc.InterceptingCall(nextCall(options), {
       start(metadata, listener, next) {
         next(
-          metadata,
+          lineage === undefined ? metadata : setLineage(metadata, lineage),
           observe(seen, listener, (status) => {
             if (status.code !== grpc.status.OK) {
               const outcome = classifyGrpcStatus(status, seen);
@@ -242,10 +260,13 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
   return (options, nextCall) => {
     const method = options.method_definition;
     const reporter = settings.reporter === false ? null : (settings.reporter ?? retryd.reporter);
+    // The request being served when the call is made, if an inbound wrapper
+    // (./lineage) set it: grpc-js's callbacks later run outside it.
+    const chain: ChainContext | undefined = currentChain();
     if (method.requestStream || method.responseStream) {
       // Real traffic all the same; only never retried.
       reporter?.record(settings.upstream);
-      return classifyingInterceptor()(options, nextCall);
+      return classifying(undefined, outboundLineage(chain, retryd.layer, 1).outbound)(options, nextCall);
     }
     const path = method.path;
     const idempotency = typeof settings.idempotency === 'function' ? settings.idempotency(path) : settings.idempotency;
@@ -270,6 +291,8 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
     let finished = false;
     let authRefreshAttempted = false;
     let previousBackoffMs: number | undefined;
+    /** Whether retryd decided on an attempt of this call: a failure that ends it then is marked for the inbound middleware. */
+    let decided = false;
 
     /** Hands one attempt's result to the application, once. */
     const finish = (status: grpc.StatusObject, headers?: grpc.Metadata, response?: unknown): void => {
@@ -303,7 +326,11 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
           const deadlineExpired = callerDeadline && outcome.evidence !== 'RESPONSE_RECEIVED' && status.code === grpc.status.DEADLINE_EXCEEDED;
           void afterFailure(attempt, status, outcome, deadlineExpired).then(
             (retry) => {
-              if (!retry) finish(status, headers, response);
+              if (retry) return;
+              // Ended in failure after retryd's decision: the inbound
+              // middleware says so upward, so the layer above does not retry.
+              if (decided && !cancelled) recordRetriedFailure(chain, retryd.layer);
+              finish(status, headers, response);
             },
             () => finish(status, headers, response),
           );
@@ -329,6 +356,7 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
           authRefreshAttempted,
           previousBackoffMs,
           maxAttempts: settings.maxAttempts,
+          lineage: outboundLineage(chain, retryd.layer, attempt).inbound,
           ...outcome,
         });
       } catch {
@@ -336,6 +364,7 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
         // decision, so no retry; the caller gets the call's own status.
         return false;
       }
+      decided = true;
       attachDecision(status.metadata, decision);
       if (leavesOutcomeUnknown(decision)) {
         // grpc-js builds the caller's ServiceError by copying the status's
@@ -368,7 +397,8 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
       const call = nextCall(next.options);
       current = call;
       inFlight = true;
-      call.start(metadata, attemptListener(attempt, next.callerDeadline));
+      const lineage = outboundLineage(chain, retryd.layer, attempt).outbound;
+      withBaggageEntry(LINEAGE_BAGGAGE_KEY, lineage, () => call.start(setLineage(metadata.clone(), lineage), attemptListener(attempt, next.callerDeadline)));
       call.sendMessage(message);
       call.halfClose();
       call.startRead();
@@ -382,7 +412,8 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
         reporter?.record(settings.upstream);
         current = undefined;
         inFlight = true;
-        next(received, attemptListener(1, first.callerDeadline));
+        const lineage = outboundLineage(chain, retryd.layer, 1).outbound;
+        withBaggageEntry(LINEAGE_BAGGAGE_KEY, lineage, () => next(setLineage(received, lineage), attemptListener(1, first.callerDeadline)));
       },
       sendMessage(received, next) {
         message = received;

@@ -40,9 +40,34 @@ export {
   type GrpcOutcome,
   type GrpcRetryOptions,
 } from './grpc';
+export {
+  chainFromLineage,
+  currentChain,
+  defaultLayer,
+  enclosingRetry,
+  formatLineage,
+  isLayerName,
+  LINEAGE_BAGGAGE_KEY,
+  lineageError,
+  lineageFromBaggage,
+  lineageHandler,
+  lineageMiddleware,
+  lineageServerInterceptor,
+  MAX_LINEAGE_ATTEMPT,
+  MAX_LINEAGE_BYTES,
+  MAX_LINEAGE_ENTRIES,
+  parseLineage,
+  RETRIED_HEADER,
+  runInChain,
+  shortenLineage,
+  withLineageBaggage,
+  type ChainContext,
+  type LineageEntry,
+  type LineageOptions,
+} from './lineage';
 export { DEFAULT_SHADOW_LOG_INTERVAL_MS } from './shadow';
 export { TrafficReporter, type Logger, type ReportResult, type TrafficReporterOptions, type TrafficSink } from './reporter';
-export { traceMetadata } from './tracing';
+export { traceMetadata, withBaggageEntry } from './tracing';
 export {
   ENUM_VALUES,
   isSafelyIdempotent,

@@ -37,3 +37,18 @@ export function traceMetadata(): [string, string][] {
   if (state) pairs.push(['tracestate', state]);
   return pairs;
 }
+
+/**
+ * Runs `fn` in the active OpenTelemetry context with one more baggage entry
+ * (replacing one of the same key), so that an instrumentation whose W3C
+ * baggage propagator writes the `baggage` header (replacing the one the
+ * adapter set) still sends it. Without @opentelemetry/api, or without a
+ * context manager, it only runs `fn`.
+ */
+export function withBaggageEntry<T>(key: string, value: string, fn: () => T): T {
+  const otelApi = otel();
+  if (otelApi === null) return fn();
+  const active = otelApi.context.active();
+  const baggage = otelApi.propagation.getBaggage(active) ?? otelApi.propagation.createBaggage();
+  return otelApi.context.with(otelApi.propagation.setBaggage(active, baggage.setEntry(key, { value })), fn);
+}

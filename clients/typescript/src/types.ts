@@ -108,6 +108,22 @@ export interface DecideInput {
    * any string (even "" or "-1") is sent as it is.
    */
   grpcRetryPushbackMs?: string | null;
+  /**
+   * Where this call sits in a call chain (docs/lineage.md): the
+   * `retryd.lineage` baggage member of the inbound request it is made while
+   * serving, without this layer's own entry (`edge:2/middle:1`); empty or
+   * absent at the edge. The adapters fill it from the inbound wrappers'
+   * context (./lineage). An entry with an attempt above 1 means a layer
+   * above is retrying: DENY INSIDE_ENCLOSING_RETRY unless the upstream's
+   * policy allows it.
+   */
+  lineage?: string;
+  /**
+   * The layer that already retried this failure below, from the failed
+   * response's `retryd-retried` header or trailer (a layer name; only with a
+   * response). DENY RETRIED_BELOW: only the layer nearest a failure retries it.
+   */
+  retriedBelow?: string;
 }
 
 /**

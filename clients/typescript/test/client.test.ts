@@ -433,6 +433,7 @@ describe('against a fake retryd', () => {
         evidence: 'SENT_NO_RESPONSE', failure: 'PARTIAL_WRITE', retryAfter: '3', deadlineRemainingMs: 1500, previousBackoffMs: 250,
         body: { kind: 'MULTIPART', parts: [{ kind: 'BYTES' }, { kind: 'PUBLISHER_FACTORY', declared: 'REOPENABLE' }] },
         firstByteDelivered: true, runtimeDraining: true, authRefreshAttempted: true,
+        lineage: 'edge:2/middle:1', retriedBelow: 'below',
       });
       assert.deepEqual(fake.requests.at(-1), {
         upstream: 'u', operation: 'PUT /x', idempotency: 'IDEMPOTENCY_IDEMPOTENT_WITH_KEY', attempt: 2, maxAttempts: 4,
@@ -446,6 +447,7 @@ describe('against a fake retryd', () => {
           ],
         },
         firstByteDelivered: true, runtimeDraining: true, authRefreshAttempted: true,
+        lineage: 'edge:2/middle:1', retriedBelow: 'below',
       });
       assert.ok(fake.deadlines.at(-1)! > 0 && fake.deadlines.at(-1)! <= 1600, String(fake.deadlines.at(-1))); // grpc-timeout is rounded up
       await client.decide({ upstream: 'u', idempotency: 'SAFE', attempt: 1, httpStatus: 404 });

@@ -61,6 +61,8 @@ function decideInput(request: Record<string, unknown>): DecideInput {
     previousBackoffMs: ms(request.previousBackoff),
     maxAttempts: request.maxAttempts as number | undefined,
     grpcStatusCode: request.grpcStatusCode as number | undefined,
+    lineage: request.lineage as string | undefined,
+    retriedBelow: request.retriedBelow as string | undefined,
     // Presence matters: an absent trailer and an empty one are different cases.
     grpcRetryPushbackMs: 'grpcRetryPushbackMs' in request ? (request.grpcRetryPushbackMs as string) : undefined,
   };

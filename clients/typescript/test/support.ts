@@ -83,13 +83,13 @@ export function retrydBin(): string {
 }
 
 /** Starts `retryd serve` with a config and waits for its address line. */
-export async function startRetryd(config: string): Promise<Retryd> {
+export async function startRetryd(config: string, bin: string = retrydBin()): Promise<Retryd> {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'retryd-ts-'));
   const configPath = path.join(dir, 'retryd.toml');
   fs.writeFileSync(configPath, config);
   const stderrPath = path.join(dir, 'stderr.log');
   const stderr = fs.openSync(stderrPath, 'w');
-  const child: ChildProcess = spawn(retrydBin(), ['serve', '--config', configPath], {
+  const child: ChildProcess = spawn(bin, ['serve', '--config', configPath], {
     stdio: ['ignore', 'pipe', stderr],
   });
   fs.closeSync(stderr);
