@@ -341,11 +341,16 @@ func edgeGet(t *testing.T, edge *Client, url string) *http.Response {
 	t.Helper()
 	transport := &Transport{Base: &http.Transport{}, Client: edge, Upstream: "go-chain-middle", DisableReporting: true}
 	req, _ := http.NewRequestWithContext(safe(context.Background()), http.MethodGet, url, nil)
+	req.Header.Set("Baggage", "userid=7")
 	resp, err := transport.RoundTrip(req)
 	if err != nil {
 		t.Fatal(err)
 	}
 	resp.Body.Close()
+	// A RoundTripper must not change the caller's request.
+	if got := req.Header.Values("Baggage"); len(got) != 1 || got[0] != "userid=7" {
+		t.Fatalf("the caller's baggage became %q", got)
+	}
 	return resp
 }
 
