@@ -73,6 +73,12 @@ type Options struct {
 	// (DefaultShadowLogInterval, a minute, when zero; negative is refused).
 	// Every difference is counted in Client.ShadowDivergences whatever it is.
 	ShadowLogInterval time.Duration
+	// Layer is this service's name in a call chain (docs/lineage.md): the
+	// entry `<Layer>:<attempt>` the Transport and the client interceptor add
+	// to the retryd.lineage baggage member of each attempt, and the value of
+	// the retryd-retried header the inbound middleware sets. 1 to 64 bytes
+	// of [A-Za-z0-9._-]; "" means DefaultLayer().
+	Layer string
 }
 
 // Client talks to one retryd. It is safe for concurrent use; share one per
@@ -123,6 +129,12 @@ func New(target string, opts Options) (*Client, error) {
 	}
 	if opts.ShadowLogInterval < 0 {
 		return nil, fmt.Errorf("retryd: Options.ShadowLogInterval: must not be negative, got %s", opts.ShadowLogInterval)
+	}
+	if opts.Layer != "" && !ValidLayer(opts.Layer) {
+		return nil, fmt.Errorf("retryd: Options.Layer: %q is not 1 to 64 bytes of [A-Za-z0-9._-]", opts.Layer)
+	}
+	if opts.Layer == "" {
+		opts.Layer = DefaultLayer()
 	}
 	dial := []grpc.DialOption{
 		grpc.WithInsecure(),
@@ -189,6 +201,10 @@ func (c *Client) awaitConnection(timeout time.Duration) {
 		}
 	}
 }
+
+// Layer is the client's layer name in a call chain: Options.Layer, or
+// DefaultLayer() when that was empty.
+func (c *Client) Layer() string { return c.opts.Layer }
 
 // Close flushes the client's TrafficReporter (if it was used), then closes
 // the connection.

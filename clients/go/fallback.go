@@ -23,6 +23,11 @@ import (
 //   - never a one-shot body, a response already delivered, a draining
 //     runtime, a deadline below MinAttemptBudget, or a permanent failure
 //     (profile rejection, invalid certificate, request encoding);
+//   - never a failure a layer below already retried (retried_below set:
+//     DENY RETRIED_BELOW), nor a call made inside a retry of an enclosing
+//     call (a lineage entry with an attempt above 1: DENY
+//     INSIDE_ENCLOSING_RETRY), as retryd's default policy
+//     (docs/lineage.md);
 //   - never what may have been sent unless the operation is safely
 //     idempotent: a NON_IDEMPOTENT call is retried only on proven NOT_SENT,
 //     and is AMBIGUOUS when no response (or only part of one), a
@@ -277,6 +282,15 @@ func LocalDecide(policy LocalPolicy, req *pb.DecideRequest, reason string) Decis
 	}
 	if req.GetRuntimeDraining() {
 		return deny(pb.DenyReason_DENY_REASON_RUNTIME_DRAINING, 5, "the runtime is draining")
+	}
+	// Rule 5 in a call chain (docs/lineage.md), as retryd with its default
+	// policy: the layer nearest a failure retries it, and no layer retries
+	// inside a retry of a layer above.
+	if below := req.GetRetriedBelow(); below != "" {
+		return deny(pb.DenyReason_DENY_REASON_RETRIED_BELOW, 5, "the layer below ("+below+") already retried this failure")
+	}
+	if e, ok := enclosingRetry(req.GetLineage()); ok {
+		return deny(pb.DenyReason_DENY_REASON_INSIDE_ENCLOSING_RETRY, 5, fmt.Sprintf("inside attempt %d of layer %s, which is already retrying", e.attempt, e.layer))
 	}
 	if deadline != nil && *deadline < policy.MinAttemptBudget {
 		return deny(pb.DenyReason_DENY_REASON_DEADLINE, 6, "the deadline leaves no room for another attempt")

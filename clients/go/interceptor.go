@@ -58,7 +58,7 @@ const PushbackTrailer = "grpc-retry-pushback-ms"
 // and no retryPolicy in the service config): the interceptor would see only
 // their last attempt, and retries would be made that retryd never allowed.
 func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClientInterceptor {
-	return func(ctx context.Context, method string, req, reply interface{}, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, callOpts ...grpc.CallOption) error {
+	return func(ctx context.Context, method string, req, reply interface{}, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, callOpts ...grpc.CallOption) (err error) {
 		call := callOf(ctx)
 		idempotency := call.Idempotency
 		if idempotency == pb.Idempotency_IDEMPOTENCY_UNSPECIFIED {
@@ -78,7 +78,16 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 		if !opts.DisableReporting {
 			c.Reporter().Record(upstream, 1)
 		}
+		lineage := InboundLineage(ctx)
 		var decisions []Decision
+		decided := false
+		defer func() {
+			// Failed after a decision: the layer above must not retry it
+			// again (docs/lineage.md); the server interceptor says so.
+			if err != nil && decided {
+				markRetried(ctx)
+			}
+		}()
 		var previousBackoff time.Duration
 		authRefreshed := false
 		attemptCtx := ctx
@@ -89,7 +98,8 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 			// connection) wins; see protoCodec.
 			options := append([]grpc.CallOption{grpc.ForceCodec(protoCodec{})}, callOpts...)
 			options = append(options, grpc.Header(&header), grpc.Trailer(&trailer), grpc.Peer(&p))
-			err := invokeAttempt(attemptCtx, opts.AttemptTimeout, method, req, reply, cc, invoker, options)
+			sendCtx := withOutgoingLineage(attemptCtx, outboundLineage(lineage, c.Layer(), attempt))
+			err := invokeAttempt(sendCtx, opts.AttemptTimeout, method, req, reply, cc, invoker, options)
 			if err == nil {
 				return nil
 			}
@@ -103,6 +113,7 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 				GrpcStatusCode:       uint32(st.Code()),
 				AuthRefreshAttempted: authRefreshed,
 				MaxAttempts:          call.MaxAttempts,
+				Lineage:              lineage,
 			}
 			if st.Code() > 16 {
 				decideReq.GrpcStatusCode = uint32(codes.Unknown)
@@ -119,6 +130,9 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 				if values := trailer.Get(PushbackTrailer); len(values) > 0 {
 					raw := truncate(values[0], 256)
 					decideReq.GrpcRetryPushbackMs = &raw
+				}
+				if values := trailer.Get(RetriedHeader); len(values) > 0 {
+					decideReq.RetriedBelow = retriedBelow(values[0])
 				}
 			default:
 				decideReq.Evidence = pb.Evidence_EVIDENCE_SENT_NO_RESPONSE
@@ -143,6 +157,7 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 			if decideErr != nil {
 				return callFailed(decideErr, attempt, decisions, 0, nil)
 			}
+			decided = true
 			decisions = append(decisions, decision)
 			if decision.OutcomeUnknown() || (decision.UnknownOutcome != pb.UnknownOutcome_UNKNOWN_OUTCOME_NONE && attempt >= maxLoop) {
 				return &AmbiguousError{Decision: decision, Decisions: decisions, Attempts: attempt, Err: err}
@@ -176,4 +191,13 @@ func invokeAttempt(ctx context.Context, timeout time.Duration, method string, re
 		defer cancel()
 	}
 	return invoker(ctx, method, req, reply, cc, options...)
+}
+
+// withOutgoingLineage is ctx with the outgoing baggage's retryd.lineage
+// member set to lineage, the other members and metadata kept.
+func withOutgoingLineage(ctx context.Context, lineage string) context.Context {
+	md, _ := metadata.FromOutgoingContext(ctx)
+	md = md.Copy()
+	md.Set("baggage", withLineageMember(md.Get("baggage"), lineage))
+	return metadata.NewOutgoingContext(ctx, md)
 }

@@ -58,6 +58,7 @@ budget = { capacity = 1000000.0, initial = 0.0, ratio = 0.5, min_per_second = 0.
 // one package run).
 type retrydServer struct {
 	t      testing.TB
+	bin    string // "" means retrydBin
 	config string
 	dir    string
 	grpc   string
@@ -103,7 +104,11 @@ func (s *retrydServer) start(listen string) {
 	if err != nil {
 		s.t.Fatal(err)
 	}
-	cmd := exec.Command(retrydBin(s.t), "serve", "--config", path)
+	bin := s.bin
+	if bin == "" {
+		bin = retrydBin(s.t)
+	}
+	cmd := exec.Command(bin, "serve", "--config", path)
 	cmd.Stderr = stderr
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {

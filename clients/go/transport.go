@@ -218,6 +218,8 @@ type outcome struct {
 	failure    pb.FailureKind
 	httpStatus int
 	retryAfter string
+	// retriedBelow is the response's valid retryd-retried header, if any.
+	retriedBelow string
 }
 
 func isCertificateError(err error) bool {
@@ -333,7 +335,7 @@ type replayBody struct {
 func (b replayBody) Close() error { return b.closer.Close() }
 
 // RoundTrip sends req, retrying as retryd decides. See Transport.
-func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+func (t *Transport) RoundTrip(req *http.Request) (resp *http.Response, err error) {
 	if t.Client == nil {
 		closeBody(req)
 		return nil, errors.New("retryd: Transport.Client is nil")
@@ -372,7 +374,19 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		errorBodyLimit = DefaultErrorBodyLimit
 	}
 
+	lineage := InboundLineage(ctx)
+	baggage := req.Header.Values("Baggage")
+
 	var decisions []Decision
+	decided := false
+	defer func() {
+		// A call that ends in failure after a decision is one the layer
+		// above must not retry again (docs/lineage.md): the inbound
+		// middleware says so on its own failed response.
+		if decided && (err != nil || (resp != nil && t.isRetryStatus(resp.StatusCode))) {
+			markRetried(ctx)
+		}
+	}()
 	var previousBackoff time.Duration
 	authRefreshed := false
 	next := req
@@ -380,7 +394,8 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		if attempt == 1 && !t.DisableReporting {
 			t.Client.Reporter().Record(upstream, 1)
 		}
-		resp, failed, attemptErr := t.attempt(ctx, next, errorBodyLimit)
+		member := withLineageMember(baggage, outboundLineage(lineage, t.Client.Layer(), attempt))
+		resp, failed, attemptErr := t.attempt(ctx, next, member, errorBodyLimit)
 		if attemptErr == nil && failed == nil {
 			return withDecisions(resp, decisions), nil
 		}
@@ -397,6 +412,8 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			RetryAfter:           truncate(o.retryAfter, 256),
 			AuthRefreshAttempted: authRefreshed,
 			MaxAttempts:          call.MaxAttempts,
+			Lineage:              lineage,
+			RetriedBelow:         o.retriedBelow,
 		}
 		if ctx.Err() != nil {
 			// The caller's deadline or cancellation ended the call: no time
@@ -420,6 +437,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			closeResponse(resp)
 			return nil, fmt.Errorf("retryd: deciding attempt %d (%v): %w", attempt, describe(attemptErr, o), err)
 		}
+		decided = true
 		decisions = append(decisions, decision)
 		ambiguous := func() *AmbiguousError {
 			closeResponse(resp)
@@ -486,7 +504,8 @@ type failure struct {
 // hand back as it is; (resp or nil, failure, err) for a failed attempt, where
 // resp is the failed response (its body replaced by what was read, followed
 // by the rest) and err the transport error, if any.
-func (t *Transport) attempt(ctx context.Context, req *http.Request, errorBodyLimit int64) (*http.Response, *failure, error) {
+// baggage is the attempt's baggage header, with its retryd.lineage member.
+func (t *Transport) attempt(ctx context.Context, req *http.Request, baggage string, errorBodyLimit int64) (*http.Response, *failure, error) {
 	attemptCtx := ctx
 	var attemptCancel context.CancelFunc = func() {}
 	if t.AttemptTimeout > 0 {
@@ -494,6 +513,13 @@ func (t *Transport) attempt(ctx context.Context, req *http.Request, errorBodyLim
 	}
 	trace := &attemptTrace{}
 	sent := req.WithContext(httptrace.WithClientTrace(attemptCtx, trace.hooks()))
+	// A RoundTripper must not change the caller's request: the headers are
+	// the attempt's own copy.
+	sent.Header = req.Header.Clone()
+	if sent.Header == nil {
+		sent.Header = http.Header{}
+	}
+	sent.Header.Set("Baggage", baggage)
 	refuseHiddenResend(sent, trace)
 	resp, err := t.base().RoundTrip(sent)
 	attemptTimedOut := func() bool { return attemptCtx.Err() != nil && ctx.Err() == nil }
@@ -505,11 +531,14 @@ func (t *Transport) attempt(ctx context.Context, req *http.Request, errorBodyLim
 	// is released when the body is closed (or at once if none is set).
 	resp.Body = cancelOnClose{ReadCloser: resp.Body, cancel: attemptCancel}
 	retryAfter := resp.Header.Get("Retry-After")
+	below := retriedBelow(resp.Header.Get(RetriedHeader))
 	if t.isRetryStatus(resp.StatusCode) {
 		prefix, complete, readErr := readPrefix(resp.Body, errorBodyLimit)
 		if readErr != nil {
 			resp.Body.Close()
-			return nil, &failure{outcome: partialOutcome(resp.StatusCode, retryAfter, readErr, attemptTimedOut()), body: prefix}, readErr
+			o := partialOutcome(resp.StatusCode, retryAfter, readErr, attemptTimedOut())
+			o.retriedBelow = below
+			return nil, &failure{outcome: o, body: prefix}, readErr
 		}
 		if complete {
 			resp.Body.Close()
@@ -518,7 +547,7 @@ func (t *Transport) attempt(ctx context.Context, req *http.Request, errorBodyLim
 			resp.Body = replayBody{Reader: io.MultiReader(bytes.NewReader(prefix), resp.Body), closer: resp.Body}
 		}
 		return resp, &failure{
-			outcome: outcome{evidence: pb.Evidence_EVIDENCE_RESPONSE_RECEIVED, httpStatus: resp.StatusCode, retryAfter: retryAfter},
+			outcome: outcome{evidence: pb.Evidence_EVIDENCE_RESPONSE_RECEIVED, httpStatus: resp.StatusCode, retryAfter: retryAfter, retriedBelow: below},
 			body:    prefix,
 		}, nil
 	}

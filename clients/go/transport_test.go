@@ -132,7 +132,7 @@ func post(t *testing.T, ctx context.Context, transport http.RoundTripper, url, b
 // the attempt proves.
 func classify(t *testing.T, transport *Transport, req *http.Request) outcome {
 	t.Helper()
-	resp, failed, _ := transport.attempt(req.Context(), req, DefaultErrorBodyLimit)
+	resp, failed, _ := transport.attempt(req.Context(), req, LineageMember+"=test:1", DefaultErrorBodyLimit)
 	closeResponse(resp)
 	if failed == nil {
 		t.Fatalf("the attempt did not fail")
