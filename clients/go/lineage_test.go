@@ -171,15 +171,13 @@ func TestLocalRuleInACallChain(t *testing.T) {
 }
 
 // chainRetryd is a retryd that applies the chain rule (docs/lineage.md):
-// $RETRYD_CHAIN_BIN, else $RETRYD_BIN. A server that does not (it answers a
-// retried_below with anything but DENY RETRIED_BELOW) skips the test, which
-// says so: the rest of the suite covers what needs no chain-aware server.
+// $RETRYD_BIN. A server that does not (it answers a
+// retried_below with anything but DENY RETRIED_BELOW) fails the test: every
+// retryd built from this repository applies it, so a skip would only hide
+// a stale binary.
 func chainRetryd(t *testing.T) *retrydServer {
 	t.Helper()
-	s := &retrydServer{t: t, config: clientTestConfig, dir: t.TempDir(), bin: os.Getenv("RETRYD_CHAIN_BIN")}
-	if s.bin == "" {
-		s.bin = retrydBin(t)
-	}
+	s := &retrydServer{t: t, config: clientTestConfig, dir: t.TempDir(), bin: retrydBin(t)}
 	s.start("127.0.0.1:0")
 	t.Cleanup(s.stop)
 	probe := newClient(t, s.grpc, Options{NoFallback: true})
@@ -189,7 +187,7 @@ func chainRetryd(t *testing.T) *retrydServer {
 		t.Fatal(err)
 	}
 	if d.DenyReason != pb.DenyReason_DENY_REASON_RETRIED_BELOW {
-		t.Skipf("the retryd at %s does not apply the chain rule yet (answered %s %s): set RETRYD_CHAIN_BIN", s.bin, d.Verdict, d.DenyReason)
+		t.Fatalf("the retryd at %s does not apply the chain rule (answered %s %s): a stale binary?", s.bin, d.Verdict, d.DenyReason)
 	}
 	return s
 }
