@@ -240,3 +240,54 @@ async fn an_unmarked_failure_is_retried_above_but_not_inside() {
     let (allowed, _) = one_request(&server, Chain::LineageUnmarkedBack, "allow-db", u32::MAX).await;
     assert_eq!(allowed, 9);
 }
+
+#[tokio::test]
+async fn the_decision_log_keeps_the_chain_and_replay_decides_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("decisions.jsonl");
+    let config = dir.path().join("retryd.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nmetrics_listen = \"127.0.0.1:0\"\n\
+             [decision_log]\npath = {:?}\n{CONFIG}",
+            log.display().to_string()
+        ),
+    )
+    .unwrap();
+    let server = Server::start_file(&config);
+    let mut retryd = server.decider().await;
+    for (lineage, retried_below) in [("", ""), ("edge:1", "back"), ("edge:2/middle:1", "")] {
+        retryd
+            .decide(pb::DecideRequest {
+                upstream: "db".into(),
+                operation: "GET /v1/things".into(),
+                idempotency: pb::Idempotency::Safe as i32,
+                attempt: 1,
+                http_status: 503,
+                lineage: lineage.into(),
+                retried_below: retried_below.into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    drop(server);
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .filter(|line: &serde_json::Value| {
+            line["kind"] == "decision" || line.get("verdict").is_some()
+        })
+        .collect();
+    assert_eq!(lines.len(), 3, "{lines:#?}");
+    assert!(lines[0].get("lineage").is_none(), "absent at the edge");
+    assert_eq!(lines[1]["lineage"], "edge:1");
+    assert_eq!(lines[1]["retried_below"], "back");
+    assert_eq!(lines[1]["deny_reason"], "retried_below");
+    assert_eq!(lines[2]["deny_reason"], "inside_enclosing_retry");
+    let replayed = retryd_testkit::replay_json(&config, &log);
+    assert_eq!(replayed["upstreams"]["db"]["changed"], 0, "{replayed:#}");
+    assert_eq!(replayed["upstreams"]["db"]["decisions"], 3, "{replayed:#}");
+}
