@@ -161,13 +161,15 @@ def default_layer() -> str:
     if valid_layer(service):
         return service
     program = sys.argv[0] if sys.argv else ""
+    if program in ("", "-c", "-m", "-"):  # python -c, an interactive or piped interpreter: no name
+        return "service"
     name = os.path.basename(program)
     if name.endswith(".py"):
         name = name[:-3]
     if name == "__main__":  # python -m package: the package names the program
         name = os.path.basename(os.path.dirname(program))
     name = _INVALID_CHARS.sub("-", name).strip("-")[:64]
-    return name if valid_layer(name) and name not in ("-c", "-m") else "service"
+    return name if valid_layer(name) else "service"
 
 
 def check_layer(layer: Optional[str]) -> str:
