@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import grpc
 import httpx
@@ -396,6 +396,59 @@ def test_grpc_the_edge_reads_the_trailer_with_any_retryd(
     assert middle.served == ["edge:1"]
     assert len(backend.calls) == 3
     assert _trailers(error)["retryd-retried"] == "middle"
+
+
+def _set_code(context: grpc.ServicerContext) -> bytes:
+    context.set_code(grpc.StatusCode.UNAVAILABLE)
+    return b""
+
+
+def _raise(context: grpc.ServicerContext) -> bytes:
+    raise RuntimeError("the handler broke")
+
+
+def _abort(context: grpc.ServicerContext) -> bytes:
+    context.abort(grpc.StatusCode.UNAVAILABLE, "down")
+    raise AssertionError("unreachable")
+
+
+def _succeed(context: grpc.ServicerContext) -> bytes:
+    return b"ok"
+
+
+@pytest.mark.parametrize(("end", "code"), [(_set_code, grpc.StatusCode.UNAVAILABLE),
+                                           (_raise, grpc.StatusCode.UNKNOWN),
+                                           (_abort, grpc.StatusCode.UNAVAILABLE),
+                                           (_succeed, None)])
+def test_grpc_every_way_of_failing_is_marked(end: Any, code: Optional[grpc.StatusCode]) -> None:
+    """A handler whose governed call failed: set_code, an exception and abort all carry the trailers; a success none."""
+
+    def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
+        record_failure_after_decision()  # as the interceptor does after retryd's last decision
+        reply: bytes = end(context)
+        return reply
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
+                         interceptors=[LineageServerInterceptor(layer="middle")])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "test.Echo", {"Call": grpc.unary_unary_rpc_method_handler(handle)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            method = channel.unary_unary(METHOD)
+            if code is None:  # the handler answered: its own success is never marked
+                reply, call = method.with_call(b"x", timeout=5)
+                assert reply == b"ok"
+                assert "retryd-retried" not in {key for key, _ in call.trailing_metadata()}
+                return
+            with pytest.raises(grpc.RpcError) as raised:
+                method(b"x", timeout=5)
+    finally:
+        server.stop(grace=None)
+    assert raised.value.code() == code  # type: ignore[attr-defined]
+    trailers = _trailers(raised.value)
+    assert (trailers["retryd-retried"], trailers["grpc-retry-pushback-ms"]) == ("middle", "-1")
 
 
 def test_grpc_a_failure_without_a_governed_call_is_not_marked(chain_server: Server) -> None:
