@@ -85,6 +85,8 @@ def decide_kwargs(request: dict[str, Any]) -> dict[str, Any]:
         grpc_status_code=request.get("grpcStatusCode", 0),
         # Presence matters: "" is a garbage pushback, absent is none at all.
         grpc_retry_pushback_ms=request.get("grpcRetryPushbackMs"),
+        lineage=request.get("lineage", ""),
+        retried_below=request.get("retriedBelow", ""),
     )
 
 

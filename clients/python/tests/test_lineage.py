@@ -5,17 +5,16 @@ real grpcio server, with the inbound middleware) -> a back end that always
 fails. The middle retries the back end under retryd; its failed answer says
 so (``retryd-retried: middle``), and the edge does not retry it.
 
-The tests that need retryd's own RETRIED_BELOW / INSIDE_ENCLOSING_RETRY
-answers run against ``$RETRYD_CHAIN_BIN`` (default ``$RETRYD_BIN``) and are
-skipped, saying so, when that binary does not apply the chain rule. The
-others hold for any retryd: the edge decides with the local rule (retryd
-unreachable), which applies the same rule to what the adapter sent.
+The tests of retryd's own RETRIED_BELOW / INSIDE_ENCLOSING_RETRY answers
+ask the server once whether it applies the chain rule and fail on one that
+does not (a stale ``$RETRYD_BIN``): every retryd of this repository does.
+Others check the local rule (retryd unreachable from the edge), which
+applies the same rule to what the adapter sent.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import socket
 import threading
@@ -82,18 +81,7 @@ MIDDLE = "py-chain-middle"
 
 @pytest.fixture(scope="module")
 def chain_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    chain_bin = os.environ.get("RETRYD_CHAIN_BIN")
-    saved = os.environ.get("RETRYD_BIN")
-    if chain_bin:
-        os.environ["RETRYD_BIN"] = chain_bin
-    try:
-        started = start_server(CHAIN_CONFIG, tmp_path_factory.mktemp("retryd-chain"))
-    finally:
-        if chain_bin:
-            if saved is None:
-                del os.environ["RETRYD_BIN"]
-            else:
-                os.environ["RETRYD_BIN"] = saved
+    started = start_server(CHAIN_CONFIG, tmp_path_factory.mktemp("retryd-chain"))
     yield started
     stop_server(started)
 
@@ -109,7 +97,7 @@ def chain_aware(chain_server: Server) -> bool:
 
 def needs_chain_rule(chain_aware: bool) -> None:
     if not chain_aware:
-        pytest.skip("this retryd does not apply the chain rule (set RETRYD_CHAIN_BIN to one that does)")
+        pytest.fail("this retryd does not apply the chain rule: a stale $RETRYD_BIN?")
 
 
 def baggage_of(raw: bytes) -> list[str]:
