@@ -5,6 +5,7 @@ import com.sun.net.httpserver.Headers;
 import com.sun.net.httpserver.HttpContext;
 import com.sun.net.httpserver.HttpExchange;
 import com.sun.net.httpserver.HttpPrincipal;
+import com.sun.net.httpserver.HttpsExchange;
 import java.io.IOException;
 import java.io.InputStream;
 import java.io.OutputStream;
@@ -29,9 +30,8 @@ import java.util.Objects;
  * {@code sendResponseHeaders} adds the header first, when the status is 5xx and
  * the mark was set by then. An outbound call made on another thread must carry
  * the context there ({@code Context.current().wrap(task)}) and end before the
- * handler sends its status. On an {@code HttpsServer} the wrapped exchange is a
- * plain {@code HttpExchange}: add this filter after any that need the {@code
- * SSLSession}.
+ * handler sends its status. On an {@code HttpsServer} the wrapped exchange is
+ * an {@code HttpsExchange} with the same {@code SSLSession}.
  */
 public final class LineageFilter extends Filter {
   private final String layer;
@@ -63,9 +63,11 @@ public final class LineageFilter extends Filter {
     Lineage.Inbound inbound =
         Lineage.inbound(Lineage.fromBaggage(exchange.getRequestHeaders().get("baggage")).orElse(""));
     Marking marking = new Marking(exchange, inbound, layer);
+    // An HttpsServer's handler may read the TLS session: it gets an HttpsExchange still.
+    HttpExchange wrapped = exchange instanceof HttpsExchange ? new MarkingHttps((HttpsExchange) exchange, marking) : marking;
     io.grpc.Context previous = Lineage.withInbound(io.grpc.Context.current(), inbound).attach();
     try {
-      chain.doFilter(marking);
+      chain.doFilter(wrapped);
     } finally {
       io.grpc.Context.current().detach(previous);
     }
@@ -169,6 +171,107 @@ public final class LineageFilter extends Filter {
     @Override
     public HttpPrincipal getPrincipal() {
       return exchange.getPrincipal();
+    }
+  }
+
+  /** {@link Marking} for an {@code HttpsServer}'s exchange: the same, plus its TLS session. */
+  private static final class MarkingHttps extends HttpsExchange {
+    private final HttpsExchange exchange;
+    private final Marking marking;
+
+    MarkingHttps(HttpsExchange exchange, Marking marking) {
+      this.exchange = exchange;
+      this.marking = marking;
+    }
+
+    @Override
+    public javax.net.ssl.SSLSession getSSLSession() {
+      return exchange.getSSLSession();
+    }
+
+    @Override
+    public void sendResponseHeaders(int code, long length) throws IOException {
+      marking.sendResponseHeaders(code, length);
+    }
+
+    @Override
+    public Headers getRequestHeaders() {
+      return marking.getRequestHeaders();
+    }
+
+    @Override
+    public Headers getResponseHeaders() {
+      return marking.getResponseHeaders();
+    }
+
+    @Override
+    public URI getRequestURI() {
+      return marking.getRequestURI();
+    }
+
+    @Override
+    public String getRequestMethod() {
+      return marking.getRequestMethod();
+    }
+
+    @Override
+    public HttpContext getHttpContext() {
+      return marking.getHttpContext();
+    }
+
+    @Override
+    public void close() {
+      marking.close();
+    }
+
+    @Override
+    public InputStream getRequestBody() {
+      return marking.getRequestBody();
+    }
+
+    @Override
+    public OutputStream getResponseBody() {
+      return marking.getResponseBody();
+    }
+
+    @Override
+    public InetSocketAddress getRemoteAddress() {
+      return marking.getRemoteAddress();
+    }
+
+    @Override
+    public int getResponseCode() {
+      return marking.getResponseCode();
+    }
+
+    @Override
+    public InetSocketAddress getLocalAddress() {
+      return marking.getLocalAddress();
+    }
+
+    @Override
+    public String getProtocol() {
+      return marking.getProtocol();
+    }
+
+    @Override
+    public Object getAttribute(String name) {
+      return marking.getAttribute(name);
+    }
+
+    @Override
+    public void setAttribute(String name, Object value) {
+      marking.setAttribute(name, value);
+    }
+
+    @Override
+    public void setStreams(InputStream input, OutputStream output) {
+      marking.setStreams(input, output);
+    }
+
+    @Override
+    public HttpPrincipal getPrincipal() {
+      return marking.getPrincipal();
     }
   }
 }

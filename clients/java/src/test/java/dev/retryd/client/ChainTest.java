@@ -307,6 +307,91 @@ class ChainTest {
   }
 
   @Test
+  void theFilterMarksOnlyA5xxAfterAFailedDecision() throws Exception {
+    // The handler says by its query what happened below it; the filter's wrapped exchange does the rest.
+    HttpServer server = HttpServer.create(new InetSocketAddress("127.0.0.1", 0), 0);
+    server
+        .createContext(
+            "/",
+            exchange -> {
+              String query = exchange.getRequestURI().getQuery();
+              int status = Integer.parseInt(query.substring(query.indexOf('=') + 1));
+              if (query.startsWith("failedBelow")) {
+                Lineage.current().orElseThrow().markFailedAfterDecision();
+              }
+              exchange.sendResponseHeaders(status, -1);
+              exchange.close();
+            })
+        .getFilters()
+        .add(LineageFilter.of("middle"));
+    server.start();
+    try {
+      HttpClient client = HttpClient.newHttpClient();
+      String base = "http://127.0.0.1:" + server.getAddress().getPort() + "/?";
+      for (String[] row : new String[][] {{"failedBelow=503", "middle"}, {"failedBelow=500", "middle"}, {"failedBelow=404", ""},
+          {"failedBelow=200", ""}, {"ownFailure=503", ""}}) {
+        HttpResponse<Void> response = client.send(HttpRequest.newBuilder(URI.create(base + row[0])).build(), HttpResponse.BodyHandlers.discarding());
+        assertEquals(row[1], response.headers().firstValue("retryd-retried").orElse(""), row[0]);
+      }
+    } finally {
+      server.stop(0);
+    }
+  }
+
+  @Test
+  void onAnHttpsServerTheHandlerStillGetsTheTlsSession() throws Exception {
+    java.nio.file.Path keystore = java.nio.file.Files.createTempDirectory("retryd-chain-tls-").resolve("server.p12");
+    Process keytool =
+        new ProcessBuilder(
+                java.nio.file.Paths.get(System.getProperty("java.home"), "bin", "keytool").toString(),
+                "-genkeypair", "-alias", "server", "-keyalg", "RSA", "-keysize", "2048", "-validity", "2",
+                "-dname", "CN=127.0.0.1", "-ext", "san=ip:127.0.0.1", "-storetype", "PKCS12",
+                "-keystore", keystore.toString(), "-storepass", "changeit", "-keypass", "changeit")
+            .redirectErrorStream(true)
+            .start();
+    String output = new String(keytool.getInputStream().readAllBytes(), java.nio.charset.StandardCharsets.UTF_8);
+    assertEquals(0, keytool.waitFor(), "keytool failed: " + output);
+    java.security.KeyStore store = java.security.KeyStore.getInstance("PKCS12");
+    try (java.io.InputStream in = java.nio.file.Files.newInputStream(keystore)) {
+      store.load(in, "changeit".toCharArray());
+    }
+    javax.net.ssl.KeyManagerFactory keys = javax.net.ssl.KeyManagerFactory.getInstance(javax.net.ssl.KeyManagerFactory.getDefaultAlgorithm());
+    keys.init(store, "changeit".toCharArray());
+    javax.net.ssl.TrustManagerFactory trust = javax.net.ssl.TrustManagerFactory.getInstance(javax.net.ssl.TrustManagerFactory.getDefaultAlgorithm());
+    trust.init(store);
+    javax.net.ssl.SSLContext serverTls = javax.net.ssl.SSLContext.getInstance("TLS");
+    serverTls.init(keys.getKeyManagers(), null, null);
+    javax.net.ssl.SSLContext clientTls = javax.net.ssl.SSLContext.getInstance("TLS");
+    clientTls.init(null, trust.getTrustManagers(), null);
+    com.sun.net.httpserver.HttpsServer https = com.sun.net.httpserver.HttpsServer.create(new InetSocketAddress("127.0.0.1", 0), 0);
+    https.setHttpsConfigurator(new com.sun.net.httpserver.HttpsConfigurator(serverTls));
+    AtomicReference<String> protocol = new AtomicReference<>();
+    https
+        .createContext(
+            "/",
+            exchange -> {
+              protocol.set(((com.sun.net.httpserver.HttpsExchange) exchange).getSSLSession().getProtocol());
+              Lineage.current().orElseThrow().markFailedAfterDecision();
+              exchange.sendResponseHeaders(503, -1);
+              exchange.close();
+            })
+        .getFilters()
+        .add(LineageFilter.of("middle"));
+    https.start();
+    try {
+      HttpResponse<Void> response =
+          HttpClient.newBuilder().sslContext(clientTls).build()
+              .send(HttpRequest.newBuilder(URI.create("https://127.0.0.1:" + https.getAddress().getPort() + "/")).build(),
+                  HttpResponse.BodyHandlers.discarding());
+      assertEquals(503, response.statusCode());
+      assertEquals(List.of("middle"), response.headers().allValues("retryd-retried"));
+      assertTrue(protocol.get().startsWith("TLS"), protocol.get());
+    } finally {
+      https.stop(0);
+    }
+  }
+
+  @Test
   void theEdgeReportsRetriedBelowAndDoesNotRetry() throws Exception {
     RetriedResponse<Void> response =
         edgeHttp.send(

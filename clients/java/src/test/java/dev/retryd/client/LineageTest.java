@@ -111,6 +111,25 @@ class LineageTest {
     assertEquals(Optional.empty(), Lineage.retriedBelow(""));
   }
 
+  @Test
+  void theServedRequestReachesAnotherThreadOnlyWhenTheContextIsCarried() throws Exception {
+    java.util.concurrent.ExecutorService executor = java.util.concurrent.Executors.newSingleThreadExecutor();
+    try {
+      Lineage.Inbound inbound = Lineage.inbound("edge:2");
+      io.grpc.Context served = Lineage.withInbound(io.grpc.Context.current(), inbound);
+      java.util.concurrent.Callable<Optional<Lineage.Inbound>> read = Lineage::current;
+      assertEquals(Optional.empty(), Lineage.current());
+      assertEquals(Optional.of(inbound), served.call(read));
+      // Handed to another thread as it is: not carried. Wrapped, or on a context executor: carried.
+      assertEquals(Optional.empty(), served.call(() -> executor.submit(read).get()));
+      assertEquals(Optional.of(inbound), served.call(() -> executor.submit(io.grpc.Context.current().wrap(read)).get()));
+      assertEquals(Optional.of(inbound),
+          served.call(() -> java.util.concurrent.CompletableFuture.supplyAsync(Lineage::current, io.grpc.Context.currentContextExecutor(executor)).get()));
+    } finally {
+      executor.shutdownNow();
+    }
+  }
+
   private static DecideRequest.Builder failed503() {
     return DecideRequest.newBuilder()
         .setUpstream("u")
