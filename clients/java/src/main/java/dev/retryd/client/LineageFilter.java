@@ -65,11 +65,12 @@ public final class LineageFilter extends Filter {
     Marking marking = new Marking(exchange, inbound, layer);
     // An HttpsServer's handler may read the TLS session: it gets an HttpsExchange still.
     HttpExchange wrapped = exchange instanceof HttpsExchange ? new MarkingHttps((HttpsExchange) exchange, marking) : marking;
-    io.grpc.Context previous = Lineage.withInbound(io.grpc.Context.current(), inbound).attach();
+    io.grpc.Context served = Lineage.withInbound(io.grpc.Context.current(), inbound);
+    io.grpc.Context previous = served.attach();
     try {
       chain.doFilter(wrapped);
     } finally {
-      io.grpc.Context.current().detach(previous);
+      served.detach(previous);
     }
   }
 
