@@ -179,9 +179,28 @@ public final class Lineage {
     if (!isValidLayer(layer)) {
       throw new IllegalArgumentException("layer: 1 to 64 bytes of [A-Za-z0-9._-], got " + layer);
     }
+    String own = layer + ":" + Math.max(1, Math.min(MAX_ATTEMPT, attempt));
+    // On every attempt of every call: the common cases without parsing (an
+    // Inbound's lineage is valid and shortened already).
+    if (inboundLineage.isEmpty()) {
+      return own;
+    }
+    if (inboundLineage.length() + 1 + own.length() <= MAX_BYTES && isValid(inboundLineage) && count(inboundLineage, '/') < MAX_ENTRIES - 1) {
+      return inboundLineage + "/" + own;
+    }
     List<Entry> entries = entries(inboundLineage).orElseGet(ArrayList::new);
     entries.add(new Entry(layer, Math.max(1, Math.min(MAX_ATTEMPT, attempt))));
     return fit(entries);
+  }
+
+  private static int count(String value, char c) {
+    int n = 0;
+    for (int i = 0; i < value.length(); i++) {
+      if (value.charAt(i) == c) {
+        n++;
+      }
+    }
+    return n;
   }
 
   private static String fit(List<Entry> entries) {
@@ -244,6 +263,9 @@ public final class Lineage {
    * retryd.lineage}, untouched and in order, then {@code retryd.lineage=<lineage>}.
    */
   public static String withMember(List<String> baggageValues, String lineage) {
+    if (baggageValues == null || baggageValues.isEmpty()) {
+      return BAGGAGE_MEMBER + "=" + lineage;
+    }
     StringBuilder baggage = new StringBuilder();
     if (baggageValues != null) {
       for (String header : baggageValues) {

@@ -81,6 +81,10 @@ class LineageTest {
     assertTrue(outbound.endsWith("/me:1"), outbound);
     assertTrue(outbound.startsWith("...:2/"), outbound);
     assertTrue(Lineage.isValid(outbound), outbound);
+    String thirtyOne = String.join("/", Collections.nCopies(31, "p:2"));
+    assertEquals(thirtyOne + "/me:1", Lineage.outbound(thirtyOne, "me", 1));
+    assertEquals("me:1", Lineage.outbound("not valid", "me", 1));
+    assertEquals("edge:1/me:1000", Lineage.outbound("edge:1", "me", 5000));
     assertThrows(IllegalArgumentException.class, () -> Lineage.outbound("", "bad layer", 1));
   }
 
