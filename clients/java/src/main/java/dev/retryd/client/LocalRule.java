@@ -48,6 +48,10 @@ import retryd.v1.Retryd.Verdict;
  *       pushback); 401 (gRPC: UNAUTHENTICATED) is retried once with
  *       {@code refreshCredentials} for SAFE calls; 500 never (the policy that could
  *       register it as transient lives in retryd);
+ *   <li>in a call chain (docs/lineage.md), a failure the layer below already
+ *       retried ({@code retried_below}) is DENY RETRIED_BELOW, and a call made
+ *       inside an enclosing retry (an attempt above 1 in {@code lineage}) DENY
+ *       INSIDE_ENCLOSING_RETRY, retryd's default policy (rule 5, after draining);
  *   <li>a negative or unparseable {@code grpc-retry-pushback-ms} is DENY SERVER_PUSHBACK;
  *   <li>the backoff is full jitter from {@code base} capped at {@code maxBackoff},
  *       floored by Retry-After or the pushback (above {@code maxRetryAfter}, or not
@@ -225,6 +229,23 @@ public final class LocalRule {
     if (request.hasGrpcRetryPushbackMs() && request.getGrpcStatusCode() == 0) {
       throw new InvalidRequestException("grpc_retry_pushback_ms: only with grpc_status_code");
     }
+    if (!Lineage.isValid(request.getLineage())) {
+      throw new InvalidRequestException("lineage: entries layer:attempt ([A-Za-z0-9._-]{1,64}, 1..1000), at most 32 and 1024 bytes");
+    }
+    if (!request.getRetriedBelow().isEmpty()) {
+      if (!Lineage.isValidLayer(request.getRetriedBelow())) {
+        throw new InvalidRequestException("retried_below: a layer name, 1 to 64 bytes of [A-Za-z0-9._-]");
+      }
+      // As retryd: the claimed evidence says whether a response came, else a status does.
+      boolean answered =
+          request.getEvidenceValue() == 0
+              ? request.getHttpStatus() != 0 || request.getGrpcStatusCode() != 0
+              : request.getEvidence() == Evidence.EVIDENCE_RESPONSE_RECEIVED
+                  || request.getEvidence() == Evidence.EVIDENCE_PARTIAL_RESPONSE;
+      if (!answered) {
+        throw new InvalidRequestException("retried_below: only with a response");
+      }
+    }
   }
 
   /**
@@ -258,6 +279,18 @@ public final class LocalRule {
     }
     if (request.getRuntimeDraining()) {
       return answer.deny(DenyReason.DENY_REASON_RUNTIME_DRAINING, 5, "the runtime is draining");
+    }
+    // Rule 5 in a call chain (docs/lineage.md): the layer nearest the failure
+    // retries it. One that already did said so; retrying here would multiply
+    // its attempts by ours. Likewise while a layer above retries the request
+    // being served (the default policy: deny inside an enclosing retry).
+    if (!request.getRetriedBelow().isEmpty()) {
+      return answer.deny(DenyReason.DENY_REASON_RETRIED_BELOW, 5,
+          "the layer below (" + request.getRetriedBelow() + ") already retried this failure");
+    }
+    if (Lineage.isInsideEnclosingRetry(request.getLineage())) {
+      return answer.deny(DenyReason.DENY_REASON_INSIDE_ENCLOSING_RETRY, 5,
+          "the call is made inside a retry of an enclosing call (" + request.getLineage() + ")");
     }
     if (deadline != null && deadline.compareTo(policy.minAttemptBudget()) < 0) {
       return answer.deny(DenyReason.DENY_REASON_DEADLINE, 6, "the deadline leaves no room for another attempt");

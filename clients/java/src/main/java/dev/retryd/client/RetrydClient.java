@@ -81,6 +81,7 @@ public final class RetrydClient implements AutoCloseable {
   private final Channel decorated;
   private final Duration timeout;
   private final LocalPolicy fallback;
+  private final String layer;
   private final ScheduledExecutorService scheduler;
   private final ShadowDivergences shadowDivergences;
   private final Outage outage = new Outage();
@@ -101,6 +102,7 @@ public final class RetrydClient implements AutoCloseable {
     this.decorated = ClientInterceptors.intercept(channel, new MetadataInterceptor(builder.headers, builder.traceContext));
     this.timeout = builder.timeout;
     this.fallback = builder.fallback;
+    this.layer = builder.layer != null ? builder.layer : Lineage.defaultLayer();
     this.shadowDivergences = new ShadowDivergences(builder.shadowLogInterval);
     this.scheduler =
         Executors.newSingleThreadScheduledExecutor(
@@ -204,6 +206,7 @@ public final class RetrydClient implements AutoCloseable {
     private Supplier<TraceContext> traceContext = () -> null;
     private final Map<String, String> headers = new LinkedHashMap<>();
     private Duration shadowLogInterval = Duration.ofMinutes(1);
+    private String layer;
 
     private Builder(String target, ManagedChannel channel) {
       this.target = target;
@@ -276,6 +279,20 @@ public final class RetrydClient implements AutoCloseable {
       return this;
     }
 
+    /**
+     * This service's layer name in call chains (docs/lineage.md): the adapters
+     * send it in the {@code retryd.lineage} baggage member, the middleware in
+     * {@code retryd-retried}. 1 to 64 bytes of {@code [A-Za-z0-9._-]}; by default
+     * {@link Lineage#defaultLayer()} ({@code OTEL_SERVICE_NAME}, else the program's name).
+     */
+    public Builder layer(String value) {
+      if (!Lineage.isValidLayer(value)) {
+        throw new IllegalArgumentException("layer: 1 to 64 bytes of [A-Za-z0-9._-], got " + value);
+      }
+      this.layer = value;
+      return this;
+    }
+
     /** The client. */
     public RetrydClient build() {
       return new RetrydClient(this);
@@ -285,6 +302,11 @@ public final class RetrydClient implements AutoCloseable {
   /** The default timeout of a decision. */
   public Duration timeout() {
     return timeout;
+  }
+
+  /** This service's layer name in call chains ({@link Builder#layer}). */
+  public String layer() {
+    return layer;
   }
 
   /** The local rule's limits, or empty if the fallback is off. */

@@ -60,13 +60,23 @@ import retryd.v1.Retryd.Verdict;
  * AmbiguousExecutionException}: {@link AmbiguousExecutionException#of(Throwable)}. Do not also configure a grpc-java
  * retryPolicy for these methods: the two would multiply.
  *
- * <p>About 520 lines, one responsibility: a gRPC call under retryd's
+ * <p>In a call chain (docs/lineage.md) each attempt carries the lineage of
+ * the request being served (the caller's {@link Context}, see {@link Lineage})
+ * plus this layer's entry in the {@code retryd.lineage} baggage member; each
+ * decision carries that lineage and the failed response's {@code retryd-retried}
+ * trailer, and a call that ends in failure after the decision is recorded on
+ * the request being served.
+ *
+ * <p>About 550 lines, one responsibility: a gRPC call under retryd's
  * decisions (the attempt loop, its classification of grpc-java's statuses
  * into evidence, and the deadline-after-send rule), read top to bottom.
  */
 public final class RetrydClientInterceptor implements ClientInterceptor, AutoCloseable {
   /** Declares a call's idempotency: {@code stub.withOption(IDEMPOTENCY, Idempotency.IDEMPOTENCY_SAFE)}. */
   public static final CallOptions.Key<Idempotency> IDEMPOTENCY = CallOptions.Key.create("retryd-idempotency");
+
+  static final Metadata.Key<String> BAGGAGE = Metadata.Key.of("baggage", Metadata.ASCII_STRING_MARSHALLER);
+  static final Metadata.Key<String> RETRIED = Metadata.Key.of(Lineage.RETRIED_HEADER, Metadata.ASCII_STRING_MARSHALLER);
 
   /** A hard stop, whatever retryd or the fallback says. */
   private static final int MAX_LOOP = 100;
@@ -215,11 +225,27 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
 
   /** What grpc-java did with one attempt's stream(s), as its stream tracer saw it. */
   private static final class AttemptTrace extends ClientStreamTracer.Factory {
+    private final String lineage;
     volatile boolean streamCreated;
     volatile boolean trailersReceived;
 
+    AttemptTrace(String lineage) {
+      this.lineage = lineage;
+    }
+
     @Override
     public ClientStreamTracer newClientStreamTracer(ClientStreamTracer.StreamInfo info, Metadata headers) {
+      // The attempt's retryd.lineage member goes in here, on the headers the
+      // transport sends (grpc-java lets a tracer change them): the interceptors
+      // listed before this one run per attempt after it, and one of them may
+      // add baggage of its own (OpenTelemetry's re-sends the inbound member).
+      // The other members pass through untouched.
+      Iterable<String> baggage = headers.removeAll(BAGGAGE);
+      List<String> members = new ArrayList<>();
+      if (baggage != null) {
+        baggage.forEach(members::add);
+      }
+      headers.put(BAGGAGE, Lineage.withMember(members, lineage));
       return new ClientStreamTracer() {
         @Override
         public void streamCreated(io.grpc.Attributes transportAttrs, Metadata headers) {
@@ -261,6 +287,9 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
     // cancellation.
     private final Context context = Context.current();
     private final Deadline contextDeadline = context.getDeadline();
+    // The request being served, if any (docs/lineage.md), from the same context.
+    private final Lineage.Inbound inbound = Lineage.KEY.get(context);
+    private final String inboundLineage = inbound == null ? "" : inbound.lineage();
 
     RetryingCall(MethodDescriptor<Q, R> method, CallOptions options, Channel next, Idempotency declared) {
       this.method = method;
@@ -329,7 +358,11 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
     }
 
     private void startAttempt() {
-      AttemptTrace trace = new AttemptTrace();
+      int number;
+      synchronized (lock) {
+        number = attempt + 1;
+      }
+      AttemptTrace trace = new AttemptTrace(Lineage.outbound(inboundLineage, retryd.layer(), number));
       ClientCall<Q, R> call = next.newCall(method, options.withStreamTracerFactory(trace));
       synchronized (lock) {
         if (done) {
@@ -405,7 +438,12 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
                 .setFailure(outcome.failure())
                 .setGrpcStatusCode(outcome.grpcStatusCode())
                 .setAuthRefreshAttempted(authRefreshAttempted)
-                .setMaxAttempts(maxAttempts);
+                .setMaxAttempts(maxAttempts)
+                .setLineage(inboundLineage);
+        if (trace.trailersReceived) {
+          // The layer below says it already retried (or was denied): only from the server's trailers.
+          Lineage.retriedBelow(trailers.get(RETRIED)).ifPresent(ask::setRetriedBelow);
+        }
         if (outcome.pushback() != null) {
           ask.setGrpcRetryPushbackMs(outcome.pushback());
         }
@@ -495,6 +533,11 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
             return;
           }
           done = true;
+        }
+        if (decision != null && !status.isOk() && inbound != null) {
+          // Ended in failure after retryd's decision: the middleware marks the
+          // served request's failed status with retryd-retried.
+          inbound.markFailedAfterDecision();
         }
         // A call that may have run upstream ends with the ambiguous-execution
         // error as its status's cause, whether retryd said AMBIGUOUS or denied a

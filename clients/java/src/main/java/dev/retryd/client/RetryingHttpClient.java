@@ -68,7 +68,13 @@ import retryd.v1.Retryd.Idempotency;
  * {@link RetryOptions.Builder#onRefreshCredentials} for 401s.) Verified on JDK
  * 17 (HttpAdapterTest counts the requests a server reads, fresh and pooled).
  *
- * <p>About 530 lines, one responsibility: an {@code HttpClient} call under
+ * <p>In a call chain (docs/lineage.md) each attempt carries the lineage of
+ * the request being served ({@link Lineage#current()}) plus this layer's entry
+ * in the {@code retryd.lineage} baggage member; each decision carries that
+ * lineage and the failed response's {@code retryd-retried}, and a call that
+ * ends in failure after the decision is recorded on the request being served.
+ *
+ * <p>About 550 lines, one responsibility: an {@code HttpClient} call under
  * retryd's decisions (the attempt loop, evidence from the JDK's exceptions,
  * and the one-exchange body that refuses the JDK's own re-send).
  */
@@ -189,6 +195,9 @@ public final class RetryingHttpClient implements AutoCloseable {
     String operation = options.operation != null ? options.operation : request.method() + " " + pathOf(request);
     long deadlineAt = options.deadline == null ? 0 : System.nanoTime() + options.deadline.toNanos();
     HttpRequest current = request;
+    // The request being served (docs/lineage.md), read once on the caller's thread.
+    Optional<Lineage.Inbound> inbound = Lineage.current();
+    String inboundLineage = inbound.map(Lineage.Inbound::lineage).orElse("");
     Duration previousBackoff = Duration.ZERO;
     boolean authRefreshAttempted = false;
     Decision last = null;
@@ -207,7 +216,7 @@ public final class RetryingHttpClient implements AutoCloseable {
       // (cut to the deadline) bounds the wait for the headers, the tracking
       // subscriber's timer the body.
       try {
-        response = http.send(oneExchange(current, remaining), tracking);
+        response = http.send(oneExchange(current, remaining, Lineage.outbound(inboundLineage, retryd.layer(), attempt)), tracking);
       } catch (IOException failed) {
         // The JDK wraps the refusal of its own re-send; the refusal says what happened.
         error = ResendRefusedException.in(failed).map(IOException.class::cast).orElse(failed);
@@ -233,7 +242,13 @@ public final class RetryingHttpClient implements AutoCloseable {
               .setFirstByteDelivered(
                   options.bodyDeliveredIncrementally && response == null && tracking.info != null && tracking.delivered)
               .setAuthRefreshAttempted(authRefreshAttempted)
-              .setMaxAttempts(options.maxAttempts);
+              .setMaxAttempts(options.maxAttempts)
+              .setLineage(inboundLineage);
+      // The layer below says it already retried (or was denied): only with a response.
+      HttpResponse.ResponseInfo answered = response != null ? infoOf(response) : tracking.info;
+      if (answered != null) {
+        Lineage.retriedBelow(answered.headers().firstValue(Lineage.RETRIED_HEADER).orElse(null)).ifPresent(ask::setRetriedBelow);
+      }
       if (outcome.retryAfter() != null) {
         ask.setRetryAfter(outcome.retryAfter());
       }
@@ -258,6 +273,7 @@ public final class RetryingHttpClient implements AutoCloseable {
               : retryd.decide(ask.build());
       last = decision;
       if (decision.isOutcomeUnknown()) {
+        inbound.ifPresent(Lineage.Inbound::markFailedAfterDecision);
         // AMBIGUOUS, or a DENY (budget, attempts, deadline) of an attempt that
         // may have taken effect: never the plain failure.
         throw new AmbiguousExecutionException(decision, response, error);
@@ -272,6 +288,9 @@ public final class RetryingHttpClient implements AutoCloseable {
         }
       }
       if (!retry) {
+        // The call ends in failure after retryd's decision: the middleware
+        // marks the served request's failed response with retryd-retried.
+        inbound.ifPresent(Lineage.Inbound::markFailedAfterDecision);
         if (error != null) {
           error.addSuppressed(new DecisionRecord(decision, null));
           throw error;
@@ -366,7 +385,7 @@ public final class RetryingHttpClient implements AutoCloseable {
    * class comment), its timeout cut to the time left (Java 11 has no
    * HttpRequest.newBuilder(request, filter)).
    */
-  private static HttpRequest oneExchange(HttpRequest request, Duration remaining) {
+  private static HttpRequest oneExchange(HttpRequest request, Duration remaining, String lineage) {
     Optional<Duration> own = request.timeout();
     HttpRequest.Builder copy =
         HttpRequest.newBuilder(request.uri())
@@ -378,7 +397,13 @@ public final class RetryingHttpClient implements AutoCloseable {
       own.ifPresent(copy::timeout);
     }
     request.version().ifPresent(copy::version);
-    request.headers().map().forEach((name, values) -> values.forEach(value -> copy.header(name, value)));
+    request.headers().map().forEach((name, values) -> {
+      if (!name.equalsIgnoreCase("baggage")) {
+        values.forEach(value -> copy.header(name, value));
+      }
+    });
+    // The other members pass through untouched; ours is this attempt's.
+    copy.header("baggage", Lineage.withMember(request.headers().allValues("baggage"), lineage));
     return copy.build();
   }
 

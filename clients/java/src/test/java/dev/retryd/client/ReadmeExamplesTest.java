@@ -52,6 +52,7 @@ class ReadmeExamplesTest {
           "  HttpRequest charge;",
           "  ManagedChannel managedChannel;",
           "  ClientInterceptor yourAuthInterceptor;",
+          "  io.grpc.BindableService yourService;",
           "  Object request;",
           "  String target;",
           "  java.util.logging.Logger log;",
