@@ -233,6 +233,8 @@ class Deployment:
     addresses: list[dict[str, str]] = field(default_factory=list)
     # CPU of processes that were killed or replaced, kept for the phase's account.
     lost_cpu: dict[str, float] = field(default_factory=dict)
+    # Every upstream's budget; None: the run's BUDGET.
+    budget: Optional[dict[str, float]] = None
 
     @property
     def key(self) -> str:
@@ -262,7 +264,7 @@ class Deployment:
         if self.kind == "redis":
             lines += [f'url = "redis://127.0.0.1:{self.redis_port}"', f'mode = "{self.mode}"',
                       f'key_prefix = "fleet-{os.getpid()}"']
-        budget = ", ".join(f"{key} = {value}" for key, value in BUDGET.items())
+        budget = ", ".join(f"{key} = {value}" for key, value in (self.budget or BUDGET).items())
         for upstream in self.upstreams:
             lines += ['', f'[upstreams."{upstream}"]', f'budget = {{ {budget} }}']
         return "\n".join(lines) + "\n"
@@ -373,10 +375,12 @@ def plan(args: argparse.Namespace) -> list[Phase]:
     }
     if args.scenario == "all":
         names = [name for name in scenarios if name != "check"]
+    elif args.scenario == "layers":
+        names = []  # run_layers: its phases are chains of tiers, not fleets of callers
     elif args.scenario in scenarios:
         names = [args.scenario]
     else:
-        raise SystemExit(f"fleet: unknown scenario {args.scenario!r}; one of: all, {', '.join(scenarios)}")
+        raise SystemExit(f"fleet: unknown scenario {args.scenario!r}; one of: all, layers, {', '.join(scenarios)}")
     phases = [phase for name in names for phase in scenarios[name]]
     for index, phase in enumerate(phases):
         phase.upstream = f"pay-{index}"
@@ -660,6 +664,249 @@ def summarise(phase: Phase, results: list[dict[str, Any]], stats: dict[str, Any]
     return summary
 
 
+# ------------------------------------------------------------------ layers
+#
+# Issue 31's judge: a call chain of real processes, edge → middle → back →
+# the sick upstream, each tier on the project's clients inbound and
+# outbound (fleet/tier.mjs, fleet/tier.py), and four strategies in one run.
+
+LAYERS_RATE = 20.0  # first requests/s at the edges, both together
+LAYERS_WARM_S = 2.0
+LAYERS_FAULT_S = {"outage": 4.0, "partial": 10.0, "latency": 4.0}
+# Close to retryd's defaults (ratio 0.2 here, floor 1/s) with a small
+# capacity: at these rates a floor of 10/s or a capacity of 50 would be most
+# of the bound, and "one hop's 1 + ratio" would not be what is measured.
+LAYERS_BUDGET = {"capacity": 10.0, "initial": 10.0, "ratio": 0.2, "min_per_second": 1.0}
+# (attempt timeout, deadline) per tier. They nest: a tier's attempt timeout
+# is longer than the whole call of the tier below (its deadline), as
+# deadline propagation gives, so a layer above sees the layer below's answer
+# (a 503/504, marked with lineage) rather than its own timeout. Without
+# nesting, the upper layers time out together with the lower ones and every
+# strategy degenerates into the case lineage.md calls unmarked.
+LAYER_TIMEOUTS = {"edge": (3.0, 9.5), "middle": (0.8, 2.8), "back": (0.15, 0.7)}
+# (label, strategy, lineage)
+LAYER_STRATEGIES = [("naive", "naive", False), ("local", "local", False),
+                    ("retryd, no lineage", "retryd", False), ("retryd, lineage", "retryd", True)]
+# Who runs in which language; the tiers call: edge-i → middle-i → back → upstream.
+LAYER_LANGS = {"edge-0": "typescript", "edge-1": "typescript", "middle-0": "typescript", "middle-1": "typescript",
+               "back": "typescript"}
+
+
+def layer_faults() -> list[dict[str, Any]]:
+    return [{"mode": "outage"}, {"mode": "partial", "p": 0.3}, {"mode": "latency", "delay_ms": LATENCY_DELAY_MS}]
+
+
+def layer_argv(args: argparse.Namespace, lang: str, path: str) -> list[str]:
+    return ([args.python, os.path.join(HERE, "tier.py"), path] if lang == "python"
+            else ["node", os.path.join(HERE, "tier.mjs"), path])
+
+
+def run_layers_phase(index: int, label: str, strategy: str, lineage: bool, fault: dict[str, Any], fault_s: float,
+                     deployment: Deployment, upstream_url: str, args: argparse.Namespace, log_dir: str,
+                     langs: dict[str, str]) -> dict[str, Any]:
+    base = f"layers-{index}"
+    warm = LAYERS_WARM_S
+    services: dict[str, tuple[Proc, str]] = {}
+
+    def tier_config(name: str, role: str, layer: str, downstream: str, retryd_upstream: str, seed: int) -> dict[str, Any]:
+        attempt_timeout, deadline = LAYER_TIMEOUTS[layer]
+        return {"id": seed, "role": role, "layer": layer, "strategy": strategy, "lineage": lineage,
+                "downstream_url": downstream, "retryd_target": deployment.target(seed),
+                "retryd_upstream": retryd_upstream, "seed": 2000 + seed, "attempt_timeout_s": attempt_timeout,
+                "deadline_s": deadline, "out": os.path.join(log_dir, f"{base}-{name}.json")}
+
+    def start_service(name: str, layer: str, downstream: str, retryd_upstream: str, seed: int) -> str:
+        config = tier_config(name, "service", layer, downstream, retryd_upstream, seed)
+        path = os.path.join(log_dir, f"{base}-{name}.config.json")
+        with open(path, "w") as file:
+            json.dump(config, file)
+        proc = Proc(f"{base}-{name}-{langs[name]}", layer_argv(args, langs[name], path), log_dir)
+        port = json.loads(proc.expect(lambda line: line.startswith("{"), 120))["port"]
+        url = f"http://127.0.0.1:{port}"
+        services[name] = (proc, url)
+        return url
+
+    try:
+        back_url = start_service("back", "back", upstream_url, f"{base}-store", 0)
+        middle_urls = [start_service(f"middle-{i}", "middle", back_url, f"{base}-back", 1 + i) for i in range(2)]
+        edges = []
+        for i in range(2):
+            name = f"edge-{i}"
+            config = tier_config(name, "edge", "edge", middle_urls[i], f"{base}-middle", 3 + i)
+            config.update({"rate": LAYERS_RATE / 2, "duration_s": warm + fault_s,
+                           # A call tagged at the very start could reach the
+                           # upstream just before the fault is switched on.
+                           "tag_window_s": [warm + 0.1, warm + fault_s]})
+            path = os.path.join(log_dir, f"{base}-{name}.config.json")
+            with open(path, "w") as file:
+                json.dump(config, file)
+            edges.append((config, Proc(f"{base}-{name}-{langs[name]}", layer_argv(args, langs[name], path), log_dir,
+                                       stdin=True)))
+        for _, proc in edges:
+            proc.expect(lambda line: line == "ready", 120)
+        epoch_ms = int(time.time() * 1000) + 300
+        http_json(f"{upstream_url}/_control", {"reset_epoch_ms": epoch_ms, "fault": {"mode": "ok"}})
+        for _, proc in edges:
+            proc.send(f"go {epoch_ms}")
+        epoch = epoch_ms / 1000
+        delay = epoch + warm - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        http_json(f"{upstream_url}/_control", {"fault": fault})
+        fault_began = time.monotonic()
+        # The fault lasts until every tagged call has ended (each is bounded by
+        # the edge's deadline), so that none of its attempts meets a healthy
+        # upstream.
+        edge_deadline = LAYER_TIMEOUTS["edge"][1]
+        for _, proc in edges:
+            proc.expect(lambda line: line == "done", fault_s + edge_deadline + 60)
+        fault_lasted = time.monotonic() - fault_began
+        http_json(f"{upstream_url}/_control", {"fault": {"mode": "ok"}})
+        upstream_stats = http_json(f"{upstream_url}/_stats")
+        tiers: dict[str, list[dict[str, Any]]] = {"edge": [], "middle": [], "back": []}
+        for config, proc in edges:
+            proc.popen.wait(timeout=30)
+            with open(config["out"]) as file:
+                tiers["edge"].append(json.load(file))
+        for name, (proc, url) in services.items():
+            tiers["back" if name == "back" else "middle"].append(http_json(f"{url}/_stats"))
+    finally:
+        for proc, _ in services.values():
+            proc.stop()
+
+    def tagged(tier: str, name: str) -> int:
+        return sum(int(result["counts"].get(name, {}).get("f", 0)) for result in tiers[tier])
+
+    first = tagged("edge", "first")
+    arrived = {"middle": tagged("middle", "inbound"), "back": tagged("back", "inbound"),
+               "upstream": int(upstream_stats["tagged"].get("f", 0))}
+    decisions: dict[str, dict[str, int]] = {}
+    for tier, results in tiers.items():
+        mine = decisions.setdefault(tier, {})
+        for result in results:
+            for key, count in result["decisions"].items():
+                mine[key] = mine.get(key, 0) + count
+    decide_ms = [v for results in tiers.values() for result in results for v in result["decide_ms"]]
+    # One hop's bound over this fault: the first requests, plus the budget's
+    # ratio of them, plus what the capacity and the floor add over the
+    # fault's duration, divided by the first requests.
+    budget = LAYERS_BUDGET
+    hop_bound = (1 + budget["ratio"] + (budget["initial"] + budget["min_per_second"] * fault_lasted) / first
+                 if first else None)
+    return {
+        "scenario": "layers", "label": label, "strategy": strategy, "lineage": lineage, "fault": fault,
+        "fault_s": fault_s, "fault_lasted_s": fault_lasted, "first": first,
+        "arrived": arrived,
+        "amplification": {tier: (count / first if first else None) for tier, count in arrived.items()},
+        "ok": tagged("edge", "ok"), "success_rate": tagged("edge", "ok") / first if first else None,
+        "decisions": decisions, "hop_bound": hop_bound,
+        "decide_ms": {"n": len(decide_ms), "p50": percentile(decide_ms, 0.5), "p99": percentile(decide_ms, 0.99)},
+        "langs": dict(langs),
+        "cpu_s": {tier: sum(r.get("cpu_s", 0) for r in results) for tier, results in tiers.items()},
+    }
+
+
+def run_layers(args: argparse.Namespace, upstream_url: str, log_dir: str, retryd_bin: str,
+               check_only: bool = False) -> list[dict[str, Any]]:
+    faults = layer_faults()
+    strategies = LAYER_STRATEGIES
+    if check_only:
+        faults, strategies = faults[:1], [LAYER_STRATEGIES[0], LAYER_STRATEGIES[-1]]
+    plan_ = [(fault, s) for fault in faults for s in strategies]
+    upstreams = [f"layers-{i}-{hop}" for i in range(len(plan_)) for hop in ("middle", "back", "store")]
+    deployment = Deployment("memory", "", 1, log_dir, retryd_bin, upstreams, budget=LAYERS_BUDGET)
+    deployment.start()
+    langs = dict(LAYER_LANGS)
+    rows = []
+    try:
+        for index, (fault, (label, strategy, lineage)) in enumerate(plan_):
+            fault_s = LAYERS_FAULT_S[fault["mode"]] if not check_only else 3.0
+            print(f"fleet: layers: {label}, {fault_name(fault)}", flush=True)
+            row = run_layers_phase(index, label, strategy, lineage, fault, fault_s, deployment, upstream_url, args,
+                                   log_dir, langs)
+            rows.append(row)
+            amp = row["amplification"]
+            print(f"  {row['first']} first requests: at middle {fmt(amp['middle'])}×, back {fmt(amp['back'])}×, "
+                  f"upstream {fmt(amp['upstream'])}× (hop bound {fmt(row['hop_bound'])}), "
+                  f"success {pct(row['success_rate'])}; "
+                  + "; ".join(f"{tier}: {deny_summary(d)}" for tier, d in row["decisions"].items()), flush=True)
+    finally:
+        deployment.stop()
+    return rows
+
+
+def layers_table(rows: list[dict[str, Any]]) -> str:
+    out = ["| fault | strategy | first requests | at the middles | at the back | at the upstream | one hop's bound | "
+           "edge success | decide p50 / p99 ms | decisions: edge; middle; back |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for row in rows:
+        amp = row["amplification"]
+        decisions = "; ".join(deny_summary(row["decisions"].get(tier, {})) for tier in ("edge", "middle", "back"))
+        out.append(f"| {fault_name(row['fault'])} | {row['label']} | {row['first']} | {fmt(amp['middle'])}× | "
+                   f"{fmt(amp['back'])}× | **{fmt(amp['upstream'])}×** | {fmt(row['hop_bound'])}× | "
+                   f"{pct(row['success_rate'])} | {fmt(row['decide_ms']['p50'], 1)} / {fmt(row['decide_ms']['p99'], 1)} | "
+                   f"{decisions} |")
+    return "\n".join(out)
+
+
+def layers_plot(rows: list[dict[str, Any]], out_dir: str) -> str:
+    name = "layers.svg"
+    faults = []
+    for row in rows:
+        if fault_name(row["fault"]) not in faults:
+            faults.append(fault_name(row["fault"]))
+    labels = []
+    for row in rows:
+        if row["label"] not in labels:
+            labels.append(row["label"])
+    values = {(fault_name(row["fault"]), row["label"]): row["amplification"]["upstream"] or 0 for row in rows}
+    svg.bar_chart(os.path.join(out_dir, name),
+                  "Requests at the failing upstream per first request at the edge (edge → middle → back → upstream)",
+                  faults, [(label, [values.get((fault, label), 0.0) for fault in faults]) for label in labels],
+                  ylabel="amplification (log scale)", reference=(27.0, "27× = 3 × 3 × 3"))
+    return name
+
+
+def layers_report(rows: list[dict[str, Any]], plot_dir: str, plot_name: str, args: argparse.Namespace) -> str:
+    rel = os.path.relpath(plot_dir, os.path.join(REPO, "docs"))
+    langs = rows[0]["langs"] if rows else {}
+    by_lang = ", ".join(f"{name} {lang}" for name, lang in langs.items())
+    budget = ", ".join(f"{key} {value:g}" for key, value in LAYERS_BUDGET.items())
+    lines = [f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `{git_head()}`, `scripts/fleet layers`, "
+             f"retryd `{args.retryd_bin_label}` (1 replica, memory store; budget per hop: {budget}), "
+             f"{LAYERS_RATE:g} first requests/s at the edges, {LAYERS_WARM_S:g} s healthy, then the fault "
+             f"({', '.join(f'{mode} {s:g} s' for mode, s in LAYERS_FAULT_S.items())} of first requests, held until "
+             f"the last of them ended); tiers: {by_lang}; load average {os.getloadavg()[0]:.2f} at the end.", "",
+             layers_table(rows), "", f"![layers]({rel}/{plot_name})", ""]
+    return "\n".join(lines)
+
+
+def layers_check(rows: list[dict[str, Any]]) -> list[str]:
+    """The short layers assertions: lineage holds the chain to one hop's bound, naive shows the problem."""
+    failures = []
+    for row in rows:
+        amp = row["amplification"]
+        if not row["first"]:
+            failures.append(f"layers {row['label']}: no first requests were tagged")
+            continue
+        if row["label"] == "naive" and row["fault"]["mode"] == "outage" and (amp["upstream"] or 0) < 10:
+            failures.append(f"layers naive: amplification {fmt(amp['upstream'])}× < 10× (the baseline does not "
+                            "show the problem)")
+        if row["lineage"]:
+            for tier in ("middle", "back", "upstream"):
+                if amp[tier] is None or amp[tier] > row["hop_bound"]:
+                    failures.append(f"layers {row['label']}: {fmt(amp[tier])}× at the {tier}, above one hop's bound "
+                                    f"{fmt(row['hop_bound'])}×")
+            if row["fault"]["mode"] == "outage":
+                below = sum(d.get("DENY:RETRIED_BELOW", 0) for d in row["decisions"].values())
+                retried = row["decisions"].get("back", {}).get("RETRY", 0)
+                if not below:
+                    failures.append(f"layers {row['label']}: no DENY RETRIED_BELOW above the back (lineage untested)")
+                if not retried:
+                    failures.append(f"layers {row['label']}: the back was granted no retry (nothing was tested)")
+    return failures
+
+
 # ------------------------------------------------------------------ report
 
 
@@ -901,6 +1148,7 @@ def main() -> int:
     upstream_url = f"http://127.0.0.1:{json.loads(upstream.expect(lambda l: l.startswith('{'), 30))['port']}"
     deployments: dict[str, Deployment] = {}
     rows = []
+    layer_rows: list[dict[str, Any]] = []
     try:
         for phase in phases:
             deployment = deployments.get(phase.deployment)
@@ -922,24 +1170,36 @@ def main() -> int:
                   f"decisions {deny_summary(row['decisions'])}"
                   + (f", budget {row['budget']['granted']:.0f} granted ≤ {row['budget']['bound']:.0f}"
                      if "budget" in row else ""), flush=True)
+        for deployment in deployments.values():
+            deployment.stop()
+        deployments.clear()
+        if args.scenario in ("all", "layers", "check"):
+            layer_rows = run_layers(args, upstream_url, log_dir, retryd_bin, check_only=short)
     finally:
         for deployment in deployments.values():
             deployment.stop()
         upstream.stop()
         with open(os.path.join(log_dir, "results.json"), "w") as file:
-            json.dump(rows, file, indent=1)
+            json.dump(rows + layer_rows, file, indent=1)
 
     plot_dir = os.path.join(REPO, "docs", "fleet") if args.update else log_dir
     os.makedirs(plot_dir, exist_ok=True)
-    names = plots(rows, plot_dir)
-    report = write_report(rows, args, plot_dir, names)
+    report = ""
+    if rows:
+        names = plots(rows, plot_dir)
+        report = write_report(rows, args, plot_dir, names)
+        if args.update:
+            update_doc(report)
+    if layer_rows:
+        layers = layers_report(layer_rows, plot_dir, layers_plot(layer_rows, plot_dir), args)
+        report += "\n" + layers
+        if args.update and not short:
+            update_doc(layers, "fleet-layers")
     with open(os.path.join(log_dir, "report.md"), "w") as file:
         file.write(report)
-    if args.update:
-        update_doc(report)
     print(f"fleet: results in {log_dir}/results.json, report {log_dir}/report.md, plots in {plot_dir}", flush=True)
     if args.check:
-        failures = check(rows)
+        failures = check(rows) + layers_check(layer_rows)
         if failures:
             print("fleet check FAILED:\n  " + "\n  ".join(failures), file=sys.stderr)
             return 1
@@ -948,11 +1208,11 @@ def main() -> int:
     return 0
 
 
-def update_doc(report: str) -> None:
+def update_doc(report: str, marker: str = "fleet") -> None:
     path = os.path.join(REPO, "docs", "fleet.md")
     with open(path) as file:
         text = file.read()
-    begin, end = "<!-- fleet:begin -->", "<!-- fleet:end -->"
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
     if begin not in text or end not in text:
         raise SystemExit(f"fleet: {path} has no {begin} … {end} markers")
     head, rest = text.split(begin, 1)
