@@ -11,6 +11,9 @@ Quick start::
         time.sleep(decision.backoff)
 
 With httpx, :func:`retryd.httpx.request_with_retries` does the whole loop.
+In a call chain, :class:`LineageMiddleware` (ASGI) and
+:class:`LineageServerInterceptor` (grpcio) carry the lineage that lets only
+one layer retry (:mod:`retryd.lineage`, docs/lineage.md).
 The generated protobuf stubs live in :mod:`retryd.v1` (built from
 proto/retryd/v1/retryd.proto when the package is built).
 """
@@ -29,15 +32,19 @@ from ._types import (
     UnknownOutcome,
     Verdict,
 )
+from .asgi import LineageMiddleware
 from .client import AsyncClient, Client
 from .errors import AmbiguousExecutionError, InvalidRequestError, RetrydError, RetrydUnavailableError
 from .fallback import DEFAULT_LOCAL_POLICY, LocalPolicy, effective_evidence, local_decide
+from .grpc_server import AsyncLineageServerInterceptor, LineageServerInterceptor
+from .lineage import current_lineage, default_layer, serving
 from .reporter import AsyncTrafficReporter, ReportResult, TrafficReporter
 from .shadow import DEFAULT_SHADOW_LOG_INTERVAL
 
 __all__ = [
     "AmbiguousExecutionError",
     "AsyncClient",
+    "AsyncLineageServerInterceptor",
     "AsyncTrafficReporter",
     "Body",
     "BodyKind",
@@ -52,6 +59,8 @@ __all__ = [
     "GrpcCode",
     "Idempotency",
     "InvalidRequestError",
+    "LineageMiddleware",
+    "LineageServerInterceptor",
     "LocalPolicy",
     "Replayability",
     "ReportResult",
@@ -60,6 +69,9 @@ __all__ = [
     "TrafficReporter",
     "UnknownOutcome",
     "Verdict",
+    "current_lineage",
+    "default_layer",
     "effective_evidence",
     "local_decide",
+    "serving",
 ]

@@ -106,6 +106,10 @@ class DenyReason(enum.IntEnum):
     RETRIES_DISABLED = 9
     BUDGET_UNAVAILABLE = 10
     SERVER_PUSHBACK = 11
+    #: The layer below already retried this failure, or was denied (``retried_below``).
+    RETRIED_BELOW = 12
+    #: The call is made inside a retry of an enclosing call (an attempt above 1 in ``lineage``).
+    INSIDE_ENCLOSING_RETRY = 13
 
 
 class UnknownOutcome(enum.IntEnum):

@@ -47,6 +47,7 @@ from ._types import (
 )
 from .errors import InvalidRequestError, RetrydError, RetrydUnavailableError
 from .fallback import DEFAULT_LOCAL_POLICY, LocalPolicy, local_decide
+from .lineage import check_layer
 from .outage import Outage
 from .reporter import MAX_TRAFFIC_ENTRIES, AsyncTrafficReporter, ReportResult, TrafficReporter
 from .shadow import DEFAULT_SHADOW_LOG_INTERVAL, ShadowDivergences, differs
@@ -307,8 +308,12 @@ class _Base:
         fallback: Optional[LocalPolicy],
         metadata: Sequence[tuple[str, str]],
         shadow_log_interval: float,
+        layer: Optional[str],
     ) -> None:
         self.timeout = timeout
+        #: This service's name in a call chain's lineage (docs/lineage.md): the
+        #: adapters send ``<inbound lineage>/<layer>:<attempt>`` on each attempt.
+        self.layer = check_layer(layer)
         self.fallback = fallback
         self._metadata = list(metadata)
         #: The fallback's outage: one warning when retryd stops answering, one when it is back.
@@ -358,6 +363,8 @@ class _Base:
             max_attempts=args["max_attempts"],
             grpc_status_code=int(args["grpc_status_code"]),
             grpc_retry_pushback_ms=args["grpc_retry_pushback_ms"],
+            lineage=args["lineage"],
+            retried_below=args["retried_below"],
             reason=reason,
         )
 
@@ -409,6 +416,8 @@ class _Base:
             auth_refresh_attempted=args["auth_refresh_attempted"],
             max_attempts=args["max_attempts"],
             grpc_status_code=int(args["grpc_status_code"]),
+            lineage=args["lineage"],
+            retried_below=args["retried_below"],
         )
         if args["grpc_retry_pushback_ms"] is not None:
             # Presence matters: an empty value is garbage (DENY SERVER_PUSHBACK),
@@ -468,6 +477,8 @@ def _args(
     max_attempts: int,
     grpc_status_code: GrpcCodeLike,
     grpc_retry_pushback_ms: Optional[str],
+    lineage: str = "",
+    retried_below: str = "",
 ) -> dict[str, Any]:
     return dict(
         upstream=upstream,
@@ -487,6 +498,8 @@ def _args(
         max_attempts=max_attempts,
         grpc_status_code=grpc_status_code,
         grpc_retry_pushback_ms=grpc_retry_pushback_ms,
+        lineage=lineage,
+        retried_below=retried_below,
     )
 
 
@@ -495,7 +508,7 @@ _DECIDE_DEFAULTS: dict[str, Any] = dict(
     operation="", evidence=Evidence.UNSPECIFIED, failure=FailureKind.UNSPECIFIED, http_status=0,
     retry_after=None, deadline_remaining=None, body=None, first_byte_delivered=False,
     runtime_draining=False, auth_refresh_attempted=False, previous_backoff=None, max_attempts=0,
-    grpc_status_code=0, grpc_retry_pushback_ms=None,
+    grpc_status_code=0, grpc_retry_pushback_ms=None, lineage="", retried_below="",
 )
 
 
@@ -537,9 +550,10 @@ class Client(_Base):
         report_interval: float = 1.0,
         shadow_log_interval: float = DEFAULT_SHADOW_LOG_INTERVAL,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        layer: Optional[str] = None,
     ) -> None:
         super().__init__(timeout=timeout, fallback=fallback, metadata=metadata,
-                         shadow_log_interval=shadow_log_interval)
+                         shadow_log_interval=shadow_log_interval, layer=layer)
         self.target = target
         self.report_interval = report_interval
         self._reporter: Optional[TrafficReporter] = None
@@ -572,6 +586,8 @@ class Client(_Base):
         max_attempts: int = 0,
         grpc_status_code: GrpcCodeLike = 0,
         grpc_retry_pushback_ms: Optional[str] = None,
+        lineage: str = "",
+        retried_below: str = "",
         timeout: Optional[float] = None,
     ) -> Decision:
         """Asks retryd whether the failed ``attempt`` (1 = the first) may be retried.
@@ -580,7 +596,10 @@ class Client(_Base):
         proto/retryd/v1/retryd.proto. Durations are seconds or timedeltas.
         For a gRPC call, ``grpc_status_code`` is the code's number (or a
         :class:`~retryd.GrpcCode`) and ``grpc_retry_pushback_ms`` the raw
-        trailer value, None when the server sent none.
+        trailer value, None when the server sent none. ``lineage`` is the
+        inbound request's lineage (docs/lineage.md, without this layer's
+        entry) and ``retried_below`` the failed response's ``retryd-retried``
+        value; the adapters fill both in from :mod:`retryd.lineage`.
 
         The call to retryd waits at most the client's ``timeout``, less when
         ``deadline_remaining`` is shorter (never below 50 ms); a ``timeout``
@@ -589,7 +608,7 @@ class Client(_Base):
         args = _args(upstream, idempotency, attempt, operation, evidence, failure, http_status,
                      retry_after, deadline_remaining, body, first_byte_delivered, runtime_draining,
                      auth_refresh_attempted, previous_backoff, max_attempts, grpc_status_code,
-                     grpc_retry_pushback_ms)
+                     grpc_retry_pushback_ms, lineage, retried_below)
         deadline_remaining = self._connecting.wait(_seconds(deadline_remaining))
         args["deadline_remaining"] = deadline_remaining
         request = self._request(args)
@@ -713,9 +732,10 @@ class AsyncClient(_Base):
         report_interval: float = 1.0,
         shadow_log_interval: float = DEFAULT_SHADOW_LOG_INTERVAL,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        layer: Optional[str] = None,
     ) -> None:
         super().__init__(timeout=timeout, fallback=fallback, metadata=metadata,
-                         shadow_log_interval=shadow_log_interval)
+                         shadow_log_interval=shadow_log_interval, layer=layer)
         self.target = target
         self.report_interval = report_interval
         self._reporter: Optional[AsyncTrafficReporter] = None
@@ -747,13 +767,15 @@ class AsyncClient(_Base):
         max_attempts: int = 0,
         grpc_status_code: GrpcCodeLike = 0,
         grpc_retry_pushback_ms: Optional[str] = None,
+        lineage: str = "",
+        retried_below: str = "",
         timeout: Optional[float] = None,
     ) -> Decision:
         """See :meth:`Client.decide`."""
         args = _args(upstream, idempotency, attempt, operation, evidence, failure, http_status,
                      retry_after, deadline_remaining, body, first_byte_delivered, runtime_draining,
                      auth_refresh_attempted, previous_backoff, max_attempts, grpc_status_code,
-                     grpc_retry_pushback_ms)
+                     grpc_retry_pushback_ms, lineage, retried_below)
         deadline_remaining = await self._connecting.wait(_seconds(deadline_remaining))
         args["deadline_remaining"] = deadline_remaining
         request = self._request(args)

@@ -8,6 +8,10 @@ the local rule only ever allows less than retryd would:
 - it never retries a one-shot body, a response already delivered, a
   draining runtime, a deadline below ``min_attempt_budget``, or a permanent
   failure (profile rejection, invalid certificate, request encoding);
+- in a call chain (docs/lineage.md) it never retries a failure the layer
+  below already retried (``retried_below``: DENY RETRIED_BELOW) nor a call
+  made inside an enclosing retry (an attempt above 1 in ``lineage``: DENY
+  INSIDE_ENCLOSING_RETRY, retryd's default policy), both at rule 5;
 - it never retries what may have been sent unless the operation is safely
   idempotent: only proven NOT_SENT is retried for a NON_IDEMPOTENT call;
   a request that may have been sent is AMBIGUOUS when no response (or only
@@ -55,6 +59,7 @@ from ._types import (
     UnknownOutcome,
     Verdict,
 )
+from .lineage import enclosing_retry
 
 _NOT_SENT_PROOF = {
     FailureKind.DNS,
@@ -217,6 +222,8 @@ def local_decide(
     max_attempts: int = 0,
     grpc_status_code: int = 0,
     grpc_retry_pushback_ms: Optional[str] = None,
+    lineage: str = "",
+    retried_below: str = "",
     reason: str = "retryd unreachable",
     rng: Optional[random.Random] = None,
 ) -> Decision:
@@ -256,6 +263,11 @@ def local_decide(
         return deny(DenyReason.RESPONSE_ALREADY_DELIVERED, 4, "the response was already delivered")
     if runtime_draining:
         return deny(DenyReason.RUNTIME_DRAINING, 5, "the runtime is draining")
+    if retried_below:
+        return deny(DenyReason.RETRIED_BELOW, 5, f"the layer below ({retried_below}) already retried this failure")
+    if enclosing_retry(lineage):
+        return deny(DenyReason.INSIDE_ENCLOSING_RETRY, 5,
+                    f"the call is made inside a retry of an enclosing call (lineage {lineage})")
     if deadline_remaining is not None and deadline_remaining < policy.min_attempt_budget:
         return deny(DenyReason.DEADLINE, 6, "the deadline leaves no room for another attempt")
     if int(failure) in PERMANENT_FAILURES:

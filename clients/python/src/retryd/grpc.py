@@ -72,6 +72,15 @@ import grpc.aio
 from ._types import Body, Decision, Evidence, FailureKind, Idempotency, IdempotencyLike
 from .client import AsyncClient, Client, Seconds, _seconds
 from .errors import AmbiguousExecutionError, describe_ambiguity
+from .lineage import (
+    RETRIED_HEADER,
+    baggage_with_lineage,
+    current_lineage,
+    format_lineage,
+    parse_lineage,
+    record_failure_after_decision,
+    retried_below_of,
+)
 
 #: The trailer of gRFC A6, passed to retryd raw.
 PUSHBACK_TRAILER = "grpc-retry-pushback-ms"
@@ -105,6 +114,8 @@ class GrpcOutcome:
     grpc_status_code: int
     grpc_retry_pushback_ms: Optional[str] = None
     first_byte_delivered: bool = False
+    #: The ``retryd-retried`` trailer's layer (docs/lineage.md), ``""`` when absent, invalid or no answer came.
+    retried_below: str = ""
 
     def decide_kwargs(self) -> dict[str, Any]:
         """The matching keyword arguments of :meth:`retryd.Client.decide`."""
@@ -114,6 +125,7 @@ class GrpcOutcome:
             "grpc_status_code": self.grpc_status_code,
             "grpc_retry_pushback_ms": self.grpc_retry_pushback_ms,
             "first_byte_delivered": self.first_byte_delivered,
+            "retried_below": self.retried_below,
         }
 
 
@@ -124,11 +136,15 @@ def _code_number(code: Optional[grpc.StatusCode]) -> int:
     return int(number)
 
 
-def _pushback(trailers: Any) -> Optional[str]:
+def _trailer(trailers: Any, name: str) -> Optional[str]:
     for key, value in trailers or ():
-        if key.lower() == PUSHBACK_TRAILER:
+        if key.lower() == name:
             return value if isinstance(value, str) else bytes(value).decode("latin-1")
     return None
+
+
+def _pushback(trailers: Any) -> Optional[str]:
+    return _trailer(trailers, PUSHBACK_TRAILER)
 
 
 def classify_rpc_error(error: grpc.RpcError, *, messages_received: int = 0) -> GrpcOutcome:
@@ -143,10 +159,14 @@ def classify_rpc_error(error: grpc.RpcError, *, messages_received: int = 0) -> G
     number = _code_number(code)
     details = (call.details() or "").lower()
     delivered = messages_received > 0
-    pushback = _pushback(call.trailing_metadata())
+    trailers = call.trailing_metadata()
+    pushback = _pushback(trailers)
+    below = retried_below_of(_trailer(trailers, RETRIED_HEADER))
 
     def outcome(evidence: Evidence, failure: FailureKind = FailureKind.UNSPECIFIED) -> GrpcOutcome:
-        return GrpcOutcome(evidence, failure, number, pushback, delivered)
+        # retryd takes retried_below only with an answer (any other is INVALID_ARGUMENT).
+        answered = evidence in (Evidence.RESPONSE_RECEIVED, Evidence.PARTIAL_RESPONSE)
+        return GrpcOutcome(evidence, failure, number, pushback, delivered, below if answered else "")
 
     if pushback is not None:
         return outcome(Evidence.RESPONSE_RECEIVED)
@@ -379,9 +399,20 @@ class _Call:
         self.attempt = 0
         self.previous_backoff: Optional[float] = None
         self.auth_refresh_attempted = False
+        # The request being served when the call starts (docs/lineage.md).
+        self.lineage = current_lineage()
 
     def remaining(self) -> Optional[float]:
         return None if self.deadline_at is None else max(0.0, self.deadline_at - self.clock())
+
+    def carry_lineage(self, metadata: Any) -> list[tuple[str, Any]]:
+        """The attempt's metadata with ``<lineage>/<layer>:<attempt>`` in its baggage, other members untouched."""
+        pairs = list(metadata or ())
+        baggage = [value if isinstance(value, str) else bytes(value).decode("latin-1")
+                   for key, value in pairs if key.lower() == "baggage"]
+        sent = format_lineage(parse_lineage(self.lineage) + [(self.policy.retryd.layer, self.attempt)])
+        return [(key, value) for key, value in pairs if key.lower() != "baggage"] + [
+            ("baggage", baggage_with_lineage(baggage, sent))]
 
     def begin(self) -> Optional[float]:
         """Counts the attempt; returns its timeout (the rest of the deadline, or less)."""
@@ -405,6 +436,7 @@ class _Call:
             auth_refresh_attempted=self.auth_refresh_attempted,
             previous_backoff=self.previous_backoff,
             max_attempts=self.policy.max_attempts,
+            lineage=self.lineage,
             **outcome.decide_kwargs(),
         )
 
@@ -486,10 +518,11 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
                       self._clock)
         metadata = client_call_details.metadata
         while True:
+            timeout = state.begin()
             details = _SyncDetails(
                 client_call_details.method,
-                state.begin(),
-                metadata,
+                timeout,
+                state.carry_lineage(metadata),
                 client_call_details.credentials,
                 client_call_details.wait_for_ready,
                 getattr(client_call_details, "compression", None),
@@ -519,6 +552,7 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
                     self._sleep(wait)  # no call is in flight while waiting
                 retry = not state.out_of_time()
             if not retry:
+                record_failure_after_decision()
                 # An unknown outcome (AMBIGUOUS, or a DENY with a mark) is never the plain failure.
                 return AmbiguousRpcError(decision, error) if decision.is_outcome_unknown else outcome
 
@@ -561,10 +595,11 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
                       self._clock)
         metadata = client_call_details.metadata
         while True:
+            timeout = state.begin()
             details = grpc.aio.ClientCallDetails(
                 client_call_details.method,
-                state.begin(),
-                metadata,
+                timeout,
+                grpc.aio.Metadata(*state.carry_lineage(metadata)),
                 client_call_details.credentials,
                 client_call_details.wait_for_ready,
             )
@@ -594,6 +629,7 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
                         await self._sleep(wait)
                     retry = not state.out_of_time()
                 if not retry:
+                    record_failure_after_decision()
                     if decision.is_outcome_unknown:
                         raise AmbiguousAioRpcError(decision, error) from error
                     raise

@@ -68,6 +68,15 @@ import httpx
 from ._types import Body, Decision, Evidence, FailureKind, IdempotencyLike
 from .client import AsyncClient, Client, Seconds, _seconds
 from .errors import AmbiguousExecutionError
+from .lineage import (
+    RETRIED_HEADER,
+    baggage_with_lineage,
+    current_lineage,
+    format_lineage,
+    parse_lineage,
+    record_failure_after_decision,
+    retried_below_of,
+)
 from .reporter import TrafficReporter
 
 #: Statuses worth asking retryd about; any other response is returned as is.
@@ -85,6 +94,8 @@ class Outcome:
     failure: FailureKind = FailureKind.UNSPECIFIED
     http_status: int = 0
     retry_after: Optional[str] = None
+    #: The response's ``retryd-retried`` layer (docs/lineage.md), ``""`` when absent or invalid.
+    retried_below: str = ""
 
     def decide_kwargs(self) -> dict[str, Any]:
         """The matching keyword arguments of :meth:`retryd.Client.decide`."""
@@ -93,6 +104,7 @@ class Outcome:
             "failure": self.failure,
             "http_status": self.http_status,
             "retry_after": self.retry_after,
+            "retried_below": self.retried_below,
         }
 
 
@@ -124,11 +136,12 @@ def _connect_failure(exc: BaseException) -> FailureKind:
 
 
 def classify_response(response: httpx.Response) -> Outcome:
-    """A response that arrived: its status and Retry-After."""
+    """A response that arrived: its status, Retry-After and ``retryd-retried``."""
     return Outcome(
         evidence=Evidence.RESPONSE_RECEIVED,
         http_status=response.status_code,
         retry_after=response.headers.get("retry-after"),
+        retried_below=retried_below_of(response.headers.get(RETRIED_HEADER)),
     )
 
 
@@ -141,16 +154,17 @@ def classify_exception(exc: BaseException, *, response: Optional[httpx.Response]
     if response is not None:
         status = response.status_code
         retry_after = response.headers.get("retry-after")
+        below = retried_below_of(response.headers.get(RETRIED_HEADER))
         if isinstance(exc, httpx.DecodingError):
             # Every byte arrived; they just could not be decoded.
-            return Outcome(Evidence.RESPONSE_RECEIVED, FailureKind.UNSPECIFIED, status, retry_after)
+            return Outcome(Evidence.RESPONSE_RECEIVED, FailureKind.UNSPECIFIED, status, retry_after, below)
         if isinstance(exc, httpx.TimeoutException):
             failure = FailureKind.INTERRUPTED_STREAM
         elif isinstance(exc, (httpx.ReadError, httpx.RemoteProtocolError)):
             failure = FailureKind.DECODE_RESET
         else:
             failure = FailureKind.GENERIC_IO
-        return Outcome(Evidence.PARTIAL_RESPONSE, failure, status, retry_after)
+        return Outcome(Evidence.PARTIAL_RESPONSE, failure, status, retry_after, below)
 
     if isinstance(exc, httpx.PoolTimeout):
         return Outcome(Evidence.NOT_SENT, FailureKind.POOL_TIMEOUT)
@@ -294,8 +308,12 @@ class _Loop:
         max_attempts: int,
         reporter: Optional[_Records],
         clock: Callable[[], float],
+        layer: str,
     ) -> None:
         self.upstream = upstream
+        self.layer = layer
+        # The request being served when the call starts (docs/lineage.md).
+        self.lineage = current_lineage()
         self.clock = clock
         self.idempotency = idempotency
         self.operation = operation
@@ -323,6 +341,12 @@ class _Loop:
         base = default_timeout if given is httpx.USE_CLIENT_DEFAULT else httpx.Timeout(given)
         return {**build, "timeout": _capped(base, self.remaining())}
 
+    def carry_lineage(self, request: httpx.Request) -> httpx.Request:
+        """Puts ``<lineage>/<layer>:<attempt>`` in the attempt's baggage, other members untouched."""
+        sent = format_lineage(parse_lineage(self.lineage) + [(self.layer, self.attempt)])
+        request.headers["baggage"] = baggage_with_lineage(request.headers.get_list("baggage"), sent)
+        return request
+
     def decide_kwargs(self, outcome: Outcome) -> dict[str, Any]:
         return dict(
             upstream=self.upstream,
@@ -334,6 +358,7 @@ class _Loop:
             auth_refresh_attempted=self.auth_refresh_attempted,
             previous_backoff=self.previous_backoff,
             max_attempts=self.max_attempts,
+            lineage=self.lineage,
             **outcome.decide_kwargs(),
         )
 
@@ -352,7 +377,10 @@ class _Loop:
 
         A call whose outcome is unknown (AMBIGUOUS, or a DENY carrying a mark)
         raises :class:`AmbiguousExecutionError`, never the plain failure.
+        Either way the call ended in failure after retryd's decision: the
+        inbound middleware marks the handler's failed response (docs/lineage.md).
         """
+        record_failure_after_decision()
         if decision.is_outcome_unknown:
             if response is not None:
                 self.finish(response, decision)
@@ -463,9 +491,10 @@ def request_with_retries(
         max_attempts=max_attempts,
         reporter=_reporter_for(retryd, reporter),
         clock=clock,
+        layer=retryd.layer,
     )
     while True:
-        request = http.build_request(method, url, **loop.begin(build, http.timeout))
+        request = loop.carry_lineage(http.build_request(method, url, **loop.begin(build, http.timeout)))
         response: Optional[httpx.Response] = None
         error: Optional[BaseException] = None
         try:
@@ -542,9 +571,10 @@ async def arequest_with_retries(
         max_attempts=max_attempts,
         reporter=_reporter_for(retryd, reporter),
         clock=clock,
+        layer=retryd.layer,
     )
     while True:
-        request = http.build_request(method, url, **loop.begin(build, http.timeout))
+        request = loop.carry_lineage(http.build_request(method, url, **loop.begin(build, http.timeout)))
         response: Optional[httpx.Response] = None
         error: Optional[BaseException] = None
         try:
