@@ -775,6 +775,12 @@ def run_layers_phase(index: int, label: str, strategy: str, lineage: bool, fault
         edge_deadline = LAYER_TIMEOUTS["edge"][1]
         for _, proc in edges:
             proc.expect(lambda line: line == "done", fault_s + edge_deadline + 60)
+        # An edge that gave up at its deadline leaves its last call running
+        # below (at most a middle's deadline): the fault stays until the
+        # tiers have served everything, so that no tagged attempt meets a
+        # healthy upstream.
+        wait_until(lambda: all(http_json(f"{url}/_stats")["in_flight"] == 0 for _, url in services.values()),
+                   LAYER_TIMEOUTS["middle"][1] + 10, "the tiers to finish their calls")
         fault_lasted = time.monotonic() - fault_began
         http_json(f"{upstream_url}/_control", {"fault": {"mode": "ok"}})
         upstream_stats = http_json(f"{upstream_url}/_stats")

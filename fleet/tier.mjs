@@ -93,6 +93,7 @@ class TpsBudget {
 const counts = {}; // name -> tag -> n
 const decisions = {};
 const decideMs = [];
+let inFlight = 0; // inbound requests being served (the runner waits for 0)
 function add(name, tag) {
   counts[name] ??= {};
   counts[name][tag] = (counts[name][tag] ?? 0) + 1;
@@ -186,7 +187,7 @@ function serve() {
   const handle = (request, response) => {
     const route = request.url.split('?')[0];
     if (route === '/_stats') {
-      reply(response, 200, { lang: 'typescript', layer: config.layer, counts, decisions, decide_ms: decideMs, cpu_s: cpuSeconds() });
+      reply(response, 200, { lang: 'typescript', layer: config.layer, counts, decisions, decide_ms: decideMs, cpu_s: cpuSeconds(), in_flight: inFlight });
       return;
     }
     const match = /^\/items\/(\d+)$/.exec(route);
@@ -196,7 +197,8 @@ function serve() {
     }
     const tag = request.headers[TAG] === 'f' ? 'f' : '-';
     add('inbound', tag);
-    callDownstream(Number(match[1]), tag).then(
+    inFlight += 1;
+    callDownstream(Number(match[1]), tag).finally(() => { inFlight -= 1; }).then(
       (outcome) => {
         add(outcome, tag);
         reply(response, outcome === 'ok' ? 200 : outcome === 'failed' ? 503 : 504, { outcome, layer: config.layer });

@@ -77,6 +77,7 @@ class Tier:
         self.counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self.decisions: collections.Counter[str] = collections.Counter()
         self.decide_ms: list[float] = []
+        self.in_flight = 0  # inbound requests being served (the runner waits for 0)
         self.budget = TpsBudget() if self.strategy == "local" else None
         self.retryd: AsyncClient | None = None
         self.http: httpx.AsyncClient | None = None
@@ -163,7 +164,7 @@ class Tier:
         return {"lang": "python", "layer": self.config["layer"],
                 "counts": {name: dict(counter) for name, counter in self.counts.items()},
                 "decisions": dict(self.decisions), "decide_ms": self.decide_ms,
-                "cpu_s": usage.ru_utime + usage.ru_stime}
+                "cpu_s": usage.ru_utime + usage.ru_stime, "in_flight": self.in_flight}
 
     async def app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """The service as a plain ASGI app."""
@@ -188,7 +189,11 @@ class Tier:
         headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
         tag = "f" if headers.get(TAG) == "f" else "-"
         self.counts["inbound"][tag] += 1
-        outcome = await self.call_downstream(int(match.group(1)), tag)
+        self.in_flight += 1
+        try:
+            outcome = await self.call_downstream(int(match.group(1)), tag)
+        finally:
+            self.in_flight -= 1
         self.counts[outcome][tag] += 1
         await self.reply(send, 200 if outcome == "ok" else 503 if outcome == "failed" else 504,
                          {"outcome": outcome, "layer": self.config["layer"]})
