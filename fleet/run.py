@@ -826,6 +826,9 @@ def run_layers_phase(index: int, label: str, strategy: str, lineage: bool, fault
         "decisions": decisions, "hop_bound": hop_bound,
         "decide_ms": {"n": len(decide_ms), "p50": percentile(decide_ms, 0.5), "p99": percentile(decide_ms, 0.99)},
         "langs": dict(langs),
+        # The machine's 1-minute load at the phase's end: the tiers' CPU is
+        # what a busy machine takes first (decide waits, attempt timeouts).
+        "load": os.getloadavg()[0],
         # Each process's own counters (without the decide times), for a look at one tier.
         "per_process": {name: {"lang": stats["lang"], "counts": stats["counts"], "decisions": stats["decisions"]}
                         for name, stats in per_process.items()},
@@ -869,15 +872,15 @@ def run_layers(args: argparse.Namespace, upstream_url: str, log_dir: str, retryd
 
 def layers_table(rows: list[dict[str, Any]]) -> str:
     out = ["| fault | strategy | first requests | at the middles | at the back | at the upstream | one hop's bound | "
-           "edge success | decide p50 / p99 ms | decisions: edge; middle; back |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+           "edge success | decide p50 / p99 ms | load | decisions: edge; middle; back |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for row in rows:
         amp = row["amplification"]
         decisions = "; ".join(deny_summary(row["decisions"].get(tier, {})) for tier in ("edge", "middle", "back"))
         out.append(f"| {fault_name(row['fault'])} | {row['label']} | {row['first']} | {fmt(amp['middle'])}× | "
                    f"{fmt(amp['back'])}× | **{fmt(amp['upstream'])}×** | {fmt(row['hop_bound'])}× | "
                    f"{pct(row['success_rate'])} | {fmt(row['decide_ms']['p50'], 1)} / {fmt(row['decide_ms']['p99'], 1)} | "
-                   f"{decisions} |")
+                   f"{row.get('load', 0):.1f} | {decisions} |")
     return "\n".join(out)
 
 
