@@ -20,7 +20,6 @@ import json
 import random
 import re
 import resource
-import signal
 import socket
 import sys
 import time
@@ -222,12 +221,9 @@ async def serve(tier: Tier) -> None:
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, interface="asgi3", log_level="warning", access_log=False, timeout_keep_alive=30,
                             lifespan="on")
+    # uvicorn handles the runner's SIGTERM itself (a graceful stop; the
+    # runner kills a tier that is not gone within 10 s).
     server = uvicorn.Server(config)
-    # uvicorn's own handlers would wait for open connections; the runner's
-    # SIGTERM ends the tier at once.
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, lambda: setattr(server, "should_exit", True))
     started = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if started.done():
