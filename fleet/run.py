@@ -1251,8 +1251,12 @@ def main() -> int:
         if failures:
             print("fleet check FAILED:\n  " + "\n  ".join(failures), file=sys.stderr)
             return 1
+        lineage = [row for row in layer_rows if row["lineage"]]
         print("fleet check passed: budget bound held fleet-wide, no duplicate charges, naive amplified "
-              f"{rows[0]['amplification']:.2f}×", flush=True)
+              f"{rows[0]['amplification']:.2f}×"
+              + "".join(f"; call chains: naive {fmt(layer_rows[0]['amplification']['upstream'])}×, with lineage "
+                        f"{fmt(row['amplification']['upstream'])}× ≤ one hop's {fmt(row['hop_bound'])}×"
+                        for row in lineage[:1]), flush=True)
     return 0
 
 
