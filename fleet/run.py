@@ -233,6 +233,8 @@ class Deployment:
     addresses: list[dict[str, str]] = field(default_factory=list)
     # CPU of processes that were killed or replaced, kept for the phase's account.
     lost_cpu: dict[str, float] = field(default_factory=dict)
+    # Every upstream's budget; None: the run's BUDGET.
+    budget: Optional[dict[str, float]] = None
 
     @property
     def key(self) -> str:
@@ -262,7 +264,7 @@ class Deployment:
         if self.kind == "redis":
             lines += [f'url = "redis://127.0.0.1:{self.redis_port}"', f'mode = "{self.mode}"',
                       f'key_prefix = "fleet-{os.getpid()}"']
-        budget = ", ".join(f"{key} = {value}" for key, value in BUDGET.items())
+        budget = ", ".join(f"{key} = {value}" for key, value in (self.budget or BUDGET).items())
         for upstream in self.upstreams:
             lines += ['', f'[upstreams."{upstream}"]', f'budget = {{ {budget} }}']
         return "\n".join(lines) + "\n"
@@ -373,10 +375,12 @@ def plan(args: argparse.Namespace) -> list[Phase]:
     }
     if args.scenario == "all":
         names = [name for name in scenarios if name != "check"]
+    elif args.scenario == "layers":
+        names = []  # run_layers: its phases are chains of tiers, not fleets of callers
     elif args.scenario in scenarios:
         names = [args.scenario]
     else:
-        raise SystemExit(f"fleet: unknown scenario {args.scenario!r}; one of: all, {', '.join(scenarios)}")
+        raise SystemExit(f"fleet: unknown scenario {args.scenario!r}; one of: all, layers, {', '.join(scenarios)}")
     phases = [phase for name in names for phase in scenarios[name]]
     for index, phase in enumerate(phases):
         phase.upstream = f"pay-{index}"
@@ -660,6 +664,296 @@ def summarise(phase: Phase, results: list[dict[str, Any]], stats: dict[str, Any]
     return summary
 
 
+# ------------------------------------------------------------------ layers
+#
+# Issue 31's judge: a call chain of real processes, edge → middle → back →
+# the sick upstream, each tier on the project's clients inbound and
+# outbound (fleet/tier.mjs, fleet/tier.py), and four strategies in one run.
+
+LAYERS_RATE = 20.0  # first requests/s at the edges, both together
+LAYERS_WARM_S = 2.0
+LAYERS_FAULT_S = {"outage": 4.0, "partial": 10.0, "latency": 4.0}
+# Close to retryd's defaults (ratio 0.2 here, floor 1/s) with a small
+# capacity: at these rates a floor of 10/s or a capacity of 50 would be most
+# of the bound, and "one hop's 1 + ratio" would not be what is measured.
+LAYERS_BUDGET = {"capacity": 10.0, "initial": 10.0, "ratio": 0.2, "min_per_second": 1.0}
+# (attempt timeout, deadline) per tier. They nest: a tier's attempt timeout
+# outlasts the whole call of the tier below, as deadline propagation gives:
+# its deadline, plus one wait for a decision after it (the clients' 200 ms
+# decide timeout), plus 0.2 s for a busy machine. So a layer above hears the
+# layer below's answer (a 503/504, marked with lineage) rather than timing
+# out itself. Without that margin (0.1 s in a first version) a debug retryd
+# on 2 busy cores made the middles time out, unmarked, and retry.
+LAYER_TIMEOUTS = {"edge": (3.9, 12.2), "middle": (1.0, 3.4), "back": (0.15, 0.6)}
+# (label, strategy, lineage)
+LAYER_STRATEGIES = [("naive", "naive", False), ("local", "local", False),
+                    ("retryd, no lineage", "retryd", False), ("retryd, lineage", "retryd", True)]
+# Two chains, every hop between two languages, so that both clients serve
+# every role (inbound middleware, outbound adapter, the back's retries):
+#   edge-0 (TypeScript) → middle-1 (Python) → back-0 (TypeScript) → upstream
+#   edge-1 (Python) → middle-0 (TypeScript) → back-1 (Python) → upstream
+# The budgets are per hop: both backs share the upstream's, both middles the back's.
+LAYER_LANGS = {"edge-0": "typescript", "edge-1": "python", "middle-0": "typescript", "middle-1": "python",
+               "back-0": "typescript", "back-1": "python"}
+LAYER_DOWNSTREAM = {"edge-0": "middle-1", "edge-1": "middle-0", "middle-0": "back-1", "middle-1": "back-0"}
+
+
+def python_tiers_supported(python: str) -> bool:
+    """Whether the installed Python client has the lineage middleware (and uvicorn to serve it)."""
+    return subprocess.run([python, "-c", "import retryd.asgi, uvicorn"], capture_output=True).returncode == 0
+
+
+def layer_faults() -> list[dict[str, Any]]:
+    return [{"mode": "outage"}, {"mode": "partial", "p": 0.3}, {"mode": "latency", "delay_ms": LATENCY_DELAY_MS}]
+
+
+def layer_argv(args: argparse.Namespace, lang: str, path: str) -> list[str]:
+    return ([args.python, os.path.join(HERE, "tier.py"), path] if lang == "python"
+            else ["node", os.path.join(HERE, "tier.mjs"), path])
+
+
+def run_layers_phase(index: int, label: str, strategy: str, lineage: bool, fault: dict[str, Any], fault_s: float,
+                     deployment: Deployment, upstream_url: str, args: argparse.Namespace, log_dir: str,
+                     langs: dict[str, str]) -> dict[str, Any]:
+    base = f"layers-{index}"
+    warm = LAYERS_WARM_S
+    services: dict[str, tuple[Proc, str]] = {}
+
+    def tier_config(name: str, role: str, layer: str, downstream: str, retryd_upstream: str, seed: int) -> dict[str, Any]:
+        attempt_timeout, deadline = LAYER_TIMEOUTS[layer]
+        return {"id": seed, "role": role, "layer": layer, "strategy": strategy, "lineage": lineage,
+                "downstream_url": downstream, "retryd_target": deployment.target(seed),
+                "retryd_upstream": retryd_upstream, "seed": 2000 + seed, "attempt_timeout_s": attempt_timeout,
+                "deadline_s": deadline, "out": os.path.join(log_dir, f"{base}-{name}.json")}
+
+    def start_service(name: str, layer: str, downstream: str, retryd_upstream: str, seed: int) -> str:
+        config = tier_config(name, "service", layer, downstream, retryd_upstream, seed)
+        path = os.path.join(log_dir, f"{base}-{name}.config.json")
+        with open(path, "w") as file:
+            json.dump(config, file)
+        proc = Proc(f"{base}-{name}-{langs[name]}", layer_argv(args, langs[name], path), log_dir)
+        port = json.loads(proc.expect(lambda line: line.startswith("{"), 120))["port"]
+        url = f"http://127.0.0.1:{port}"
+        services[name] = (proc, url)
+        return url
+
+    try:
+        urls = {"upstream": upstream_url}
+        for i in range(2):
+            urls[f"back-{i}"] = start_service(f"back-{i}", "back", upstream_url, f"{base}-store", i)
+        for i in range(2):
+            name = f"middle-{i}"
+            urls[name] = start_service(name, "middle", urls[LAYER_DOWNSTREAM[name]], f"{base}-back", 2 + i)
+        edges = []
+        for i in range(2):
+            name = f"edge-{i}"
+            config = tier_config(name, "edge", "edge", urls[LAYER_DOWNSTREAM[name]], f"{base}-middle", 4 + i)
+            config.update({"rate": LAYERS_RATE / 2, "duration_s": warm + fault_s,
+                           # A call tagged at the very start could reach the
+                           # upstream just before the fault is switched on.
+                           "tag_window_s": [warm + 0.1, warm + fault_s]})
+            path = os.path.join(log_dir, f"{base}-{name}.config.json")
+            with open(path, "w") as file:
+                json.dump(config, file)
+            edges.append((config, Proc(f"{base}-{name}-{langs[name]}", layer_argv(args, langs[name], path), log_dir,
+                                       stdin=True)))
+        for _, proc in edges:
+            proc.expect(lambda line: line == "ready", 120)
+        epoch_ms = int(time.time() * 1000) + 300
+        http_json(f"{upstream_url}/_control", {"reset_epoch_ms": epoch_ms, "fault": {"mode": "ok"}})
+        for _, proc in edges:
+            proc.send(f"go {epoch_ms}")
+        epoch = epoch_ms / 1000
+        delay = epoch + warm - time.time()
+        if delay > 0:
+            time.sleep(delay)
+        http_json(f"{upstream_url}/_control", {"fault": fault})
+        fault_began = time.monotonic()
+        # The fault lasts until every tagged call has ended (each is bounded by
+        # the edge's deadline), so that none of its attempts meets a healthy
+        # upstream.
+        edge_deadline = LAYER_TIMEOUTS["edge"][1]
+        for _, proc in edges:
+            proc.expect(lambda line: line == "done", fault_s + edge_deadline + 60)
+        # An edge that gave up at its deadline leaves its last call running
+        # below (at most a middle's deadline): the fault stays until the
+        # tiers have served everything, so that no tagged attempt meets a
+        # healthy upstream.
+        wait_until(lambda: all(http_json(f"{url}/_stats")["in_flight"] == 0 for _, url in services.values()),
+                   LAYER_TIMEOUTS["middle"][1] + 10, "the tiers to finish their calls")
+        fault_lasted = time.monotonic() - fault_began
+        http_json(f"{upstream_url}/_control", {"fault": {"mode": "ok"}})
+        upstream_stats = http_json(f"{upstream_url}/_stats")
+        tiers: dict[str, list[dict[str, Any]]] = {"edge": [], "middle": [], "back": []}
+        per_process: dict[str, dict[str, Any]] = {}
+        for config, proc in edges:
+            proc.popen.wait(timeout=30)
+            with open(config["out"]) as file:
+                per_process[f"edge-{config['id'] - 4}"] = json.load(file)
+        for name, (proc, url) in services.items():
+            per_process[name] = http_json(f"{url}/_stats")
+        for name, stats in per_process.items():
+            tiers[name.split("-")[0]].append(stats)
+    finally:
+        for proc, _ in services.values():
+            proc.stop()
+
+    def tagged(tier: str, name: str) -> int:
+        return sum(int(result["counts"].get(name, {}).get("f", 0)) for result in tiers[tier])
+
+    first = tagged("edge", "first")
+    arrived = {"middle": tagged("middle", "inbound"), "back": tagged("back", "inbound"),
+               "upstream": int(upstream_stats["tagged"].get("f", 0))}
+    decisions: dict[str, dict[str, int]] = {}
+    for tier, results in tiers.items():
+        mine = decisions.setdefault(tier, {})
+        for result in results:
+            for key, count in result["decisions"].items():
+                mine[key] = mine.get(key, 0) + count
+    decide_ms = [v for results in tiers.values() for result in results for v in result["decide_ms"]]
+    # One hop's bound over this fault: the first requests, plus the budget's
+    # ratio of them, plus what the capacity and the floor add over the
+    # fault's duration, divided by the first requests.
+    budget = LAYERS_BUDGET
+    hop_bound = (1 + budget["ratio"] + (budget["initial"] + budget["min_per_second"] * fault_lasted) / first
+                 if first else None)
+    return {
+        "scenario": "layers", "label": label, "strategy": strategy, "lineage": lineage, "fault": fault,
+        "fault_s": fault_s, "fault_lasted_s": fault_lasted, "first": first,
+        "arrived": arrived,
+        "amplification": {tier: (count / first if first else None) for tier, count in arrived.items()},
+        "ok": tagged("edge", "ok"), "success_rate": tagged("edge", "ok") / first if first else None,
+        "decisions": decisions, "hop_bound": hop_bound,
+        "decide_ms": {"n": len(decide_ms), "p50": percentile(decide_ms, 0.5), "p99": percentile(decide_ms, 0.99)},
+        "langs": dict(langs),
+        # The machine's 1-minute load at the phase's end: the tiers' CPU is
+        # what a busy machine takes first (decide waits, attempt timeouts).
+        "load": os.getloadavg()[0],
+        # Each process's own counters (without the decide times), for a look at one tier.
+        "per_process": {name: {"lang": stats["lang"], "counts": stats["counts"], "decisions": stats["decisions"]}
+                        for name, stats in per_process.items()},
+        "cpu_s": {tier: sum(r.get("cpu_s", 0) for r in results) for tier, results in tiers.items()},
+    }
+
+
+def run_layers(args: argparse.Namespace, upstream_url: str, log_dir: str, retryd_bin: str,
+               check_only: bool = False) -> list[dict[str, Any]]:
+    faults = [fault for fault in layer_faults() if not args.layers_faults or fault["mode"] in args.layers_faults.split(",")]
+    strategies = LAYER_STRATEGIES
+    if check_only:
+        faults, strategies = faults[:1], [LAYER_STRATEGIES[0], LAYER_STRATEGIES[-1]]
+    plan_ = [(fault, s) for fault in faults for s in strategies]
+    upstreams = [f"layers-{i}-{hop}" for i in range(len(plan_)) for hop in ("middle", "back", "store")]
+    deployment = Deployment("memory", "", 1, log_dir, retryd_bin, upstreams, budget=LAYERS_BUDGET)
+    deployment.start()
+    langs = dict(LAYER_LANGS)
+    if not python_tiers_supported(args.python):
+        # Said in the report's header (the tiers' languages), not hidden.
+        print("fleet: layers: the Python client here has no retryd.asgi (or no uvicorn): every tier in TypeScript",
+              flush=True)
+        langs = {name: "typescript" for name in langs}
+    rows = []
+    try:
+        for index, (fault, (label, strategy, lineage)) in enumerate(plan_):
+            fault_s = LAYERS_FAULT_S[fault["mode"]] if not check_only else 3.0
+            print(f"fleet: layers: {label}, {fault_name(fault)}", flush=True)
+            row = run_layers_phase(index, label, strategy, lineage, fault, fault_s, deployment, upstream_url, args,
+                                   log_dir, langs)
+            rows.append(row)
+            amp = row["amplification"]
+            print(f"  {row['first']} first requests: at middle {fmt(amp['middle'])}×, back {fmt(amp['back'])}×, "
+                  f"upstream {fmt(amp['upstream'])}× (hop bound {fmt(row['hop_bound'])}), "
+                  f"success {pct(row['success_rate'])}; "
+                  + "; ".join(f"{tier}: {deny_summary(d)}" for tier, d in row["decisions"].items()), flush=True)
+    finally:
+        deployment.stop()
+    return rows
+
+
+def layers_table(rows: list[dict[str, Any]]) -> str:
+    out = ["| fault | strategy | first requests | at the middles | at the back | at the upstream | one hop's bound | "
+           "edge success | decide p50 / p99 ms | load | decisions: edge; middle; back |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for row in rows:
+        amp = row["amplification"]
+        decisions = "; ".join(deny_summary(row["decisions"].get(tier, {})) for tier in ("edge", "middle", "back"))
+        out.append(f"| {fault_name(row['fault'])} | {row['label']} | {row['first']} | {fmt(amp['middle'])}× | "
+                   f"{fmt(amp['back'])}× | **{fmt(amp['upstream'])}×** | {fmt(row['hop_bound'])}× | "
+                   f"{pct(row['success_rate'])} | {fmt(row['decide_ms']['p50'], 1)} / {fmt(row['decide_ms']['p99'], 1)} | "
+                   f"{row.get('load', 0):.1f} | {decisions} |")
+    return "\n".join(out)
+
+
+def layers_plot(rows: list[dict[str, Any]], out_dir: str) -> str:
+    name = "layers.svg"
+    faults = []
+    for row in rows:
+        if fault_name(row["fault"]) not in faults:
+            faults.append(fault_name(row["fault"]))
+    labels = []
+    for row in rows:
+        if row["label"] not in labels:
+            labels.append(row["label"])
+    values = {(fault_name(row["fault"]), row["label"]): row["amplification"]["upstream"] or 0 for row in rows}
+    svg.bar_chart(os.path.join(out_dir, name),
+                  "Requests at the failing upstream per first request at the edge (edge → middle → back → upstream)",
+                  faults, [(label, [values.get((fault, label), 0.0) for fault in faults]) for label in labels],
+                  ylabel="amplification (log scale)", reference=(27.0, "27× = 3 × 3 × 3"))
+    return name
+
+
+def layers_report(rows: list[dict[str, Any]], plot_dir: str, plot_name: str, args: argparse.Namespace) -> str:
+    rel = os.path.relpath(plot_dir, os.path.join(REPO, "docs"))
+    langs = rows[0]["langs"] if rows else {}
+    by_lang = ", ".join(f"{name} {lang}" for name, lang in langs.items())
+    budget = ", ".join(f"{key} {value:g}" for key, value in LAYERS_BUDGET.items())
+    lines = [f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `{git_head()}`, `scripts/fleet layers`, "
+             f"retryd `{args.retryd_bin_label}` (1 replica, memory store; budget per hop: {budget}), "
+             f"{LAYERS_RATE:g} first requests/s at the edges, {LAYERS_WARM_S:g} s healthy, then the fault "
+             f"({', '.join(f'{mode} {s:g} s' for mode, s in LAYERS_FAULT_S.items())} of first requests, held until "
+             f"the last of them ended); tiers: {by_lang}; load average {os.getloadavg()[0]:.2f} at the end.", "",
+             layers_table(rows), "", f"![layers]({rel}/{plot_name})", ""]
+    return "\n".join(lines)
+
+
+def layers_check(rows: list[dict[str, Any]]) -> list[str]:
+    """The short layers assertions: lineage holds the chain to one hop's bound, naive shows the problem."""
+    failures = []
+    for row in rows:
+        amp = row["amplification"]
+        if not row["first"]:
+            failures.append(f"layers {row['label']}: no first requests were tagged")
+            continue
+        if row["label"] == "naive" and row["fault"]["mode"] == "outage" and (amp["upstream"] or 0) < 10:
+            failures.append(f"layers naive: amplification {fmt(amp['upstream'])}× < 10× (the baseline does not "
+                            "show the problem)")
+        if row["lineage"]:
+            # A decision slower than the clients' 200 ms timeout is the local
+            # rule's: one retry per call, no budget (it, too, denies what was
+            # retried below or inside a retry). Those retries are allowed on
+            # top of the bound, and may not be a quarter of the decisions, or
+            # the phase tested the local rule rather than retryd.
+            fallback_retries = row["decisions"].get("back", {}).get("fallback RETRY", 0)
+            total = sum(sum(d.values()) for d in row["decisions"].values())
+            fallback = sum(c for d in row["decisions"].values() for label, c in d.items() if label.startswith("fallback"))
+            if total and fallback > 0.25 * total:
+                failures.append(f"layers {row['label']}: {fallback} of {total} decisions came from the local fallback")
+            for tier in ("middle", "back", "upstream"):
+                allowed = row["hop_bound"] + (fallback_retries / row["first"] if tier == "upstream" else 0)
+                if amp[tier] is None or amp[tier] > allowed:
+                    failures.append(f"layers {row['label']}: {fmt(amp[tier])}× at the {tier}, above one hop's bound "
+                                    f"{fmt(row['hop_bound'])}×" + (f" + {fallback_retries} fallback retries"
+                                                                  if tier == "upstream" and fallback_retries else ""))
+            if row["fault"]["mode"] == "outage":
+                below = sum(d.get("DENY:RETRIED_BELOW", 0) for d in row["decisions"].values())
+                retried = row["decisions"].get("back", {}).get("RETRY", 0)
+                if not below:
+                    failures.append(f"layers {row['label']}: no DENY RETRIED_BELOW above the back (lineage untested)")
+                if not retried:
+                    failures.append(f"layers {row['label']}: the back was granted no retry (nothing was tested)")
+    return failures
+
+
 # ------------------------------------------------------------------ report
 
 
@@ -877,6 +1171,7 @@ def main() -> int:
     parser.add_argument("--fault", type=float, help="seconds of fault (10; check: 6)")
     parser.add_argument("--recover", type=float, help="seconds healthy after it (5; check: 3)")
     parser.add_argument("--update", action="store_true", help="write the plots and tables into docs/fleet.md")
+    parser.add_argument("--layers-faults", default="", help="layers: only these faults (outage,partial,latency)")
     parser.add_argument("--out", default=os.path.join(REPO, "target", "fleet"))
     parser.add_argument("--python", default=sys.executable)
     args = parser.parse_args()
@@ -901,6 +1196,7 @@ def main() -> int:
     upstream_url = f"http://127.0.0.1:{json.loads(upstream.expect(lambda l: l.startswith('{'), 30))['port']}"
     deployments: dict[str, Deployment] = {}
     rows = []
+    layer_rows: list[dict[str, Any]] = []
     try:
         for phase in phases:
             deployment = deployments.get(phase.deployment)
@@ -922,37 +1218,53 @@ def main() -> int:
                   f"decisions {deny_summary(row['decisions'])}"
                   + (f", budget {row['budget']['granted']:.0f} granted ≤ {row['budget']['bound']:.0f}"
                      if "budget" in row else ""), flush=True)
+        for deployment in deployments.values():
+            deployment.stop()
+        deployments.clear()
+        if args.scenario in ("all", "layers", "check"):
+            layer_rows = run_layers(args, upstream_url, log_dir, retryd_bin, check_only=short)
     finally:
         for deployment in deployments.values():
             deployment.stop()
         upstream.stop()
         with open(os.path.join(log_dir, "results.json"), "w") as file:
-            json.dump(rows, file, indent=1)
+            json.dump(rows + layer_rows, file, indent=1)
 
     plot_dir = os.path.join(REPO, "docs", "fleet") if args.update else log_dir
     os.makedirs(plot_dir, exist_ok=True)
-    names = plots(rows, plot_dir)
-    report = write_report(rows, args, plot_dir, names)
+    report = ""
+    if rows:
+        names = plots(rows, plot_dir)
+        report = write_report(rows, args, plot_dir, names)
+        if args.update:
+            update_doc(report)
+    if layer_rows:
+        layers = layers_report(layer_rows, plot_dir, layers_plot(layer_rows, plot_dir), args)
+        report += "\n" + layers
+        if args.update and not short:
+            update_doc(layers, "fleet-layers")
     with open(os.path.join(log_dir, "report.md"), "w") as file:
         file.write(report)
-    if args.update:
-        update_doc(report)
     print(f"fleet: results in {log_dir}/results.json, report {log_dir}/report.md, plots in {plot_dir}", flush=True)
     if args.check:
-        failures = check(rows)
+        failures = check(rows) + layers_check(layer_rows)
         if failures:
             print("fleet check FAILED:\n  " + "\n  ".join(failures), file=sys.stderr)
             return 1
+        lineage = [row for row in layer_rows if row["lineage"]]
         print("fleet check passed: budget bound held fleet-wide, no duplicate charges, naive amplified "
-              f"{rows[0]['amplification']:.2f}×", flush=True)
+              f"{rows[0]['amplification']:.2f}×"
+              + "".join(f"; call chains: naive {fmt(layer_rows[0]['amplification']['upstream'])}×, with lineage "
+                        f"{fmt(row['amplification']['upstream'])}× ≤ one hop's {fmt(row['hop_bound'])}×"
+                        for row in lineage[:1]), flush=True)
     return 0
 
 
-def update_doc(report: str) -> None:
+def update_doc(report: str, marker: str = "fleet") -> None:
     path = os.path.join(REPO, "docs", "fleet.md")
     with open(path) as file:
         text = file.read()
-    begin, end = "<!-- fleet:begin -->", "<!-- fleet:end -->"
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
     if begin not in text or end not in text:
         raise SystemExit(f"fleet: {path} has no {begin} … {end} markers")
     head, rest = text.split(begin, 1)

@@ -95,3 +95,69 @@ def line_chart(
     out.append("</svg>")
     with open(path, "w") as file:
         file.write("\n".join(out) + "\n")
+
+
+def bar_chart(
+    path: str,
+    title: str,
+    groups: Sequence[str],
+    series: Sequence[tuple[str, Sequence[float]]],
+    *,
+    ylabel: str = "",
+    reference: tuple[float, str] | None = None,
+) -> None:
+    """Grouped bars on a log axis (1× to 100×): ``groups`` along x, one bar per
+    ``series`` entry (label, one value per group) in each group, its value
+    written above it. Log, because 27× and 1.2× must both be readable."""
+    import math
+
+    width, height = 900, 400
+    left, right, top, bottom = 64, 200, 36, 48
+    plot_w, plot_h = width - left - right, height - top - bottom
+    lo, hi = 0.0, 2.0  # log10 of 1× and 100×
+
+    def sy(value: float) -> float:
+        v = min(hi, max(lo, math.log10(max(value, 1.0))))
+        return top + plot_h - (v - lo) / (hi - lo) * plot_h
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{left}" y="22" font-size="14" font-weight="bold">{escape(title)}</text>',
+    ]
+    for tick in (1, 2, 5, 10, 20, 50, 100):
+        out.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{sy(tick):.1f}" y2="{sy(tick):.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{left - 6}" y="{sy(tick) + 4:.1f}" text-anchor="end">{tick}×</text>')
+    group_w = plot_w / max(1, len(groups))
+    bar_w = group_w * 0.8 / max(1, len(series))
+    for g, group in enumerate(groups):
+        x0 = left + g * group_w + group_w * 0.1
+        for s, (_, values) in enumerate(series):
+            value = values[g]
+            x = x0 + s * bar_w
+            y = sy(value)
+            out.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar_w - 2:.1f}" height="{top + plot_h - y:.1f}" '
+                       f'fill="{COLORS[s % len(COLORS)]}"/>')
+            out.append(f'<text x="{x + (bar_w - 2) / 2:.1f}" y="{y - 4:.1f}" text-anchor="middle" font-size="11">'
+                       f'{value:.2f}</text>')
+        out.append(f'<text x="{left + (g + 0.5) * group_w:.1f}" y="{top + plot_h + 18}" text-anchor="middle">'
+                   f'{escape(group)}</text>')
+    out.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#333"/>')
+    out.append(f'<text transform="translate(16,{top + plot_h / 2}) rotate(-90)" text-anchor="middle">{escape(ylabel)}</text>')
+    if reference:
+        out.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{sy(reference[0]):.1f}" y2="{sy(reference[0]):.1f}" '
+                   f'stroke="#000" stroke-dasharray="6,4"/>')
+    legend_y = top + 8
+    for index, (label, _) in enumerate(series):
+        out.append(f'<rect x="{left + plot_w + 12}" y="{legend_y - 6}" width="20" height="12" '
+                   f'fill="{COLORS[index % len(COLORS)]}"/>')
+        out.append(f'<text x="{left + plot_w + 38}" y="{legend_y + 4}">{escape(label)}</text>')
+        legend_y += 18
+    if reference:
+        out.append(f'<line x1="{left + plot_w + 12}" x2="{left + plot_w + 32}" y1="{legend_y}" y2="{legend_y}" '
+                   f'stroke="#000" stroke-dasharray="6,4"/>')
+        out.append(f'<text x="{left + plot_w + 38}" y="{legend_y + 4}">{escape(reference[1])}</text>')
+    out.append("</svg>")
+    with open(path, "w") as file:
+        file.write("\n".join(out) + "\n")

@@ -27,6 +27,9 @@ let epochMs = Date.now();
 let buckets = new Map(); // bucket index -> counters
 let charges = new Map(); // idempotency key -> times applied
 let totals;
+// Requests by their `x-fleet-tag` header (the layers scenario tags the calls
+// its edges start inside the fault window, and every tier forwards the tag).
+let tagged;
 let faultLog = [];
 
 function reset(newEpochMs) {
@@ -34,6 +37,7 @@ function reset(newEpochMs) {
   buckets = new Map();
   charges = new Map();
   totals = { requests: 0, get: 0, post: 0, rejected_503: 0, applied: 0, duplicates: 0, replays: 0, missing_key: 0, in_flight_max: 0 };
+  tagged = {};
   faultLog = [];
 }
 reset(Date.now());
@@ -94,6 +98,7 @@ function stats(response) {
     epoch_ms: epochMs,
     totals: { ...totals, distinct_payments: charges.size, payments_charged_twice_or_more: keysTwice },
     series,
+    tagged,
     fault_log: faultLog,
     // Every payment charged at least once, for the runner to compare with
     // what the callers believe happened to it.
@@ -105,6 +110,8 @@ function stats(response) {
 async function serve(request, response, keyed) {
   const counters = bucket();
   count('requests', counters);
+  const tag = request.headers['x-fleet-tag'];
+  if (typeof tag === 'string') tagged[tag] = (tagged[tag] ?? 0) + 1;
   const isPost = request.method === 'POST';
   count(isPost ? 'post' : 'get', counters);
   const body = isPost ? await readBody(request) : '';
