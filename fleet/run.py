@@ -235,6 +235,9 @@ class Deployment:
     lost_cpu: dict[str, float] = field(default_factory=dict)
     # Every upstream's budget; None: the run's BUDGET.
     budget: Optional[dict[str, float]] = None
+    # Upstreams with a policy of their own: budget keys over `budget`, and
+    # `max_attempts`.
+    policies: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -264,9 +267,14 @@ class Deployment:
         if self.kind == "redis":
             lines += [f'url = "redis://127.0.0.1:{self.redis_port}"', f'mode = "{self.mode}"',
                       f'key_prefix = "fleet-{os.getpid()}"']
-        budget = ", ".join(f"{key} = {value}" for key, value in (self.budget or BUDGET).items())
         for upstream in self.upstreams:
-            lines += ['', f'[upstreams."{upstream}"]', f'budget = {{ {budget} }}']
+            own = dict(self.policies.get(upstream, {}))
+            attempts = own.pop("max_attempts", None)
+            budget = ", ".join(f"{key} = {value}" for key, value in dict(self.budget or BUDGET, **own).items())
+            lines += ['', f'[upstreams."{upstream}"]']
+            if attempts is not None:
+                lines.append(f'max_attempts = {int(attempts)}')
+            lines.append(f'budget = {{ {budget} }}')
         return "\n".join(lines) + "\n"
 
     def start_replica(self, index: int) -> None:
@@ -668,7 +676,7 @@ def summarise(phase: Phase, results: list[dict[str, Any]], stats: dict[str, Any]
 #
 # Issue 31's judge: a call chain of real processes, edge → middle → back →
 # the sick upstream, each tier on the project's clients inbound and
-# outbound (fleet/tier.mjs, fleet/tier.py), and four strategies in one run.
+# outbound (fleet/tier.mjs, fleet/tier.py), and five strategies in one run.
 
 LAYERS_RATE = 20.0  # first requests/s at the edges, both together
 LAYERS_WARM_S = 2.0
@@ -685,9 +693,16 @@ LAYERS_BUDGET = {"capacity": 10.0, "initial": 10.0, "ratio": 0.2, "min_per_secon
 # out itself. Without that margin (0.1 s in a first version) a debug retryd
 # on 2 busy cores made the middles time out, unmarked, and retry.
 LAYER_TIMEOUTS = {"edge": (3.9, 12.2), "middle": (1.0, 3.4), "back": (0.15, 0.6)}
-# (label, strategy, lineage)
-LAYER_STRATEGIES = [("naive", "naive", False), ("local", "local", False),
-                    ("retryd, no lineage", "retryd", False), ("retryd, lineage", "retryd", True)]
+# (label, strategy, lineage, nearest): `nearest` gives the hop nearest the
+# failure (the backs' upstream) NEAREST_POLICY. With lineage it is the only
+# hop that still retries, so the chain's retry budget belongs there; the
+# fifth row measures that, beside the same four with every hop alike.
+LAYER_STRATEGIES = [("naive", "naive", False, False), ("local", "local", False, False),
+                    ("retryd, no lineage", "retryd", False, False), ("retryd, lineage", "retryd", True, False),
+                    ("retryd, lineage, budget at the nearest hop", "retryd", True, True)]
+# A 30% fault asks 0.3 + 0.09 + 0.027 retries per request of the one
+# retrying hop; 4 attempts leave 0.3^4 = 0.8% failed.
+NEAREST_POLICY = {"ratio": 0.5, "max_attempts": 4}
 # Two chains, every hop between two languages, so that both clients serve
 # every role (inbound middleware, outbound adapter, the back's retries):
 #   edge-0 (TypeScript) → middle-1 (Python) → back-0 (TypeScript) → upstream
@@ -714,7 +729,7 @@ def layer_argv(args: argparse.Namespace, lang: str, path: str) -> list[str]:
 
 def run_layers_phase(index: int, label: str, strategy: str, lineage: bool, fault: dict[str, Any], fault_s: float,
                      deployment: Deployment, upstream_url: str, args: argparse.Namespace, log_dir: str,
-                     langs: dict[str, str]) -> dict[str, Any]:
+                     langs: dict[str, str], hop_budget: dict[str, float]) -> dict[str, Any]:
     base = f"layers-{index}"
     warm = LAYERS_WARM_S
     services: dict[str, tuple[Proc, str]] = {}
@@ -814,7 +829,7 @@ def run_layers_phase(index: int, label: str, strategy: str, lineage: bool, fault
     # One hop's bound over this fault: the first requests, plus the budget's
     # ratio of them, plus what the capacity and the floor add over the
     # fault's duration, divided by the first requests.
-    budget = LAYERS_BUDGET
+    budget = hop_budget
     hop_bound = (1 + budget["ratio"] + (budget["initial"] + budget["min_per_second"] * fault_lasted) / first
                  if first else None)
     return {
@@ -841,10 +856,12 @@ def run_layers(args: argparse.Namespace, upstream_url: str, log_dir: str, retryd
     faults = [fault for fault in layer_faults() if not args.layers_faults or fault["mode"] in args.layers_faults.split(",")]
     strategies = LAYER_STRATEGIES
     if check_only:
-        faults, strategies = faults[:1], [LAYER_STRATEGIES[0], LAYER_STRATEGIES[-1]]
+        faults, strategies = faults[:1], [LAYER_STRATEGIES[0], LAYER_STRATEGIES[3]]
     plan_ = [(fault, s) for fault in faults for s in strategies]
     upstreams = [f"layers-{i}-{hop}" for i in range(len(plan_)) for hop in ("middle", "back", "store")]
-    deployment = Deployment("memory", "", 1, log_dir, retryd_bin, upstreams, budget=LAYERS_BUDGET)
+    policies = {f"layers-{i}-store": dict(NEAREST_POLICY) for i, (_, s) in enumerate(plan_) if s[3]}
+    deployment = Deployment("memory", "", 1, log_dir, retryd_bin, upstreams, budget=LAYERS_BUDGET,
+                            policies=policies)
     deployment.start()
     langs = dict(LAYER_LANGS)
     if not python_tiers_supported(args.python):
@@ -854,11 +871,13 @@ def run_layers(args: argparse.Namespace, upstream_url: str, log_dir: str, retryd
         langs = {name: "typescript" for name in langs}
     rows = []
     try:
-        for index, (fault, (label, strategy, lineage)) in enumerate(plan_):
+        for index, (fault, (label, strategy, lineage, nearest)) in enumerate(plan_):
             fault_s = LAYERS_FAULT_S[fault["mode"]] if not check_only else 3.0
             print(f"fleet: layers: {label}, {fault_name(fault)}", flush=True)
+            # One hop's bound is the budget of the hop that retries.
+            hop_budget = dict(LAYERS_BUDGET, ratio=NEAREST_POLICY["ratio"]) if nearest else LAYERS_BUDGET
             row = run_layers_phase(index, label, strategy, lineage, fault, fault_s, deployment, upstream_url, args,
-                                   log_dir, langs)
+                                   log_dir, langs, hop_budget)
             rows.append(row)
             amp = row["amplification"]
             print(f"  {row['first']} first requests: at middle {fmt(amp['middle'])}×, back {fmt(amp['back'])}×, "
@@ -908,7 +927,9 @@ def layers_report(rows: list[dict[str, Any]], plot_dir: str, plot_name: str, arg
     by_lang = ", ".join(f"{name} {lang}" for name, lang in langs.items())
     budget = ", ".join(f"{key} {value:g}" for key, value in LAYERS_BUDGET.items())
     lines = [f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `{git_head()}`, `scripts/fleet layers`, "
-             f"retryd `{args.retryd_bin_label}` (1 replica, memory store; budget per hop: {budget}), "
+             f"retryd `{args.retryd_bin_label}` (1 replica, memory store; budget per hop: {budget}; in the "
+             f"nearest-hop rows the backs' upstream has ratio {NEAREST_POLICY['ratio']:g} and "
+             f"max_attempts {NEAREST_POLICY['max_attempts']:g}), "
              f"{LAYERS_RATE:g} first requests/s at the edges, {LAYERS_WARM_S:g} s healthy, then the fault "
              f"({', '.join(f'{mode} {s:g} s' for mode, s in LAYERS_FAULT_S.items())} of first requests, held until "
              f"the last of them ended); tiers: {by_lang}; load average {os.getloadavg()[0]:.2f} at the end.", "",
