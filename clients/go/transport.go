@@ -1,5 +1,5 @@
 // transport.go is the Transport: one http.RoundTripper that retries under
-// retryd's decisions. About 660 lines because the attempt loop, the
+// retryd's decisions. About 690 lines because the attempt loop, the
 // httptrace evidence and the body handling are read together; the
 // classification of errors is the part a reader checks against the issue.
 

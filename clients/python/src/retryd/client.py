@@ -1,6 +1,6 @@
 """Blocking and asyncio clients of retryd.v1.
 
-About 830 lines because the blocking and asyncio clients are written out side
+About 850 lines because the blocking and asyncio clients are written out side
 by side (the same calls, one with ``await``), so that each reads on its own;
 their shared request building and answers are helpers here.
 

@@ -1,6 +1,6 @@
 """httpx adapter: honest evidence from httpx outcomes, and retryd-governed retries.
 
-About 620 lines: one responsibility (an httpx call under retryd's decisions),
+About 650 lines: one responsibility (an httpx call under retryd's decisions),
 written twice, for ``httpx.Client`` and ``httpx.AsyncClient``, beside the
 classification they share.
 

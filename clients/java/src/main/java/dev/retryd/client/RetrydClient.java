@@ -43,7 +43,7 @@ import retryd.v1.Retryd.UpstreamTraffic;
  * grpc-java's netty transport. Thread-safe; share one per process and close it
  * on shutdown.
  *
- * <p>About 620 lines: the calls, the fallback, the eager connect and the
+ * <p>About 645 lines: the calls, the fallback, the eager connect and the
  * reconnect watcher of one client are read together; the local rule, the
  * reporter and the outage warnings are classes of their own.
  *

@@ -67,7 +67,7 @@ import retryd.v1.Retryd.Verdict;
  * trailer, and a call that ends in failure after the decision is recorded on
  * the request being served.
  *
- * <p>About 550 lines, one responsibility: a gRPC call under retryd's
+ * <p>About 570 lines, one responsibility: a gRPC call under retryd's
  * decisions (the attempt loop, its classification of grpc-java's statuses
  * into evidence, and the deadline-after-send rule), read top to bottom.
  */

@@ -74,7 +74,7 @@ import retryd.v1.Retryd.Idempotency;
  * lineage and the failed response's {@code retryd-retried}, and a call that
  * ends in failure after the decision is recorded on the request being served.
  *
- * <p>About 550 lines, one responsibility: an {@code HttpClient} call under
+ * <p>About 560 lines, one responsibility: an {@code HttpClient} call under
  * retryd's decisions (the attempt loop, evidence from the JDK's exceptions,
  * and the one-exchange body that refuses the JDK's own re-send).
  */
