@@ -112,10 +112,12 @@ async fn traffic_fills_a_budget_that_decide_spends_exactly() {
                 pb::UpstreamTraffic {
                     upstream: "quiet".into(),
                     requests: 30,
+                    ..Default::default()
                 },
                 pb::UpstreamTraffic {
                     upstream: "quiet".into(),
                     requests: 20,
+                    ..Default::default()
                 },
             ],
             ..Default::default()
@@ -167,6 +169,7 @@ async fn traffic_fills_a_budget_that_decide_spends_exactly() {
             traffic: vec![pb::UpstreamTraffic {
                 upstream: "quiet".into(),
                 requests: 1_000,
+                ..Default::default()
             }],
             ..Default::default()
         })
@@ -602,10 +605,12 @@ async fn bad_input_is_refused_by_field_spends_nothing_and_the_server_survives() 
                 pb::UpstreamTraffic {
                     upstream: "guarded".into(),
                     requests: 10,
+                    ..Default::default()
                 },
                 pb::UpstreamTraffic {
                     upstream: String::new(),
                     requests: 1,
+                    ..Default::default()
                 },
             ],
             ..Default::default()

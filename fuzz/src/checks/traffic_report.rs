@@ -36,6 +36,7 @@ pub fn traffic_report(data: &[u8]) {
                     3 => input.u64(),
                     _ => u64::from(input.u16()),
                 },
+                ..Default::default()
             })
             .collect();
         pb::ReportTrafficRequest {
