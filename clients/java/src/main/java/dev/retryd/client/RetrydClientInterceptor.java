@@ -38,7 +38,8 @@ import retryd.v1.Retryd.Verdict;
  *     .withDeadlineAfter(2, TimeUnit.SECONDS);
  * }</pre>
  *
- * <p>Only unary methods are retried; streaming calls pass through untouched. The
+ * <p>Only unary methods are retried; streaming calls pass through, their one
+ * attempt carrying the lineage (below) as attempt 1, never decided. The
  * request message is kept until the call ends, the response is held until its
  * status, and each attempt is a new call on the next channel with the same
  * {@link CallOptions}, so the caller's deadline bounds every attempt and every
@@ -211,7 +212,10 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
   @Override
   public <Q, R> ClientCall<Q, R> interceptCall(MethodDescriptor<Q, R> method, CallOptions options, Channel next) {
     if (method.getType() != MethodDescriptor.MethodType.UNARY) {
-      return next.newCall(method, options);
+      // Not retried, but still a call of this layer in a chain: its one
+      // attempt carries the lineage (docs/lineage.md).
+      String inbound = Lineage.current().map(Lineage.Inbound::lineage).orElse("");
+      return next.newCall(method, options.withStreamTracerFactory(new AttemptTrace(Lineage.outbound(inbound, retryd.layer(), 1))));
     }
     Idempotency declared = options.getOption(IDEMPOTENCY);
     if (declared == null) {
