@@ -390,21 +390,23 @@ impl<M: Operations> Core<M> {
     ) -> Result<T, Failure> {
         let counted = circuited == Circuited::Yes;
         let started = Instant::now();
+        // A live master may be slow for a moment while the Cluster fails
+        // over (see `Patience::Failover`): its call gets one more timeout,
+        // for its requests together. A node whose own circuit is not up,
+        // and every request outside a Cluster, is not waited for longer.
+        let (deadline, patience) =
+            if counted && route.node.is_some() && route.circuit.is_up() && self.reach.in_failover()
+            {
+                let until = deadline + self.timeout;
+                (until, Patience::Failover { until })
+            } else {
+                (deadline, Patience::Timeout)
+            };
         let limit = (started + self.timeout).min(deadline);
         if limit <= started {
             tracing::debug!(node = ?route.node, "Redis budget store call not sent: its deadline has passed");
             return Err(Failure::NotSent);
         }
-        // A live master may be slow for a moment while the Cluster fails
-        // over (see `Patience::Failover`); a node whose own circuit is not
-        // up, and every request outside a Cluster, is not waited for longer.
-        let patience =
-            if counted && route.node.is_some() && route.circuit.is_up() && self.reach.in_failover()
-            {
-                Patience::Failover
-            } else {
-                Patience::Timeout
-            };
         match within(limit, self.timeout, patience, request)
             .await
             .map(|(answer, _)| answer)
@@ -533,8 +535,9 @@ pub(super) enum Patience {
     /// that answers a moment late is not lost, and answering from the
     /// fallback would take its upstream out of the shared budget; a master
     /// that is lost times its requests out again and its circuit opens.
-    /// This bounds a decision at twice the store timeout, only then.
-    Failover,
+    /// The call's deadline is moved by one timeout, to `until`, which
+    /// bounds a decision at twice the store timeout, only then.
+    Failover { until: Instant },
 }
 
 /// `request`'s answer if it comes by `limit`, else `Err(Elapsed)`; with
@@ -555,7 +558,8 @@ pub(super) enum Patience {
 ///   second time, from the local bucket, and take the upstream out of the
 ///   shared budget, for no latency saved to a caller who waited anyway.
 ///
-/// With [`Patience::Failover`] the wait goes on once more in every case.
+/// With [`Patience::Failover`] the wait goes on once more in every case,
+/// until the moved deadline at most.
 ///
 /// Measured under `stress-ng --cpu 2` on 2 cores, with a Cluster master
 /// lost (tests/redis_cluster_isolation.rs): timers fired up to 29 ms late
@@ -581,16 +585,20 @@ pub(super) async fn within<T>(
         }
         let now = Instant::now();
         let starved = now.saturating_duration_since(limit) >= STARVED;
-        if waited_again || !(starved || patience == Patience::Failover) {
+        if waited_again {
             return Err(elapsed);
         }
-        if !starved {
-            tracing::debug!(
-                "a live Redis Cluster master answers late during a failover; waiting once more"
-            );
-        }
+        limit = match patience {
+            _ if starved => now + timeout,
+            Patience::Failover { until } if until > now => {
+                tracing::debug!(
+                    "a live Redis Cluster master answers late during a failover; waiting once more"
+                );
+                (now + timeout).min(until)
+            }
+            _ => return Err(elapsed),
+        };
         waited_again = true;
-        limit = now + timeout;
     }
 }
 
@@ -616,7 +624,8 @@ mod tests {
             "the process ran on time: the timeout holds"
         );
         let limit = Instant::now() + TIMEOUT;
-        let (answer, held) = within(limit, TIMEOUT, Patience::Failover, late_reply())
+        let until = limit + TIMEOUT;
+        let (answer, held) = within(limit, TIMEOUT, Patience::Failover { until }, late_reply())
             .await
             .expect("one more wait during a failover");
         assert_eq!(answer, "reply");
@@ -625,8 +634,9 @@ mod tests {
         let limit = Instant::now() + TIMEOUT;
         let silent = tokio::time::sleep(Duration::from_secs(1));
         let started = Instant::now();
+        let until = limit + TIMEOUT;
         assert!(
-            within(limit, TIMEOUT, Patience::Failover, silent)
+            within(limit, TIMEOUT, Patience::Failover { until }, silent)
                 .await
                 .is_err()
         );
