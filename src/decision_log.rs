@@ -276,10 +276,7 @@ impl Writer {
     fn write(&mut self, pending: &Pending) -> bool {
         self.buffer.clear();
         let serialized = match pending {
-            Pending::Decision(record) => serde_json::to_writer(
-                &mut self.buffer,
-                &Line::Decision(Box::new(record.line())),
-            ),
+            Pending::Decision(record) => serde_json::to_writer(&mut self.buffer, &record.view()),
             Pending::Line(line) => serde_json::to_writer(&mut self.buffer, line),
         };
         if serialized.is_err() {
@@ -432,6 +429,66 @@ enum Pending {
     Line(Line),
 }
 
+/// A [`DecisionLine`] borrowed from its record, for the writer to
+/// serialize without making every string its own: the same fields in the
+/// same order under the same rules (a test compares the two).
+#[derive(Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum LineView<'a> {
+    Decision(DecisionLineView<'a>),
+}
+
+#[derive(Serialize)]
+struct DecisionLineView<'a> {
+    v: u32,
+    clock_ns: u64,
+    unix_ms: u64,
+    decision_id: &'a str,
+    principal: &'a str,
+    upstream: &'a str,
+    operation: &'a str,
+    idempotency: &'a str,
+    replayability: &'a str,
+    attempt: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    evidence: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failure: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    http_status: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retry_after: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    grpc_status: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    grpc_pushback: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deadline_remaining_ns: Option<u64>,
+    first_byte_delivered: bool,
+    runtime_draining: bool,
+    auth_refresh_attempted: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    previous_backoff_ns: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_attempts: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lineage: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retried_below: Option<&'a str>,
+    now_unix_ns: u64,
+    jitter: f64,
+    verdict: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deny_reason: Option<&'a str>,
+    rule: u8,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    backoff_ns: Option<u64>,
+    tokens_remaining: f64,
+    shadow: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    unknown_outcome: Option<&'a str>,
+}
+
 /// The strings of a [`DecisionRecord`], by index.
 const DECISION_ID: usize = 0;
 const PRINCIPAL: usize = 1;
@@ -539,7 +596,7 @@ impl DecisionRecord {
         }
     }
 
-    fn text(&self, index: usize) -> Option<String> {
+    fn text(&self, index: usize) -> Option<&str> {
         if self.present & (1 << index) == 0 {
             return None;
         }
@@ -548,15 +605,12 @@ impl DecisionRecord {
         } else {
             self.ends[index - 1] as usize
         };
-        self.text
-            .get(start..self.ends[index] as usize)
-            .map(str::to_owned)
+        self.text.get(start..self.ends[index] as usize)
     }
 
-    /// The line, in the format's terms.
-    fn line(&self) -> DecisionLine {
-        let owned = |name: Option<&'static str>| name.map(str::to_owned);
-        DecisionLine {
+    /// The line, borrowed from the record: what the writer serializes.
+    fn view(&self) -> LineView<'_> {
+        LineView::Decision(DecisionLineView {
             v: VERSION,
             clock_ns: self.clock_ns,
             unix_ms: self.unix_ms,
@@ -564,11 +618,11 @@ impl DecisionRecord {
             principal: self.text(PRINCIPAL).unwrap_or_default(),
             upstream: self.text(UPSTREAM).unwrap_or_default(),
             operation: self.text(OPERATION).unwrap_or_default(),
-            idempotency: self.idempotency.to_owned(),
-            replayability: self.replayability.to_owned(),
+            idempotency: self.idempotency,
+            replayability: self.replayability,
             attempt: self.attempt,
-            evidence: owned(self.evidence),
-            failure: owned(self.failure),
+            evidence: self.evidence,
+            failure: self.failure,
             http_status: self.http_status,
             retry_after: self.text(RETRY_AFTER),
             grpc_status: self.grpc_status,
@@ -581,6 +635,47 @@ impl DecisionRecord {
             max_attempts: self.max_attempts,
             lineage: self.text(LINEAGE),
             retried_below: self.text(RETRIED_BELOW),
+            now_unix_ns: self.now_unix_ns,
+            jitter: self.jitter,
+            verdict: self.verdict,
+            deny_reason: self.deny_reason,
+            rule: self.rule,
+            backoff_ns: self.backoff_ns,
+            tokens_remaining: self.tokens_remaining,
+            shadow: self.shadow,
+            unknown_outcome: self.unknown_outcome,
+        })
+    }
+
+    /// The line, in the format's terms (owned), as the view serializes.
+    #[cfg(test)]
+    fn line(&self) -> DecisionLine {
+        let owned = |text: Option<&str>| text.map(str::to_owned);
+        DecisionLine {
+            v: VERSION,
+            clock_ns: self.clock_ns,
+            unix_ms: self.unix_ms,
+            decision_id: owned(self.text(DECISION_ID)).unwrap_or_default(),
+            principal: owned(self.text(PRINCIPAL)).unwrap_or_default(),
+            upstream: owned(self.text(UPSTREAM)).unwrap_or_default(),
+            operation: owned(self.text(OPERATION)).unwrap_or_default(),
+            idempotency: self.idempotency.to_owned(),
+            replayability: self.replayability.to_owned(),
+            attempt: self.attempt,
+            evidence: owned(self.evidence),
+            failure: owned(self.failure),
+            http_status: self.http_status,
+            retry_after: owned(self.text(RETRY_AFTER)),
+            grpc_status: self.grpc_status,
+            grpc_pushback: owned(self.text(GRPC_PUSHBACK)),
+            deadline_remaining_ns: self.deadline_remaining_ns,
+            first_byte_delivered: self.first_byte_delivered,
+            runtime_draining: self.runtime_draining,
+            auth_refresh_attempted: self.auth_refresh_attempted,
+            previous_backoff_ns: self.previous_backoff_ns,
+            max_attempts: self.max_attempts,
+            lineage: owned(self.text(LINEAGE)),
+            retried_below: owned(self.text(RETRIED_BELOW)),
             now_unix_ns: self.now_unix_ns,
             jitter: self.jitter,
             verdict: self.verdict.to_owned(),
@@ -679,4 +774,73 @@ fn evidence_of(name: &str) -> Option<Evidence> {
     ]
     .into_iter()
     .find(|evidence| evidence.as_str() == name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(all: bool) -> DecisionRecord {
+        let some = |text: &'static str| all.then_some(text);
+        let parts = [
+            Some("0123456789abcdef0123456789abcdef"),
+            Some("checkout \"svc\""),
+            Some("payments"),
+            Some(""),
+            some("120"),
+            some("250"),
+            some("edge:2/middle:1"),
+            some("middle"),
+        ];
+        let mut text = String::new();
+        let mut ends = [0; TEXTS];
+        let mut present = 0;
+        for (index, part) in parts.into_iter().enumerate() {
+            if let Some(part) = part {
+                text.push_str(part);
+                present |= 1 << index;
+            }
+            ends[index] = text.len() as u32;
+        }
+        DecisionRecord {
+            text,
+            ends,
+            present,
+            clock_ns: 12_345,
+            unix_ms: 1_764_000_000_000,
+            idempotency: "idempotent",
+            replayability: "replayable",
+            attempt: 2,
+            evidence: all.then_some("not_sent"),
+            failure: all.then_some("connect"),
+            http_status: all.then_some(503),
+            grpc_status: all.then_some(14),
+            deadline_remaining_ns: all.then_some(5_000_000),
+            first_byte_delivered: all,
+            runtime_draining: false,
+            auth_refresh_attempted: all,
+            previous_backoff_ns: all.then_some(100),
+            max_attempts: all.then_some(3),
+            now_unix_ns: 1_764_000_000_000_000_001,
+            jitter: 0.375,
+            verdict: if all { "retry" } else { "deny" },
+            deny_reason: (!all).then_some("not_retryable"),
+            rule: 4,
+            backoff_ns: all.then_some(12_250_000),
+            tokens_remaining: 9.5,
+            shadow: all,
+            unknown_outcome: all.then_some("reconcile"),
+        }
+    }
+
+    #[test]
+    fn the_writer_serializes_a_record_as_the_format_says() {
+        for all in [true, false] {
+            let record = record(all);
+            let view = serde_json::to_string(&record.view()).unwrap();
+            let line = Line::Decision(Box::new(record.line()));
+            assert_eq!(view, serde_json::to_string(&line).unwrap());
+            assert_eq!(serde_json::from_str::<Line>(&view).unwrap(), line);
+        }
+    }
 }

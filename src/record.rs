@@ -278,15 +278,18 @@ impl Recorder {
             Verdict::Deny(reason) => (None, Some(reason.as_str())),
             Verdict::Ambiguous => (None, None),
         };
-        let candidate = decided.candidate.as_ref().map(|(decision, tokens)| CandidateSpan {
-            verdict: decision.verdict.as_str(),
-            rule: decision.rule.number(),
-            tokens_remaining: *tokens,
-            deny_reason: match decision.verdict {
-                Verdict::Deny(reason) => Some(reason.as_str()),
-                _ => None,
-            },
-        });
+        let candidate = decided
+            .candidate
+            .as_ref()
+            .map(|(decision, tokens)| CandidateSpan {
+                verdict: decision.verdict.as_str(),
+                rule: decision.rule.number(),
+                tokens_remaining: *tokens,
+                deny_reason: match decision.verdict {
+                    Verdict::Deny(reason) => Some(reason.as_str()),
+                    _ => None,
+                },
+            });
         DecisionSpan::new(
             DecisionTexts {
                 decision_id: &decided.decision_id,

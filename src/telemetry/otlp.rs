@@ -364,9 +364,7 @@ impl Transport {
                             RawCodec,
                         )
                         .await
-                        .map_err(|status| {
-                            format!("{:?}: {}", status.code(), status.message())
-                        })?;
+                        .map_err(|status| format!("{:?}: {}", status.code(), status.message()))?;
                     Ok(rejected(response.get_ref()))
                 };
                 tokio::time::timeout(*timeout, call)
@@ -433,7 +431,8 @@ impl Exporter {
         let (exported, failed, error) = match result {
             Ok(rejected) => {
                 let rejected = rejected.min(count);
-                let error = (rejected > 0).then(|| format!("the receiver rejected {rejected} spans"));
+                let error =
+                    (rejected > 0).then(|| format!("the receiver rejected {rejected} spans"));
                 (count - rejected, rejected, error)
             }
             Err(error) => (0, count, Some(error)),
@@ -441,7 +440,9 @@ impl Exporter {
         self.metrics
             .spans_exported
             .fetch_add(exported, Ordering::Relaxed);
-        self.metrics.spans_failed.fetch_add(failed, Ordering::Relaxed);
+        self.metrics
+            .spans_failed
+            .fetch_add(failed, Ordering::Relaxed);
         if let Some(error) = error {
             let quiet = self
                 .last_warning

@@ -214,10 +214,16 @@ impl DecisionSpan {
         f(attr::OPERATION, Value::Str(self.required(OPERATION)));
         f(attr::ATTEMPT, Value::Int(i64::from(fields.attempt)));
         f(attr::IDEMPOTENCY, Value::Str(fields.idempotency));
-        f(attr::EVIDENCE_EFFECTIVE, Value::Str(fields.evidence_effective));
+        f(
+            attr::EVIDENCE_EFFECTIVE,
+            Value::Str(fields.evidence_effective),
+        );
         f(attr::VERDICT, Value::Str(fields.verdict));
         f(attr::RULE, Value::Int(i64::from(fields.rule)));
-        f(attr::TOKENS_REMAINING, Value::Float(fields.tokens_remaining));
+        f(
+            attr::TOKENS_REMAINING,
+            Value::Float(fields.tokens_remaining),
+        );
         f(attr::STORE, Value::Str(fields.store));
         f(attr::CALLER, Value::Str(self.required(CALLER)));
         if let Some(claimed) = fields.evidence_claimed {

@@ -156,7 +156,6 @@ pub enum Attribute {
     Bool(bool),
 }
 
-
 /// Starts and finishes spans; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Tracer {

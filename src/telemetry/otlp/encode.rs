@@ -68,7 +68,7 @@ pub(crate) struct Encoder {
     scope: Vec<u8>,
     /// The spans of the batch being encoded, each as `ScopeSpans.spans`.
     spans: Vec<u8>,
-    /// One span's fields, before its length is known.
+    /// A span whose length is not a two-byte varint, while it is moved.
     span: Vec<u8>,
 }
 
@@ -113,9 +113,28 @@ impl Encoder {
     pub(crate) fn encode(&mut self, batch: &[Finished]) -> Vec<u8> {
         self.spans.clear();
         for finished in batch {
-            self.span.clear();
-            encode_span(finished, &mut self.span);
-            message_field(SCOPE_SPANS_SPANS, &self.span, &mut self.spans);
+            // Into place, with two bytes kept for its length: a span is
+            // 128 to 16,383 bytes long (~1 KB), whose length is a two-byte
+            // varint; one outside that range goes the long way round.
+            encode_key(
+                SCOPE_SPANS_SPANS,
+                WireType::LengthDelimited,
+                &mut self.spans,
+            );
+            let at = self.spans.len();
+            self.spans.extend_from_slice(&[0, 0]);
+            encode_span(finished, &mut self.spans);
+            let len = self.spans.len() - at - 2;
+            if (128..16_384).contains(&len) {
+                self.spans[at] = len as u8 | 0x80;
+                self.spans[at + 1] = (len >> 7) as u8;
+            } else {
+                self.span.clear();
+                self.span.extend_from_slice(&self.spans[at + 2..]);
+                self.spans.truncate(at);
+                encode_varint(len as u64, &mut self.spans);
+                self.spans.extend_from_slice(&self.span);
+            }
         }
         let scope_spans_len = self.scope.len() + self.spans.len();
         let resource_spans_len = self.resource.len()
@@ -492,8 +511,57 @@ mod tests {
     }
 
     #[test]
+    fn spans_of_any_length_decode_as_the_sdk_sends_them() {
+        let resource = resource();
+        let end = UNIX_EPOCH + Duration::from_secs(2);
+        let long = "x".repeat(20_000);
+        let batch = vec![
+            // A short span: no attributes but the RPC ones.
+            Finished {
+                start: start(false, ""),
+                end,
+                body: Body::Other {
+                    name: crate::telemetry::SPAN_RELOAD_CONFIG,
+                    attributes: vec![],
+                    error: None,
+                },
+            },
+            // Over 16 KB.
+            Finished {
+                start: start(true, ""),
+                end,
+                body: Body::Other {
+                    name: crate::telemetry::SPAN_SET_RETRIES_ENABLED,
+                    attributes: vec![(attr::REASON, Attribute::Text(long))],
+                    error: None,
+                },
+            },
+        ];
+        let sdk = ExportTraceServiceRequest {
+            resource_spans: group_spans_by_resource_and_scope(
+                batch.iter().map(span_data).collect(),
+                &ResourceAttributesWithSchema::from(&resource),
+            ),
+        };
+        assert_eq!(
+            Encoder::new(&resource, &scope()).encode(&batch),
+            sdk.encode_to_vec()
+        );
+    }
+
+    #[test]
     fn varints_are_as_prost_writes_them() {
-        for value in [0, 1, 127, 128, 300, 16_383, 16_384, u64::from(u32::MAX), u64::MAX] {
+        for value in [
+            0,
+            1,
+            127,
+            128,
+            300,
+            16_383,
+            16_384,
+            u64::from(u32::MAX),
+            u64::MAX,
+        ] {
             let mut ours = Vec::new();
             encode_varint(value, &mut ours);
             let mut theirs = Vec::new();

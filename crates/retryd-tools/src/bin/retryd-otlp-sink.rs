@@ -182,7 +182,8 @@ async fn serve_http(listener: tokio::net::TcpListener, counts: Arc<Counts>) {
         };
         let counts = Arc::clone(&counts);
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |request| http(Arc::clone(&counts), request));
+            let service =
+                hyper::service::service_fn(move |request| http(Arc::clone(&counts), request));
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
                 .await;
