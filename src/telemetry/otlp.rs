@@ -245,6 +245,8 @@ impl tonic::codec::Decoder for RawCodec {
 }
 
 /// Where batches go.
+// One per process, made once: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 enum Transport {
     Grpc {
         channel: tonic::transport::Channel,
