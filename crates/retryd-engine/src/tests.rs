@@ -97,8 +97,9 @@ impl Case {
         self.idempotency = idempotency;
         self
     }
-    fn run(&self, policy: &Policy) -> Decision {
-        let facts = Facts {
+    /// The facts this case decides on.
+    fn facts(&self) -> Facts<'_> {
+        Facts {
             idempotency: self.idempotency,
             body: &self.body,
             attempt: self.attempt,
@@ -123,8 +124,11 @@ impl Case {
             },
             now: now(),
             jitter: self.jitter,
-        };
-        decide(&facts, policy)
+        }
+    }
+
+    fn run(&self, policy: &Policy) -> Decision {
+        decide(&self.facts(), policy)
     }
 }
 
@@ -774,22 +778,16 @@ fn only_one_layer_retries_a_failure() {
 #[test]
 fn a_chain_denial_names_its_layers() {
     let below = case().status(503).retried_below("middle");
-    let facts_below = Facts {
-        retried_below: Some("middle"),
-        ..base_facts()
-    };
     assert_eq!(
-        below.run(&Policy::default()).explanation_in(&facts_below),
+        below.run(&Policy::default()).explanation_in(&below.facts()),
         "deny: a layer below already retried this failure, and only the layer nearest a \
          failure retries it (rule 5, retried by layer middle)"
     );
     let inside = case().status(503).lineage("edge:3/middle:1");
-    let facts_inside = Facts {
-        lineage: Lineage::parse("edge:3/middle:1").unwrap(),
-        ..base_facts()
-    };
     assert_eq!(
-        inside.run(&Policy::default()).explanation_in(&facts_inside),
+        inside
+            .run(&Policy::default())
+            .explanation_in(&inside.facts()),
         "deny: a layer above is already retrying the request this call serves (rule 5, \
          inside attempt 3 of layer edge)"
     );
@@ -798,33 +796,6 @@ fn a_chain_denial_names_its_layers() {
         inside.run(&Policy::default()).explanation(),
         "deny: a layer above is already retrying the request this call serves (rule 5)"
     );
-}
-
-/// Facts with nothing set but a status, for explanations that read them.
-fn base_facts() -> Facts<'static> {
-    static BODY: Body = Body::Bytes;
-    Facts {
-        idempotency: Idempotency::Safe,
-        body: &BODY,
-        attempt: 1,
-        claimed_evidence: None,
-        failure: None,
-        http_status: Some(503),
-        retry_after: None,
-        grpc_status: None,
-        grpc_pushback: None,
-        deadline_remaining: None,
-        first_byte_delivered: false,
-        runtime_draining: false,
-        auth_refresh_attempted: false,
-        previous_backoff: None,
-        max_attempts: None,
-        lineage: Lineage::EDGE,
-        retried_below: None,
-        budget: BudgetView::OPEN,
-        now: SystemTime::UNIX_EPOCH,
-        jitter: 0.5,
-    }
 }
 
 /// Every branch of the explanation text, exactly: callers log it and
