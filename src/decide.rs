@@ -39,7 +39,7 @@ use crate::policy::{Policies, UpstreamPolicy};
 use crate::telemetry::StoreOp;
 pub use attempt::{Attempt, Draw, NO_BODY};
 pub use names::InvalidRequest;
-pub use report::Report;
+pub use report::{Report, Traffic};
 pub use settle::Settled;
 pub use shares::ShareFull;
 

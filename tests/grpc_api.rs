@@ -112,10 +112,12 @@ async fn traffic_fills_a_budget_that_decide_spends_exactly() {
                 pb::UpstreamTraffic {
                     upstream: "quiet".into(),
                     requests: 30,
+                    ..Default::default()
                 },
                 pb::UpstreamTraffic {
                     upstream: "quiet".into(),
                     requests: 20,
+                    ..Default::default()
                 },
             ],
             ..Default::default()
@@ -167,6 +169,7 @@ async fn traffic_fills_a_budget_that_decide_spends_exactly() {
             traffic: vec![pb::UpstreamTraffic {
                 upstream: "quiet".into(),
                 requests: 1_000,
+                ..Default::default()
             }],
             ..Default::default()
         })
@@ -602,10 +605,12 @@ async fn bad_input_is_refused_by_field_spends_nothing_and_the_server_survives() 
                 pb::UpstreamTraffic {
                     upstream: "guarded".into(),
                     requests: 10,
+                    ..Default::default()
                 },
                 pb::UpstreamTraffic {
                     upstream: String::new(),
                     requests: 1,
+                    ..Default::default()
                 },
             ],
             ..Default::default()
@@ -618,6 +623,43 @@ async fn bad_input_is_refused_by_field_spends_nothing_and_the_server_survives() 
         "{}",
         status.message()
     );
+    // An outcome count out of bounds is refused the same way, naming the
+    // entry and the count, after valid entries that then deposit nothing.
+    for field in ["successes", "failures", "retry_successes", "retry_failures"] {
+        let mut bad = pb::UpstreamTraffic {
+            upstream: "guarded".into(),
+            requests: 1,
+            ..Default::default()
+        };
+        let over = 1_000_000_001;
+        match field {
+            "successes" => bad.successes = over,
+            "failures" => bad.failures = over,
+            "retry_successes" => bad.retry_successes = over,
+            _ => bad.retry_failures = over,
+        }
+        let good = pb::UpstreamTraffic {
+            upstream: "guarded".into(),
+            requests: 10,
+            successes: 10,
+            ..Default::default()
+        };
+        let status = client
+            .report_traffic(pb::ReportTrafficRequest {
+                traffic: vec![good.clone(), good, bad],
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{field}");
+        assert!(
+            status
+                .message()
+                .starts_with(&format!("traffic[2].{field}:")),
+            "{}",
+            status.message()
+        );
+    }
     let mut admin = server.admin().await;
     let status = admin
         .set_retries_enabled(pb::SetRetriesEnabledRequest {

@@ -341,6 +341,7 @@ async fn a_resent_report_resumes_after_a_partial_failure() {
             .map(|(upstream, requests)| pb::UpstreamTraffic {
                 upstream: upstream.into(),
                 requests,
+                ..Default::default()
             })
             .collect(),
         report_id: "9d2b6e1f-partial".into(),
@@ -417,6 +418,7 @@ async fn live_answers(toml: &str, steps: &[Step]) -> Vec<(i32, i32, u32, f64)> {
                         traffic: vec![pb::UpstreamTraffic {
                             upstream: "pay".into(),
                             requests: *requests,
+                            ..Default::default()
                         }],
                         ..Default::default()
                     })

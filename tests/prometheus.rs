@@ -217,6 +217,7 @@ async fn every_panel_and_alert_evaluates_on_a_real_prometheus_scraping_retryd() 
                 traffic: vec![pb::UpstreamTraffic {
                     upstream: "pay".into(),
                     requests: 10,
+                    ..Default::default()
                 }],
                 ..Default::default()
             })

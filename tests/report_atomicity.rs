@@ -33,6 +33,7 @@ fn report(entries: &[(&str, u64)]) -> pb::ReportTrafficRequest {
             .map(|(upstream, requests)| pb::UpstreamTraffic {
                 upstream: (*upstream).into(),
                 requests: *requests,
+                ..Default::default()
             })
             .collect(),
         ..Default::default()

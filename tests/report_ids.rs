@@ -20,6 +20,7 @@ fn report(id: &str, entries: &[(&str, u64)]) -> pb::ReportTrafficRequest {
             .map(|(upstream, requests)| pb::UpstreamTraffic {
                 upstream: (*upstream).into(),
                 requests: *requests,
+                ..Default::default()
             })
             .collect(),
         report_id: id.into(),

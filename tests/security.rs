@@ -74,6 +74,7 @@ async fn call(channel: &Channel, rpc: Rpc, authorization: Option<&str>) -> Code 
         traffic: vec![pb::UpstreamTraffic {
             upstream: upstream.into(),
             requests: 100,
+            ..Default::default()
         }],
         ..Default::default()
     };
@@ -411,6 +412,7 @@ async fn limits_refuse_instead_of_queueing_or_crashing() {
             .map(|i| pb::UpstreamTraffic {
                 upstream: format!("u{i:08}"),
                 requests: 1,
+                ..Default::default()
             })
             .collect(),
         ..Default::default()

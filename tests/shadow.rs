@@ -15,6 +15,7 @@ fn report(upstream: &str, requests: u64) -> pb::ReportTrafficRequest {
         traffic: vec![pb::UpstreamTraffic {
             upstream: upstream.into(),
             requests,
+            ..Default::default()
         }],
         ..Default::default()
     }

@@ -275,6 +275,7 @@ async fn every_decision_is_one_span_in_the_callers_trace() {
                 traffic: vec![pb::UpstreamTraffic {
                     upstream: "ledger".into(),
                     requests: 7,
+                    ..Default::default()
                 }],
                 ..Default::default()
             },
@@ -429,6 +430,7 @@ async fn metrics_count_exactly_what_happened() {
             traffic: vec![pb::UpstreamTraffic {
                 upstream: "pay".into(),
                 requests: 10,
+                ..Default::default()
             }],
             ..Default::default()
         })
@@ -646,6 +648,7 @@ upstreams = ["payments-*"]
         traffic: vec![pb::UpstreamTraffic {
             upstream: "payments-api".into(),
             requests: 10,
+            ..Default::default()
         }],
         ..Default::default()
     };

@@ -48,6 +48,7 @@ async fn gauges_carry_only_configured_upstreams() {
                 .map(|upstream| pb::UpstreamTraffic {
                     upstream: upstream.into(),
                     requests: 1,
+                    ..Default::default()
                 })
                 .collect(),
             ..Default::default()

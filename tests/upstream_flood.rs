@@ -52,6 +52,7 @@ async fn flood_then_decide(server: &Server) {
             traffic: vec![pb::UpstreamTraffic {
                 upstream: "payments-api".into(),
                 requests: 100,
+                ..Default::default()
             }],
             ..Default::default()
         })
@@ -162,6 +163,7 @@ async fn one_principal_floods(server: &Server) {
                 traffic: vec![pb::UpstreamTraffic {
                     upstream: "made-up-999".into(),
                     requests: 10,
+                    ..Default::default()
                 }],
                 ..Default::default()
             },
@@ -191,6 +193,7 @@ async fn one_principal_floods(server: &Server) {
                 traffic: vec![pb::UpstreamTraffic {
                     upstream: "careful-report".into(),
                     requests: 10,
+                    ..Default::default()
                 }],
                 ..Default::default()
             },

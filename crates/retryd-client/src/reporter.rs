@@ -140,7 +140,11 @@ impl TrafficReporter {
         let sorted: BTreeMap<String, u64> = pending.into_iter().collect();
         let entries: Vec<pb::UpstreamTraffic> = sorted
             .into_iter()
-            .map(|(upstream, requests)| pb::UpstreamTraffic { upstream, requests })
+            .map(|(upstream, requests)| pb::UpstreamTraffic {
+                upstream,
+                requests,
+                ..Default::default()
+            })
             .collect();
         entries
             .chunks(MAX_TRAFFIC_ENTRIES)

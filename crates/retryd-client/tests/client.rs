@@ -266,6 +266,7 @@ async fn a_report_id_is_applied_once_however_often_it_is_sent() {
         traffic: vec![pb::UpstreamTraffic {
             upstream: "catalog".into(),
             requests: 30,
+            ..Default::default()
         }],
         report_id: retryd_client::new_report_id(),
     };

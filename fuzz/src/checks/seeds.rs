@@ -156,6 +156,7 @@ pub fn seeds() -> Vec<Seed> {
     let entry = |upstream: &str, requests| pb::UpstreamTraffic {
         upstream: upstream.into(),
         requests,
+        ..Default::default()
     };
     for (name, traffic) in [
         (

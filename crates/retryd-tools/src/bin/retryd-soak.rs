@@ -271,6 +271,7 @@ async fn drive(
                     .map(|n| pb::UpstreamTraffic {
                         upstream: format!("soak-{}", (second * 50 + n) % 1000),
                         requests: 100,
+                        ..Default::default()
                     })
                     .collect();
                 let ok = decider
