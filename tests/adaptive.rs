@@ -137,6 +137,21 @@ async fn report(client: &mut RetryDeciderClient<Channel>, entries: Vec<pb::Upstr
         .unwrap();
 }
 
+/// The upstream's budget as `GetBudget` shows it.
+async fn get_budget(server: &InProcess, upstream: &str) -> pb::Budget {
+    server
+        .admin()
+        .await
+        .get_budget(pb::GetBudgetRequest {
+            upstream: upstream.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .budget
+        .unwrap()
+}
+
 /// Waits until the upstream's budget reads `expected` tokens (the leased
 /// mode flushes deposits in its background round), then spends it all:
 /// the RETRY answers granted.
@@ -210,9 +225,12 @@ async fn adaptive_cases<S: BudgetStore, T: BudgetStore>(adaptive: S, fixed: T) {
     // The outage's successes return: the next report funds in full.
     report(&mut client, vec![entry("outage", 20, [20, 0, 0, 0])]).await;
     assert_eq!(spend_all(&server, "outage", 10.0).await, 10);
+
+    assert!(get_budget(&server, "outage").await.adaptive);
     drop(server);
 
     let server = InProcess::start(&config(false), fixed).await;
+    assert!(!get_budget(&server, "outage").await.adaptive);
     let mut client = server.decider().await;
     report(&mut client, vec![entry("outage", 100, [0, 100, 0, 40])]).await;
     assert_eq!(spend_all(&server, "outage", 50.0).await, 50);

@@ -166,14 +166,15 @@ impl<S: BudgetStore> Decider<S> {
             admitting.iter().zip(&entries[skip..]).enumerate()
         {
             let index = skip + offset;
-            let requests = funded(live, entry);
+            let funded_requests = funded(live, entry);
             let depositing = Instant::now();
-            let deposited = self.store.deposit(upstream, config, requests).await;
+            let deposited = self.store.deposit(upstream, config, funded_requests).await;
             observe.store_call(StoreOp::Deposit, depositing.elapsed(), deposited.is_err());
             deposited.map_err(|error| failed(error.into(), Some(index), entries.len()))?;
-            observe.deposited(upstream, requests);
+            observe.deposited(upstream, entry.requests, funded_requests);
             if let Some(candidate) = &live.policies.get(upstream).candidate {
-                self.candidates.deposit(upstream, candidate, requests);
+                self.candidates
+                    .deposit(upstream, candidate, funded_requests);
             }
         }
         Ok(())
