@@ -7,8 +7,10 @@
 //! line, `"kind"` first, fields named as below, version 1. Readers ignore
 //! fields they do not know; a new field is added, never changed.
 //!
-//! Writing never slows a decision: lines go through a bounded queue to a
-//! thread of their own; when it is full, a line is dropped and counted
+//! Writing never slows a decision: a decision's record (its strings copied
+//! into one buffer, the rest numbers and static names) goes through a
+//! bounded queue to a thread of their own, which makes it a line, serializes
+//! and writes it; when the queue is full, a line is dropped and counted
 //! (`retryd_decision_log_dropped_total`) and the log says so. The file is
 //! created 0600 and never opened when its path is a symbolic link; it is reopened
 //! on SIGHUP (log rotation) and, with `decision_log.max_bytes`, lines that
@@ -18,7 +20,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -29,6 +31,10 @@ use crate::engine::{
     Body, Evidence, Facts, FailureKind, GrpcCode, Idempotency, Lineage, Verdict, layer_name,
 };
 use crate::telemetry::Metrics;
+
+/// How long the writer naps between batches while lines keep coming: at
+/// the default queue (65,536 lines) a nap holds a few hundred at full rate.
+const BUSY_NAP: Duration = Duration::from_millis(2);
 
 /// The format's version, on every line.
 pub const VERSION: u32 = 1;
@@ -169,7 +175,7 @@ pub struct SwitchLine {
 /// The writer side: a bounded queue to a thread that appends to the file.
 #[derive(Debug)]
 pub struct DecisionLog {
-    lines: SyncSender<String>,
+    lines: SyncSender<Pending>,
     /// The origin of `clock_ns`.
     opened: Instant,
     /// Drops, shared with the writer thread (which drops over the size cap).
@@ -223,18 +229,35 @@ struct Writer {
     max_bytes: Option<u64>,
     reopen: Arc<AtomicBool>,
     drops: Arc<Drops>,
+    /// One line, serialized.
+    buffer: Vec<u8>,
 }
 
 impl Writer {
-    fn run(mut self, receiver: Receiver<String>) {
+    fn run(mut self, receiver: Receiver<Pending>) {
+        let mut busy = false;
         loop {
-            // Wakes at least once a second, so that a reopen asked for
-            // while nothing is logged still lets go of a rotated file.
-            let line = match receiver.recv_timeout(Duration::from_secs(1)) {
-                Ok(line) => Some(line),
-                Err(RecvTimeoutError::Timeout) => None,
-                Err(RecvTimeoutError::Disconnected) => return,
+            // While lines keep coming, naps and looks again rather than
+            // blocking: a writer blocked on the queue has every decision's
+            // send wake it (a futex call on the decision's thread), one
+            // that naps is never waited on. Idle, it blocks, and wakes at
+            // least once a second, so that a reopen asked for while nothing
+            // is logged still lets go of a rotated file.
+            let line = if busy {
+                std::thread::sleep(BUSY_NAP);
+                match receiver.try_recv() {
+                    Ok(line) => Some(line),
+                    Err(TryRecvError::Empty) => None,
+                    Err(TryRecvError::Disconnected) => return,
+                }
+            } else {
+                match receiver.recv_timeout(Duration::from_secs(1)) {
+                    Ok(line) => Some(line),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
             };
+            busy = line.is_some();
             if self.reopen.swap(false, Ordering::AcqRel) {
                 self.reopen_file();
             }
@@ -251,8 +274,17 @@ impl Writer {
         }
     }
 
-    fn write(&mut self, line: &str) -> bool {
-        let size = line.len() as u64 + 1;
+    fn write(&mut self, pending: &Pending) -> bool {
+        self.buffer.clear();
+        let serialized = match pending {
+            Pending::Decision(record) => serde_json::to_writer(&mut self.buffer, &record.view()),
+            Pending::Line(line) => serde_json::to_writer(&mut self.buffer, line),
+        };
+        if serialized.is_err() {
+            return true;
+        }
+        self.buffer.push(b'\n');
+        let size = self.buffer.len() as u64;
         if self
             .max_bytes
             .is_some_and(|max| self.written.saturating_add(size) > max)
@@ -265,7 +297,7 @@ impl Writer {
             return true;
         }
         self.written = self.written.saturating_add(size);
-        writeln!(self.out, "{line}").is_ok()
+        self.out.write_all(&self.buffer).is_ok()
     }
 
     /// After a rotation (logrotate moves the file, then sends SIGHUP): the
@@ -296,7 +328,7 @@ impl DecisionLog {
     pub fn open(path: &Path, queue: usize, max_bytes: Option<u64>) -> std::io::Result<DecisionLog> {
         let file = open_file(path)?;
         let written = file.metadata()?.len();
-        let (lines, receiver) = mpsc::sync_channel::<String>(queue.max(1));
+        let (lines, receiver) = mpsc::sync_channel::<Pending>(queue.max(1));
         let drops = Arc::new(Drops::default());
         let reopen = Arc::new(AtomicBool::new(false));
         let writer = Writer {
@@ -306,6 +338,7 @@ impl DecisionLog {
             max_bytes,
             reopen: Arc::clone(&reopen),
             drops: Arc::clone(&drops),
+            buffer: Vec::with_capacity(1024),
         };
         std::thread::Builder::new()
             .name("retryd-decision-log".into())
@@ -342,11 +375,8 @@ impl DecisionLog {
         (clock_ns, unix_ms)
     }
 
-    fn send(&self, line: &Line) {
-        let Ok(text) = serde_json::to_string(line) else {
-            return;
-        };
-        match self.lines.try_send(text) {
+    fn send(&self, pending: Pending) {
+        match self.lines.try_send(pending) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
                 if self.drops.count(1) {
@@ -358,80 +388,305 @@ impl DecisionLog {
         }
     }
 
-    /// Logs a decision.
+    /// Logs a decision: its record is copied here, and made a line and
+    /// serialized on the writer's thread.
     pub fn decision(&self, decided: &Decided<'_>) {
-        let facts = decided.facts();
-        let decision = &decided.decision;
         let (clock_ns, unix_ms) = self.stamp();
-        let nanos = |duration: Duration| u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
-        let (deny_reason, backoff_ns) = match decision.verdict {
-            Verdict::Deny(reason) => (Some(reason.as_str().to_owned()), None),
-            Verdict::Retry { backoff, .. } => (None, Some(nanos(backoff))),
-            Verdict::Ambiguous => (None, None),
-        };
-        self.send(&Line::Decision(Box::new(DecisionLine {
+        self.send(Pending::Decision(Box::new(DecisionRecord::new(
+            decided, clock_ns, unix_ms,
+        ))));
+    }
+
+    /// Logs one deposited entry of a traffic report.
+    pub fn report(&self, upstream: &str, requests: u64) {
+        let (clock_ns, unix_ms) = self.stamp();
+        self.send(Pending::Line(Line::Report(ReportLine {
             v: VERSION,
             clock_ns,
             unix_ms,
-            decision_id: decided.decision_id.clone(),
-            principal: decided.principal.name.clone(),
-            upstream: decided.attempt.upstream.to_owned(),
-            operation: decided.attempt.operation.to_owned(),
-            idempotency: facts.idempotency.as_str().to_owned(),
-            replayability: facts.body.replayability().as_str().to_owned(),
+            upstream: upstream.to_owned(),
+            requests,
+        })));
+    }
+
+    /// Logs a kill-switch flip.
+    pub fn retries_enabled(&self, upstream: &str, enabled: bool) {
+        let (clock_ns, unix_ms) = self.stamp();
+        self.send(Pending::Line(Line::RetriesEnabled(SwitchLine {
+            v: VERSION,
+            clock_ns,
+            unix_ms,
+            upstream: upstream.to_owned(),
+            enabled,
+        })));
+    }
+}
+
+/// What the writer thread is given: a decision's record, or a line.
+#[derive(Debug)]
+enum Pending {
+    /// Boxed: the queue holds its slots from the start.
+    Decision(Box<DecisionRecord>),
+    Line(Line),
+}
+
+/// A [`DecisionLine`] borrowed from its record, for the writer to
+/// serialize without making every string its own: the same fields in the
+/// same order under the same rules (a test compares the two).
+#[derive(Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum LineView<'a> {
+    Decision(DecisionLineView<'a>),
+}
+
+#[derive(Serialize)]
+struct DecisionLineView<'a> {
+    v: u32,
+    clock_ns: u64,
+    unix_ms: u64,
+    decision_id: &'a str,
+    principal: &'a str,
+    upstream: &'a str,
+    operation: &'a str,
+    idempotency: &'a str,
+    replayability: &'a str,
+    attempt: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    evidence: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failure: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    http_status: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retry_after: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    grpc_status: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    grpc_pushback: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deadline_remaining_ns: Option<u64>,
+    first_byte_delivered: bool,
+    runtime_draining: bool,
+    auth_refresh_attempted: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    previous_backoff_ns: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_attempts: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lineage: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retried_below: Option<&'a str>,
+    now_unix_ns: u64,
+    jitter: f64,
+    verdict: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deny_reason: Option<&'a str>,
+    rule: u8,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    backoff_ns: Option<u64>,
+    tokens_remaining: f64,
+    shadow: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    unknown_outcome: Option<&'a str>,
+}
+
+/// The strings of a [`DecisionRecord`], by index.
+const DECISION_ID: usize = 0;
+const PRINCIPAL: usize = 1;
+const UPSTREAM: usize = 2;
+const OPERATION: usize = 3;
+const RETRY_AFTER: usize = 4;
+const GRPC_PUSHBACK: usize = 5;
+const LINEAGE: usize = 6;
+const RETRIED_BELOW: usize = 7;
+const TEXTS: usize = 8;
+
+/// A decision as the decision's thread captures it: the call's strings
+/// copied into one buffer, the rest as numbers and static names. The
+/// writer makes it a [`DecisionLine`] and serializes it, off the
+/// decision's thread (issue 34).
+#[derive(Debug)]
+struct DecisionRecord {
+    text: String,
+    ends: [u32; TEXTS],
+    present: u8,
+    clock_ns: u64,
+    unix_ms: u64,
+    idempotency: &'static str,
+    replayability: &'static str,
+    attempt: u32,
+    evidence: Option<&'static str>,
+    failure: Option<&'static str>,
+    http_status: Option<u16>,
+    grpc_status: Option<u32>,
+    deadline_remaining_ns: Option<u64>,
+    first_byte_delivered: bool,
+    runtime_draining: bool,
+    auth_refresh_attempted: bool,
+    previous_backoff_ns: Option<u64>,
+    max_attempts: Option<u32>,
+    now_unix_ns: u64,
+    jitter: f64,
+    verdict: &'static str,
+    deny_reason: Option<&'static str>,
+    rule: u8,
+    backoff_ns: Option<u64>,
+    tokens_remaining: f64,
+    shadow: bool,
+    unknown_outcome: Option<&'static str>,
+}
+
+impl DecisionRecord {
+    fn new(decided: &Decided<'_>, clock_ns: u64, unix_ms: u64) -> DecisionRecord {
+        let facts = decided.facts();
+        let decision = &decided.decision;
+        let nanos = |duration: Duration| u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+        let (deny_reason, backoff_ns) = match decision.verdict {
+            Verdict::Deny(reason) => (Some(reason.as_str()), None),
+            Verdict::Retry { backoff, .. } => (None, Some(nanos(backoff))),
+            Verdict::Ambiguous => (None, None),
+        };
+        let parts = [
+            Some(decided.decision_id.as_str()),
+            Some(decided.principal.name.as_str()),
+            Some(decided.attempt.upstream),
+            Some(decided.attempt.operation),
+            facts.retry_after,
+            facts.grpc_pushback,
+            Some(facts.lineage.as_str()).filter(|raw| !raw.is_empty()),
+            facts.retried_below,
+        ];
+        let mut text = String::with_capacity(parts.iter().flatten().map(|part| part.len()).sum());
+        let mut ends = [0; TEXTS];
+        let mut present = 0;
+        for (index, part) in parts.into_iter().enumerate() {
+            if let Some(part) = part {
+                text.push_str(part);
+                present |= 1 << index;
+            }
+            ends[index] = text.len() as u32;
+        }
+        DecisionRecord {
+            text,
+            ends,
+            present,
+            clock_ns,
+            unix_ms,
+            idempotency: facts.idempotency.as_str(),
+            replayability: facts.body.replayability().as_str(),
             attempt: facts.attempt,
-            evidence: facts.claimed_evidence.map(|e| e.as_str().to_owned()),
-            failure: facts.failure.map(|f| f.as_str().to_owned()),
+            evidence: facts.claimed_evidence.map(|evidence| evidence.as_str()),
+            failure: facts.failure.map(|failure| failure.as_str()),
             http_status: facts.http_status,
-            retry_after: facts.retry_after.map(str::to_owned),
             grpc_status: facts.grpc_status.map(GrpcCode::number),
-            grpc_pushback: facts.grpc_pushback.map(str::to_owned),
             deadline_remaining_ns: facts.deadline_remaining.map(nanos),
             first_byte_delivered: facts.first_byte_delivered,
             runtime_draining: facts.runtime_draining,
             auth_refresh_attempted: facts.auth_refresh_attempted,
             previous_backoff_ns: facts.previous_backoff.map(nanos),
             max_attempts: facts.max_attempts,
-            lineage: Some(facts.lineage.as_str())
-                .filter(|raw| !raw.is_empty())
-                .map(str::to_owned),
-            retried_below: facts.retried_below.map(str::to_owned),
             now_unix_ns: facts.now.duration_since(UNIX_EPOCH).map_or(0, nanos),
             jitter: facts.jitter,
-            verdict: decision.verdict.as_str().to_owned(),
+            verdict: decision.verdict.as_str(),
             deny_reason,
             rule: decision.rule.number(),
             backoff_ns,
             tokens_remaining: decided.tokens_remaining,
             shadow: decided.shadow,
-            unknown_outcome: decision
-                .unknown_outcome
-                .map(|mark| mark.as_str().to_owned()),
-        })));
+            unknown_outcome: decision.unknown_outcome.map(|mark| mark.as_str()),
+        }
     }
 
-    /// Logs one deposited entry of a traffic report.
-    pub fn report(&self, upstream: &str, requests: u64) {
-        let (clock_ns, unix_ms) = self.stamp();
-        self.send(&Line::Report(ReportLine {
-            v: VERSION,
-            clock_ns,
-            unix_ms,
-            upstream: upstream.to_owned(),
-            requests,
-        }));
+    fn text(&self, index: usize) -> Option<&str> {
+        if self.present & (1 << index) == 0 {
+            return None;
+        }
+        let start = if index == 0 {
+            0
+        } else {
+            self.ends[index - 1] as usize
+        };
+        self.text.get(start..self.ends[index] as usize)
     }
 
-    /// Logs a kill-switch flip.
-    pub fn retries_enabled(&self, upstream: &str, enabled: bool) {
-        let (clock_ns, unix_ms) = self.stamp();
-        self.send(&Line::RetriesEnabled(SwitchLine {
+    /// The line, borrowed from the record: what the writer serializes.
+    fn view(&self) -> LineView<'_> {
+        LineView::Decision(DecisionLineView {
             v: VERSION,
-            clock_ns,
-            unix_ms,
-            upstream: upstream.to_owned(),
-            enabled,
-        }));
+            clock_ns: self.clock_ns,
+            unix_ms: self.unix_ms,
+            decision_id: self.text(DECISION_ID).unwrap_or_default(),
+            principal: self.text(PRINCIPAL).unwrap_or_default(),
+            upstream: self.text(UPSTREAM).unwrap_or_default(),
+            operation: self.text(OPERATION).unwrap_or_default(),
+            idempotency: self.idempotency,
+            replayability: self.replayability,
+            attempt: self.attempt,
+            evidence: self.evidence,
+            failure: self.failure,
+            http_status: self.http_status,
+            retry_after: self.text(RETRY_AFTER),
+            grpc_status: self.grpc_status,
+            grpc_pushback: self.text(GRPC_PUSHBACK),
+            deadline_remaining_ns: self.deadline_remaining_ns,
+            first_byte_delivered: self.first_byte_delivered,
+            runtime_draining: self.runtime_draining,
+            auth_refresh_attempted: self.auth_refresh_attempted,
+            previous_backoff_ns: self.previous_backoff_ns,
+            max_attempts: self.max_attempts,
+            lineage: self.text(LINEAGE),
+            retried_below: self.text(RETRIED_BELOW),
+            now_unix_ns: self.now_unix_ns,
+            jitter: self.jitter,
+            verdict: self.verdict,
+            deny_reason: self.deny_reason,
+            rule: self.rule,
+            backoff_ns: self.backoff_ns,
+            tokens_remaining: self.tokens_remaining,
+            shadow: self.shadow,
+            unknown_outcome: self.unknown_outcome,
+        })
+    }
+
+    /// The line, in the format's terms (owned), as the view serializes.
+    #[cfg(test)]
+    fn line(&self) -> DecisionLine {
+        let owned = |text: Option<&str>| text.map(str::to_owned);
+        DecisionLine {
+            v: VERSION,
+            clock_ns: self.clock_ns,
+            unix_ms: self.unix_ms,
+            decision_id: owned(self.text(DECISION_ID)).unwrap_or_default(),
+            principal: owned(self.text(PRINCIPAL)).unwrap_or_default(),
+            upstream: owned(self.text(UPSTREAM)).unwrap_or_default(),
+            operation: owned(self.text(OPERATION)).unwrap_or_default(),
+            idempotency: self.idempotency.to_owned(),
+            replayability: self.replayability.to_owned(),
+            attempt: self.attempt,
+            evidence: owned(self.evidence),
+            failure: owned(self.failure),
+            http_status: self.http_status,
+            retry_after: owned(self.text(RETRY_AFTER)),
+            grpc_status: self.grpc_status,
+            grpc_pushback: owned(self.text(GRPC_PUSHBACK)),
+            deadline_remaining_ns: self.deadline_remaining_ns,
+            first_byte_delivered: self.first_byte_delivered,
+            runtime_draining: self.runtime_draining,
+            auth_refresh_attempted: self.auth_refresh_attempted,
+            previous_backoff_ns: self.previous_backoff_ns,
+            max_attempts: self.max_attempts,
+            lineage: owned(self.text(LINEAGE)),
+            retried_below: owned(self.text(RETRIED_BELOW)),
+            now_unix_ns: self.now_unix_ns,
+            jitter: self.jitter,
+            verdict: self.verdict.to_owned(),
+            deny_reason: owned(self.deny_reason),
+            rule: self.rule,
+            backoff_ns: self.backoff_ns,
+            tokens_remaining: self.tokens_remaining,
+            shadow: self.shadow,
+            unknown_outcome: owned(self.unknown_outcome),
+        }
     }
 }
 
@@ -520,4 +775,73 @@ fn evidence_of(name: &str) -> Option<Evidence> {
     ]
     .into_iter()
     .find(|evidence| evidence.as_str() == name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(all: bool) -> DecisionRecord {
+        let some = |text: &'static str| all.then_some(text);
+        let parts = [
+            Some("0123456789abcdef0123456789abcdef"),
+            Some("checkout \"svc\""),
+            Some("payments"),
+            Some(""),
+            some("120"),
+            some("250"),
+            some("edge:2/middle:1"),
+            some("middle"),
+        ];
+        let mut text = String::new();
+        let mut ends = [0; TEXTS];
+        let mut present = 0;
+        for (index, part) in parts.into_iter().enumerate() {
+            if let Some(part) = part {
+                text.push_str(part);
+                present |= 1 << index;
+            }
+            ends[index] = text.len() as u32;
+        }
+        DecisionRecord {
+            text,
+            ends,
+            present,
+            clock_ns: 12_345,
+            unix_ms: 1_764_000_000_000,
+            idempotency: "idempotent",
+            replayability: "replayable",
+            attempt: 2,
+            evidence: all.then_some("not_sent"),
+            failure: all.then_some("connect"),
+            http_status: all.then_some(503),
+            grpc_status: all.then_some(14),
+            deadline_remaining_ns: all.then_some(5_000_000),
+            first_byte_delivered: all,
+            runtime_draining: false,
+            auth_refresh_attempted: all,
+            previous_backoff_ns: all.then_some(100),
+            max_attempts: all.then_some(3),
+            now_unix_ns: 1_764_000_000_000_000_001,
+            jitter: 0.375,
+            verdict: if all { "retry" } else { "deny" },
+            deny_reason: (!all).then_some("not_retryable"),
+            rule: 4,
+            backoff_ns: all.then_some(12_250_000),
+            tokens_remaining: 9.5,
+            shadow: all,
+            unknown_outcome: all.then_some("reconcile"),
+        }
+    }
+
+    #[test]
+    fn the_writer_serializes_a_record_as_the_format_says() {
+        for all in [true, false] {
+            let record = record(all);
+            let view = serde_json::to_string(&record.view()).unwrap();
+            let line = Line::Decision(Box::new(record.line()));
+            assert_eq!(view, serde_json::to_string(&line).unwrap());
+            assert_eq!(serde_json::from_str::<Line>(&view).unwrap(), line);
+        }
+    }
 }

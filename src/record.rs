@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 use crate::budget::StoreError;
 use crate::decide::{Decided, Observe, Refused};
 use crate::decision_log::DecisionLog;
-use crate::engine::{Decision, UnknownOutcome, Verdict};
+use crate::engine::{UnknownOutcome, Verdict};
 use crate::telemetry::{
-    Attribute, Metrics, Refusal, SPAN_DECIDE, SpanStart, StoreOp, Throttle, TraceContext, Tracer,
-    UpstreamLimit, attr, hex,
+    Attribute, CandidateSpan, DecisionFields, DecisionSpan, DecisionTexts, Metrics, Refusal,
+    SPAN_DECIDE, SpanStart, StoreOp, Throttle, TraceContext, Tracer, UpstreamLimit, attr, hex,
 };
 
 /// How often at most a full share is logged.
@@ -146,9 +146,8 @@ impl Recorder {
             "decided"
         );
         if let Some(span) = recording.span {
-            let mut attributes = self.decision_attributes(decided);
-            attributes.push((attr::RPC_METHOD, Attribute::Static(recording.method)));
-            self.tracer.finish(span, SPAN_DECIDE, attributes, None);
+            let record = self.decision_span(decided, recording.method);
+            self.tracer.finish_decision(span, record);
         }
         if let Some(log) = &self.decision_log {
             log.decision(decided);
@@ -266,120 +265,62 @@ impl Recorder {
         self.metrics.record_reported(upstream, requests);
     }
 
-    fn decision_attributes(&self, decided: &Decided<'_>) -> Vec<(&'static str, Attribute)> {
+    /// The decision's span as a fixed record: what the decision knows,
+    /// copied once; the attributes are named and encoded on the export task.
+    fn decision_span(&self, decided: &Decided<'_>, method: &'static str) -> DecisionSpan {
         let attempt = &decided.attempt;
         let reported = &attempt.reported;
         let decision = &decided.decision;
-        let mut attributes = vec![
-            (
-                attr::DECISION_ID,
-                Attribute::Text(decided.decision_id.clone()),
-            ),
-            (attr::UPSTREAM, Attribute::Text(attempt.upstream.to_owned())),
-            (
-                attr::OPERATION,
-                Attribute::Text(attempt.operation.to_owned()),
-            ),
-            (attr::ATTEMPT, Attribute::Int(i64::from(reported.attempt))),
-            (
-                attr::IDEMPOTENCY,
-                Attribute::Static(reported.idempotency.as_str()),
-            ),
-            (
-                attr::EVIDENCE_EFFECTIVE,
-                Attribute::Static(decision.effective_evidence.as_str()),
-            ),
-            (attr::VERDICT, Attribute::Static(decision.verdict.as_str())),
-            (
-                attr::RULE,
-                Attribute::Int(i64::from(decision.rule.number())),
-            ),
-            (
-                attr::TOKENS_REMAINING,
-                Attribute::Float(decided.tokens_remaining),
-            ),
-            (attr::STORE, Attribute::Static(self.store_label)),
-            (
-                attr::CALLER,
-                Attribute::Text(decided.principal.name.clone()),
-            ),
-        ];
-        if let Some(claimed) = reported.claimed_evidence {
-            attributes.push((attr::EVIDENCE_CLAIMED, Attribute::Static(claimed.as_str())));
-        }
-        if let Some(failure) = reported.failure {
-            attributes.push((attr::FAILURE, Attribute::Static(failure.as_str())));
-        }
-        if let Some(status) = reported.http_status {
-            attributes.push((attr::HTTP_STATUS, Attribute::Int(i64::from(status))));
-        }
-        if let Some(code) = reported.grpc_status {
-            attributes.push((attr::GRPC_STATUS, Attribute::Int(i64::from(code.number()))));
-        }
-        if let Some(pushback) = reported.grpc_pushback {
-            attributes.push((attr::GRPC_PUSHBACK, Attribute::Text(pushback.to_owned())));
-        }
-        if let Some(mark) = decision.unknown_outcome {
-            attributes.push((attr::UNKNOWN_OUTCOME, Attribute::Static(mark.as_str())));
-        }
-        // The chain's attributes only in a chain: an edge decision's span
-        // is as it was.
         let lineage = reported.lineage;
-        if !lineage.as_str().is_empty() {
-            attributes.push((
-                attr::CHAIN_DEPTH,
-                Attribute::Int(i64::from(lineage.depth())),
-            ));
-            attributes.push((
-                attr::CHAIN_LINEAGE,
-                Attribute::Text(lineage.as_str().to_owned()),
-            ));
-        }
-        if let Some(layer) = reported.retried_below {
-            attributes.push((attr::CHAIN_RETRIED_BELOW, Attribute::Text(layer.to_owned())));
-        }
-        match decision.verdict {
-            Verdict::Retry { backoff, .. } => {
-                attributes.push((
-                    attr::BACKOFF_MS,
-                    Attribute::Float(backoff.as_secs_f64() * 1000.0),
-                ));
-            }
-            Verdict::Deny(reason) => {
-                attributes.push((attr::DENY_REASON, Attribute::Static(reason.as_str())))
-            }
-            Verdict::Ambiguous => {}
-        }
-        if decided.shadow {
-            attributes.push((attr::ENFORCED, Attribute::Bool(false)));
-        }
-        if let Some((decision, tokens)) = &decided.candidate {
-            candidate_attributes(&mut attributes, decision, *tokens);
-        }
-        attributes
-    }
-}
-
-/// The candidate's verdict on a decision's span.
-fn candidate_attributes(
-    attributes: &mut Vec<(&'static str, Attribute)>,
-    decision: &Decision,
-    tokens: f64,
-) {
-    attributes.push((
-        attr::CANDIDATE_VERDICT,
-        Attribute::Static(decision.verdict.as_str()),
-    ));
-    attributes.push((
-        attr::CANDIDATE_RULE,
-        Attribute::Int(i64::from(decision.rule.number())),
-    ));
-    attributes.push((attr::CANDIDATE_TOKENS_REMAINING, Attribute::Float(tokens)));
-    if let Verdict::Deny(reason) = decision.verdict {
-        attributes.push((
-            attr::CANDIDATE_DENY_REASON,
-            Attribute::Static(reason.as_str()),
-        ));
+        let in_chain = !lineage.as_str().is_empty();
+        let (backoff_ms, deny_reason) = match decision.verdict {
+            Verdict::Retry { backoff, .. } => (Some(backoff.as_secs_f64() * 1000.0), None),
+            Verdict::Deny(reason) => (None, Some(reason.as_str())),
+            Verdict::Ambiguous => (None, None),
+        };
+        let candidate = decided
+            .candidate
+            .as_ref()
+            .map(|(decision, tokens)| CandidateSpan {
+                verdict: decision.verdict.as_str(),
+                rule: decision.rule.number(),
+                tokens_remaining: *tokens,
+                deny_reason: match decision.verdict {
+                    Verdict::Deny(reason) => Some(reason.as_str()),
+                    _ => None,
+                },
+            });
+        DecisionSpan::new(
+            DecisionTexts {
+                decision_id: &decided.decision_id,
+                upstream: attempt.upstream,
+                operation: attempt.operation,
+                caller: &decided.principal.name,
+                grpc_pushback: reported.grpc_pushback,
+                lineage: in_chain.then(|| lineage.as_str()),
+                retried_below: reported.retried_below,
+            },
+            DecisionFields {
+                attempt: reported.attempt,
+                idempotency: reported.idempotency.as_str(),
+                evidence_effective: decision.effective_evidence.as_str(),
+                verdict: decision.verdict.as_str(),
+                rule: decision.rule.number(),
+                tokens_remaining: decided.tokens_remaining,
+                store: self.store_label,
+                evidence_claimed: reported.claimed_evidence.map(|claimed| claimed.as_str()),
+                failure: reported.failure.map(|failure| failure.as_str()),
+                http_status: reported.http_status,
+                grpc_status: reported.grpc_status.map(|code| code.number()),
+                unknown_outcome: decision.unknown_outcome.map(UnknownOutcome::as_str),
+                chain_depth: in_chain.then(|| lineage.depth()),
+                backoff_ms,
+                deny_reason,
+                shadow: decided.shadow,
+                candidate,
+                method,
+            },
+        )
     }
 }
 

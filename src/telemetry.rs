@@ -1,15 +1,18 @@
 //! Telemetry: structured logs through `tracing`, an audit span per decision
-//! through the OpenTelemetry SDK, exported over OTLP (gRPC or HTTP), and
-//! Prometheus metrics in the OpenMetrics format.
+//! in the OpenTelemetry model (the SDK's propagator, sampler, id generator
+//! and resource), exported over OTLP (gRPC or HTTP), and Prometheus metrics
+//! in the OpenMetrics format.
 //!
-//! Nothing here may slow a decision down or fail it: spans go into a
-//! bounded queue that drops (and counts) rather than waits, the exporter runs
-//! on its own task, and counters are plain atomics. Names of spans,
+//! Nothing here may slow a decision down or fail it: a decision's span is a
+//! fixed-size record (`span.rs`) that goes into a bounded queue that drops
+//! (and counts, and warns) rather than waits, the exporter encodes and
+//! sends on its own task (`otlp.rs`), and counters are plain atomics. Names of spans,
 //! attributes and metrics are constants in this file so that dashboards and
 //! tests have one place to look.
 
 pub mod metrics;
 mod otlp;
+mod span;
 mod trace;
 
 use std::io::IsTerminal;
@@ -23,7 +26,8 @@ use crate::config::{LogFormat, TelemetryConfig};
 pub use metrics::{
     BUDGET_GAUGES_INTERVAL, BudgetGauges, Metrics, Refusal, StoreOp, UpstreamLimit, serve_metrics,
 };
-pub use trace::{Attribute, SpanStart, TraceContext, Tracer, TracerGuard, hex};
+pub use span::{CandidateSpan, DecisionFields, DecisionSpan, DecisionTexts, SpanStart};
+pub use trace::{Attribute, TraceContext, Tracer, TracerGuard, hex};
 
 /// The span of one decision.
 pub const SPAN_DECIDE: &str = "retry.decide";

@@ -243,19 +243,9 @@ async fn an_unmarked_failure_is_retried_above_but_not_inside() {
 
 #[tokio::test]
 async fn the_decision_log_keeps_the_chain_and_replay_decides_the_same() {
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("decisions.jsonl");
-    let config = dir.path().join("retryd.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nmetrics_listen = \"127.0.0.1:0\"\n\
-             [decision_log]\npath = {:?}\n{CONFIG}",
-            log.display().to_string()
-        ),
-    )
-    .unwrap();
-    let server = Server::start_file(&config);
+    let logged = retryd_testkit::LoggedConfig::new(CONFIG);
+    let (config, log) = (&logged.config, &logged.log);
+    let server = Server::start_file(config);
     let mut retryd = server.decider().await;
     for (lineage, retried_below) in [("", ""), ("edge:1", "back"), ("edge:2/middle:1", "")] {
         retryd
@@ -273,7 +263,7 @@ async fn the_decision_log_keeps_the_chain_and_replay_decides_the_same() {
             .unwrap();
     }
     drop(server);
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(log)
         .unwrap()
         .lines()
         .map(|line| serde_json::from_str(line).unwrap())
@@ -287,7 +277,7 @@ async fn the_decision_log_keeps_the_chain_and_replay_decides_the_same() {
     assert_eq!(lines[1]["retried_below"], "back");
     assert_eq!(lines[1]["deny_reason"], "retried_below");
     assert_eq!(lines[2]["deny_reason"], "inside_enclosing_retry");
-    let replayed = retryd_testkit::replay_json(&config, &log);
+    let replayed = retryd_testkit::replay_json(config, log);
     assert_eq!(replayed["upstreams"]["db"]["changed"], 0, "{replayed:#}");
     assert_eq!(replayed["upstreams"]["db"]["decisions"], 3, "{replayed:#}");
 }

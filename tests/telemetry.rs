@@ -321,8 +321,8 @@ async fn decide_sequentially(client: &mut RetryDeciderClient<Channel>, n: usize)
 /// collector holds an export it never answers, which an exporter on the
 /// decision path would make each of them wait for (an hour: the testkit's
 /// hang guard, on each decision, fails the test first), and the full queue
-/// drops and counts spans rather than holding their decisions. The times
-/// are printed.
+/// drops, counts and warns about spans rather than holding their
+/// decisions. The times are printed.
 #[tokio::test]
 async fn a_stalled_or_absent_collector_never_slows_decisions() {
     let stalled = Collector {
@@ -362,6 +362,13 @@ async fn a_stalled_or_absent_collector_never_slows_decisions() {
     let scrape = with_stalled.scrape();
     let dropped = metric(&scrape, "retryd_spans_dropped_total");
     assert!(dropped > 0.0, "a full queue drops and counts:\n{scrape}");
+    support::eventually("and warns", || {
+        with_stalled
+            .logs()
+            .contains("the span export queue is full")
+            .then_some(())
+    })
+    .await;
     // An export to the absent port fails only once its attempt gives up.
     support::eventually("failed exports are counted", || {
         (metric(&with_absent.scrape(), "retryd_spans_export_failed_total") > 0.0).then_some(())

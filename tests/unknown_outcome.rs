@@ -31,19 +31,9 @@ budget = { capacity = 10.0, initial = 0.0, ratio = 0.1, min_per_second = 0.0 }
 
 #[tokio::test]
 async fn every_denial_of_a_possibly_executed_call_says_so() {
-    let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("decisions.jsonl");
-    let config = dir.path().join("retryd.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nmetrics_listen = \"127.0.0.1:0\"\n\
-             [decision_log]\npath = {:?}\n{CONFIG}",
-            log.display().to_string()
-        ),
-    )
-    .unwrap();
-    let server = Server::start_file(&config);
+    let logged = retryd_testkit::LoggedConfig::new(CONFIG);
+    let (config, log) = (&logged.config, &logged.log);
+    let server = Server::start_file(config);
     let mut client = server.decider().await;
 
     use pb::DenyReason as Why;
@@ -234,7 +224,7 @@ async fn every_denial_of_a_possibly_executed_call_says_so() {
     );
 
     // The decision log keeps the mark, and replay keeps it too.
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(log)
         .unwrap()
         .lines()
         .map(|line| serde_json::from_str(line).unwrap())
@@ -248,7 +238,7 @@ async fn every_denial_of_a_possibly_executed_call_says_so() {
     assert_eq!(logged as u64, marked);
     assert_eq!(lines[0]["unknown_outcome"], "reconcile");
     assert_eq!(lines[9]["unknown_outcome"], "resend_with_key");
-    let replayed = replay_json(&config, &log);
+    let replayed = replay_json(config, log);
     let total: u64 = replayed["upstreams"]
         .as_object()
         .unwrap()

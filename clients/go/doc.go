@@ -17,7 +17,10 @@
 //   - [Transport] is an [net/http.RoundTripper] that retries under retryd's
 //     decisions, with the evidence of how far each attempt got taken from
 //     [net/http/httptrace].
-//   - [Client.UnaryClientInterceptor] does the same for grpc-go unary calls.
+//   - [Client.UnaryClientInterceptor] does the same for grpc-go unary calls,
+//     and [Client.StreamClientInterceptor] for streams (those it can send
+//     again: opens that failed, and server-streaming calls before their
+//     first response message).
 //
 // The generated contract (proto/retryd/v1/retryd.proto) is the package
 // [github.com/retryd/retryd/clients/go/retrydv1]; requests are its

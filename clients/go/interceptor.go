@@ -27,8 +27,8 @@ type InterceptorOptions struct {
 	// the context for the replay (with fresh per-RPC metadata, say). Without
 	// it such a call fails with its UNAUTHENTICATED status.
 	RefreshCredentials func(ctx context.Context) (context.Context, error)
-	// DisableReporting stops counting first attempts on the client's
-	// TrafficReporter.
+	// DisableReporting stops counting first attempts and outcomes on the
+	// client's TrafficReporter.
 	DisableReporting bool
 }
 
@@ -52,7 +52,10 @@ const PushbackTrailer = "grpc-retry-pushback-ms"
 // deterministic codec). An AMBIGUOUS answer fails the call with an
 // *AmbiguousError, a denial with an *Error wrapping the call's status;
 // status.Code works on both. Backoffs are slept inside the context's
-// deadline, which is passed to retryd with each decision.
+// deadline, which is passed to retryd with each decision. First attempts
+// are counted on the client's TrafficReporter, and every attempt's outcome
+// ([FailureCodes] fail, any other ending succeeds, CANCELLED or a cancelled
+// context is neither).
 //
 // Switch off grpc-go's own retries on the connection (grpc.WithDisableRetry,
 // and no retryPolicy in the service config): the interceptor would see only
@@ -100,10 +103,13 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 			options = append(options, grpc.Header(&header), grpc.Trailer(&trailer), grpc.Peer(&p))
 			sendCtx := withOutgoingLineage(attemptCtx, outboundLineage(lineage, c.Layer(), attempt))
 			err := invokeAttempt(sendCtx, opts.AttemptTimeout, method, req, reply, cc, invoker, options)
+			st := status.Convert(err)
+			if !opts.DisableReporting && st.Code() != codes.Canceled {
+				c.recordAttempt(ctx, upstream, attempt, !FailureCodes[st.Code()])
+			}
 			if err == nil {
 				return nil
 			}
-			st := status.Convert(err)
 			decideReq := &pb.DecideRequest{
 				Upstream:             upstream,
 				Operation:            operation,

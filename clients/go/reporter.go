@@ -19,18 +19,55 @@ type ReporterOptions struct {
 	// Interval is how often pending counts are sent (1s when zero).
 	Interval time.Duration
 	// MaxUpstreams bounds the distinct upstreams held while retryd is
-	// unreachable (10000 when zero); counts for more are dropped and counted
-	// in Dropped.
+	// unreachable (10000 when zero); counts for more are dropped (their
+	// requests counted in Dropped, their outcomes with them).
 	MaxUpstreams int
 	// Logger receives the warnings; nil means the standard logger.
 	Logger *log.Logger
+}
+
+// Traffic is what a report carries for one upstream: the first attempts
+// sent, and how attempts ended (see [TrafficReporter.RecordOutcome]).
+type Traffic struct {
+	Requests       uint64
+	Successes      uint64
+	Failures       uint64
+	RetrySuccesses uint64
+	RetryFailures  uint64
+}
+
+func (t *Traffic) add(o Traffic) {
+	t.Requests += o.Requests
+	t.Successes += o.Successes
+	t.Failures += o.Failures
+	t.RetrySuccesses += o.RetrySuccesses
+	t.RetryFailures += o.RetryFailures
+}
+
+func trafficOf(entry *pb.UpstreamTraffic) Traffic {
+	return Traffic{
+		Requests: entry.GetRequests(), Successes: entry.GetSuccesses(), Failures: entry.GetFailures(),
+		RetrySuccesses: entry.GetRetrySuccesses(), RetryFailures: entry.GetRetryFailures(),
+	}
 }
 
 // TrafficReporter batches first-attempt counts into ReportTraffic calls.
 //
 // Budgets fill from reported first attempts only ("retries never fund
 // retries"), so call Record once per real request, never for a retry.
-// Record only adds to a counter under a lock; a goroutine sends the counts
+//
+// Reports also carry outcomes, so that a budget can follow the upstream's
+// health: call RecordOutcome once per finished attempt, first attempts
+// (successes, failures) apart from retries (retry_successes,
+// retry_failures). An attempt is a failure when the caller asked (or would
+// ask) retryd or its local rule whether to retry it (not sent, no response,
+// a retryable status); every other ending is a success, a 404 included. An
+// attempt the caller cancelled or abandoned is neither. [Transport] and
+// the unary interceptor record every attempt's outcome by default. A batch
+// carries each upstream's requests and outcomes together, and a re-sent
+// batch the same counts.
+//
+// Record and RecordOutcome only add to a counter under a lock; a goroutine sends the counts
 // every Interval, in batches of at most MaxTrafficEntries entries, each with
 // a random report_id.
 //
@@ -47,7 +84,7 @@ type TrafficReporter struct {
 	logger   *log.Logger
 
 	mu      sync.Mutex
-	pending map[string]uint64
+	pending map[string]*Traffic
 	dropped uint64
 
 	sendMu  sync.Mutex                 // one flush at a time
@@ -65,7 +102,7 @@ func NewTrafficReporter(client *Client, opts ReporterOptions) *TrafficReporter {
 		interval: opts.Interval,
 		max:      opts.MaxUpstreams,
 		logger:   opts.Logger,
-		pending:  map[string]uint64{},
+		pending:  map[string]*Traffic{},
 		stop:     make(chan struct{}),
 		done:     make(chan struct{}),
 	}
@@ -83,32 +120,69 @@ func NewTrafficReporter(client *Client, opts ReporterOptions) *TrafficReporter {
 
 // Record counts n first attempts to upstream.
 func (r *TrafficReporter) Record(upstream string, n uint64) {
-	if n == 0 || upstream == "" {
+	r.add(upstream, Traffic{Requests: n})
+}
+
+// RecordOutcome counts how n attempts to upstream ended: retry false for
+// first attempts (successes, failures), true for the attempts after them
+// (retry_successes, retry_failures). See [TrafficReporter] for the rule.
+func (r *TrafficReporter) RecordOutcome(upstream string, success, retry bool, n uint64) {
+	var t Traffic
+	switch {
+	case !retry && success:
+		t.Successes = n
+	case !retry:
+		t.Failures = n
+	case success:
+		t.RetrySuccesses = n
+	default:
+		t.RetryFailures = n
+	}
+	r.add(upstream, t)
+}
+
+func (r *TrafficReporter) add(upstream string, t Traffic) {
+	if t == (Traffic{}) || upstream == "" {
 		return
 	}
 	r.mu.Lock()
-	if _, ok := r.pending[upstream]; ok || len(r.pending) < r.max {
-		r.pending[upstream] += n
+	if row, ok := r.pending[upstream]; ok {
+		row.add(t)
+	} else if len(r.pending) < r.max {
+		r.pending[upstream] = &t
 	} else {
-		r.dropped += n
+		r.dropped += t.Requests // the outcomes go with them
 	}
 	r.mu.Unlock()
 }
 
-// Pending returns the counts not yet sent: those recorded since the last
+// Pending returns the requests not yet sent: those recorded since the last
 // batch was cut plus those of batches retryd has not taken yet.
 func (r *TrafficReporter) Pending() map[string]uint64 {
+	counts := map[string]uint64{}
+	for upstream, t := range r.PendingTraffic() {
+		if t.Requests > 0 {
+			counts[upstream] = t.Requests
+		}
+	}
+	return counts
+}
+
+// PendingTraffic is [TrafficReporter.Pending] with the outcomes.
+func (r *TrafficReporter) PendingTraffic() map[string]Traffic {
 	r.sendMu.Lock()
 	defer r.sendMu.Unlock()
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	counts := make(map[string]uint64, len(r.pending))
-	for upstream, n := range r.pending {
-		counts[upstream] += n
+	counts := make(map[string]Traffic, len(r.pending))
+	for upstream, t := range r.pending {
+		counts[upstream] = *t
 	}
 	for _, batch := range r.unsent {
 		for _, entry := range batch.GetTraffic() {
-			counts[entry.GetUpstream()] += entry.GetRequests()
+			t := counts[entry.GetUpstream()]
+			t.add(trafficOf(entry))
+			counts[entry.GetUpstream()] = t
 		}
 	}
 	return counts
@@ -141,7 +215,7 @@ func newReportID() string {
 func (r *TrafficReporter) cut() []*pb.ReportTrafficRequest {
 	r.mu.Lock()
 	counts := r.pending
-	r.pending = map[string]uint64{}
+	r.pending = map[string]*Traffic{}
 	r.mu.Unlock()
 	upstreams := make([]string, 0, len(counts))
 	for upstream := range counts {
@@ -156,7 +230,11 @@ func (r *TrafficReporter) cut() []*pb.ReportTrafficRequest {
 		}
 		batch := &pb.ReportTrafficRequest{ReportId: newReportID()}
 		for _, upstream := range upstreams[start:end] {
-			batch.Traffic = append(batch.Traffic, &pb.UpstreamTraffic{Upstream: upstream, Requests: counts[upstream]})
+			t := counts[upstream]
+			batch.Traffic = append(batch.Traffic, &pb.UpstreamTraffic{
+				Upstream: upstream, Requests: t.Requests, Successes: t.Successes, Failures: t.Failures,
+				RetrySuccesses: t.RetrySuccesses, RetryFailures: t.RetryFailures,
+			})
 		}
 		batches = append(batches, batch)
 	}
@@ -253,4 +331,25 @@ func (r *TrafficReporter) Close(ctx context.Context) error {
 		<-r.done
 	}
 	return r.Flush(ctx)
+}
+
+// FailureCodes are the gRPC codes that make an attempt a failure in the
+// reporter's outcome counts: those the retry tables can retry (UNAVAILABLE
+// and DEADLINE_EXCEEDED as 502-504 and "no response", RESOURCE_EXHAUSTED as
+// 429, UNAUTHENTICATED as 401, INTERNAL and UNKNOWN as 500), the twins of
+// DefaultRetryStatuses. Every other code is a success (the upstream
+// answered, as a 404), except CANCELLED: the caller's own, counted as
+// neither.
+var FailureCodes = map[codes.Code]bool{
+	codes.Unavailable: true, codes.DeadlineExceeded: true, codes.ResourceExhausted: true,
+	codes.Unauthenticated: true, codes.Internal: true, codes.Unknown: true,
+}
+
+// recordAttempt counts one attempt's outcome on the client's reporter,
+// unless the caller cancelled ctx (an abandoned attempt is neither).
+func (c *Client) recordAttempt(ctx context.Context, upstream string, attempt int, success bool) {
+	if ctx.Err() == context.Canceled {
+		return
+	}
+	c.Reporter().RecordOutcome(upstream, success, attempt > 1, 1)
 }

@@ -93,7 +93,10 @@ func callOf(ctx context.Context) Call {
 // ends, and an *AmbiguousError on AMBIGUOUS.
 //
 // First attempts are counted on the client's TrafficReporter unless
-// DisableReporting is set. Go's own http.Transport re-sends by itself a
+// DisableReporting is set, and so is every attempt's outcome: a failure when
+// retryd is asked about it (a transport error, a status in RetryStatuses), a
+// success otherwise (a 404 included); an attempt whose context the caller
+// cancelled is neither. Go's own http.Transport re-sends by itself a
 // request whose reused connection broke; the Transport lets it do so only
 // when nothing of the request was written, and otherwise refuses the re-send
 // (see refuseHiddenResend), so that every request that reaches the upstream
@@ -130,8 +133,8 @@ type Transport struct {
 	// ErrorBodyLimit is how much of a failed response's body is read before
 	// deciding (DefaultErrorBodyLimit when zero).
 	ErrorBodyLimit int64
-	// DisableReporting stops counting first attempts on the client's
-	// TrafficReporter.
+	// DisableReporting stops counting first attempts and outcomes on the
+	// client's TrafficReporter.
 	DisableReporting bool
 }
 
@@ -396,6 +399,11 @@ func (t *Transport) RoundTrip(req *http.Request) (resp *http.Response, err error
 		}
 		member := withLineageMember(baggage, outboundLineage(lineage, t.Client.Layer(), attempt))
 		resp, failed, attemptErr := t.attempt(ctx, next, member, errorBodyLimit)
+		if !t.DisableReporting {
+			// A failure is an attempt retryd (or, past the deadline, the
+			// local rule) is asked about; any other ending is a success.
+			t.Client.recordAttempt(ctx, upstream, attempt, attemptErr == nil && failed == nil)
+		}
 		if attemptErr == nil && failed == nil {
 			return withDecisions(resp, decisions), nil
 		}

@@ -1,74 +1,100 @@
-//! The span pipeline behind the SDK's tracer: `QueueProcessor`, a span
-//! processor with a bounded queue, and a task that batches finished spans
-//! into the SDK's OTLP exporter (gRPC or HTTP/protobuf, TLS with the
-//! configured CA, headers).
+//! The span pipeline: [`Pipeline`], the sampler and a bounded queue of
+//! finished spans, and a task that batches them, encodes each batch
+//! straight into OTLP protobuf (`encode.rs`: one resource, one scope) and
+//! sends it over gRPC (tonic, the raw bytes as the request) or HTTP/protobuf
+//! (hyper through `opentelemetry-http`), TLS with the configured CA,
+//! headers, the exporter's timeout.
 //!
-//! Why not the SDK's `BatchSpanProcessor`: it drops when its queue is full
-//! too, but counts the drops only for its own shutdown log line, and
-//! retryd's operators alert on `retryd_spans_dropped_total`. The queue here
-//! is tokio's bounded channel, `try_send` only: the decision path never
-//! waits. Exports run one at a time with the exporter's timeout; a failed
-//! export is logged (at most every ten seconds) and counted, and its spans
-//! are lost, never retried: the audit trail is best effort, the decisions
-//! are not.
+//! Why not the SDK's `BatchSpanProcessor` and `opentelemetry-otlp`: the
+//! processor drops when its queue is full too, but counts the drops only
+//! for its own shutdown log line, and retryd's operators alert on
+//! `retryd_spans_dropped_total`; the exporter's generic transform (grouping
+//! by resource and scope, converting every `KeyValue`) was most of a
+//! traced decision's cost (issue 34). The queue here is tokio's bounded
+//! channel, `try_send` only: the decision path never waits, and it wakes
+//! the export task only once a batch is queued (or the batch window
+//! passes), not per span. A full queue drops, counts and warns (at most
+//! every ten seconds). Up to four exports are on their way at once, each
+//! with the exporter's timeout; a failed export is logged (at most every ten seconds) and
+//! counted, and its spans are lost, never retried: the audit trail is best
+//! effort, the decisions are not.
 
-use std::collections::HashMap;
+mod encode;
+
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use opentelemetry::KeyValue;
-use opentelemetry::trace::TracerProvider as _;
-use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig, WithTonicConfig};
+use opentelemetry_http::HttpClient as _;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceResponse;
 use opentelemetry_sdk::Resource;
-use opentelemetry_sdk::error::OTelSdkResult;
-use opentelemetry_sdk::trace::{
-    Sampler, SdkTracer, SdkTracerProvider, SpanData, SpanExporter as _, SpanProcessor,
-};
+use opentelemetry_sdk::trace::Sampler;
+use prost::Message as _;
 use rand::Rng;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_rustls::rustls;
 
-use super::Metrics;
+use super::span::Finished;
+use super::{Metrics, Throttle};
 use crate::config::{OtlpExport, OtlpProtocol, Sampling, TelemetryConfig};
 
 /// Spans per export request, at most.
 const MAX_BATCH: usize = 512;
 /// How long a span may wait for its batch to fill.
 const BATCH_WINDOW: Duration = Duration::from_millis(200);
+/// Export requests on their way at once, at most.
+const MAX_IN_FLIGHT: usize = 4;
+/// How often at most a full queue or a failed export is warned about.
+const WARNING_INTERVAL: Duration = Duration::from_secs(10);
+/// The OTLP/gRPC method.
+const GRPC_EXPORT: &str = "/opentelemetry.proto.collector.trace.v1.TraceService/Export";
 
-/// Hands finished spans to the exporter task; drops (and counts) when the
-/// queue is full.
-#[derive(Clone, Debug)]
-struct QueueProcessor {
-    queue: mpsc::Sender<SpanData>,
+/// What the tracer holds: the sampler and the producer side of the queue.
+#[derive(Debug)]
+pub(super) struct Pipeline {
+    pub(super) sampler: Sampler,
+    queue: mpsc::Sender<Finished>,
+    /// Capacity of `queue`.
+    capacity: usize,
+    /// Wake the export task once this many spans wait.
+    wake_at: usize,
+    /// Set once the task was woken for the spans waiting; the task clears it.
+    woken: Arc<AtomicBool>,
+    wake: Arc<Notify>,
     metrics: Arc<Metrics>,
+    drops: Throttle,
 }
 
-impl SpanProcessor for QueueProcessor {
-    fn on_start(&self, _span: &mut opentelemetry_sdk::trace::Span, _cx: &opentelemetry::Context) {}
-
-    fn on_end(&self, span: SpanData) {
-        if self.queue.try_send(span).is_err() {
-            self.metrics.spans_dropped.fetch_add(1, Ordering::Relaxed);
+impl Pipeline {
+    /// Queues a finished span; drops, counts and warns when the queue is
+    /// full.
+    pub(super) fn push(&self, finished: Finished) {
+        match self.queue.try_send(finished) {
+            Ok(()) => {
+                let waiting = self.capacity - self.queue.capacity();
+                if waiting >= self.wake_at && !self.woken.swap(true, Ordering::AcqRel) {
+                    self.wake.notify_one();
+                }
+            }
+            Err(_) => {
+                self.metrics.spans_dropped.fetch_add(1, Ordering::Relaxed);
+                self.drops.log(|suppressed| {
+                    tracing::warn!(
+                        suppressed,
+                        "the span export queue is full (telemetry.export_queue): spans dropped, counted in retryd_spans_dropped_total"
+                    );
+                });
+            }
         }
-    }
-
-    fn force_flush(&self) -> OTelSdkResult {
-        Ok(())
-    }
-
-    fn shutdown_with_timeout(&self, _timeout: Duration) -> OTelSdkResult {
-        // The exporter task is stopped (and flushed) by `TracerGuard`.
-        Ok(())
     }
 }
 
 /// What `start` made.
 pub(super) struct Started {
-    pub(super) sampled: SdkTracer,
-    pub(super) always: SdkTracer,
+    pub(super) pipeline: Pipeline,
     pub(super) stop: oneshot::Sender<()>,
     pub(super) task: JoinHandle<()>,
 }
@@ -123,170 +149,380 @@ fn sampler(sampling: Sampling) -> Sampler {
     }
 }
 
-/// Builds the exporter and the tracers, and spawns the export task on the
-/// current runtime.
+/// Builds the pipeline and spawns the export task on the current runtime.
 pub(super) fn start(
     config: &TelemetryConfig,
     export: &OtlpExport,
     metrics: Arc<Metrics>,
 ) -> Result<Started, String> {
     let resource = resource(config);
-    let mut exporter = exporter(export)?;
-    exporter.set_resource(&resource);
-    let (queue, receiver) = mpsc::channel(config.export_queue.max(1));
-    let processor = QueueProcessor {
-        queue,
-        metrics: Arc::clone(&metrics),
-    };
     let scope = opentelemetry::InstrumentationScope::builder("retryd")
         .with_version(env!("CARGO_PKG_VERSION"))
         .build();
-    let provider = |sampler: Sampler| {
-        SdkTracerProvider::builder()
-            .with_span_processor(processor.clone())
-            .with_sampler(sampler)
-            .with_resource(resource.clone())
-            .build()
+    let encoder = encode::Encoder::new(&resource, &scope);
+    let transport = Transport::new(export)?;
+    let capacity = config.export_queue.max(1);
+    let (queue, receiver) = mpsc::channel(capacity);
+    let woken = Arc::new(AtomicBool::new(false));
+    let wake = Arc::new(Notify::new());
+    let pipeline = Pipeline {
+        sampler: sampler(config.sampling),
+        queue,
+        capacity,
+        wake_at: MAX_BATCH.min(capacity / 2).max(1),
+        woken: Arc::clone(&woken),
+        wake: Arc::clone(&wake),
+        metrics: Arc::clone(&metrics),
+        drops: Throttle::new(WARNING_INTERVAL, 1),
     };
-    let sampled = provider(self::sampler(config.sampling)).tracer_with_scope(scope.clone());
-    let always = provider(Sampler::AlwaysOn).tracer_with_scope(scope);
     let (stop, stopped) = oneshot::channel();
     let task = tokio::spawn(run(
-        exporter,
-        export.endpoint.clone(),
+        Exporter {
+            encoder,
+            transport: Arc::new(transport),
+            endpoint: export.endpoint.clone(),
+            metrics,
+            last_warning: None,
+        },
         receiver,
+        Wakes { woken, wake },
         stopped,
-        metrics,
     ));
     Ok(Started {
-        sampled,
-        always,
+        pipeline,
         stop,
         task,
     })
 }
 
-fn exporter(export: &OtlpExport) -> Result<opentelemetry_otlp::SpanExporter, String> {
-    let roots = export.ca_roots()?;
-    let built = match export.protocol {
-        OtlpProtocol::Grpc => {
-            let mut metadata = tonic::metadata::MetadataMap::new();
-            for (name, value) in &export.headers {
-                let key = tonic::metadata::MetadataKey::from_bytes(name.as_bytes())
-                    .map_err(|_| format!("telemetry: header {name:?} is not valid"))?;
-                let value = value
-                    .parse()
-                    .map_err(|_| format!("telemetry: the value of header {name:?} is not valid"))?;
-                metadata.insert(key, value);
-            }
-            let mut builder = opentelemetry_otlp::SpanExporter::builder()
-                .with_tonic()
-                .with_endpoint(export.endpoint.clone())
-                .with_timeout(export.timeout)
-                .with_metadata(metadata);
-            if export.endpoint.starts_with("https://") {
-                let tls = match &export.ca_pem {
-                    Some(pem) => tonic::transport::ClientTlsConfig::new()
-                        .ca_certificate(tonic::transport::Certificate::from_pem(pem)),
-                    None => tonic::transport::ClientTlsConfig::new().with_webpki_roots(),
-                };
-                builder = builder.with_tls_config(tls);
-            }
-            builder.build()
-        }
-        OtlpProtocol::HttpProtobuf => {
-            let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .map_err(|err| format!("telemetry: TLS: {err}"))?;
-            let tls = match roots {
-                Some(roots) => tls.with_root_certificates(roots),
-                None => tls.with_root_certificates(rustls::RootCertStore {
-                    roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
-                }),
-            }
-            .with_no_client_auth();
-            let connector = hyper_rustls::HttpsConnectorBuilder::new()
-                .with_tls_config(tls)
-                .https_or_http()
-                .enable_http1()
-                .build();
-            let client =
-                opentelemetry_http::hyper::HyperClient::new(connector, export.timeout, None);
-            opentelemetry_otlp::SpanExporter::builder()
-                .with_http()
-                .with_endpoint(export.endpoint.clone())
-                .with_protocol(Protocol::HttpBinary)
-                .with_timeout(export.timeout)
-                .with_headers(export.headers.iter().cloned().collect::<HashMap<_, _>>())
-                .with_http_client(client)
-                .build()
-        }
-    };
-    built.map_err(|err| format!("telemetry: cannot build the OTLP exporter: {err}"))
+/// Raw bytes out (an encoded `ExportTraceServiceRequest`), the response
+/// decoded: the gRPC codec of a request encoded by `encode.rs`.
+#[derive(Clone, Copy, Debug, Default)]
+struct RawCodec;
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Bytes;
+    type Decode = ExportTraceServiceResponse;
+    type Encoder = RawCodec;
+    type Decoder = RawCodec;
+
+    fn encoder(&mut self) -> RawCodec {
+        RawCodec
+    }
+
+    fn decoder(&mut self) -> RawCodec {
+        RawCodec
+    }
 }
 
-/// The export task: batches of up to `MAX_BATCH` spans, or what arrived
-/// within `BATCH_WINDOW`; on stop, what is queued, then returns.
-async fn run(
-    exporter: opentelemetry_otlp::SpanExporter,
+impl tonic::codec::Encoder for RawCodec {
+    type Item = Bytes;
+    type Error = tonic::Status;
+
+    fn encode(
+        &mut self,
+        item: Bytes,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
+        use bytes::BufMut as _;
+        dst.put(item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for RawCodec {
+    type Item = ExportTraceServiceResponse;
+    type Error = tonic::Status;
+
+    fn decode(
+        &mut self,
+        src: &mut tonic::codec::DecodeBuf<'_>,
+    ) -> Result<Option<ExportTraceServiceResponse>, tonic::Status> {
+        ExportTraceServiceResponse::decode(src)
+            .map(Some)
+            .map_err(|err| tonic::Status::internal(err.to_string()))
+    }
+}
+
+/// Where batches go.
+// One per process, made once: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+enum Transport {
+    Grpc {
+        channel: tonic::transport::Channel,
+        metadata: tonic::metadata::MetadataMap,
+        timeout: Duration,
+    },
+    Http {
+        client: opentelemetry_http::hyper::HyperClient<
+            hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+        >,
+        endpoint: http::Uri,
+        headers: http::HeaderMap,
+        timeout: Duration,
+    },
+}
+
+impl Transport {
+    fn new(export: &OtlpExport) -> Result<Transport, String> {
+        let roots = export.ca_roots()?;
+        match export.protocol {
+            OtlpProtocol::Grpc => {
+                let mut metadata = tonic::metadata::MetadataMap::new();
+                for (name, value) in &export.headers {
+                    let key = tonic::metadata::MetadataKey::from_bytes(name.as_bytes())
+                        .map_err(|_| format!("telemetry: header {name:?} is not valid"))?;
+                    let value = value.parse().map_err(|_| {
+                        format!("telemetry: the value of header {name:?} is not valid")
+                    })?;
+                    metadata.insert(key, value);
+                }
+                let mut endpoint = tonic::transport::Endpoint::from_shared(export.endpoint.clone())
+                    .map_err(|err| format!("telemetry: the OTLP endpoint: {err}"))?
+                    .timeout(export.timeout);
+                if export.endpoint.starts_with("https://") {
+                    let tls = match &export.ca_pem {
+                        Some(pem) => tonic::transport::ClientTlsConfig::new()
+                            .ca_certificate(tonic::transport::Certificate::from_pem(pem)),
+                        None => tonic::transport::ClientTlsConfig::new().with_webpki_roots(),
+                    };
+                    endpoint = endpoint
+                        .tls_config(tls)
+                        .map_err(|err| format!("telemetry: TLS: {err}"))?;
+                }
+                Ok(Transport::Grpc {
+                    channel: endpoint.connect_lazy(),
+                    metadata,
+                    timeout: export.timeout,
+                })
+            }
+            OtlpProtocol::HttpProtobuf => {
+                let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+                    rustls::crypto::ring::default_provider(),
+                ))
+                .with_safe_default_protocol_versions()
+                .map_err(|err| format!("telemetry: TLS: {err}"))?;
+                let tls = match roots {
+                    Some(roots) => tls.with_root_certificates(roots),
+                    None => tls.with_root_certificates(rustls::RootCertStore {
+                        roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+                    }),
+                }
+                .with_no_client_auth();
+                let connector = hyper_rustls::HttpsConnectorBuilder::new()
+                    .with_tls_config(tls)
+                    .https_or_http()
+                    .enable_http1()
+                    .build();
+                let client =
+                    opentelemetry_http::hyper::HyperClient::new(connector, export.timeout, None);
+                let mut headers = http::HeaderMap::new();
+                for (name, value) in &export.headers {
+                    let key = http::HeaderName::from_bytes(name.as_bytes())
+                        .map_err(|_| format!("telemetry: header {name:?} is not valid"))?;
+                    let value = http::HeaderValue::from_str(value).map_err(|_| {
+                        format!("telemetry: the value of header {name:?} is not valid")
+                    })?;
+                    headers.insert(key, value);
+                }
+                headers.insert(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static("application/x-protobuf"),
+                );
+                let endpoint = export
+                    .endpoint
+                    .parse()
+                    .map_err(|err| format!("telemetry: the OTLP endpoint: {err}"))?;
+                Ok(Transport::Http {
+                    client,
+                    endpoint,
+                    headers,
+                    timeout: export.timeout,
+                })
+            }
+        }
+    }
+
+    /// Sends one encoded request; how many spans the receiver rejected, if
+    /// it said so.
+    async fn send(&self, body: Vec<u8>) -> Result<u64, String> {
+        match self {
+            Transport::Grpc {
+                channel,
+                metadata,
+                timeout,
+            } => {
+                let call = async {
+                    let mut grpc = tonic::client::Grpc::new(channel.clone());
+                    grpc.ready()
+                        .await
+                        .map_err(|err| format!("connection: {err}"))?;
+                    let mut request = tonic::Request::new(Bytes::from(body));
+                    *request.metadata_mut() = metadata.clone();
+                    let response = grpc
+                        .unary(
+                            request,
+                            http::uri::PathAndQuery::from_static(GRPC_EXPORT),
+                            RawCodec,
+                        )
+                        .await
+                        .map_err(|status| format!("{:?}: {}", status.code(), status.message()))?;
+                    Ok(rejected(response.get_ref()))
+                };
+                tokio::time::timeout(*timeout, call)
+                    .await
+                    .map_err(|_| "timed out".to_owned())?
+            }
+            Transport::Http {
+                client,
+                endpoint,
+                headers,
+                timeout,
+            } => {
+                let mut request = http::Request::new(Bytes::from(body));
+                *request.method_mut() = http::Method::POST;
+                *request.uri_mut() = endpoint.clone();
+                *request.headers_mut() = headers.clone();
+                let response = tokio::time::timeout(*timeout, client.send_bytes(request))
+                    .await
+                    .map_err(|_| "timed out".to_owned())?
+                    .map_err(|err| err.to_string())?;
+                if !response.status().is_success() {
+                    return Err(format!("HTTP status {}", response.status()));
+                }
+                Ok(ExportTraceServiceResponse::decode(response.into_body())
+                    .map_or(0, |response| rejected(&response)))
+            }
+        }
+    }
+}
+
+/// Spans a receiver said it rejected (a partial success).
+fn rejected(response: &ExportTraceServiceResponse) -> u64 {
+    response
+        .partial_success
+        .as_ref()
+        .map_or(0, |partial| partial.rejected_spans.max(0) as u64)
+}
+
+/// Encodes, sends and counts.
+struct Exporter {
+    encoder: encode::Encoder,
+    transport: Arc<Transport>,
     endpoint: String,
-    mut queue: mpsc::Receiver<SpanData>,
-    mut stop: oneshot::Receiver<()>,
     metrics: Arc<Metrics>,
+    last_warning: Option<Instant>,
+}
+
+/// An export on its way: how many spans, and how it went.
+type Sending = std::pin::Pin<Box<dyn Future<Output = (u64, Result<u64, String>)> + Send>>;
+
+impl Exporter {
+    /// Encodes `batch` (emptying it) into a request on its way.
+    fn send(&mut self, batch: &mut Vec<Finished>) -> Sending {
+        let count = batch.len() as u64;
+        let body = self.encoder.encode(batch);
+        batch.clear();
+        let transport = Arc::clone(&self.transport);
+        Box::pin(async move { (count, transport.send(body).await) })
+    }
+
+    /// Counts what an export did, and warns of a failure (at most every
+    /// ten seconds).
+    fn sent(&mut self, (count, result): (u64, Result<u64, String>)) {
+        let (exported, failed, error) = match result {
+            Ok(rejected) => {
+                let rejected = rejected.min(count);
+                let error =
+                    (rejected > 0).then(|| format!("the receiver rejected {rejected} spans"));
+                (count - rejected, rejected, error)
+            }
+            Err(error) => (0, count, Some(error)),
+        };
+        self.metrics
+            .spans_exported
+            .fetch_add(exported, Ordering::Relaxed);
+        self.metrics
+            .spans_failed
+            .fetch_add(failed, Ordering::Relaxed);
+        if let Some(error) = error {
+            let quiet = self
+                .last_warning
+                .is_some_and(|at| at.elapsed() < WARNING_INTERVAL);
+            if !quiet {
+                self.last_warning = Some(Instant::now());
+                tracing::warn!(
+                    endpoint = %crate::budget::redis::redact_url(&self.endpoint),
+                    %error,
+                    spans = failed,
+                    "span export failed; spans dropped"
+                );
+            }
+        }
+    }
+}
+
+/// How producers wake the export task.
+struct Wakes {
+    woken: Arc<AtomicBool>,
+    wake: Arc<Notify>,
+}
+
+/// The export task: waits until a batch is queued or `BATCH_WINDOW`
+/// passes, then sends what is queued in batches of up to `MAX_BATCH`, up
+/// to `MAX_IN_FLIGHT` at once, so that a receiver's round trip (on a busy
+/// machine, tens of milliseconds before it is scheduled) does not stop the
+/// queue from draining; on stop, what is queued and in flight, then
+/// returns.
+async fn run(
+    mut exporter: Exporter,
+    mut queue: mpsc::Receiver<Finished>,
+    wakes: Wakes,
+    mut stop: oneshot::Receiver<()>,
 ) {
+    use futures::StreamExt as _;
     let mut batch = Vec::with_capacity(MAX_BATCH);
-    let mut last_warning: Option<Instant> = None;
+    let mut in_flight = futures::stream::FuturesUnordered::<Sending>::new();
     loop {
         let stopping = tokio::select! {
-            received = queue.recv() => match received {
-                Some(span) => { batch.push(span); false }
-                None => true,
-            },
+            () = wakes.wake.notified() => false,
+            () = tokio::time::sleep(BATCH_WINDOW) => false,
+            Some(done) = in_flight.next(), if !in_flight.is_empty() => {
+                exporter.sent(done);
+                continue;
+            }
             _ = &mut stop => true,
         };
-        if stopping {
-            while let Ok(span) = queue.try_recv() {
-                batch.push(span);
-            }
-        } else {
-            let window = tokio::time::sleep(BATCH_WINDOW);
-            tokio::pin!(window);
-            while batch.len() < MAX_BATCH {
-                tokio::select! {
-                    received = queue.recv() => match received {
-                        Some(span) => batch.push(span),
-                        None => break,
-                    },
-                    () = &mut window => break,
-                }
-            }
-        }
-        while !batch.is_empty() {
-            let chunk: Vec<SpanData> = batch.drain(..batch.len().min(MAX_BATCH)).collect();
-            let count = chunk.len() as u64;
-            match exporter.export(chunk).await {
-                Ok(()) => {
-                    metrics.spans_exported.fetch_add(count, Ordering::Relaxed);
-                }
-                Err(error) => {
-                    metrics.spans_failed.fetch_add(count, Ordering::Relaxed);
-                    let quiet =
-                        last_warning.is_some_and(|at| at.elapsed() < Duration::from_secs(10));
-                    if !quiet {
-                        last_warning = Some(Instant::now());
-                        tracing::warn!(
-                            endpoint = %crate::budget::redis::redact_url(&endpoint),
-                            %error,
-                            spans = count,
-                            "span export failed; spans dropped"
-                        );
+        wakes.woken.store(false, Ordering::Release);
+        let closed = loop {
+            match queue.try_recv() {
+                Ok(span) => {
+                    batch.push(span);
+                    if batch.len() == MAX_BATCH {
+                        while in_flight.len() >= MAX_IN_FLIGHT {
+                            if let Some(done) = in_flight.next().await {
+                                exporter.sent(done);
+                            }
+                        }
+                        in_flight.push(exporter.send(&mut batch));
                     }
                 }
+                Err(mpsc::error::TryRecvError::Empty) => break false,
+                Err(mpsc::error::TryRecvError::Disconnected) => break true,
             }
+        };
+        if !batch.is_empty() {
+            while in_flight.len() >= MAX_IN_FLIGHT {
+                if let Some(done) = in_flight.next().await {
+                    exporter.sent(done);
+                }
+            }
+            in_flight.push(exporter.send(&mut batch));
         }
-        if stopping {
+        if stopping || closed {
+            while let Some(done) = in_flight.next().await {
+                exporter.sent(done);
+            }
             return;
         }
     }

@@ -1,27 +1,33 @@
-//! Audit spans through the OpenTelemetry SDK: W3C trace context in (the
-//! SDK's `TraceContextPropagator`, `tracestate` kept), one SDK span per
-//! call out.
+//! Audit spans in the OpenTelemetry model: W3C trace context in (the SDK's
+//! `TraceContextPropagator`, `tracestate` kept), one span per call out.
 //!
 //! A span is started with the caller's context as its remote parent (or as
-//! a new root) by the SDK's tracer and sampler, finished with its
-//! attributes, and handed by `otlp::QueueProcessor` to the exporter task
-//! through a bounded queue that drops and counts rather than waits, because
-//! a decision must never wait on telemetry. Without an exporter there is no
-//! tracer, and starting a span is a no-op.
+//! a new root) the way the SDK's tracer starts one: ids from the SDK's
+//! `RandomIdGenerator`, the decision from the SDK's `Sampler` (configured
+//! by `telemetry.sampling_*` or `OTEL_TRACES_SAMPLER`), the trace state it
+//! returns. What is kept is only that start ([`SpanStart`]); a decision is
+//! finished into a fixed-size record ([`DecisionSpan`]) and handed to the
+//! exporter task through a bounded queue that drops and counts rather than
+//! waits, because a decision must never wait on telemetry. The SDK's own
+//! span object (a `Vec<KeyValue>` built on the decision's thread, then
+//! regrouped and converted by the generic OTLP exporter) cost a traced
+//! decision ~45k instructions (issue 34). Without an exporter there is no
+//! pipeline, and starting a span is a no-op.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
+use opentelemetry::Context;
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
-use opentelemetry::trace::{
-    Span as _, SpanContext, SpanKind, Status, TraceContextExt, Tracer as _,
-};
-use opentelemetry::{Context, Key, KeyValue, Value};
+use opentelemetry::trace::{SpanContext, SpanKind, TraceContextExt, TraceFlags};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use opentelemetry_sdk::trace::{SdkTracer, Span};
+use opentelemetry_sdk::trace::{
+    IdGenerator, RandomIdGenerator, Sampler, SamplingDecision, ShouldSample,
+};
 
 use super::Metrics;
 use super::otlp;
+use super::span::{Body, DecisionSpan, Finished, SpanStart};
 use crate::config::TelemetryConfig;
 
 /// The caller's W3C trace context.
@@ -150,39 +156,11 @@ pub enum Attribute {
     Bool(bool),
 }
 
-impl From<Attribute> for Value {
-    /// Without a copy: a static string stays static, an owned one moves.
-    fn from(attribute: Attribute) -> Value {
-        match attribute {
-            Attribute::Static(text) => Value::from(text),
-            Attribute::Text(text) => Value::from(text),
-            Attribute::Int(int) => Value::I64(int),
-            Attribute::Float(float) => Value::F64(float),
-            Attribute::Bool(flag) => Value::Bool(flag),
-        }
-    }
-}
-
-/// A started, sampled span.
-#[derive(Debug)]
-pub struct SpanStart {
-    span: Span,
-}
-
-impl SpanStart {
-    /// The trace it belongs to.
-    pub fn trace_id(&self) -> [u8; 16] {
-        self.span.span_context().trace_id().to_bytes()
-    }
-}
-
 /// Starts and finishes spans; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Tracer {
-    /// The configured sampler's tracer; `None` when tracing is off.
-    sampled: Option<SdkTracer>,
-    /// An always-on tracer for the audit record of admin calls.
-    always: Option<SdkTracer>,
+    /// The sampler, ids and export queue; `None` when tracing is off.
+    pipeline: Option<Arc<otlp::Pipeline>>,
 }
 
 /// Stops the exporter, flushing what is queued, when shut down.
@@ -210,7 +188,7 @@ impl TracerGuard {
 /// OpenTelemetry RPC conventions (`rpc.system`, `rpc.service`,
 /// `rpc.method`). `rpc.grpc.status_code` is not retryd's own on a
 /// decision span: there it is the reported attempt's (see `attr`).
-fn rpc_of(name: &str) -> (&'static str, &'static str) {
+pub(super) fn rpc_of(name: &str) -> (&'static str, &'static str) {
     match name {
         super::SPAN_DECIDE => (super::RPC_SERVICE_DECIDER, "Decide"),
         super::SPAN_REPORT_TRAFFIC => (super::RPC_SERVICE_DECIDER, "ReportTraffic"),
@@ -225,10 +203,7 @@ fn rpc_of(name: &str) -> (&'static str, &'static str) {
 impl Tracer {
     /// A tracer that records nothing.
     pub fn disabled() -> Tracer {
-        Tracer {
-            sampled: None,
-            always: None,
-        }
+        Tracer { pipeline: None }
     }
 
     /// The tracer `config` asks for: disabled without an exporter, else
@@ -246,8 +221,7 @@ impl Tracer {
         let started = otlp::start(config, export, metrics)?;
         Ok((
             Tracer {
-                sampled: Some(started.sampled),
-                always: Some(started.always),
+                pipeline: Some(Arc::new(started.pipeline)),
             },
             Some(TracerGuard {
                 stop: Some(started.stop),
@@ -260,8 +234,8 @@ impl Tracer {
     /// tracing is off or the sampler says no (by default a parent's
     /// sampling decision is followed and roots are sampled).
     pub fn start(&self, parent: Option<&TraceContext>) -> Option<SpanStart> {
-        let span = Tracer::span(self.sampled.as_ref()?, parent);
-        span.is_recording().then_some(SpanStart { span })
+        let pipeline = self.pipeline.as_ref()?;
+        start_with(&pipeline.sampler, parent)
     }
 
     /// Starts a span that is recorded whatever the caller's sampling flag
@@ -269,20 +243,8 @@ impl Tracer {
     /// must not be able to switch off the record of its own acts. `None`
     /// only when tracing is off.
     pub fn start_always(&self, parent: Option<&TraceContext>) -> Option<SpanStart> {
-        let span = Tracer::span(self.always.as_ref()?, parent);
-        Some(SpanStart { span })
-    }
-
-    fn span(tracer: &SdkTracer, parent: Option<&TraceContext>) -> Span {
-        let context = match parent {
-            Some(parent) => Context::new().with_remote_span_context(parent.span_context.clone()),
-            None => Context::new(),
-        };
-        // The name is known when the call ends (`finish`); the kind now.
-        tracer
-            .span_builder("retry")
-            .with_kind(SpanKind::Server)
-            .start_with_context(tracer, &context)
+        self.pipeline.as_ref()?;
+        start_with(&Sampler::AlwaysOn, parent)
     }
 
     /// Finishes a span and hands it to the exporter's queue (which drops,
@@ -295,27 +257,72 @@ impl Tracer {
         attributes: Vec<(&'static str, Attribute)>,
         error: Option<String>,
     ) {
-        let mut span = start.span;
-        span.update_name(name);
-        let (service, method) = rpc_of(name);
-        let names_method = attributes
-            .iter()
-            .any(|(key, _)| *key == super::attr::RPC_METHOD);
-        span.set_attributes(
-            attributes
-                .into_iter()
-                .map(|(key, value)| KeyValue::new(Key::from_static_str(key), value)),
+        self.push(
+            start,
+            Body::Other {
+                name,
+                attributes,
+                error,
+            },
         );
-        span.set_attribute(KeyValue::new(super::attr::RPC_SYSTEM, "grpc"));
-        span.set_attribute(KeyValue::new(super::attr::RPC_SERVICE, service));
-        if !names_method {
-            span.set_attribute(KeyValue::new(super::attr::RPC_METHOD, method));
-        }
-        if let Some(message) = error {
-            span.set_status(Status::error(message));
-        }
-        span.end();
     }
+
+    /// Finishes a decision's span (`retry.decide`) from its record.
+    pub fn finish_decision(&self, start: SpanStart, span: DecisionSpan) {
+        self.push(start, Body::Decision(span));
+    }
+
+    fn push(&self, start: SpanStart, body: Body) {
+        if let Some(pipeline) = &self.pipeline {
+            pipeline.push(Finished {
+                start,
+                end: SystemTime::now(),
+                body,
+            });
+        }
+    }
+}
+
+/// What the SDK's tracer does to start a span, without building one: ids
+/// from the SDK's generator, the SDK's sampler asked with the caller's
+/// context, the trace flags and state it gives.
+fn start_with(sampler: &Sampler, parent: Option<&TraceContext>) -> Option<SpanStart> {
+    let ids = RandomIdGenerator::default();
+    let context = match parent {
+        Some(parent) => Context::new().with_remote_span_context(parent.span_context.clone()),
+        None => Context::new(),
+    };
+    let span_id = ids.new_span_id();
+    let (trace_id, parent_flags) = match parent {
+        Some(parent) => (
+            parent.span_context.trace_id(),
+            parent.span_context.trace_flags(),
+        ),
+        None => (ids.new_trace_id(), TraceFlags::default()),
+    };
+    // The name is known when the call ends; the sampler sees the one the
+    // SDK's span had at its start.
+    let result = sampler.should_sample(
+        Some(&context),
+        trace_id,
+        "retry",
+        &SpanKind::Server,
+        &[],
+        &[],
+    );
+    let flags = match result.decision {
+        SamplingDecision::Drop => return None,
+        SamplingDecision::RecordOnly => parent_flags.with_sampled(false),
+        SamplingDecision::RecordAndSample => parent_flags.with_sampled(true),
+    };
+    Some(SpanStart {
+        trace_id: trace_id.to_bytes(),
+        span_id: span_id.to_bytes(),
+        parent_span_id: parent.map(|parent| parent.span_context.span_id().to_bytes()),
+        flags: flags.to_u8(),
+        trace_state: result.trace_state,
+        start: SystemTime::now(),
+    })
 }
 
 #[cfg(test)]

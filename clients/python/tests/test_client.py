@@ -438,7 +438,7 @@ def test_reporter_thread_is_stopped_by_close() -> None:
 
     class Recorder:
         def report_batch(self, traffic: Any, *, report_id: str = "") -> ReportResult:
-            sent.append(dict(traffic))
+            sent.append({entry.upstream: entry.requests for entry in traffic})  # Traffic entries
             return ReportResult(len(traffic))
 
     reporter = TrafficReporter(Recorder(), interval=60).start()

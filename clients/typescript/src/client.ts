@@ -23,7 +23,7 @@ import { DEFAULT_LOCAL_POLICY, localDecide, type LocalPolicy } from './fallback'
 import { isLayerName, lineageError, resolveLayer } from './lineage';
 import { OutageLog } from './outage';
 import { proto } from './proto';
-import { MAX_TRAFFIC_ENTRIES, TrafficReporter, type Logger, type ReportResult, type TrafficReporterOptions } from './reporter';
+import { MAX_TRAFFIC_ENTRIES, TrafficReporter, type Logger, type ReportResult, type TrafficEntry, type TrafficReporterOptions } from './reporter';
 import { decisionsDiffer, DEFAULT_SHADOW_LOG_INTERVAL_MS, ShadowDivergences } from './shadow';
 import { traceMetadata } from './tracing';
 import type { Body, Budget, DecideInput, Decision, DenyReason, Evidence, UnknownOutcome, Verdict } from './types';
@@ -378,15 +378,17 @@ export class RetrydClient {
   /**
    * One ReportTraffic call: at most MAX_TRAFFIC_ENTRIES entries, with a
    * report id (1 to 128 printable ASCII characters; '' for none) that makes
-   * re-sending the same entries safe. What TrafficReporter uses.
+   * re-sending the same entries safe. What TrafficReporter uses. An entry is
+   * a TrafficEntry (requests and outcomes) or an `[upstream, requests]` pair
+   * (no outcomes).
    */
-  async sendTrafficReport(traffic: [string, number][], reportId: string): Promise<ReportResult> {
+  async sendTrafficReport(traffic: (TrafficEntry | [string, number])[], reportId: string): Promise<ReportResult> {
     if (traffic.length > MAX_TRAFFIC_ENTRIES) {
       throw new InvalidRequestError(`traffic: at most ${MAX_TRAFFIC_ENTRIES} entries per report, got ${traffic.length}`);
     }
     const response = await this.adminCall(
       this.decider.ReportTraffic.bind(this.decider) as Unary<unknown, { accepted: number; alreadyApplied: number }>,
-      { traffic: traffic.map(([upstream, requests]) => ({ upstream, requests })), reportId },
+      { traffic: traffic.map((entry) => (Array.isArray(entry) ? { upstream: entry[0], requests: entry[1] } : { ...entry })), reportId },
     );
     return { accepted: response.accepted, alreadyApplied: response.alreadyApplied };
   }

@@ -240,8 +240,10 @@ export interface FetchRetryOptions {
    */
   attemptTimeoutMs?: number;
   /**
-   * Where the first attempt (only) is counted as real traffic: by default
-   * the client's own reporter (`retryd.reporter`); false counts nothing.
+   * Where the first attempt (only) is counted as real traffic, and every
+   * attempt's outcome (a failure when retryd is asked about it, a success
+   * otherwise, a 404 included): by default the client's own reporter
+   * (`retryd.reporter`); false counts nothing.
    */
   reporter?: TrafficReporter | false;
   /** Called before replaying after a 401 when retryd says refresh; may return a new init (e.g. new headers). */
@@ -367,7 +369,10 @@ export async function fetchWithRetries(
         try {
           // Read the whole body (through a clone, so the response stays readable).
           await response.clone().arrayBuffer();
-          if (!retryStatuses.has(response.status)) return settle(response);
+          if (!retryStatuses.has(response.status)) {
+            reporter?.recordOutcome(options.upstream, true, attempt > 1);
+            return settle(response);
+          }
           outcome = classifyResponse(response);
         } catch (error) {
           if (userSignal?.aborted) throw error;
@@ -379,6 +384,9 @@ export async function fetchWithRetries(
       clearTimeout(timer);
     }
 
+    // Asked about: a failed attempt in the reporter's outcome counts (an
+    // abort by the caller was rethrown above, counted as neither).
+    reporter?.recordOutcome(options.upstream, false, attempt > 1);
     decision = await retryd.decide({
       upstream: options.upstream,
       idempotency: options.idempotency,

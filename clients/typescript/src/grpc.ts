@@ -158,7 +158,11 @@ export interface GrpcRetryOptions {
   operation?: string;
   /** The caller's own attempt limit (the lower of this and the policy's applies). */
   maxAttempts?: number;
-  /** Where first attempts are counted: default the client's reporter; false counts nothing. */
+  /**
+   * Where first attempts are counted, and every attempt's outcome
+   * (FAILURE_CODES fail, any other ending succeeds, CANCELLED is neither):
+   * default the client's reporter; false counts nothing.
+   */
   reporter?: TrafficReporter | false;
   /**
    * Called before replaying after UNAUTHENTICATED when retryd says refresh,
@@ -176,6 +180,34 @@ export interface GrpcRetryOptions {
    * by its idempotency. Default: none (only the caller's deadline).
    */
   attemptTimeoutMs?: number;
+}
+
+/**
+ * The codes that make an attempt a failure in the reporter's outcome counts:
+ * those the retry tables can retry (UNAVAILABLE and DEADLINE_EXCEEDED as
+ * 502-504 and "no response", RESOURCE_EXHAUSTED as 429, UNAUTHENTICATED as
+ * 401, INTERNAL and UNKNOWN as 500), the twins of DEFAULT_RETRY_STATUSES.
+ * Every other code is a success (the upstream answered, as a 404), except
+ * CANCELLED: the caller's own, counted as neither.
+ */
+export const FAILURE_CODES: ReadonlySet<number> = new Set([
+  grpc.status.UNAVAILABLE,
+  grpc.status.DEADLINE_EXCEEDED,
+  grpc.status.RESOURCE_EXHAUSTED,
+  grpc.status.UNAUTHENTICATED,
+  grpc.status.INTERNAL,
+  grpc.status.UNKNOWN,
+]);
+
+/** How an attempt that ended with `code` counts: true a success, false a failure, undefined neither. */
+export function attemptSucceeded(code: number): boolean | undefined {
+  if (code === grpc.status.CANCELLED) return undefined;
+  return !FAILURE_CODES.has(code);
+}
+
+function recordAttempt(reporter: TrafficReporter | null, upstream: string, code: number, attempt: number): void {
+  const success = attemptSucceeded(code);
+  if (success !== undefined) reporter?.recordOutcome(upstream, success, attempt > 1);
 }
 
 /** A backstop on attempts, far above any policy's max_attempts. */
@@ -217,7 +249,11 @@ export function classifyingInterceptor(onOutcome?: (outcome: GrpcOutcome, status
 }
 
 /** classifyingInterceptor, sending `lineage` (a streaming call's one attempt) when given. */
-function classifying(onOutcome?: (outcome: GrpcOutcome, status: grpc.StatusObject) => void, lineage?: string): grpc.Interceptor {
+function classifying(
+  onOutcome?: (outcome: GrpcOutcome, status: grpc.StatusObject) => void,
+  lineage?: string,
+  onEnd?: (status: grpc.StatusObject) => void,
+): grpc.Interceptor {
   return (options, nextCall) => {
     const seen: AttemptSeen = { headers: false, messagesDelivered: 0 };
     return new grpc.InterceptingCall(nextCall(options), {
@@ -225,6 +261,7 @@ function classifying(onOutcome?: (outcome: GrpcOutcome, status: grpc.StatusObjec
         next(
           lineage === undefined ? metadata : setLineage(metadata, lineage),
           observe(seen, listener, (status) => {
+            onEnd?.(status);
             if (status.code !== grpc.status.OK) {
               const outcome = classifyGrpcStatus(status, seen);
               OUTCOMES.set(status.metadata, outcome);
@@ -247,7 +284,8 @@ function classifying(onOutcome?: (outcome: GrpcOutcome, status: grpc.StatusObjec
  * the remaining deadline; on RETRY the backoff is slept outside any call (no
  * stream held), then the same request message is sent again as a new call
  * under the caller's one deadline, which therefore bounds every attempt and
- * every backoff. The first attempt is counted as real traffic. The caller
+ * every backoff. The first attempt is counted as real traffic, and every
+ * attempt's outcome on the same reporter (FAILURE_CODES). The caller
  * sees the last attempt's headers, message and status; `decisionOf(error)`
  * gives the last decision. When the call may have taken effect (AMBIGUOUS,
  * or a DENY with an `unknownOutcome` mark), the ServiceError carries an
@@ -266,7 +304,10 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
     if (method.requestStream || method.responseStream) {
       // Real traffic all the same; only never retried.
       reporter?.record(settings.upstream);
-      return classifying(undefined, outboundLineage(chain, retryd.layer, 1).outbound)(options, nextCall);
+      // Its one attempt's outcome too: a failure is one the local rule would be asked about.
+      return classifying(undefined, outboundLineage(chain, retryd.layer, 1).outbound, (status) =>
+        recordAttempt(reporter, settings.upstream, status.code, 1),
+      )(options, nextCall);
     }
     const path = method.path;
     const idempotency = typeof settings.idempotency === 'function' ? settings.idempotency(path) : settings.idempotency;
@@ -319,6 +360,8 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
         onReceiveStatus(status) {
           current = undefined;
           inFlight = false;
+          // A call the caller cancelled counts as neither.
+          if (!cancelled) recordAttempt(reporter, settings.upstream, status.code, attempt);
           if (status.code === grpc.status.OK || cancelled) return finish(status, headers, response);
           const outcome = classifyGrpcStatus(status, seen);
           // grpc-js's own DEADLINE_EXCEEDED on an attempt that ran under the

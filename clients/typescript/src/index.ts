@@ -32,8 +32,10 @@ export {
   type Outcome,
 } from './fetch';
 export {
+  attemptSucceeded,
   classifyGrpcStatus,
   classifyingInterceptor,
+  FAILURE_CODES,
   grpcOutcomeOf,
   retryingInterceptor,
   type AttemptSeen,
@@ -66,7 +68,7 @@ export {
   type LineageOptions,
 } from './lineage';
 export { DEFAULT_SHADOW_LOG_INTERVAL_MS } from './shadow';
-export { TrafficReporter, type Logger, type ReportResult, type TrafficReporterOptions, type TrafficSink } from './reporter';
+export { TrafficReporter, type Logger, type ReportResult, type TrafficEntry, type TrafficReporterOptions, type TrafficSink } from './reporter';
 export { traceMetadata, withBaggageEntry } from './tracing';
 export {
   ENUM_VALUES,

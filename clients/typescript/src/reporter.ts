@@ -6,14 +6,26 @@
  * Every RetrydClient owns one (`client.reporter`, flushed by
  * `client.close()`), and the adapters record their first attempts into it.
  *
- * record() only adds to an in-memory counter; an unref'd timer sends the
+ * Reports also carry outcomes, so that a budget can follow the upstream's
+ * health: recordOutcome(upstream, success, retry) once per finished attempt,
+ * first attempts (`successes`/`failures`) apart from retries
+ * (`retrySuccesses`/`retryFailures`). An attempt is a failure when the
+ * caller asked (or would ask) retryd or its local rule whether to retry it
+ * (not sent, no response, a retryable status); every other ending is a
+ * success, a 404 included. An attempt the caller cancelled or abandoned is
+ * neither. The adapters record every attempt's outcome by default. A batch
+ * carries the requests and the four outcome counts of each upstream
+ * together, and a re-sent batch the same counts.
+ *
+ * record() and recordOutcome() only add to in-memory counters; an unref'd timer sends the
  * counts every `intervalMs`, in batches of at most 1024 entries. Each batch
  * gets a random `report_id` when it is formed and keeps it until retryd
  * acknowledges it, so re-sending a batch whose answer was lost (a timeout, a
  * failure half-way through the deposits) never counts a request twice:
  * retryd applies each entry of an id at most once. While a batch is
  * unacknowledged, new counts wait beside it (up to `maxUpstreams` distinct
- * upstreams; beyond that they are dropped and counted in `dropped`).
+ * upstreams; beyond that they are dropped, with their outcomes, and their
+ * requests counted in `dropped`).
  *
  * A batch that retryd refuses for good (PERMISSION_DENIED,
  * RESOURCE_EXHAUSTED, INVALID_ARGUMENT: re-sending it would fail the same way
@@ -41,10 +53,32 @@ export interface ReportResult {
   alreadyApplied: number;
 }
 
+/** One entry of a report: first attempts sent, and how attempts ended. */
+export interface TrafficEntry {
+  upstream: string;
+  /** First attempts sent. */
+  requests: number;
+  /** First attempts that succeeded / failed (see the module doc for the rule). */
+  successes: number;
+  failures: number;
+  /** Retries (attempts after the first) that succeeded / failed. */
+  retrySuccesses: number;
+  retryFailures: number;
+}
+
 /** Where a reporter sends its batches (a RetrydClient). */
 export interface TrafficSink {
   /** One ReportTraffic call: at most 1024 entries, with the batch's id. */
-  sendTrafficReport(traffic: [string, number][], reportId: string): Promise<ReportResult>;
+  sendTrafficReport(traffic: TrafficEntry[], reportId: string): Promise<ReportResult>;
+}
+
+/** A pending row: requests, successes, failures, retrySuccesses, retryFailures. */
+type Counts = [number, number, number, number, number];
+const REQUESTS = 0;
+
+function entryOf(upstream: string, counts: Counts): TrafficEntry {
+  const [requests, successes, failures, retrySuccesses, retryFailures] = counts;
+  return { upstream, requests, successes, failures, retrySuccesses, retryFailures };
 }
 
 /** Where warnings go (default: console). */
@@ -70,7 +104,7 @@ const PERMANENT_CODES = new Map<number, string>([
 
 interface Batch {
   id: string;
-  entries: [string, number][];
+  entries: TrafficEntry[];
 }
 
 export class TrafficReporter {
@@ -81,7 +115,7 @@ export class TrafficReporter {
   /** Batches dropped because retryd refused them for good. */
   droppedBatches = 0;
   private readonly logger: Logger;
-  private pendingCounts = new Map<string, number>();
+  private pendingCounts = new Map<string, Counts>();
   /** Formed, not yet acknowledged, each with the id it is re-sent with. */
   private unsent: Batch[] = [];
   private timer: NodeJS.Timeout | undefined;
@@ -104,16 +138,38 @@ export class TrafficReporter {
 
   /** Counts `requests` real (first-attempt) requests to `upstream`. */
   record(upstream: string, requests = 1): void {
-    if (requests <= 0) return;
-    this.add(upstream, requests);
+    this.add(upstream, REQUESTS, requests);
   }
 
-  /** A copy of the counts not yet acknowledged by retryd (unsent batches included). */
+  /**
+   * Counts how `count` attempts to `upstream` ended: `retry` false for first
+   * attempts (successes/failures), true for the attempts after them
+   * (retrySuccesses/retryFailures). See the module doc for the rule.
+   */
+  recordOutcome(upstream: string, success: boolean, retry = false, count = 1): void {
+    this.add(upstream, retry ? (success ? 3 : 4) : success ? 1 : 2, count);
+  }
+
+  /** A copy of the requests not yet acknowledged by retryd (unsent batches included). */
   pending(): Record<string, number> {
-    const all = new Map<string, number>();
-    for (const batch of this.unsent) for (const [upstream, n] of batch.entries) all.set(upstream, (all.get(upstream) ?? 0) + n);
-    for (const [upstream, n] of this.pendingCounts) all.set(upstream, (all.get(upstream) ?? 0) + n);
-    return Object.fromEntries(all);
+    const all: Record<string, number> = {};
+    for (const [upstream, entry] of Object.entries(this.pendingTraffic())) if (entry.requests > 0) all[upstream] = entry.requests;
+    return all;
+  }
+
+  /** A copy of every count not yet acknowledged (outcomes too, unsent batches included), per upstream. */
+  pendingTraffic(): Record<string, TrafficEntry> {
+    const all = new Map<string, Counts>();
+    const add = (upstream: string, counts: Counts): void => {
+      const row = all.get(upstream) ?? [0, 0, 0, 0, 0];
+      for (let i = 0; i < 5; i++) row[i]! += counts[i]!;
+      all.set(upstream, row);
+    };
+    for (const batch of this.unsent) {
+      for (const e of batch.entries) add(e.upstream, [e.requests, e.successes, e.failures, e.retrySuccesses, e.retryFailures]);
+    }
+    for (const [upstream, counts] of this.pendingCounts) add(upstream, counts);
+    return Object.fromEntries([...all].map(([upstream, counts]) => [upstream, entryOf(upstream, counts)]));
   }
 
   /**
@@ -151,7 +207,7 @@ export class TrafficReporter {
       // of its first send.
       if (this.unsent.length === 0) {
         if (this.pendingCounts.size === 0) return true;
-        const entries = [...this.pendingCounts];
+        const entries = [...this.pendingCounts].map(([upstream, counts]) => entryOf(upstream, counts));
         this.pendingCounts = new Map();
         for (let start = 0; start < entries.length; start += MAX_TRAFFIC_ENTRIES) {
           this.unsent.push({ id: randomUUID(), entries: entries.slice(start, start + MAX_TRAFFIC_ENTRIES) });
@@ -178,7 +234,7 @@ export class TrafficReporter {
         }
         // retryd answered (with a refusal): not an outage.
         this.outage.recovered();
-        const requests = batch.entries.reduce((sum, [, n]) => sum + n, 0);
+        const requests = batch.entries.reduce((sum, entry) => sum + entry.requests, 0);
         this.dropped += requests;
         this.droppedBatches += 1;
         if (this.warnedReason !== reason) {
@@ -194,11 +250,18 @@ export class TrafficReporter {
     return true;
   }
 
-  private add(upstream: string, n: number): void {
-    const current = this.pendingCounts.get(upstream);
-    if (current !== undefined) this.pendingCounts.set(upstream, current + n);
-    else if (this.pendingCounts.size < this.maxUpstreams) this.pendingCounts.set(upstream, n);
-    else this.dropped += n;
+  private add(upstream: string, index: number, n: number): void {
+    if (n <= 0) return;
+    let row = this.pendingCounts.get(upstream);
+    if (row === undefined) {
+      if (this.pendingCounts.size >= this.maxUpstreams) {
+        if (index === REQUESTS) this.dropped += n;
+        return;
+      }
+      row = [0, 0, 0, 0, 0];
+      this.pendingCounts.set(upstream, row);
+    }
+    row[index]! += n;
   }
 }
 

@@ -167,7 +167,9 @@ pub use lineage::{BAGGAGE_KEY, Inbound, RETRIED_HEADER, default_layer, lineage_o
 #[cfg(feature = "tower")]
 pub use lineage::{LineageLayer, LineageService};
 pub use outage::OutageCounts;
-pub use reporter::{ReporterOptions, TrafficReporter, new_report_id};
+pub use reporter::{
+    FAILURE_CODES, ReporterOptions, Traffic, TrafficReporter, attempt_succeeded, new_report_id,
+};
 pub use request::{InvalidRequest, pb_duration};
 #[cfg(feature = "reqwest")]
 pub use reqwest::{

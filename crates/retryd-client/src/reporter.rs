@@ -12,6 +12,18 @@
 //! INVALID_ARGUMENT) is dropped with one warning and counted in
 //! [`TrafficReporter::dropped`].
 //!
+//! Reports also carry outcomes, so that a budget can follow the upstream's
+//! health: [`TrafficReporter::record_outcome`] once per finished attempt,
+//! first attempts (`successes`, `failures`) apart from retries
+//! (`retry_successes`, `retry_failures`). An attempt is a failure when the
+//! caller asked (or would ask) retryd or its local rule whether to retry it
+//! (not sent, no response, a retryable status); every other ending is a
+//! success, a 404 included. An attempt the caller cancelled or abandoned (a
+//! dropped future) is neither. Both adapters record every attempt's outcome
+//! by default. A batch carries each upstream's requests and outcomes
+//! together, and a re-sent batch the same counts; beyond the upstream bound
+//! outcomes are dropped with the requests.
+//!
 //! It sends through [`crate::Client`]; it makes no decision.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -43,8 +55,82 @@ impl Default for ReporterOptions {
     }
 }
 
-/// Batches first-attempt counts into `ReportTraffic` calls; see the module
-/// docs. Recording is a map increment under a lock.
+/// What a report carries for one upstream: the first attempts sent, and how
+/// attempts ended (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// First attempts sent.
+    pub requests: u64,
+    /// First attempts that succeeded.
+    pub successes: u64,
+    /// First attempts that failed.
+    pub failures: u64,
+    /// Retries (attempts after the first) that succeeded.
+    pub retry_successes: u64,
+    /// Retries that failed.
+    pub retry_failures: u64,
+}
+
+impl Traffic {
+    fn add(&mut self, other: &Traffic) {
+        self.requests += other.requests;
+        self.successes += other.successes;
+        self.failures += other.failures;
+        self.retry_successes += other.retry_successes;
+        self.retry_failures += other.retry_failures;
+    }
+
+    /// The counts of one report entry.
+    pub fn of(entry: &pb::UpstreamTraffic) -> Traffic {
+        Traffic {
+            requests: entry.requests,
+            successes: entry.successes,
+            failures: entry.failures,
+            retry_successes: entry.retry_successes,
+            retry_failures: entry.retry_failures,
+        }
+    }
+
+    /// The report entry for `upstream`.
+    pub fn entry(&self, upstream: String) -> pb::UpstreamTraffic {
+        pb::UpstreamTraffic {
+            upstream,
+            requests: self.requests,
+            successes: self.successes,
+            failures: self.failures,
+            retry_successes: self.retry_successes,
+            retry_failures: self.retry_failures,
+        }
+    }
+}
+
+/// The gRPC codes that make an attempt a failure in the outcome counts:
+/// those the retry tables can retry (UNAVAILABLE and DEADLINE_EXCEEDED as
+/// 502-504 and "no response", RESOURCE_EXHAUSTED as 429, UNAUTHENTICATED as
+/// 401, INTERNAL and UNKNOWN as 500), the twins of the HTTP statuses the
+/// reqwest middleware asks about. Every other code is a success (the
+/// upstream answered, as a 404), except CANCELLED: the caller's own, counted
+/// as neither.
+pub const FAILURE_CODES: [tonic::Code; 6] = [
+    tonic::Code::Unavailable,
+    tonic::Code::DeadlineExceeded,
+    tonic::Code::ResourceExhausted,
+    tonic::Code::Unauthenticated,
+    tonic::Code::Internal,
+    tonic::Code::Unknown,
+];
+
+/// How a gRPC attempt that ended with `code` counts: `Some(true)` a
+/// success, `Some(false)` a failure, `None` neither (CANCELLED).
+pub fn attempt_succeeded(code: tonic::Code) -> Option<bool> {
+    match code {
+        tonic::Code::Cancelled => None,
+        code => Some(!FAILURE_CODES.contains(&code)),
+    }
+}
+
+/// Batches first-attempt counts and outcomes into `ReportTraffic` calls;
+/// see the module docs. Recording is a map increment under a lock.
 #[derive(Debug)]
 pub struct TrafficReporter {
     shared: Arc<Shared>,
@@ -63,7 +149,7 @@ struct Shared {
 
 #[derive(Debug, Default)]
 struct Counts {
-    pending: HashMap<String, u64>,
+    pending: HashMap<String, Traffic>,
     dropped: u64,
 }
 
@@ -90,27 +176,69 @@ impl TrafficReporter {
         if let Some(inner) = self.shared.client.upgrade() {
             inner.fallback.record_traffic(upstream, requests);
         }
+        self.add(
+            upstream,
+            Traffic {
+                requests,
+                ..Traffic::default()
+            },
+        );
+    }
+
+    /// Counts how one attempt to `upstream` ended: `retry` false for a
+    /// first attempt (`successes`, `failures`), true for an attempt after
+    /// it (`retry_successes`, `retry_failures`). See the module docs for
+    /// the rule.
+    pub fn record_outcome(&self, upstream: &str, success: bool, retry: bool) {
+        if upstream.is_empty() {
+            return;
+        }
+        let mut traffic = Traffic::default();
+        *match (retry, success) {
+            (false, true) => &mut traffic.successes,
+            (false, false) => &mut traffic.failures,
+            (true, true) => &mut traffic.retry_successes,
+            (true, false) => &mut traffic.retry_failures,
+        } = 1;
+        self.add(upstream, traffic);
+    }
+
+    fn add(&self, upstream: &str, traffic: Traffic) {
         let mut counts = self.shared.counts.lock().unwrap_or_else(|e| e.into_inner());
         let max = self.shared.options.max_upstreams;
         // The common case, a known upstream, allocates nothing.
         if let Some(count) = counts.pending.get_mut(upstream) {
-            *count += requests;
+            count.add(&traffic);
         } else if counts.pending.len() < max {
-            counts.pending.insert(upstream.to_owned(), requests);
+            counts.pending.insert(upstream.to_owned(), traffic);
         } else {
-            counts.dropped += requests;
+            // The outcomes go with them.
+            counts.dropped += traffic.requests;
         }
     }
 
-    /// The counts not yet taken by retryd: recorded since the last batch
+    /// The requests not yet taken by retryd: recorded since the last batch
     /// was cut, plus those of batches kept for a re-send.
     pub async fn pending(&self) -> HashMap<String, u64> {
+        self.pending_traffic()
+            .await
+            .into_iter()
+            .filter(|(_, traffic)| traffic.requests > 0)
+            .map(|(upstream, traffic)| (upstream, traffic.requests))
+            .collect()
+    }
+
+    /// [`TrafficReporter::pending`] with the outcomes.
+    pub async fn pending_traffic(&self) -> HashMap<String, Traffic> {
         let unsent = self.shared.sending.lock().await;
         let counts = self.shared.counts.lock().unwrap_or_else(|e| e.into_inner());
         let mut total = counts.pending.clone();
         for batch in unsent.iter() {
             for entry in &batch.traffic {
-                *total.entry(entry.upstream.clone()).or_default() += entry.requests;
+                total
+                    .entry(entry.upstream.clone())
+                    .or_default()
+                    .add(&Traffic::of(entry));
             }
         }
         total
@@ -137,14 +265,10 @@ impl TrafficReporter {
                 .unwrap_or_else(|e| e.into_inner())
                 .pending,
         );
-        let sorted: BTreeMap<String, u64> = pending.into_iter().collect();
+        let sorted: BTreeMap<String, Traffic> = pending.into_iter().collect();
         let entries: Vec<pb::UpstreamTraffic> = sorted
             .into_iter()
-            .map(|(upstream, requests)| pb::UpstreamTraffic {
-                upstream,
-                requests,
-                ..Default::default()
-            })
+            .map(|(upstream, traffic)| traffic.entry(upstream))
             .collect();
         entries
             .chunks(MAX_TRAFFIC_ENTRIES)

@@ -213,10 +213,20 @@ impl Middleware for RetryMiddleware {
             attempt += 1;
             lineage::set_baggage(current.headers_mut(), attempt);
             let replay = current.try_clone();
-            let failed = match self
+            let attempted = self
                 .attempt(current, extensions, next.clone(), deadline)
-                .await
-            {
+                .await;
+            if self.reporting {
+                // A failure is an attempt retryd (or, past the deadline, the
+                // local rule) is asked about; any other ending is a success.
+                // A dropped future never gets here: neither.
+                self.client.reporter().record_outcome(
+                    &upstream,
+                    matches!(attempted, Attempted::Done(_)),
+                    attempt > 1,
+                );
+            }
+            let failed = match attempted {
                 Attempted::Done(mut response) => {
                     if !decisions.is_empty() {
                         response.extensions_mut().insert(Decisions(decisions));

@@ -48,6 +48,7 @@ use crate::client::Client;
 use crate::decision::Decision;
 use crate::fallback;
 use crate::lineage;
+use crate::reporter;
 use crate::request::{MAX_HEADER_BYTES, MAX_NAME_BYTES, pb_idempotency};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -365,20 +366,34 @@ where
         };
         let mut attempt_request = http::Request::from_parts(parts.clone(), body);
         lineage::set_baggage(attempt_request.headers_mut(), attempt);
-        let (outcome, status, ended) =
-            match one_attempt(&mut inner, &config, &mut attempt_request, deadline).await {
-                Attempted::Done(mut response) => {
-                    if !decisions.is_empty() {
-                        response.extensions_mut().insert(Decisions(decisions));
-                    }
-                    return Ok(response);
-                }
-                Attempted::Failed {
-                    outcome,
-                    status,
-                    deadline,
-                } => (outcome, status, deadline),
+        let attempted = one_attempt(&mut inner, &config, &mut attempt_request, deadline).await;
+        if config.reporting {
+            // FAILURE_CODES fail, any other ending succeeds, CANCELLED (and a
+            // dropped future, which never gets here) is neither.
+            let success = match &attempted {
+                Attempted::Done(_) => Some(true),
+                Attempted::Failed { status, .. } => reporter::attempt_succeeded(status.code()),
             };
+            if let Some(success) = success {
+                config
+                    .client
+                    .reporter()
+                    .record_outcome(&upstream, success, attempt > 1);
+            }
+        }
+        let (outcome, status, ended) = match attempted {
+            Attempted::Done(mut response) => {
+                if !decisions.is_empty() {
+                    response.extensions_mut().insert(Decisions(decisions));
+                }
+                return Ok(response);
+            }
+            Attempted::Failed {
+                outcome,
+                status,
+                deadline,
+            } => (outcome, status, deadline),
+        };
         let decide_request = pb::DecideRequest {
             upstream: upstream.clone(),
             operation: operation.clone(),

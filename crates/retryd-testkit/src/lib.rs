@@ -127,6 +127,38 @@ pub fn replay_json(config: &std::path::Path, log: &std::path::Path) -> serde_jso
     serde_json::from_slice(&output.stdout).expect("replay prints JSON")
 }
 
+/// A configuration file with the decision log on, in a directory of its
+/// own that outlives the server: a test reads the log, and replays it,
+/// after the server has stopped and flushed it.
+pub struct LoggedConfig {
+    /// Holds the files; removed when this is dropped.
+    pub dir: tempfile::TempDir,
+    /// The configuration: loopback ports, `[decision_log]`, then `extra`.
+    pub config: std::path::PathBuf,
+    /// The decision log it writes.
+    pub log: std::path::PathBuf,
+}
+
+impl LoggedConfig {
+    /// Writes the configuration, `extra` (policies, store) after the
+    /// server and decision-log sections.
+    pub fn new(extra: &str) -> LoggedConfig {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let log = dir.path().join("decisions.jsonl");
+        let config = dir.path().join("retryd.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:0\"\nmetrics_listen = \"127.0.0.1:0\"\n\
+                 [decision_log]\npath = {:?}\n{extra}",
+                log.display().to_string()
+            ),
+        )
+        .expect("write config");
+        LoggedConfig { dir, config, log }
+    }
+}
+
 impl Server {
     /// Starts retryd with `extra` appended to a configuration that listens
     /// on ephemeral loopback ports.

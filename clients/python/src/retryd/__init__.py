@@ -38,7 +38,7 @@ from .errors import AmbiguousExecutionError, InvalidRequestError, RetrydError, R
 from .fallback import DEFAULT_LOCAL_POLICY, LocalPolicy, effective_evidence, local_decide
 from .grpc_server import AsyncLineageServerInterceptor, LineageServerInterceptor
 from .lineage import current_lineage, default_layer, serving
-from .reporter import AsyncTrafficReporter, ReportResult, TrafficReporter
+from .reporter import AsyncTrafficReporter, ReportResult, Traffic, TrafficReporter
 from .shadow import DEFAULT_SHADOW_LOG_INTERVAL
 
 __all__ = [
@@ -66,6 +66,7 @@ __all__ = [
     "ReportResult",
     "RetrydError",
     "RetrydUnavailableError",
+    "Traffic",
     "TrafficReporter",
     "UnknownOutcome",
     "Verdict",

@@ -49,7 +49,7 @@ from .errors import InvalidRequestError, RetrydError, RetrydUnavailableError
 from .fallback import DEFAULT_LOCAL_POLICY, LocalPolicy, local_decide
 from .lineage import check_layer
 from .outage import Outage
-from .reporter import MAX_TRAFFIC_ENTRIES, AsyncTrafficReporter, ReportResult, TrafficReporter
+from .reporter import MAX_TRAFFIC_ENTRIES, AsyncTrafficReporter, ReportResult, Traffic, TrafficReporter
 from .shadow import DEFAULT_SHADOW_LOG_INTERVAL, ShadowDivergences, differs
 from .tracing import trace_metadata
 from .v1 import retryd_pb2 as pb
@@ -161,13 +161,18 @@ def _budget(message: pb.Budget) -> Budget:
     )
 
 
-def _report_request(traffic: Sequence[tuple[str, int]], report_id: str) -> pb.ReportTrafficRequest:
+def _upstream_traffic(entry: Union[Traffic, tuple[str, int]]) -> pb.UpstreamTraffic:
+    """One entry: a :class:`Traffic`, or a plain ``(upstream, requests)`` pair (no outcomes)."""
+    t = Traffic(*entry)
+    return pb.UpstreamTraffic(upstream=t.upstream, requests=t.requests, successes=t.successes,
+                              failures=t.failures, retry_successes=t.retry_successes,
+                              retry_failures=t.retry_failures)
+
+
+def _report_request(traffic: Sequence[Union[Traffic, tuple[str, int]]], report_id: str) -> pb.ReportTrafficRequest:
     if len(traffic) > MAX_TRAFFIC_ENTRIES:
         raise ValueError(f"traffic: at most {MAX_TRAFFIC_ENTRIES} entries per report, got {len(traffic)}")
-    return pb.ReportTrafficRequest(
-        traffic=[pb.UpstreamTraffic(upstream=upstream, requests=n) for upstream, n in traffic],
-        report_id=report_id,
-    )
+    return pb.ReportTrafficRequest(traffic=[_upstream_traffic(entry) for entry in traffic], report_id=report_id)
 
 
 def _traffic_requests(
@@ -630,8 +635,10 @@ class Client(_Base):
                 self._reporter = TrafficReporter(self, interval=self.report_interval).start()
             return self._reporter
 
-    def report_batch(self, traffic: Sequence[tuple[str, int]], *, report_id: str = "") -> ReportResult:
-        """Sends one report of at most 1024 ``(upstream, requests)`` entries.
+    def report_batch(
+        self, traffic: Sequence[Union[Traffic, tuple[str, int]]], *, report_id: str = ""
+    ) -> ReportResult:
+        """Sends one report of at most 1024 entries: :class:`Traffic`, or ``(upstream, requests)`` pairs.
 
         With a ``report_id``, re-sending the same entries with the same id is
         safe: retryd applies each entry at most once (see ReportTrafficRequest
@@ -796,7 +803,9 @@ class AsyncClient(_Base):
             self._reporter = AsyncTrafficReporter(self, interval=self.report_interval)
         return self._reporter
 
-    async def report_batch(self, traffic: Sequence[tuple[str, int]], *, report_id: str = "") -> ReportResult:
+    async def report_batch(
+        self, traffic: Sequence[Union[Traffic, tuple[str, int]]], *, report_id: str = ""
+    ) -> ReportResult:
         """See :meth:`Client.report_batch`."""
         request = _report_request(traffic, report_id)
         try:

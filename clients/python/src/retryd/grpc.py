@@ -42,7 +42,9 @@ interceptors=[...])``) run a unary-unary call, ask retryd after each
 failure, sleep the backoff with no call in flight, and try again, within
 the call's deadline (its ``timeout=``), which bounds every attempt and every
 backoff and is passed to retryd on each decision. The first attempt is
-counted on the retryd client's reporter. With ``retries=False`` they only
+counted on the retryd client's reporter, and so is every attempt's outcome
+(:data:`FAILURE_CODES` fail; any other ending succeeds; CANCELLED is
+neither). With ``retries=False`` they only
 classify: the error raised carries ``retryd_outcome``. A call that ends
 with its outcome unknown (AMBIGUOUS, a DENY with an ``unknown_outcome``
 mark, or a non-idempotent call whose deadline passed after it was sent,
@@ -331,6 +333,31 @@ class _UseClientReporter:
 CLIENT_REPORTER: Any = _UseClientReporter()
 
 
+#: The codes that make an attempt a *failure* in the reporter's outcome
+#: counts: those the retry tables can retry (UNAVAILABLE and DEADLINE_EXCEEDED
+#: as 502-504 and "no response"; RESOURCE_EXHAUSTED as 429; UNAUTHENTICATED
+#: as 401; INTERNAL and UNKNOWN as 500), the twins of the HTTP statuses the
+#: httpx adapter asks about. Every other code is a success (the upstream
+#: answered, as a 404), except CANCELLED: the caller's own, counted as neither.
+FAILURE_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+})
+
+
+def attempt_succeeded(error: Optional[BaseException]) -> Optional[bool]:
+    """How an attempt that ended with ``error`` (None: a response) counts: True a
+    success, False a failure, None neither (cancelled, or no RPC's error)."""
+    if error is None:
+        return True
+    if not isinstance(error, grpc.RpcError):
+        return None
+    code = error.code()
+    if code == grpc.StatusCode.CANCELLED:
+        return None
+    return code not in FAILURE_CODES
+
+
 def _method_name(method: Union[str, bytes]) -> str:
     return method.decode() if isinstance(method, bytes) else method
 
@@ -379,10 +406,24 @@ class _Policy:
             return rule(method)
         return rule
 
+    def _chosen_reporter(self) -> Any:
+        return self.retryd.reporter if self._reporter is CLIENT_REPORTER else self._reporter
+
     def record_first_attempt(self) -> None:
-        reporter = self.retryd.reporter if self._reporter is CLIENT_REPORTER else self._reporter
+        reporter = self._chosen_reporter()
         if reporter is not None:
             reporter.record(self.upstream)
+
+    def record_outcome(self, attempt: int, error: Optional[BaseException]) -> None:
+        """Counts how an attempt ended (``error`` None: a response); see :data:`FAILURE_CODES`."""
+        if not self.retries:
+            return  # classifying only: the caller counts its own traffic
+        success = attempt_succeeded(error)
+        if success is None:
+            return
+        record_outcome = getattr(self._chosen_reporter(), "record_outcome", None)
+        if record_outcome is not None:
+            record_outcome(self.upstream, success, retry=attempt > 1)
 
 
 class _Call:
@@ -529,6 +570,7 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
             )
             outcome = continuation(details, request)
             error = outcome.exception()
+            self._policy.record_outcome(state.attempt, error)
             if error is None or not isinstance(error, grpc.RpcError):
                 return outcome  # a response, or a failure that is no RPC's (passed through)
             classified = classify_rpc_error(error)
@@ -607,6 +649,7 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
             try:
                 await call
             except grpc.aio.AioRpcError as error:
+                self._policy.record_outcome(state.attempt, error)
                 classified = classify_rpc_error(error)
                 if not self._policy.retries:
                     _attach(error, classified, None, state.attempt)
@@ -634,6 +677,7 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
                         raise AmbiguousAioRpcError(decision, error) from error
                     raise
             else:
+                self._policy.record_outcome(state.attempt, None)
                 return call
 
 
@@ -642,6 +686,7 @@ __all__ = [
     "AmbiguousRpcError",
     "AsyncRetryInterceptor",
     "CLIENT_REPORTER",
+    "FAILURE_CODES",
     "GrpcOutcome",
     "IdempotencyRule",
     "PUSHBACK_TRAILER",
@@ -649,5 +694,6 @@ __all__ = [
     "attempts_of",
     "classify_rpc_error",
     "decision_of",
+    "attempt_succeeded",
     "outcome_of",
 ]

@@ -39,7 +39,10 @@ Retries: :func:`request_with_retries` (and :func:`arequest_with_retries` for
 the failed response (returning its connection to the pool) and only then
 sleep the backoff, so no connection is held while waiting. First attempts
 are counted on the client's :class:`~retryd.reporter.TrafficReporter`
-(``retryd.reporter``) unless ``reporter=None``. The caller's ``deadline``
+(``retryd.reporter``) unless ``reporter=None``, and so is every attempt's
+outcome: a failure when retryd is asked about it (a transport error, a
+status in ``retry_statuses``), a success otherwise (a 404 included); an
+attempt cancelled by the caller is neither. The caller's ``deadline``
 bounds every phase of every attempt and every backoff; the decision about
 a returned response is in ``response.extensions["retryd.decision"]``. A
 call that ends with its outcome unknown (AMBIGUOUS, or a DENY with an
@@ -341,6 +344,15 @@ class _Loop:
         base = default_timeout if given is httpx.USE_CLIENT_DEFAULT else httpx.Timeout(given)
         return {**build, "timeout": _capped(base, self.remaining())}
 
+    def ended(self, success: bool) -> None:
+        """Counts how the attempt ended on the reporter: a failure is one retryd is asked about.
+
+        A reporter of the caller's own without ``record_outcome`` counts requests only.
+        """
+        record_outcome = getattr(self.reporter, "record_outcome", None)
+        if record_outcome is not None:
+            record_outcome(self.upstream, success, retry=self.attempt > 1)
+
     def carry_lineage(self, request: httpx.Request) -> httpx.Request:
         """Puts ``<lineage>/<layer>:<attempt>`` in the attempt's baggage, other members untouched."""
         sent = format_lineage(parse_lineage(self.lineage) + [(self.layer, self.attempt)])
@@ -509,8 +521,10 @@ def request_with_retries(
                 error, outcome = exc, classify_exception(exc, response=response)
             else:
                 if response.status_code not in retry_statuses:
+                    loop.ended(True)
                     return loop.finish(response, None)
                 outcome = classify_response(response)
+        loop.ended(False)
 
         decision = (retryd.decide_past_deadline(**loop.decide_kwargs(outcome)) if loop.out_of_time()
                     else retryd.decide(**loop.decide_kwargs(outcome)))
@@ -589,8 +603,10 @@ async def arequest_with_retries(
                 error, outcome = exc, classify_exception(exc, response=response)
             else:
                 if response.status_code not in retry_statuses:
+                    loop.ended(True)
                     return loop.finish(response, None)
                 outcome = classify_response(response)
+        loop.ended(False)
 
         decision = (retryd.decide_past_deadline(**loop.decide_kwargs(outcome)) if loop.out_of_time()
                     else await retryd.decide(**loop.decide_kwargs(outcome)))

@@ -6,7 +6,16 @@ adapters (:mod:`retryd.httpx`, :mod:`retryd.grpc`) do it for you through the
 client's own reporter (``Client.reporter``), which the client flushes and
 stops when it is closed.
 
-``record`` only adds to an in-memory counter under a lock. Every
+Reports also carry *outcomes*, so that a budget can follow the upstream's
+health: ``record_outcome(upstream, success, retry=...)`` once per finished
+attempt, first attempts (``successes``/``failures``) apart from retries
+(``retry_successes``/``retry_failures``). An attempt is a failure when the
+caller asked (or would ask) retryd or its local rule whether to retry it
+(not sent, no response, a retryable status); every other ending is a
+success, a 404 included. An attempt the caller cancelled or abandoned is
+neither. The adapters record every attempt's outcome by default.
+
+``record`` and ``record_outcome`` only add to in-memory counters under a lock. Every
 ``interval`` seconds the counts become *batches* of at most 1024 entries,
 each with a fresh ``report_id`` (a random UUID), and are sent:
 
@@ -25,7 +34,10 @@ each with a fresh ``report_id`` (a random UUID), and are sent:
   and losing it only means fewer retries.
 
 ``dropped_requests`` also counts requests to upstreams beyond
-``max_upstreams`` distinct ones. ``dropped_batches`` counts dropped batches.
+``max_upstreams`` distinct ones (their outcomes are dropped with them).
+``dropped_batches`` counts dropped batches. A batch carries, per upstream,
+the requests and the four outcome counts together, and a re-sent batch the
+same counts.
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, NamedTuple, Optional, Protocol
 
 from .errors import InvalidRequestError, RetrydError
 from .outage import Outage
@@ -60,13 +72,33 @@ class ReportResult:
     already_applied: int = 0
 
 
+class Traffic(NamedTuple):
+    """One entry of a report: first attempts sent, and how attempts ended.
+
+    ``Traffic("a", 3)`` is three requests with no outcomes (a caller that
+    does not report them); a plain ``(upstream, requests)`` pair is accepted
+    wherever a ``Traffic`` is.
+    """
+
+    upstream: str
+    requests: int = 0
+    successes: int = 0
+    failures: int = 0
+    retry_successes: int = 0
+    retry_failures: int = 0
+
+
+#: Where each count sits in a pending row (the fields of Traffic after ``upstream``).
+_REQUESTS, _SUCCESSES, _FAILURES, _RETRY_SUCCESSES, _RETRY_FAILURES = range(5)
+
+
 class _SendsReports(Protocol):
-    def report_batch(self, traffic: Sequence[tuple[str, int]], *, report_id: str = "") -> ReportResult: ...
+    def report_batch(self, traffic: Sequence[Traffic], *, report_id: str = "") -> ReportResult: ...
 
 
 class _SendsReportsAsync(Protocol):
     def report_batch(
-        self, traffic: Sequence[tuple[str, int]], *, report_id: str = ""
+        self, traffic: Sequence[Traffic], *, report_id: str = ""
     ) -> Awaitable[ReportResult]: ...
 
 
@@ -75,12 +107,12 @@ class Batch:
     """One report as sent, and as re-sent: the id and the entries never change."""
 
     report_id: str
-    entries: tuple[tuple[str, int], ...]
+    entries: tuple[Traffic, ...]
     created: float = field(default_factory=time.monotonic)
 
     @property
     def requests(self) -> int:
-        return sum(n for _, n in self.entries)
+        return sum(entry.requests for entry in self.entries)
 
 
 def is_permanent(error: BaseException) -> bool:
@@ -89,6 +121,12 @@ def is_permanent(error: BaseException) -> bool:
         return True
     code: Any = getattr(error, "code", None)
     return getattr(code, "name", None) in PERMANENT_REPORT_CODES
+
+
+def _outcome_index(success: bool, retry: bool) -> int:
+    if retry:
+        return _RETRY_SUCCESSES if success else _RETRY_FAILURES
+    return _SUCCESSES if success else _FAILURES
 
 
 class _Book:
@@ -107,25 +145,36 @@ class _Book:
         self.dropped_requests = 0
         self.dropped_batches = 0
         self.lock = threading.Lock()
-        self.pending: dict[str, int] = {}
+        #: Per upstream: requests, successes, failures, retry_successes, retry_failures.
+        self.pending: dict[str, list[int]] = {}
         self.unsent: list[Batch] = []
 
-    def record(self, upstream: str, requests: int) -> None:
-        if requests <= 0:
+    def add(self, upstream: str, index: int, n: int) -> None:
+        if n <= 0:
             return
         with self.lock:
-            if upstream in self.pending or len(self.pending) < self.max_upstreams:
-                self.pending[upstream] = self.pending.get(upstream, 0) + requests
-            else:
-                self.dropped_requests += requests
+            row = self.pending.get(upstream)
+            if row is None:
+                if len(self.pending) >= self.max_upstreams:
+                    if index == _REQUESTS:
+                        self.dropped_requests += n
+                    return
+                row = self.pending[upstream] = [0, 0, 0, 0, 0]
+            row[index] += n
+
+    def traffic(self) -> dict[str, Traffic]:
+        """Every count not yet delivered, per upstream (unsent batches included)."""
+        with self.lock:
+            rows = {upstream: list(row) for upstream, row in self.pending.items()}
+        for batch in self.unsent:
+            for entry in batch.entries:
+                row = rows.setdefault(entry.upstream, [0, 0, 0, 0, 0])
+                for index, n in enumerate(entry[1:]):
+                    row[index] += n
+        return {upstream: Traffic(upstream, *row) for upstream, row in rows.items()}
 
     def snapshot(self) -> dict[str, int]:
-        with self.lock:
-            counts = dict(self.pending)
-        for batch in self.unsent:
-            for upstream, n in batch.entries:
-                counts[upstream] = counts.get(upstream, 0) + n
-        return counts
+        return {upstream: entry.requests for upstream, entry in self.traffic().items() if entry.requests}
 
     def next_batch(self) -> Optional[Batch]:
         """The batch to send next: the oldest unsent one, else fresh counts."""
@@ -137,7 +186,7 @@ class _Book:
             with self.lock:
                 if not self.pending:
                     return None
-                entries = list(self.pending.items())
+                entries = [Traffic(upstream, *row) for upstream, row in self.pending.items()]
                 self.pending = {}
             for start in range(0, len(entries), MAX_TRAFFIC_ENTRIES):
                 chunk = tuple(entries[start : start + MAX_TRAFFIC_ENTRIES])
@@ -207,12 +256,25 @@ class TrafficReporter:
 
     def record(self, upstream: str, requests: int = 1) -> None:
         """Counts ``requests`` real (first-attempt) requests to ``upstream``."""
-        self._book.record(upstream, requests)
+        self._book.add(upstream, _REQUESTS, requests)
+
+    def record_outcome(self, upstream: str, success: bool, *, retry: bool = False, count: int = 1) -> None:
+        """Counts how ``count`` attempts to ``upstream`` ended (see the module doc for the rule).
+
+        ``retry=False`` for first attempts (``successes``/``failures``),
+        ``True`` for the attempts after them (``retry_successes``/``retry_failures``).
+        """
+        self._book.add(upstream, _outcome_index(success, retry), count)
 
     def pending(self) -> dict[str, int]:
-        """The counts not yet delivered (unsent batches included), per upstream."""
+        """The requests not yet delivered (unsent batches included), per upstream."""
         with self._send_lock:
             return self._book.snapshot()
+
+    def pending_traffic(self) -> dict[str, Traffic]:
+        """Every count not yet delivered (unsent batches included), outcomes too, per upstream."""
+        with self._send_lock:
+            return self._book.traffic()
 
     def flush(self) -> bool:
         """Sends everything pending now; False if something is kept for a re-send."""
@@ -290,7 +352,15 @@ class AsyncTrafficReporter:
 
     def record(self, upstream: str, requests: int = 1) -> None:
         """Counts ``requests`` real (first-attempt) requests to ``upstream``."""
-        self._book.record(upstream, requests)
+        self._book.add(upstream, _REQUESTS, requests)
+        self._start_in_loop()
+
+    def record_outcome(self, upstream: str, success: bool, *, retry: bool = False, count: int = 1) -> None:
+        """See :meth:`TrafficReporter.record_outcome`."""
+        self._book.add(upstream, _outcome_index(success, retry), count)
+        self._start_in_loop()
+
+    def _start_in_loop(self) -> None:
         if self._task is None and not self._closed:
             try:
                 asyncio.get_running_loop()
@@ -299,8 +369,12 @@ class AsyncTrafficReporter:
             self.start()
 
     def pending(self) -> dict[str, int]:
-        """The counts not yet delivered (unsent batches included), per upstream."""
+        """The requests not yet delivered (unsent batches included), per upstream."""
         return self._book.snapshot()
+
+    def pending_traffic(self) -> dict[str, Traffic]:
+        """See :meth:`TrafficReporter.pending_traffic`."""
+        return self._book.traffic()
 
     def _lock(self) -> asyncio.Lock:
         if self._send_lock is None:

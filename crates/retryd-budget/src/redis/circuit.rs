@@ -21,6 +21,12 @@ pub(super) const PROBE_INTERVAL: Duration = Duration::from_millis(150);
 /// interval (issue 37: 150 ms of fallbacks on a live master). A node that
 /// stopped answering times out every request, so waiting for three costs
 /// two more timeouts, not an interval.
+///
+/// In a row means one after the other: a request that was already in
+/// flight when an earlier one timed out waited through the same silence,
+/// and says nothing more. Counting them opened a live master's circuit
+/// after a single 45 ms stall that three upstreams' requests were waiting
+/// through together (issue 37, with a Cluster failover under way).
 pub(super) const TIMEOUTS_TO_OPEN: u32 = 3;
 
 #[derive(Debug)]
@@ -29,6 +35,8 @@ pub(super) struct Circuit {
     up: AtomicBool,
     /// Timeouts since the last answer, while up.
     timeouts: AtomicU32,
+    /// Milliseconds since `origin` when the last counted timeout was seen.
+    last_timeout: AtomicU64,
     /// Milliseconds since `origin` before which no probe is sent.
     next_probe: AtomicU64,
 }
@@ -47,6 +55,7 @@ impl Circuit {
             origin: Instant::now(),
             up: AtomicBool::new(true),
             timeouts: AtomicU32::new(0),
+            last_timeout: AtomicU64::new(0),
             next_probe: AtomicU64::new(0),
         }
     }
@@ -93,11 +102,29 @@ impl Circuit {
         }
     }
 
-    /// A request that got no answer in time: opens the circuit at the
-    /// `TIMEOUTS_TO_OPEN`th in a row (at once while it is open, to push the
-    /// next probe back).
-    pub(super) fn timeout(&self) -> Transition {
-        if self.is_up() && self.timeouts.fetch_add(1, Ordering::AcqRel) + 1 < TIMEOUTS_TO_OPEN {
+    /// A request sent at `sent` that got no answer in time: opens the
+    /// circuit at the `TIMEOUTS_TO_OPEN`th in a row (at once while it is
+    /// open, to push the next probe back). One sent before the last counted
+    /// timeout was seen is not counted: it waited through the same silence.
+    pub(super) fn timeout(&self, sent: Instant) -> Transition {
+        if !self.is_up() {
+            return self.failure();
+        }
+        let sent = sent.saturating_duration_since(self.origin).as_millis() as u64;
+        let now = self.now_ms();
+        let last = self.last_timeout.load(Ordering::Acquire);
+        if self.timeouts.load(Ordering::Acquire) > 0 && sent < last {
+            return Transition::None;
+        }
+        // Of two timeouts seen together, one counts.
+        if self
+            .last_timeout
+            .compare_exchange(last, now.max(last), Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return Transition::None;
+        }
+        if self.timeouts.fetch_add(1, Ordering::AcqRel) + 1 < TIMEOUTS_TO_OPEN {
             return Transition::None;
         }
         self.failure()
@@ -140,8 +167,13 @@ mod tests {
     #[test]
     fn timeouts_open_only_in_a_row() {
         let circuit = Circuit::new();
+        // Each request sent after the previous one timed out.
+        let sent = || {
+            std::thread::sleep(Duration::from_millis(2));
+            Instant::now()
+        };
         for _ in 0..TIMEOUTS_TO_OPEN - 1 {
-            assert_eq!(circuit.timeout(), Transition::None);
+            assert_eq!(circuit.timeout(sent()), Transition::None);
         }
         assert_eq!(
             circuit.success(),
@@ -149,18 +181,37 @@ mod tests {
             "an answer between them"
         );
         for _ in 0..TIMEOUTS_TO_OPEN - 1 {
-            assert_eq!(circuit.timeout(), Transition::None);
+            assert_eq!(circuit.timeout(sent()), Transition::None);
             assert!(circuit.is_up());
         }
-        assert_eq!(circuit.timeout(), Transition::Opened);
+        assert_eq!(circuit.timeout(sent()), Transition::Opened);
         assert!(!circuit.allow());
-        assert_eq!(circuit.timeout(), Transition::None, "already open");
+        assert_eq!(circuit.timeout(sent()), Transition::None, "already open");
         assert_eq!(circuit.success(), Transition::Closed);
         assert_eq!(
-            circuit.timeout(),
+            circuit.timeout(sent()),
             Transition::None,
             "the count starts again"
         );
         assert!(circuit.is_up());
+    }
+
+    #[test]
+    fn requests_waiting_through_one_silence_are_one_timeout() {
+        let circuit = Circuit::new();
+        // Many requests sent together, all timing out in the same stall.
+        let together = Instant::now();
+        std::thread::sleep(Duration::from_millis(2));
+        for _ in 0..10 * TIMEOUTS_TO_OPEN {
+            assert_eq!(circuit.timeout(together), Transition::None);
+        }
+        assert!(circuit.is_up(), "one stall is one timeout");
+        // The silence goes on: requests sent after it was seen time out too.
+        for _ in 0..TIMEOUTS_TO_OPEN - 2 {
+            std::thread::sleep(Duration::from_millis(2));
+            assert_eq!(circuit.timeout(Instant::now()), Transition::None);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+        assert_eq!(circuit.timeout(Instant::now()), Transition::Opened);
     }
 }

@@ -31,7 +31,18 @@ pub(super) struct Reachability {
     origin: Instant,
     /// Milliseconds since `origin` of the last slot-map refresh claimed.
     refreshed: AtomicU64,
+    /// Milliseconds since `origin` until which a Cluster is taken to be in
+    /// a failover: a master was lost, or a slot changed owners, within
+    /// `FAILOVER_AFTERMATH` before (0: never).
+    failover_until: AtomicU64,
 }
+
+/// How long after a slot changed owners (a replica promoted, a slot moved)
+/// the surviving masters are still taken to be busy with it: each learns
+/// the new configuration by gossip, and saves it, with an `fsync` on its
+/// main thread, when it does; the Cluster's bus spreads that over about a
+/// second.
+const FAILOVER_AFTERMATH: Duration = Duration::from_secs(5);
 
 /// Who serves each slot, and each master's circuit.
 struct SlotMap {
@@ -67,6 +78,7 @@ impl Reachability {
             opened: AtomicU64::new(0),
             origin: Instant::now(),
             refreshed: AtomicU64::new(0),
+            failover_until: AtomicU64::new(0),
         }
     }
 
@@ -125,6 +137,9 @@ impl Reachability {
     pub(super) fn count(&self, transition: Transition) {
         if transition == Transition::Opened {
             self.opened.fetch_add(1, Ordering::Relaxed);
+            if self.is_cluster() {
+                self.note_failover();
+            }
         }
     }
 
@@ -154,6 +169,23 @@ impl Reachability {
     pub(super) fn is_cluster_degraded(&self) -> bool {
         self.map()
             .is_some_and(|map| map.nodes.iter().any(|node| !node.circuit.is_up()))
+    }
+
+    /// True while a Cluster is failing over: a master is believed down, or
+    /// one was lost or a slot changed owners within `FAILOVER_AFTERMATH`.
+    /// Then every surviving master does the failover's work on its main
+    /// thread (the vote for the promoted replica and the new configuration,
+    /// each saved to `nodes.conf` with an `fsync`), and a live master's
+    /// answer can miss the store timeout without the master being lost.
+    pub(super) fn in_failover(&self) -> bool {
+        let now = self.origin.elapsed().as_millis() as u64;
+        self.is_cluster()
+            && (self.is_cluster_degraded() || now < self.failover_until.load(Ordering::Acquire))
+    }
+
+    fn note_failover(&self) {
+        let until = (self.origin.elapsed() + FAILOVER_AFTERMATH).as_millis() as u64;
+        self.failover_until.fetch_max(until, Ordering::AcqRel);
     }
 
     /// True if the slot map was last refreshed at least `every` ago (and
@@ -227,6 +259,21 @@ impl Reachability {
                 );
             }
         }
+        // A slot whose master changed: a promotion or a slot moved.
+        fn address(nodes: &[Node], index: u16) -> Option<&str> {
+            nodes
+                .get(usize::from(index))
+                .map(|node| node.address.as_str())
+        }
+        let moved = previous.as_ref().is_some_and(|map| {
+            owner
+                .iter()
+                .zip(&map.owner)
+                .any(|(&now, &before)| address(&nodes, now) != address(&map.nodes, before))
+        });
+        if moved {
+            self.note_failover();
+        }
         *lock.write().unwrap_or_else(PoisonError::into_inner) =
             Some(Arc::new(SlotMap { owner, nodes }));
         Ok(())
@@ -266,5 +313,42 @@ mod tests {
         let map = reachability.map().unwrap();
         assert!(map.nodes.iter().all(|node| slot(&node.probe_key) < SLOTS));
         assert!(reachability.update(&Value::Int(1), "p").is_err());
+    }
+
+    #[test]
+    fn a_lost_master_or_a_moved_slot_is_a_failover() {
+        assert!(!Reachability::new(false).in_failover(), "one node");
+        let reachability = Reachability::new(true);
+        let entry = |start: i64, end: i64, port: i64| {
+            Value::Array(vec![
+                Value::Int(start),
+                Value::Int(end),
+                Value::Array(vec![
+                    Value::BulkString(b"127.0.0.1".to_vec()),
+                    Value::Int(port),
+                ]),
+            ])
+        };
+        let first = Value::Array(vec![entry(0, 8191, 7000), entry(8192, 16383, 7001)]);
+        reachability.update(&first, "p").unwrap();
+        assert!(!reachability.in_failover(), "the first map moves nothing");
+        reachability.update(&first, "p").unwrap();
+        assert!(!reachability.in_failover(), "nor does the same map again");
+        // 7001 lost: a failover while its circuit is open...
+        let route = reachability.route(Some("foo"));
+        reachability.count(route.circuit.failure());
+        assert!(reachability.in_failover());
+        // ... and for FAILOVER_AFTERMATH after it, once it is replaced.
+        let promoted = Value::Array(vec![entry(0, 8191, 7000), entry(8192, 16383, 7002)]);
+        reachability.update(&promoted, "p").unwrap();
+        assert!(reachability.is_up());
+        assert!(reachability.in_failover());
+        let other = Reachability::new(true);
+        other.update(&first, "p").unwrap();
+        other.update(&promoted, "p").unwrap();
+        assert!(other.in_failover(), "a slot that changed owners");
+        assert!(
+            other.failover_until.load(Ordering::Acquire) >= FAILOVER_AFTERMATH.as_millis() as u64
+        );
     }
 }

@@ -271,6 +271,8 @@ async fn drive(
                     .map(|n| pb::UpstreamTraffic {
                         upstream: format!("soak-{}", (second * 50 + n) % 1000),
                         requests: 100,
+                        // The soak reports no outcomes (the contract's
+                        // "both counts 0").
                         ..Default::default()
                     })
                     .collect();

@@ -11,14 +11,15 @@ import java.util.Optional;
 /**
  * Where a call sits in a call chain (docs/lineage.md): the {@code retryd.lineage}
  * member of the W3C {@code baggage} header, and what the inbound middleware
- * ({@link LineageFilter}, {@link LineageServerInterceptor}) and the outbound
- * adapters ({@link RetryingHttpClient}, {@link RetrydClientInterceptor}) share
- * about the request being served.
+ * ({@link LineageFilter}, {@link LineageServletFilter}, {@link
+ * LineageServerInterceptor}) and the outbound adapters ({@link
+ * RetryingHttpClient}, {@link RetrydClientInterceptor}) share about the
+ * request being served.
  *
  * <p>The request being served is held in a grpc-java {@link Context} under one
  * key, for both HTTP and gRPC servers: grpc-java attaches the server call's
- * context on every callback of a handler, and {@link LineageFilter} runs the
- * exchange's handler inside one. A {@code Context} is a thread-local scope, so
+ * context on every callback of a handler, and {@link LineageFilter} (and
+ * {@link LineageServletFilter}) runs the exchange's handler (the servlet) inside one. A {@code Context} is a thread-local scope, so
  * work handed to another thread carries it only if you say so: {@code
  * Context.current().wrap(task)}, or {@code Context.currentContextExecutor(executor)}
  * for an executor (a {@code CompletableFuture.supplyAsync(task, that executor)}

@@ -140,7 +140,10 @@ public final class RetryOptions {
       return this;
     }
 
-    /** Whether the first attempt is counted on the traffic reporter (true by default; retries never are). */
+    /**
+     * Whether the first attempt is counted on the traffic reporter, with every
+     * attempt's outcome (true by default; retries are never counted as requests).
+     */
     public Builder reportFirstAttempt(boolean value) {
       this.reportFirstAttempt = value;
       return this;

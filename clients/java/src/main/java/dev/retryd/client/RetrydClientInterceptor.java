@@ -38,12 +38,15 @@ import retryd.v1.Retryd.Verdict;
  *     .withDeadlineAfter(2, TimeUnit.SECONDS);
  * }</pre>
  *
- * <p>Only unary methods are retried; streaming calls pass through untouched. The
+ * <p>Only unary methods are retried; streaming calls pass through, their one
+ * attempt carrying the lineage (below) as attempt 1, never decided. The
  * request message is kept until the call ends, the response is held until its
  * status, and each attempt is a new call on the next channel with the same
  * {@link CallOptions}, so the caller's deadline bounds every attempt and every
- * backoff (what is left of it is told to retryd). A successful attempt costs a
- * counter increment on the {@link TrafficReporter} and nothing else. The backoff
+ * backoff (what is left of it is told to retryd). A successful attempt costs
+ * counter increments on the {@link TrafficReporter} (the first attempt, and every
+ * attempt's outcome: {@link #FAILURE_CODES} fail, any other ending succeeds, a
+ * cancel is neither) and nothing else. The backoff
  * runs on a timer thread, never blocking a transport or the caller's executor.
  *
  * <p>Idempotency is the caller's to declare: the {@link #IDEMPOTENCY} call
@@ -163,7 +166,7 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
       return this;
     }
 
-    /** Counts first attempts on this reporter (by default the interceptor starts one of its own). */
+    /** Counts first attempts and outcomes on this reporter (by default the interceptor starts one of its own). */
     public Builder reporter(TrafficReporter value) {
       this.reporter = Objects.requireNonNull(value);
       return this;
@@ -201,6 +204,32 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
     }
   }
 
+  /**
+   * The codes that make an attempt a failure in the reporter's outcome counts:
+   * those the retry tables can retry (UNAVAILABLE and DEADLINE_EXCEEDED as
+   * 502-504 and "no response", RESOURCE_EXHAUSTED as 429, UNAUTHENTICATED as 401,
+   * INTERNAL and UNKNOWN as 500), the twins of the HTTP statuses the HTTP
+   * adapter asks about. Every other code is a success (the upstream answered, as
+   * a 404), except CANCELLED: the caller's own, counted as neither.
+   */
+  public static final java.util.Set<Status.Code> FAILURE_CODES =
+      java.util.Collections.unmodifiableSet(
+          java.util.EnumSet.of(
+              Status.Code.UNAVAILABLE,
+              Status.Code.DEADLINE_EXCEEDED,
+              Status.Code.RESOURCE_EXHAUSTED,
+              Status.Code.UNAUTHENTICATED,
+              Status.Code.INTERNAL,
+              Status.Code.UNKNOWN));
+
+  /** How an attempt that ended with {@code code} counts: true a success, false a failure, null neither. */
+  public static Boolean attemptSucceeded(Status.Code code) {
+    if (code == Status.Code.CANCELLED) {
+      return null;
+    }
+    return !FAILURE_CODES.contains(code);
+  }
+
   private static Idempotency declaredByTheMethod(MethodDescriptor<?, ?> method) {
     if (method.isSafe()) {
       return Idempotency.IDEMPOTENCY_SAFE;
@@ -211,7 +240,10 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
   @Override
   public <Q, R> ClientCall<Q, R> interceptCall(MethodDescriptor<Q, R> method, CallOptions options, Channel next) {
     if (method.getType() != MethodDescriptor.MethodType.UNARY) {
-      return next.newCall(method, options);
+      // Not retried, but still a call of this layer in a chain: its one
+      // attempt carries the lineage (docs/lineage.md).
+      String inbound = Lineage.current().map(Lineage.Inbound::lineage).orElse("");
+      return next.newCall(method, options.withStreamTracerFactory(new AttemptTrace(Lineage.outbound(inbound, retryd.layer(), 1))));
     }
     Idempotency declared = options.getOption(IDEMPOTENCY);
     if (declared == null) {
@@ -423,6 +455,10 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
 
       @Override
       public void onClose(Status status, Metadata trailers) {
+        Boolean succeeded = attemptSucceeded(status.getCode());
+        if (reporter != null && succeeded != null && !cancelledByCaller) {
+          reporter.recordOutcome(upstream, succeeded, attempt > 1);
+        }
         if (status.isOk() || cancelledByCaller) {
           finish(status, trailers, null);
           return;

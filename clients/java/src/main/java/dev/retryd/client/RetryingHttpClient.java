@@ -33,8 +33,10 @@ import retryd.v1.Retryd.Idempotency;
  *         .deadline(Duration.ofSeconds(2)).build());
  * }</pre>
  *
- * <p>A successful attempt costs a counter increment on the {@link TrafficReporter}
- * (first attempts only) and nothing else: retryd is asked only after a failure,
+ * <p>A successful attempt costs counter increments on the {@link TrafficReporter}
+ * (the first attempt as a request, and every attempt's outcome: a failure when
+ * retryd is asked about it, a success otherwise, a 404 included; an interrupted
+ * attempt is neither) and nothing else: retryd is asked only after a failure,
  * that is an {@code IOException} (classified by {@link HttpOutcome}) or a status
  * in {@link RetryOptions.Builder#retryStatuses}. The failed response's body is
  * read by your handler and then closed (if it is a stream) before the backoff is
@@ -120,7 +122,7 @@ public final class RetryingHttpClient implements AutoCloseable {
       this.retryd = retryd;
     }
 
-    /** Counts first attempts on this reporter (by default the adapter starts one of its own, closed with it). */
+    /** Counts first attempts and outcomes on this reporter (by default the adapter starts one of its own, closed with it). */
     public Builder reporter(TrafficReporter value) {
       this.reporter = Objects.requireNonNull(value);
       return this;
@@ -221,8 +223,14 @@ public final class RetryingHttpClient implements AutoCloseable {
         // The JDK wraps the refusal of its own re-send; the refusal says what happened.
         error = ResendRefusedException.in(failed).map(IOException.class::cast).orElse(failed);
       }
+      // A failure is an attempt retryd (or, past the deadline, the local rule) is
+      // asked about; any other ending is a success. An interrupt is neither.
+      boolean succeeded = response != null && !options.retryStatuses.contains(response.statusCode());
+      if (reporter != null && options.reportFirstAttempt) {
+        reporter.recordOutcome(options.upstream, succeeded, attempt > 1);
+      }
       if (response != null) {
-        if (!options.retryStatuses.contains(response.statusCode())) {
+        if (succeeded) {
           return new RetriedResponse<>(response, attempt, last);
         }
         outcome = HttpOutcome.ofResponse(tracking.info != null ? tracking.info : infoOf(response));

@@ -25,13 +25,25 @@ import retryd.v1.Retryd.UpstreamTraffic;
  * retries"), so call {@link #record} once per real request, never for a retry.
  * {@code record} only adds to an in-memory counter under a lock.
  *
+ * <p>Reports also carry outcomes, so that a budget can follow the upstream's
+ * health: call {@link #recordOutcome} once per finished attempt, first attempts
+ * ({@code successes}/{@code failures}) apart from retries
+ * ({@code retry_successes}/{@code retry_failures}). An attempt is a failure when
+ * the caller asked (or would ask) retryd or its local rule whether to retry it
+ * (not sent, no response, a retryable status); every other ending is a success,
+ * a 404 included. An attempt the caller cancelled or abandoned is neither. The
+ * adapters ({@link RetryingHttpClient}, {@link RetrydClientInterceptor}) record
+ * every attempt's outcome by default. A batch carries each upstream's requests
+ * and outcomes together, and a re-sent batch the same counts.
+ *
  * <p>Every {@link #interval} the pending counts become batches of at most 1024
  * entries, each with a random {@code report_id}. A batch that fails for a reason
  * that may pass (UNAVAILABLE, a timeout, ABORTED, ...) is re-sent later with the
  * same id and the same entries in the same order, so retryd applies each entry
  * at most once even when the first send was applied but its answer lost. While
  * a batch waits to be re-sent, new counts accumulate (up to {@code maxUpstreams}
- * distinct upstreams; beyond that they are dropped and counted). A batch retryd
+ * distinct upstreams; beyond that they are dropped, outcomes with them, and their
+ * requests counted). A batch retryd
  * refuses for good (INVALID_ARGUMENT, PERMISSION_DENIED, RESOURCE_EXHAUSTED) is
  * dropped with one warning and its requests counted in {@link #droppedRequests()}.
  */
@@ -108,28 +120,81 @@ public final class TrafficReporter implements AutoCloseable {
 
   /** Counts {@code requests} real (first-attempt) requests to {@code upstream}. */
   public void record(String upstream, long requests) {
-    if (requests <= 0) {
+    add(upstream, REQUESTS, requests);
+  }
+
+  /**
+   * Counts how one attempt to {@code upstream} ended: {@code retry} false for a
+   * first attempt ({@code successes}/{@code failures}), true for an attempt after
+   * it ({@code retry_successes}/{@code retry_failures}). See the class doc for the rule.
+   */
+  public void recordOutcome(String upstream, boolean success, boolean retry) {
+    recordOutcome(upstream, success, retry, 1);
+  }
+
+  /** Counts how {@code attempts} attempts to {@code upstream} ended (see {@link #recordOutcome(String, boolean, boolean)}). */
+  public void recordOutcome(String upstream, boolean success, boolean retry, long attempts) {
+    add(upstream, retry ? (success ? RETRY_SUCCESSES : RETRY_FAILURES) : (success ? SUCCESSES : FAILURES), attempts);
+  }
+
+  private static final int REQUESTS = 0;
+  private static final int SUCCESSES = 1;
+  private static final int FAILURES = 2;
+  private static final int RETRY_SUCCESSES = 3;
+  private static final int RETRY_FAILURES = 4;
+
+  private void add(String upstream, int index, long n) {
+    if (n <= 0) {
       return;
     }
     synchronized (lock) {
       long[] count = pending.get(upstream);
-      if (count != null) {
-        count[0] += requests;
-      } else if (pending.size() < maxUpstreams) {
-        pending.put(upstream, new long[] {requests});
-      } else {
-        dropped.addAndGet(requests);
+      if (count == null) {
+        if (pending.size() >= maxUpstreams) {
+          if (index == REQUESTS) {
+            dropped.addAndGet(n);
+          }
+          return;
+        }
+        count = new long[5];
+        pending.put(upstream, count);
       }
+      count[index] += n;
     }
   }
 
-  /** A copy of the counts not yet in a batch. */
+  /** A copy of the requests not yet in a batch (upstreams with outcomes only are left out). */
   public Map<String, Long> pending() {
     Map<String, Long> copy = new LinkedHashMap<>();
     synchronized (lock) {
-      pending.forEach((upstream, count) -> copy.put(upstream, count[0]));
+      pending.forEach(
+          (upstream, count) -> {
+            if (count[REQUESTS] > 0) {
+              copy.put(upstream, count[REQUESTS]);
+            }
+          });
     }
     return copy;
+  }
+
+  /** A copy of every count not yet in a batch, outcomes included, as the entries it will be sent as. */
+  public Map<String, UpstreamTraffic> pendingTraffic() {
+    Map<String, UpstreamTraffic> copy = new LinkedHashMap<>();
+    synchronized (lock) {
+      pending.forEach((upstream, count) -> copy.put(upstream, entry(upstream, count)));
+    }
+    return copy;
+  }
+
+  private static UpstreamTraffic entry(String upstream, long[] count) {
+    return UpstreamTraffic.newBuilder()
+        .setUpstream(upstream)
+        .setRequests(count[REQUESTS])
+        .setSuccesses(count[SUCCESSES])
+        .setFailures(count[FAILURES])
+        .setRetrySuccesses(count[RETRY_SUCCESSES])
+        .setRetryFailures(count[RETRY_FAILURES])
+        .build();
   }
 
   /** How many batches wait to be (re-)sent. */
@@ -169,8 +234,7 @@ public final class TrafficReporter implements AutoCloseable {
           pending = new HashMap<>();
         }
         List<UpstreamTraffic> entries = new ArrayList<>(taken.size());
-        taken.forEach(
-            (upstream, count) -> entries.add(UpstreamTraffic.newBuilder().setUpstream(upstream).setRequests(count[0]).build()));
+        taken.forEach((upstream, count) -> entries.add(entry(upstream, count)));
         for (int start = 0; start < entries.size(); start += RetrydClient.MAX_TRAFFIC_ENTRIES) {
           outbox.add(new Batch(entries.subList(start, Math.min(entries.size(), start + RetrydClient.MAX_TRAFFIC_ENTRIES))));
         }

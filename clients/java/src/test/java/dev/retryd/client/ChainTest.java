@@ -459,6 +459,19 @@ class ChainTest {
     assertEquals("middle", failed.getTrailers().get(RETRIED));
   }
 
+  @Test
+  void grpcAStreamingCallIsNotRetriedButCarriesTheLineage() throws Exception {
+    EchoGrpc.EchoBlockingStub stub =
+        EchoGrpc.newBlockingStub(ClientInterceptors.intercept(toGrpcBackEnd, baggage("userId=42"), middleInterceptor))
+            .withDeadlineAfter(10, TimeUnit.SECONDS);
+    io.grpc.Context served = Lineage.withInbound(io.grpc.Context.current(), Lineage.inbound("edge:2"));
+    StatusRuntimeException failed =
+        served.call(() -> assertThrows(StatusRuntimeException.class, () -> stub.watch(EchoRequest.newBuilder().setText("x").build()).forEachRemaining(reply -> {})));
+    assertEquals(Status.Code.UNIMPLEMENTED, failed.getStatus().getCode());
+    // One attempt, this layer's entry after the inbound lineage, the caller's members kept.
+    assertEquals(List.of("userId=42,retryd.lineage=edge:2/middle:1"), grpcBackEndBaggage);
+  }
+
   private static List<String> iterable(Iterable<String> values) {
     List<String> list = new java.util.ArrayList<>();
     if (values != null) {
