@@ -184,6 +184,8 @@ async function call(k, kind, startedAtMs) {
     outcome = error instanceof AmbiguousExecutionError ? 'ambiguous' : 'failed';
   }
   add(outcome, startedAtMs);
+  // The idempotent calls apart (issue 32 compares their success).
+  if (kind === 'GET') add(`get_${outcome}`, startedAtMs);
   // See failed_keys in fleet/caller.py: compared with the upstream's charges.
   if (kind === 'POST' && outcome === 'failed') failedKeys.push(init.headers['Idempotency-Key']);
   if (outcome === 'ok') callMs.push(performance.now() - started);
@@ -210,6 +212,7 @@ async function main() {
       continue;
     }
     const kind = random() < 0.5 ? 'GET' : 'POST';
+    if (kind === 'GET') add('get_first', epochMs + at);
     const promise = call(k, kind, epochMs + at).finally(() => inFlight.delete(promise));
     inFlight.add(promise);
   }

@@ -209,6 +209,9 @@ async def main(config: dict[str, Any]) -> None:
         except httpx.HTTPError:
             outcome = "failed"
         counters.add(outcome, at=epoch + started_at[k])
+        if kind == "GET":
+            # The idempotent calls apart (issue 32 compares their success).
+            counters.add("get_" + outcome, at=epoch + started_at[k])
         if kind == "POST" and outcome == "failed":
             # What the caller believes did not happen: compared with the
             # upstream's applied charges, a key in both is a payment taken
@@ -236,6 +239,8 @@ async def main(config: dict[str, Any]) -> None:
             counters.add("shed", at=epoch + at)
         else:
             kind = "GET" if rng.random() < 0.5 else "POST"
+            if kind == "GET":
+                counters.add("get_first", at=epoch + at)
             task = asyncio.create_task(call(k, kind))
             tasks.add(task)
             task.add_done_callback(tasks.discard)

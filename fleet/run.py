@@ -50,6 +50,13 @@ REPORT_BUDGET = {"capacity": 50.0, "initial": 50.0, "ratio": 0.2, "min_per_secon
 # not shared by the replicas (each its own) or not enforced would exceed it.
 CHECK_BUDGET = {"capacity": 20.0, "initial": 20.0, "ratio": 0.1, "min_per_second": 1.0}
 BUDGET = dict(REPORT_BUDGET)
+# retryd's own defaults (README, Configuration): the adaptive scenarios
+# measure the budget as shipped.
+DEFAULT_BUDGET = {"capacity": 100.0, "initial": 100.0, "ratio": 0.1, "min_per_second": 1.0}
+BUDGET_KEYS = ("capacity", "initial", "ratio", "min_per_second")
+# Amplification "after the fault's first seconds": the tokens a full bucket
+# holds when the fault begins are spent in them, whatever the rule.
+SETTLE_S = 2.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # ---------------------------------------------------------------- processes
@@ -270,10 +277,13 @@ class Deployment:
         for upstream in self.upstreams:
             own = dict(self.policies.get(upstream, {}))
             attempts = own.pop("max_attempts", None)
+            adaptive = own.pop("adaptive", None)
             budget = ", ".join(f"{key} = {value}" for key, value in dict(self.budget or BUDGET, **own).items())
             lines += ['', f'[upstreams."{upstream}"]']
             if attempts is not None:
                 lines.append(f'max_attempts = {int(attempts)}')
+            if adaptive is not None:
+                lines.append(f'adaptive = {"true" if adaptive else "false"}')
             lines.append(f'budget = {{ {budget} }}')
         return "\n".join(lines) + "\n"
 
@@ -341,9 +351,17 @@ class Phase:
     label: str = ""
     upstream: str = ""
     keyed: bool = False  # charges to POST /keyed-charges, declared IDEMPOTENT_WITH_KEY
+    fault_s: Optional[float] = None  # this phase's fault length; None: --fault
+    # The upstream's policy in retryd: budget keys over the run's BUDGET, and
+    # `adaptive` (unset: retryd's default, on).
+    policy: dict[str, Any] = field(default_factory=dict)
 
     def title(self) -> str:
         return self.label or self.strategy
+
+    def budget(self) -> dict[str, float]:
+        """The bucket retryd gives this phase's upstream."""
+        return dict(BUDGET, **{key: value for key, value in self.policy.items() if key in BUDGET_KEYS})
 
 
 def plan(args: argparse.Namespace) -> list[Phase]:
@@ -378,11 +396,24 @@ def plan(args: argparse.Namespace) -> list[Phase]:
         # The same faults against a charge endpoint that honours the key.
         "keyed": [Phase("keyed", s, n, exact2, fault, label=f"{s}, {fault_name(fault)}", keyed=True)
                   for fault in (partial, latency) for s in baselines],
+        # Issue 32: the adaptive budget at retryd's defaults, against naive
+        # retries and the same budget with `adaptive = false`; same callers
+        # and seeds. The outage lasts 20 s; the partial faults the usual
+        # --fault. Not part of "all": `scripts/fleet adaptive --update`
+        # writes its own section of docs/fleet.md.
+        "adaptive": [Phase(f"adaptive-{name}", strategy, n, exact2, fault, label=label, fault_s=fault_s,
+                           policy=dict(DEFAULT_BUDGET, **policy))
+                     for name, fault, fault_s in (("outage", outage, 20.0),
+                                                  ("partial-10", {"mode": "partial", "p": 0.1}, None),
+                                                  ("partial-30", partial, None))
+                     for strategy, label, policy in (("naive", "naive", {}),
+                                                     ("retryd", "retryd, adaptive = false", {"adaptive": False}),
+                                                     ("retryd", "retryd, adaptive (default)", {}))],
         "check": [Phase("check", "naive", 2, exact2, outage, label="naive"),
                   Phase("check", "retryd", 2, exact2, outage, label="retryd, Redis exact, 2 replicas")],
     }
     if args.scenario == "all":
-        names = [name for name in scenarios if name != "check"]
+        names = [name for name in scenarios if name not in ("check", "adaptive")]
     elif args.scenario == "layers":
         names = []  # run_layers: its phases are chains of tiers, not fleets of callers
     elif args.scenario in scenarios:
@@ -428,7 +459,7 @@ def percentile(values: list[float], q: float) -> Optional[float]:
 
 def run_phase(phase: Phase, deployment: Deployment, upstream_url: str, upstream: Proc, args: argparse.Namespace,
               log_dir: str) -> dict[str, Any]:
-    warm, fault_s, recover = args.warm, args.fault, args.recover
+    warm, fault_s, recover = args.warm, phase.fault_s or args.fault, args.recover
     duration = warm + fault_s + recover
     rate_each = args.rate / phase.callers
     callers = []
@@ -516,7 +547,7 @@ def run_phase(phase: Phase, deployment: Deployment, upstream_url: str, upstream:
         cpu[f"callers ({lang})"] = sum(r["cpu_s"] for r in results if r["lang"] == lang)
 
     row = summarise(phase, results, stats, scrape_before, scrape_after, cpu, elapsed, duration,
-                    (fault_began, fault_ended), events, deployment)
+                    (fault_began, fault_ended), events, deployment, warm)
     if start_account is not None and end_account is not None:
         row["budget"]["fault"] = budget_account(phase, deployment, start_account, end_account)
     return row
@@ -565,7 +596,8 @@ def budget_account(phase: Phase, deployment: Deployment, start: dict[str, Any],
     reported = (metric_sum(scraped, "retryd_reported_requests_total")
                 - metric_sum(start["deposits"], "retryd_reported_requests_total"))
     seconds = t_end - start["t"]
-    bound = start["left"] + BUDGET["ratio"] * reported + BUDGET["min_per_second"] * seconds
+    budget = phase.budget()
+    bound = start["left"] + budget["ratio"] * reported + budget["min_per_second"] * seconds
     return {"granted": granted, "left": start["left"], "left_per_replica": start["left_per_replica"],
             "store_available_at_start": start["store_available"],
             "reported": reported, "seconds": seconds, "bound": bound,
@@ -593,7 +625,8 @@ def set_retries(deployment: Deployment, upstream: str, enabled: bool) -> None:
 
 def summarise(phase: Phase, results: list[dict[str, Any]], stats: dict[str, Any], before: list[dict[Any, float]],
               after: list[dict[Any, float]], cpu: dict[str, float], elapsed: float, duration: float,
-              window: tuple[float, float], events: list[tuple[float, str]], deployment: Deployment) -> dict[str, Any]:
+              window: tuple[float, float], events: list[tuple[float, str]], deployment: Deployment,
+              warm: float) -> dict[str, Any]:
     bucket_s = BUCKET_MS / 1000
     upstream_series = {int(row["bucket"]): row["requests"] for row in stats["series"]}
     first = sum_series(results, "first")
@@ -602,7 +635,20 @@ def summarise(phase: Phase, results: list[dict[str, Any]], stats: dict[str, Any]
     in_fault = range(lo, hi)
     fault_first = sum(first.get(b, 0) for b in in_fault)
     fault_upstream = sum(upstream_series.get(b, 0) for b in in_fault)
+    # The fault after its first SETTLE_S, and the second after it ends
+    # against the healthy warm-up's first attempts (the recovery wave).
+    settled = range(lo + int(SETTLE_S / bucket_s), hi)
+    settled_first = sum(first.get(b, 0) for b in settled)
+    settled_upstream = sum(upstream_series.get(b, 0) for b in settled)
+    warm_buckets = range(int(1 / bucket_s), int(warm / bucket_s))
+    steady_rps = (sum(upstream_series.get(b, 0) for b in warm_buckets) / (len(warm_buckets) * bucket_s)
+                  if warm_buckets else None)
+    after_fault = range(hi, hi + int(1 / bucket_s))
+    recovery_peak_rps = max((upstream_series.get(b, 0) for b in after_fault), default=0) / bucket_s
     outcomes = {name: sum(sum_series(results, name).values()) for name in ("ok", "failed", "ambiguous", "shed")}
+    get_first, get_ok = sum_series(results, "get_first"), sum_series(results, "get_ok")
+    fault_get_first = sum(get_first.get(b, 0) for b in in_fault)
+    fault_get_ok = sum(get_ok.get(b, 0) for b in in_fault)
     fault_outcomes = {name: sum(sum_series(results, name).get(b, 0) for b in in_fault)
                       for name in ("ok", "failed", "ambiguous", "shed")}
     arrivals = sum(r["arrivals"] for r in results)
@@ -623,10 +669,16 @@ def summarise(phase: Phase, results: list[dict[str, Any]], stats: dict[str, Any]
         "fault": phase.fault, "event": phase.event, "window": window, "events": events, "duration_s": duration,
         "arrivals": arrivals, "first_attempts_in_fault": fault_first, "upstream_requests_in_fault": fault_upstream,
         "amplification": fault_upstream / fault_first if fault_first else None,
+        "amplification_settled": settled_upstream / settled_first if settled_first else None,
+        "steady_rps": steady_rps, "recovery_peak_rps": recovery_peak_rps,
+        "recovery_peak_ratio": recovery_peak_rps / steady_rps if steady_rps else None,
         "upstream_requests": stats["totals"]["requests"], "attempts_sent": sum(attempts.values()),
         "outcomes": outcomes, "fault_outcomes": fault_outcomes,
         "success_rate": outcomes["ok"] / arrivals if arrivals else None,
         "fault_success_rate": fault_outcomes["ok"] / fault_first if fault_first else None,
+        # The idempotent calls (GETs) alone: the charges are NON_IDEMPOTENT,
+        # so a failed one is AMBIGUOUS under retryd, whatever its budget.
+        "fault_idempotent_success_rate": fault_get_ok / fault_get_first if fault_get_first else None,
         "duplicates": stats["totals"]["duplicates"], "charges_applied": stats["totals"]["applied"],
         "replays": stats["totals"]["replays"], "keyed": phase.keyed,
         # Payments the upstream took while their caller was told the call
@@ -660,11 +712,12 @@ def summarise(phase: Phase, results: list[dict[str, Any]], stats: dict[str, Any]
         reported = delta("retryd_reported_requests_total")
         granted_seen = sum(count for label, count in decisions.items() if label == "RETRY")
         granted = max(granted_metric, withdrawals, granted_seen)
-        bound = BUDGET["initial"] + BUDGET["ratio"] * reported + BUDGET["min_per_second"] * elapsed
+        budget = phase.budget()
+        bound = budget["initial"] + budget["ratio"] * reported + budget["min_per_second"] * elapsed
         summary["budget"] = {
             "granted_metric": granted_metric, "withdrawals": withdrawals, "granted_seen_by_callers": granted_seen, "granted": granted,
-            "reported": reported, "initial": BUDGET["initial"], "ratio": BUDGET["ratio"],
-            "floor_per_s": BUDGET["min_per_second"], "elapsed_s": elapsed, "bound": bound,
+            "reported": reported, "initial": budget["initial"], "ratio": budget["ratio"],
+            "floor_per_s": budget["min_per_second"], "elapsed_s": elapsed, "bound": bound,
             "holds": granted <= bound, "all_replicas_counted": len(after) == deployment.replicas,
             "fallback_retries": sum(c for label, c in decisions.items() if label == "fallback RETRY"),
             "denied_budget": decisions.get("DENY:BUDGET_EXHAUSTED", 0),
@@ -986,6 +1039,10 @@ def pct(value: Optional[float]) -> str:
     return "–" if value is None else f"{100 * value:.0f}%"
 
 
+def pct1(value: Optional[float]) -> str:
+    return "–" if value is None else f"{100 * value:.1f}%"
+
+
 def fault_name(fault: dict[str, Any]) -> str:
     mode = fault["mode"]
     if mode == "partial":
@@ -1014,6 +1071,22 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{row['outcomes']['ambiguous']} | {row['duplicates']}{replays} | "
             f"{row['charged_but_told_failed']} | "
             f"{fmt(row['decide_ms']['p50'], 1)} / {fmt(row['decide_ms']['p99'], 1)} | {deny_summary(row['decisions'])} |")
+    return "\n".join(out)
+
+
+def adaptive_table(rows: list[dict[str, Any]]) -> str:
+    """Issue 32's measures, per phase of the adaptive scenario."""
+    out = ["| fault | strategy | amplification in fault | after its first 2 s | success in fault (idempotent / all) | "
+           "peak 250 ms after recovery ÷ steady | retries granted ≤ bound | decisions |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for row in rows:
+        budget = row.get("budget")
+        granted = "–" if not budget else (f"{budget['granted']:.0f} ≤ {budget['bound']:.0f}"
+                                          + ("" if budget["holds"] else " **no**"))
+        out.append(f"| {fault_name(row['fault'])} | {row['label']} | {fmt(row['amplification'])}× | "
+                   f"{fmt(row['amplification_settled'])}× | {pct1(row['fault_idempotent_success_rate'])} / {pct1(row['fault_success_rate'])} | "
+                   f"{fmt(row['recovery_peak_ratio'])}× ({row['recovery_peak_rps']:.0f} / {fmt(row['steady_rps'], 0)} req/s) | "
+                   f"{granted} | {deny_summary(row['decisions'])} |")
     return "\n".join(out)
 
 
@@ -1089,8 +1162,10 @@ def plots(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
 def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, plot_dir: str, plot_names: list[str]) -> str:
     lines = [f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `{git_head()}`, "
              f"`scripts/fleet {args.scenario}`, retryd `{args.retryd_bin_label}`, "
-             f"{args.rate:g} first attempts/s for the whole fleet, {args.warm:g} s healthy, {args.fault:g} s fault, "
-             f"{args.recover:g} s recovery; load average {os.getloadavg()[0]:.2f} at the end.", ""]
+             f"{args.rate:g} first attempts/s for the whole fleet, {args.warm:g} s healthy, {args.fault:g} s fault"
+             + "".join(sorted({f" (the {row['scenario']} {row['window'][1] - row['window'][0]:.0f} s)" for row in rows
+                               if row["scenario"] == "adaptive-outage"}))
+             + f", {args.recover:g} s recovery; load average {os.getloadavg()[0]:.2f} at the end.", ""]
     by_scenario: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_scenario.setdefault(row["scenario"], []).append(row)
@@ -1102,6 +1177,9 @@ def write_report(rows: list[dict[str, Any]], args: argparse.Namespace, plot_dir:
         for name in plot_names:
             if name.startswith(scenario + ".") or name.startswith(scenario + "-"):
                 lines += [f"![{scenario}]({rel}/{name})", ""]
+    if any(row["scenario"].startswith("adaptive-") for row in rows):
+        lines += ["**Adaptive budget** (issue 32, retryd's default budget: capacity 100, ratio 0.1, floor 1/s)", "",
+                  adaptive_table(rows), ""]
     lines += ["**Budget bound** (fleet-wide, per retryd phase)", "", budget_table(rows), "",
               "**CPU seconds used by each part** (per phase; the last column divides by the phase's wall time)", "",
               cpu_table(rows), ""]
@@ -1226,7 +1304,8 @@ def main() -> int:
                     other.stop()  # one store setup at a time: the machine has 2 cores
                 deployments.clear()
                 deployment = deployment_of(phase.deployment, log_dir=log_dir, retryd_bin=retryd_bin,
-                                           upstreams=[p.upstream for p in phases])
+                                           upstreams=[p.upstream for p in phases],
+                                           policies={p.upstream: dict(p.policy) for p in phases if p.policy})
                 deployment.start()
                 deployments[phase.deployment] = deployment
             else:
@@ -1258,7 +1337,7 @@ def main() -> int:
         names = plots(rows, plot_dir)
         report = write_report(rows, args, plot_dir, names)
         if args.update:
-            update_doc(report)
+            update_doc(report, "fleet-adaptive" if args.scenario == "adaptive" else "fleet")
     if layer_rows:
         layers = layers_report(layer_rows, plot_dir, layers_plot(layer_rows, plot_dir), args)
         report += "\n" + layers

@@ -39,7 +39,7 @@ use crate::policy::{Policies, UpstreamPolicy};
 use crate::telemetry::StoreOp;
 pub use attempt::{Attempt, Draw, NO_BODY};
 pub use names::InvalidRequest;
-pub use report::Report;
+pub use report::{Report, Traffic};
 pub use settle::Settled;
 pub use shares::ShareFull;
 
@@ -92,13 +92,15 @@ pub enum Refused {
 pub trait Observe {
     /// One store call, its time and whether it failed.
     fn store_call(&self, op: StoreOp, elapsed: Duration, failed: bool);
-    /// A traffic report's entry was deposited.
-    fn deposited(&self, upstream: &str, requests: u64);
+    /// A traffic report's entry was deposited: `requests` reported, of
+    /// which `funded` funded the budget (fewer with the adaptive budget
+    /// when the entry's outcomes show failures).
+    fn deposited(&self, upstream: &str, requests: u64, funded: u64);
 }
 
 impl Observe for () {
     fn store_call(&self, _: StoreOp, _: Duration, _: bool) {}
-    fn deposited(&self, _: &str, _: u64) {}
+    fn deposited(&self, _: &str, _: u64, _: u64) {}
 }
 
 /// The pipeline: the budget store, the candidates' budgets, the

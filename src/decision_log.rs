@@ -152,7 +152,8 @@ pub struct ReportLine {
     pub unix_ms: u64,
     /// The upstream.
     pub upstream: String,
-    /// First attempts reported.
+    /// Requests that funded the budget: the first attempts reported, or
+    /// with the adaptive budget the share of them their outcomes allow.
     pub requests: u64,
 }
 

@@ -17,6 +17,10 @@ pub struct UpstreamPolicy {
     /// False in shadow mode: decisions are answered as not enforced (the
     /// budget they spend and are paid into is then only a shadow of one).
     pub enforce: bool,
+    /// True (the default): a traffic report funds the budget only with the
+    /// share of its requests its outcomes allow (`retryd_budget::adaptive`).
+    /// `adaptive = false` funds every reported request, as before.
+    pub adaptive: bool,
     /// A policy evaluated beside this one, on a budget of its own.
     pub candidate: Option<Box<CandidatePolicy>>,
 }
@@ -81,6 +85,7 @@ impl Default for Policies {
                 engine: Policy::default(),
                 bucket: BucketConfig::default(),
                 enforce: true,
+                adaptive: true,
                 candidate: None,
             },
             HashMap::new(),

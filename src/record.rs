@@ -329,10 +329,11 @@ impl Observe for Recorder {
         self.metrics.record_store(op, elapsed, failed);
     }
 
-    fn deposited(&self, upstream: &str, requests: u64) {
-        self.metrics.record_deposit(requests);
+    fn deposited(&self, upstream: &str, requests: u64, funded: u64) {
+        self.metrics.record_deposit(upstream, requests, funded);
+        // The log keeps what was deposited, so that a replay deposits it.
         if let Some(log) = &self.decision_log {
-            log.report(upstream, requests);
+            log.report(upstream, funded);
         }
     }
 }

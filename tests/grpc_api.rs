@@ -623,6 +623,43 @@ async fn bad_input_is_refused_by_field_spends_nothing_and_the_server_survives() 
         "{}",
         status.message()
     );
+    // An outcome count out of bounds is refused the same way, naming the
+    // entry and the count, after valid entries that then deposit nothing.
+    for field in ["successes", "failures", "retry_successes", "retry_failures"] {
+        let mut bad = pb::UpstreamTraffic {
+            upstream: "guarded".into(),
+            requests: 1,
+            ..Default::default()
+        };
+        let over = 1_000_000_001;
+        match field {
+            "successes" => bad.successes = over,
+            "failures" => bad.failures = over,
+            "retry_successes" => bad.retry_successes = over,
+            _ => bad.retry_failures = over,
+        }
+        let good = pb::UpstreamTraffic {
+            upstream: "guarded".into(),
+            requests: 10,
+            successes: 10,
+            ..Default::default()
+        };
+        let status = client
+            .report_traffic(pb::ReportTrafficRequest {
+                traffic: vec![good.clone(), good, bad],
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{field}");
+        assert!(
+            status
+                .message()
+                .starts_with(&format!("traffic[2].{field}:")),
+            "{}",
+            status.message()
+        );
+    }
     let mut admin = server.admin().await;
     let status = admin
         .set_retries_enabled(pb::SetRetriesEnabledRequest {

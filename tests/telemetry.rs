@@ -434,9 +434,13 @@ async fn metrics_count_exactly_what_happened() {
         .unwrap_err();
     client
         .report_traffic(pb::ReportTrafficRequest {
+            // 4 of 10 first attempts succeeded: the adaptive budget funds
+            // 1 − (10 − 8) / 11 = 9/11 of the 10 requests, 8.
             traffic: vec![pb::UpstreamTraffic {
                 upstream: "pay".into(),
                 requests: 10,
+                successes: 4,
+                failures: 6,
                 ..Default::default()
             }],
             ..Default::default()
@@ -464,6 +468,15 @@ async fn metrics_count_exactly_what_happened() {
         ),
         ("retryd_decision_duration_seconds_count", 7.0),
         ("retryd_reported_requests_total", 10.0),
+        ("retryd_funded_requests_total", 8.0),
+        (
+            "retryd_upstream_reported_requests_total{upstream=\"pay\"}",
+            10.0,
+        ),
+        (
+            "retryd_upstream_funded_requests_total{upstream=\"pay\"}",
+            8.0,
+        ),
         ("retryd_budget_withdrawals_total", 3.0),
         ("retryd_tracked_upstreams", 1.0),
         ("retryd_store_errors_total{op=\"view\"}", 0.0),

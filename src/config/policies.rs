@@ -36,6 +36,7 @@ pub(super) fn policies(
             ..BucketConfig::default()
         },
         enforce: true,
+        adaptive: true,
         candidate: None,
     };
     if settings.defaults.candidate.is_some() {
@@ -74,11 +75,12 @@ fn resolve_candidate(
         ("enforce", overrides.enforce.is_some()),
         ("candidate", overrides.candidate.is_some()),
         ("on_unavailable", overrides.on_unavailable.is_some()),
+        ("adaptive", overrides.adaptive.is_some()),
     ] {
         if set {
             return Err(invalid(
                 format!("{section}.{name}"),
-                "not a key of a candidate policy (a candidate is never enforced and has no store outage of its own)",
+                "not a key of a candidate policy (a candidate is never enforced, has no store outage of its own, and is funded as the live policy is)",
             ));
         }
     }
@@ -127,6 +129,7 @@ fn resolve_policy(
         bucket.on_unavailable = on_unavailable.into();
     }
     let enforce = overrides.enforce.unwrap_or(base.enforce);
+    let adaptive = overrides.adaptive.unwrap_or(base.adaptive);
 
     let budget = &overrides.budget;
     let non_negative = |name: &str, value: Option<f64>, target: &mut f64| {
@@ -187,6 +190,7 @@ fn resolve_policy(
         engine,
         bucket,
         enforce,
+        adaptive,
         candidate: None,
     })
 }

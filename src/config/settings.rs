@@ -435,6 +435,10 @@ pub struct PolicySettings {
     /// False: decide and count, on a shadow budget, but tell callers the
     /// decision is not enforced.
     pub enforce: Option<bool>,
+    /// False: every reported request funds the budget, whatever the
+    /// reported outcomes (the adaptive budget, on by default, funds only
+    /// the share the outcomes allow; README, "Adaptive budget").
+    pub adaptive: Option<bool>,
     /// A policy evaluated beside this one on every decision (any of these
     /// keys, except `enforce` and `candidate`), never enforced.
     pub candidate: Option<Box<PolicySettings>>,

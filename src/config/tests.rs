@@ -627,3 +627,23 @@ fn inside_enclosing_retry_is_denied_unless_an_upstream_allows_it() {
         EnclosingRetry::Allow
     );
 }
+
+#[test]
+fn the_adaptive_budget_is_on_unless_a_section_turns_it_off() {
+    let off = config(
+        "[defaults]\nadaptive = false\n[upstreams.pay]\nadaptive = true\n[upstreams.ledger]\nmax_attempts = 2\n",
+    )
+    .unwrap();
+    assert!(!off.policies.defaults().adaptive);
+    assert!(off.policies.get("pay").adaptive);
+    // An upstream that does not say inherits `[defaults]`.
+    assert!(!off.policies.get("ledger").adaptive);
+    let defaults = config("").unwrap();
+    assert!(defaults.policies.defaults().adaptive);
+    assert!(
+        error_of("[upstreams.pay]\ncandidate = { adaptive = false }")
+            .starts_with("upstreams.\"pay\".candidate.adaptive"),
+        "{}",
+        error_of("[upstreams.pay]\ncandidate = { adaptive = false }")
+    );
+}

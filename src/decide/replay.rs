@@ -14,7 +14,7 @@ use std::io::{BufRead, Read};
 
 use serde::Serialize;
 
-use super::{Decider, Draw, Live, Report, at_once, names};
+use super::{Decider, Draw, Live, Report, Traffic, at_once, names};
 use crate::auth::{Auth, Principal};
 use crate::budget::MemoryBudgetStore;
 use crate::budget::memory::ManualClock;
@@ -145,7 +145,9 @@ pub fn replay(config: &Config, mut log: impl BufRead) -> Result<Replay, String> 
         last_clock = Some(last_clock.map_or(clock_ns, |last| last.max(clock_ns)));
         match line {
             Line::Report(report) => {
-                let entries = [(report.upstream.as_str(), report.requests)];
+                // The log holds the requests the entry funded (after the
+                // adaptive rule): deposited again as they are.
+                let entries = [Traffic::requests(report.upstream.as_str(), report.requests)];
                 let report_all = Report {
                     entries: &entries,
                     id: None,

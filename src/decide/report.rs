@@ -2,6 +2,13 @@
 //! all or nothing up to the deposits: authorised and admitted under the
 //! store's upstream limit as a whole before anything is deposited; with a
 //! report id, applied at most once per entry.
+//!
+//! With the adaptive budget (the default; `adaptive = false` turns it off
+//! per upstream or in `[defaults]`), an entry funds retries with only the
+//! share of its requests its outcomes allow (`retryd_budget::adaptive`):
+//! all of them when failures are rare, almost none when nothing succeeds.
+//! The store, the candidate's budget and the decision log all see that
+//! funded count, so `retryd replay` deposits what the live service did.
 
 use std::time::Instant;
 
@@ -10,14 +17,36 @@ use sha2::{Digest, Sha256};
 use super::names::invalid;
 use super::{Decider, Live, Observe, Refused, permit};
 use crate::auth::Principal;
-use crate::budget::{BucketConfig, BudgetStore, ReportClaim};
+use crate::budget::{BucketConfig, BudgetStore, Outcomes, ReportClaim};
 use crate::telemetry::StoreOp;
+
+/// One validated entry of a traffic report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Traffic<'a> {
+    /// The upstream.
+    pub upstream: &'a str,
+    /// First attempts sent since the caller's last report.
+    pub requests: u64,
+    /// How the caller's attempts ended (all 0: not reported).
+    pub outcomes: Outcomes,
+}
+
+impl<'a> Traffic<'a> {
+    /// An entry without outcomes (a caller that does not report them).
+    pub fn requests(upstream: &'a str, requests: u64) -> Self {
+        Traffic {
+            upstream,
+            requests,
+            outcomes: Outcomes::default(),
+        }
+    }
+}
 
 /// A validated traffic report.
 #[derive(Clone, Copy, Debug)]
 pub struct Report<'a> {
-    /// (upstream, requests), in order; at most `MAX_TRAFFIC_ENTRIES`.
-    pub entries: &'a [(&'a str, u64)],
+    /// Its entries, in order; at most `MAX_TRAFFIC_ENTRIES`.
+    pub entries: &'a [Traffic<'a>],
     /// Its id, for a report that may be re-sent.
     pub id: Option<&'a str>,
 }
@@ -35,8 +64,12 @@ impl<S: BudgetStore> Decider<S> {
         let entries = report.entries;
         // All or nothing: a report naming a forbidden upstream deposits
         // nowhere.
-        for (index, (upstream, _)) in entries.iter().enumerate() {
-            permit(principal, upstream, &format!("traffic[{index}].upstream"))?;
+        for (index, entry) in entries.iter().enumerate() {
+            permit(
+                principal,
+                entry.upstream,
+                &format!("traffic[{index}].upstream"),
+            )?;
         }
         // At most MAX_TRAFFIC_ENTRIES (validated).
         let count = entries.len() as u32;
@@ -104,7 +137,7 @@ impl<S: BudgetStore> Decider<S> {
         &self,
         live: &Live,
         principal: &Principal,
-        entries: &[(&str, u64)],
+        entries: &[Traffic<'_>],
         skip: usize,
         observe: &impl Observe,
     ) -> Result<(), Refused> {
@@ -113,7 +146,7 @@ impl<S: BudgetStore> Decider<S> {
         // naming one too many deposits nowhere.
         let admitting: Vec<(&str, &BucketConfig)> = entries[skip..]
             .iter()
-            .map(|&(upstream, _)| (upstream, &live.policies.get(upstream).bucket))
+            .map(|entry| (entry.upstream, &live.policies.get(entry.upstream).bucket))
             .collect();
         let unconfigured = admitting
             .iter()
@@ -129,20 +162,33 @@ impl<S: BudgetStore> Decider<S> {
         // Deposits are one store call each (on Redis, on different Cluster
         // slots, so never one transaction): if one fails, the refusal says
         // which entries were applied.
-        for (offset, (&(upstream, config), &(_, requests))) in
+        for (offset, (&(upstream, config), entry)) in
             admitting.iter().zip(&entries[skip..]).enumerate()
         {
             let index = skip + offset;
+            let funded_requests = funded(live, entry);
             let depositing = Instant::now();
-            let deposited = self.store.deposit(upstream, config, requests).await;
+            let deposited = self.store.deposit(upstream, config, funded_requests).await;
             observe.store_call(StoreOp::Deposit, depositing.elapsed(), deposited.is_err());
             deposited.map_err(|error| failed(error.into(), Some(index), entries.len()))?;
-            observe.deposited(upstream, requests);
+            observe.deposited(upstream, entry.requests, funded_requests);
             if let Some(candidate) = &live.policies.get(upstream).candidate {
-                self.candidates.deposit(upstream, candidate, requests);
+                self.candidates
+                    .deposit(upstream, candidate, funded_requests);
             }
         }
         Ok(())
+    }
+}
+
+/// The requests of `entry` that fund retries: all of them with the
+/// adaptive budget off or no outcomes reported, else the share its
+/// outcomes allow.
+fn funded(live: &Live, entry: &Traffic<'_>) -> u64 {
+    if live.policies.get(entry.upstream).adaptive {
+        entry.outcomes.funded(entry.requests)
+    } else {
+        entry.requests
     }
 }
 
@@ -157,12 +203,26 @@ fn failed(refused: Refused, failed: Option<usize>, entries: usize) -> Refused {
 /// A report's entries, in order, hashed: the same id re-sent with other
 /// entries is refused rather than half-applied. SHA-256 (already in the
 /// build for key hashes) so that every replica and version agrees.
-fn digest(entries: &[(&str, u64)]) -> u64 {
+/// Outcomes are hashed only when reported, so an entry without them hashes
+/// as it did before they existed (a re-send across an upgrade still
+/// matches).
+fn digest(entries: &[Traffic<'_>]) -> u64 {
     let mut hasher = Sha256::new();
-    for (upstream, requests) in entries {
-        hasher.update((upstream.len() as u64).to_le_bytes());
-        hasher.update(upstream.as_bytes());
-        hasher.update(requests.to_le_bytes());
+    for entry in entries {
+        hasher.update((entry.upstream.len() as u64).to_le_bytes());
+        hasher.update(entry.upstream.as_bytes());
+        hasher.update(entry.requests.to_le_bytes());
+        let outcomes = &entry.outcomes;
+        if outcomes.is_reported() {
+            for count in [
+                outcomes.successes,
+                outcomes.failures,
+                outcomes.retry_successes,
+                outcomes.retry_failures,
+            ] {
+                hasher.update(count.to_le_bytes());
+            }
+        }
     }
     let hash = hasher.finalize();
     u64::from_le_bytes(hash[..8].try_into().expect("a SHA-256 is 32 bytes"))

@@ -108,6 +108,7 @@ fn budget(snapshot: BudgetSnapshot, policy: &UpstreamPolicy) -> pb::Budget {
         retries_enabled: snapshot.retries_enabled,
         tracked: snapshot.tracked,
         shared_unavailable: snapshot.shared_unavailable,
+        adaptive: policy.adaptive,
     }
 }
 

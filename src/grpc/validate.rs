@@ -3,7 +3,8 @@
 
 use std::time::{Duration, SystemTime};
 
-use crate::decide::{Attempt, NO_BODY};
+use crate::budget::Outcomes;
+use crate::decide::{Attempt, NO_BODY, Traffic};
 use crate::engine::{
     Body, BudgetView, Evidence, Facts, FailureKind, GrpcCode, Idempotency, Lineage, Replayability,
     retried_below,
@@ -184,10 +185,17 @@ pub fn decide_request(request: &pb::DecideRequest) -> Result<Attempt<'_>, Invali
     })
 }
 
-/// Validates a traffic report into (upstream, requests) pairs.
+/// Most requests (or outcomes of one kind) one traffic report entry may
+/// carry: more than a billion between two reports is a bug in the caller,
+/// and would fill any bucket anyway.
+pub const MAX_REPORTED_REQUESTS: u64 = 1_000_000_000;
+
+/// Validates a traffic report into its entries, in order: the upstream,
+/// the first attempts sent and, when the caller reports them, how its
+/// attempts ended (each count bounded like `requests`).
 pub fn traffic_report(
     request: &pb::ReportTrafficRequest,
-) -> Result<Vec<(&str, u64)>, InvalidRequest> {
+) -> Result<Vec<Traffic<'_>>, InvalidRequest> {
     if request.traffic.len() > MAX_TRAFFIC_ENTRIES {
         return Err(invalid(
             "traffic",
@@ -200,15 +208,30 @@ pub fn traffic_report(
         .enumerate()
         .map(|(index, entry)| {
             let upstream = upstream(&format!("traffic[{index}].upstream"), &entry.upstream)?;
-            // More than a billion requests between two reports is a bug in
-            // the caller, and would fill any bucket anyway.
-            if entry.requests > 1_000_000_000 {
-                return Err(invalid(
-                    format!("traffic[{index}].requests"),
-                    "more than 1e9 in one report",
-                ));
+            for (field, count) in [
+                ("requests", entry.requests),
+                ("successes", entry.successes),
+                ("failures", entry.failures),
+                ("retry_successes", entry.retry_successes),
+                ("retry_failures", entry.retry_failures),
+            ] {
+                if count > MAX_REPORTED_REQUESTS {
+                    return Err(invalid(
+                        format!("traffic[{index}].{field}"),
+                        "more than 1e9 in one report",
+                    ));
+                }
             }
-            Ok((upstream, entry.requests))
+            Ok(Traffic {
+                upstream,
+                requests: entry.requests,
+                outcomes: Outcomes {
+                    successes: entry.successes,
+                    failures: entry.failures,
+                    retry_successes: entry.retry_successes,
+                    retry_failures: entry.retry_failures,
+                },
+            })
         })
         .collect()
 }
@@ -397,6 +420,81 @@ fn duration(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn entry(upstream: &str, requests: u64) -> pb::UpstreamTraffic {
+        pb::UpstreamTraffic {
+            upstream: upstream.into(),
+            requests,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_report_keeps_its_outcomes() {
+        let request = pb::ReportTrafficRequest {
+            traffic: vec![
+                entry("a", 10),
+                pb::UpstreamTraffic {
+                    successes: 7,
+                    failures: 3,
+                    retry_successes: 2,
+                    retry_failures: MAX_REPORTED_REQUESTS,
+                    ..entry("b", 10)
+                },
+            ],
+            ..Default::default()
+        };
+        let entries = traffic_report(&request).unwrap();
+        assert_eq!(entries[0], Traffic::requests("a", 10));
+        assert_eq!(
+            entries[1].outcomes,
+            Outcomes {
+                successes: 7,
+                failures: 3,
+                retry_successes: 2,
+                retry_failures: MAX_REPORTED_REQUESTS,
+            }
+        );
+    }
+
+    #[test]
+    fn an_outcome_over_the_bound_names_its_field() {
+        let over = MAX_REPORTED_REQUESTS + 1;
+        type Set = fn(&mut pb::UpstreamTraffic, u64);
+        let cases: [(&str, Set); 5] = [
+            ("requests", |entry, n| entry.requests = n),
+            ("successes", |entry, n| entry.successes = n),
+            ("failures", |entry, n| entry.failures = n),
+            ("retry_successes", |entry, n| entry.retry_successes = n),
+            ("retry_failures", |entry, n| entry.retry_failures = n),
+        ];
+        for (field, set) in cases {
+            let mut bad = entry("c", 1);
+            set(&mut bad, over);
+            let request = pb::ReportTrafficRequest {
+                traffic: vec![entry("a", 1), entry("b", 1), bad],
+                ..Default::default()
+            };
+            let error = traffic_report(&request).expect_err(field);
+            assert_eq!(error.field, format!("traffic[2].{field}"));
+            assert!(
+                error
+                    .to_string()
+                    .starts_with(&format!("traffic[2].{field}: ")),
+                "{error}"
+            );
+            let mut max = entry("c", 1);
+            set(&mut max, u64::MAX);
+            let request = pb::ReportTrafficRequest {
+                traffic: vec![max],
+                ..Default::default()
+            };
+            assert_eq!(
+                traffic_report(&request).expect_err(field).field,
+                format!("traffic[0].{field}")
+            );
+        }
+    }
 
     #[test]
     fn a_reason_refuses_control_and_bidirectional_characters() {

@@ -57,6 +57,11 @@ pub const METRIC_CHAIN_DECISIONS: &str = "retryd_chain_decisions_total";
 pub const METRIC_DECISION_SECONDS: &str = "retryd_decision_duration_seconds";
 /// Counter of real requests reported through ReportTraffic.
 pub const METRIC_REPORTED_REQUESTS: &str = "retryd_reported_requests_total";
+/// Counter of the reported requests that funded the budget: all of them
+/// with `adaptive = false`, the share the reported outcomes allow with the
+/// adaptive budget (README, "Adaptive budget"). Its rate over
+/// `retryd_reported_requests_total`'s is the fleet's adaptive level.
+pub const METRIC_FUNDED_REQUESTS: &str = "retryd_funded_requests_total";
 /// Counter of tokens withdrawn (one per RETRY).
 pub const METRIC_WITHDRAWALS: &str = "retryd_budget_withdrawals_total";
 /// Gauge of tokens per configured tracked upstream; `_other` sums the rest.
@@ -106,6 +111,10 @@ pub const METRIC_EXPIRED: &str = "retryd_expired_requests_total";
 /// applied in full; a report the store failed midway is only in
 /// `retryd_reported_requests_total`).
 pub const METRIC_UPSTREAM_REPORTED: &str = "retryd_upstream_reported_requests_total";
+/// Counter of the reported requests that funded the budget, by upstream
+/// (see [`METRIC_FUNDED_REQUESTS`]): over the same rate of
+/// `retryd_upstream_reported_requests_total`, the upstream's adaptive level.
+pub const METRIC_UPSTREAM_FUNDED: &str = "retryd_upstream_funded_requests_total";
 /// Counter of retries granted (RETRY verdicts), by upstream.
 pub const METRIC_RETRIES_GRANTED: &str = "retryd_retries_granted_total";
 /// Counter of decisions by principal and verdict.
@@ -315,8 +324,10 @@ pub struct Metrics {
     principal_index: LabelIndex,
     shards: Box<[DecisionShard]>,
     reported_requests: AtomicU64,
+    funded_requests: AtomicU64,
     /// By upstream label: not on the decision path, so not sharded.
     upstream_reported: Box<[AtomicU64]>,
+    upstream_funded: Box<[AtomicU64]>,
     /// By upstream label, then the new state (off, on).
     flips: Box<[[AtomicU64; 2]]>,
     /// Indexed by `StoreOp as usize`, in the order of `StoreOp::VARIANTS`.
@@ -368,6 +379,7 @@ impl Metrics {
         let labels_len = labels.len();
         Metrics {
             upstream_reported: labels.iter().map(|_| AtomicU64::new(0)).collect(),
+            upstream_funded: labels.iter().map(|_| AtomicU64::new(0)).collect(),
             flips: labels.iter().map(|_| Default::default()).collect(),
             labels,
             index,
@@ -375,6 +387,7 @@ impl Metrics {
             principal_index,
             shards,
             reported_requests: AtomicU64::new(0),
+            funded_requests: AtomicU64::new(0),
             store_latency: Default::default(),
             store_errors: Default::default(),
             spans_exported: AtomicU64::new(0),
@@ -485,10 +498,13 @@ impl Metrics {
             .sum()
     }
 
-    /// Counts reported real requests.
-    pub fn record_deposit(&self, requests: u64) {
+    /// Counts reported real requests, and those of them that funded the
+    /// budget.
+    pub fn record_deposit(&self, upstream: &str, requests: u64, funded: u64) {
+        self.upstream_funded[self.row(upstream)].fetch_add(funded, Ordering::Relaxed);
         self.reported_requests
             .fetch_add(requests, Ordering::Relaxed);
+        self.funded_requests.fetch_add(funded, Ordering::Relaxed);
     }
 
     /// Records one store operation's latency and outcome.

@@ -7,7 +7,12 @@
 //! The invariant every store keeps, across all its replicas: retries allowed
 //! ≤ initial + ratio × reported requests + floor × elapsed time, and the
 //! tokens held are never above capacity nor below zero.
+//!
+//! The adaptive budget's rule (`adaptive.rs`) decides how many of a
+//! report's requests fund retries, from how its attempts ended; it never
+//! funds more than were reported, so the invariant holds with it.
 
+pub mod adaptive;
 pub mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
@@ -18,6 +23,7 @@ use std::time::Duration;
 
 use retryd_engine::BudgetView;
 
+pub use adaptive::Outcomes;
 pub use memory::MemoryBudgetStore;
 #[cfg(feature = "redis")]
 pub use redis::{ExactStore, LeasedStore, RedisBudgetStore, RedisConfig, RedisMode, RedisUrl};

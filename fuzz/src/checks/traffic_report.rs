@@ -36,7 +36,10 @@ pub fn traffic_report(data: &[u8]) {
                     3 => input.u64(),
                     _ => u64::from(input.u16()),
                 },
-                ..Default::default()
+                successes: count(&mut input),
+                failures: count(&mut input),
+                retry_successes: count(&mut input),
+                retry_failures: count(&mut input),
             })
             .collect();
         pb::ReportTrafficRequest {
@@ -47,6 +50,16 @@ pub fn traffic_report(data: &[u8]) {
     check_traffic_report(&request);
 }
 
+/// An outcome count: mostly small, sometimes at or over the bound.
+fn count(input: &mut Input<'_>) -> u64 {
+    match input.byte() % 8 {
+        0 => 1_000_000_000,
+        1 => 1_000_000_001,
+        2 => input.u64(),
+        _ => u64::from(input.byte()),
+    }
+}
+
 /// Validation of a traffic report keeps every entry, in order, within the
 /// limits, or names the entry at fault.
 pub fn check_traffic_report(request: &pb::ReportTrafficRequest) {
@@ -54,12 +67,22 @@ pub fn check_traffic_report(request: &pb::ReportTrafficRequest) {
         Ok(entries) => {
             assert!(entries.len() <= validate::MAX_TRAFFIC_ENTRIES);
             assert_eq!(entries.len(), request.traffic.len());
-            for ((upstream, requests), entry) in entries.iter().zip(&request.traffic) {
+            for (traffic, entry) in entries.iter().zip(&request.traffic) {
+                let upstream = traffic.upstream;
                 assert!(!upstream.is_empty(), "an empty upstream passed");
                 check_name("upstream", upstream);
-                assert_eq!(*upstream, entry.upstream);
-                assert_eq!(*requests, entry.requests);
-                assert!(*requests <= 1_000_000_000, "{requests} requests passed");
+                assert_eq!(upstream, entry.upstream);
+                let outcomes = &traffic.outcomes;
+                for (kept, sent) in [
+                    (traffic.requests, entry.requests),
+                    (outcomes.successes, entry.successes),
+                    (outcomes.failures, entry.failures),
+                    (outcomes.retry_successes, entry.retry_successes),
+                    (outcomes.retry_failures, entry.retry_failures),
+                ] {
+                    assert_eq!(kept, sent);
+                    assert!(kept <= 1_000_000_000, "{kept} passed");
+                }
             }
         }
         Err(invalid) => {

@@ -262,6 +262,11 @@ impl Metrics {
             "Real requests reported by upstream (reports applied in full).",
             by_upstream(&|row| self.upstream_reported[row].load(Ordering::Relaxed)),
         ));
+        families.push(counter(
+            METRIC_UPSTREAM_FUNDED,
+            "Reported requests that funded the retry budget, by upstream (the adaptive budget's level, over the reported).",
+            by_upstream(&|row| self.upstream_funded[row].load(Ordering::Relaxed)),
+        ));
         let mut principal_decisions = Vec::new();
         let mut principal_retries = Vec::new();
         for (row, label) in self.principal_labels.iter().enumerate() {
@@ -312,11 +317,16 @@ impl Metrics {
             flips,
         ));
 
-        let scalars: [(&'static str, &'static str, &AtomicU64); 5] = [
+        let scalars: [(&'static str, &'static str, &AtomicU64); 6] = [
             (
                 METRIC_REPORTED_REQUESTS,
                 "Real requests reported through ReportTraffic.",
                 &self.reported_requests,
+            ),
+            (
+                METRIC_FUNDED_REQUESTS,
+                "Reported requests that funded the retry budget (the adaptive budget funds only the share their outcomes allow).",
+                &self.funded_requests,
             ),
             (
                 METRIC_SPANS_EXPORTED,

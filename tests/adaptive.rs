@@ -1,0 +1,339 @@
+//! The adaptive budget end to end, through the real gRPC pipeline in this
+//! process: traffic reports with outcomes fund retries only as far as the
+//! upstream's attempts succeed, identically on the memory store (on a
+//! manual clock), Redis exact and Redis leased (each on a redis-server the
+//! test starts); `adaptive = false` funds every request; and the
+//! fleet-wide bound (retries ≤ initial + ratio × reported + floor ×
+//! elapsed) holds, a property test on a controlled clock.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use retryd::config::Config;
+use retryd::grpc::{self, Reload, Service};
+use retryd::telemetry::{Metrics, Tracer};
+use retryd::transport::Acceptor;
+use retryd_budget::memory::ManualClock;
+use retryd_budget::redis::{Exact, Leased, Mode, RedisAccess, RedisConfig};
+use retryd_budget::{BudgetStore, MemoryBudgetStore, RedisBudgetStore};
+use retryd_proto as pb;
+use retryd_proto::retry_admin_client::RetryAdminClient;
+use retryd_proto::retry_decider_client::RetryDeciderClient;
+use retryd_testkit::redis::{RedisServer, fresh_prefix};
+use retryd_testkit::{HANG_GUARD, retryable};
+use tonic::transport::Channel;
+
+/// retryd serving `store` with the configuration `toml`, in this process.
+struct InProcess {
+    addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl InProcess {
+    async fn start<S: BudgetStore>(toml: &str, store: S) -> InProcess {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("retryd.toml");
+        std::fs::write(&path, toml).unwrap();
+        let config = Config::load(Some(&path)).unwrap();
+        let acceptor = Acceptor::try_new(config.tls.as_ref(), &config.server_limits).unwrap();
+        let metrics = Arc::new(Metrics::new(config.policies.named().map(|(name, _)| name)));
+        let service = Service::new(
+            store,
+            "adaptive",
+            Reload {
+                path: Some(path),
+                startup: config,
+            },
+            metrics,
+            Tracer::disabled(),
+        );
+        let listener = grpc::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(grpc::serve(
+            listener,
+            acceptor,
+            service,
+            async {
+                let _ = stopped.await;
+            },
+            Duration::from_secs(1),
+        ));
+        InProcess {
+            addr,
+            stop: Some(stop),
+            _dir: dir,
+        }
+    }
+
+    async fn decider(&self) -> RetryDeciderClient<Channel> {
+        RetryDeciderClient::connect(format!("http://{}", self.addr))
+            .await
+            .unwrap()
+    }
+
+    async fn admin(&self) -> RetryAdminClient<Channel> {
+        RetryAdminClient::connect(format!("http://{}", self.addr))
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+async fn redis_store<M: Mode>(server: &RedisServer) -> RedisBudgetStore<M> {
+    let config = RedisConfig {
+        urls: vec![server.url().as_str().into()],
+        mode: M::MODE,
+        // The default store.timeout: these calls are few and the test
+        // waits for the leased mode's flushes, not for latency.
+        timeout: Duration::from_millis(20),
+        lease_tokens: 5.0,
+        max_lease_tokens: 1000.0,
+        lease_ttl: Duration::from_secs(2),
+        key_prefix: fresh_prefix("adaptive"),
+        access: RedisAccess::default(),
+    };
+    RedisBudgetStore::connect(&config, 100)
+        .await
+        .expect("connect to the test Redis")
+}
+
+/// No initial tokens and no floor: every token comes from a report, so
+/// what a report funded is exactly what can be withdrawn, whatever the
+/// clock does.
+fn config(adaptive: bool) -> String {
+    format!(
+        "[defaults]\nadaptive = {adaptive}\nbudget = {{ capacity = 1000.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }}\n"
+    )
+}
+
+fn entry(upstream: &str, requests: u64, outcomes: [u64; 4]) -> pb::UpstreamTraffic {
+    pb::UpstreamTraffic {
+        upstream: upstream.into(),
+        requests,
+        successes: outcomes[0],
+        failures: outcomes[1],
+        retry_successes: outcomes[2],
+        retry_failures: outcomes[3],
+    }
+}
+
+async fn report(client: &mut RetryDeciderClient<Channel>, entries: Vec<pb::UpstreamTraffic>) {
+    client
+        .report_traffic(pb::ReportTrafficRequest {
+            traffic: entries,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+}
+
+/// The upstream's budget as `GetBudget` shows it.
+async fn get_budget(server: &InProcess, upstream: &str) -> pb::Budget {
+    server
+        .admin()
+        .await
+        .get_budget(pb::GetBudgetRequest {
+            upstream: upstream.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .budget
+        .unwrap()
+}
+
+/// Waits until the upstream's budget reads `expected` tokens (the leased
+/// mode flushes deposits in its background round), then spends it all:
+/// the RETRY answers granted.
+async fn spend_all(server: &InProcess, upstream: &str, expected: f64) -> u64 {
+    let mut admin = server.admin().await;
+    let deadline = Instant::now() + HANG_GUARD;
+    loop {
+        let budget = admin
+            .get_budget(pb::GetBudgetRequest {
+                upstream: upstream.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .budget
+            .unwrap();
+        if (budget.tokens - expected).abs() < 1e-9 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{upstream}: {} tokens, expected {expected}",
+            budget.tokens
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut client = server.decider().await;
+    let mut granted = 0;
+    loop {
+        let answer = client
+            .decide(retryable(upstream))
+            .await
+            .unwrap()
+            .into_inner();
+        if answer.verdict() != pb::Verdict::Retry {
+            assert_eq!(answer.deny_reason(), pb::DenyReason::BudgetExhausted);
+            return granted;
+        }
+        granted += 1;
+        assert!(granted <= 10_000, "{upstream}: the budget never ran out");
+    }
+}
+
+/// The cases every store must answer alike.
+async fn adaptive_cases<S: BudgetStore, T: BudgetStore>(adaptive: S, fixed: T) {
+    let server = InProcess::start(&config(true), adaptive).await;
+    let mut client = server.decider().await;
+    report(
+        &mut client,
+        vec![
+            // An outage: 100 first attempts failed, and 40 retries.
+            entry("outage", 100, [0, 100, 0, 40]),
+            // 10% and 30% failing, retries mostly succeeding: unchanged.
+            entry("ten", 100, [90, 10, 9, 1]),
+            entry("thirty", 100, [70, 30, 21, 9]),
+            // 3 in 10 succeeding: 1 − (10 − 6) / 11 = 7/11 of 110.
+            entry("mostly-failing", 110, [3, 7, 0, 0]),
+            // First attempts fine, no retry succeeding: 1/21 of 100 = 4.
+            entry("sticky", 100, [80, 20, 0, 20]),
+            // A caller that reports no outcomes funds as before.
+            entry("silent", 100, [0, 0, 0, 0]),
+        ],
+    )
+    .await;
+    assert_eq!(spend_all(&server, "outage", 0.0).await, 0);
+    assert_eq!(spend_all(&server, "ten", 50.0).await, 50);
+    assert_eq!(spend_all(&server, "thirty", 50.0).await, 50);
+    assert_eq!(spend_all(&server, "mostly-failing", 35.0).await, 35);
+    assert_eq!(spend_all(&server, "sticky", 2.0).await, 2);
+    assert_eq!(spend_all(&server, "silent", 50.0).await, 50);
+    // The outage's successes return: the next report funds in full.
+    report(&mut client, vec![entry("outage", 20, [20, 0, 0, 0])]).await;
+    assert_eq!(spend_all(&server, "outage", 10.0).await, 10);
+
+    assert!(get_budget(&server, "outage").await.adaptive);
+    drop(server);
+
+    let server = InProcess::start(&config(false), fixed).await;
+    assert!(!get_budget(&server, "outage").await.adaptive);
+    let mut client = server.decider().await;
+    report(&mut client, vec![entry("outage", 100, [0, 100, 0, 40])]).await;
+    assert_eq!(spend_all(&server, "outage", 50.0).await, 50);
+}
+
+#[tokio::test]
+async fn memory_store_funds_by_outcome() {
+    let clock = ManualClock::default();
+    adaptive_cases(
+        MemoryBudgetStore::with_clock(100, clock.clone()),
+        MemoryBudgetStore::with_clock(100, clock),
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn redis_exact_funds_by_outcome() {
+    let redis = RedisServer::start();
+    adaptive_cases(
+        redis_store::<Exact>(&redis).await,
+        redis_store::<Exact>(&redis).await,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn redis_leased_funds_by_outcome() {
+    let redis = RedisServer::start();
+    adaptive_cases(
+        redis_store::<Leased>(&redis).await,
+        redis_store::<Leased>(&redis).await,
+    )
+    .await;
+}
+
+/// One step of a scripted sequence.
+#[derive(Clone, Debug)]
+enum Step {
+    /// A report: requests and the four outcome counts.
+    Report(u64, [u64; 4]),
+    /// A retryable failure asking for a RETRY.
+    Decide,
+    /// The clock moves on, in milliseconds.
+    Advance(u64),
+}
+
+fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    let count = || prop_oneof![Just(0u64), 0u64..50];
+    prop_oneof![
+        2 => (0u64..100, [count(), count(), count(), count()]).prop_map(|(n, o)| Step::Report(n, o)),
+        6 => Just(Step::Decide),
+        1 => (0u64..3_000).prop_map(Step::Advance),
+    ]
+}
+
+const INITIAL: f64 = 5.0;
+const RATIO: f64 = 0.2;
+const FLOOR: f64 = 2.0;
+
+/// Runs `steps` on a memory store on a manual clock; returns the RETRYs
+/// granted, the requests reported and the milliseconds elapsed.
+async fn run_steps(adaptive: bool, steps: &[Step]) -> (u64, u64, u64) {
+    let clock = ManualClock::default();
+    let toml = format!(
+        "[defaults]\nadaptive = {adaptive}\nbudget = {{ capacity = 20.0, initial = {INITIAL}, ratio = {RATIO}, min_per_second = {FLOOR} }}\n"
+    );
+    let server = InProcess::start(&toml, MemoryBudgetStore::with_clock(100, clock.clone())).await;
+    let mut client = server.decider().await;
+    let (mut granted, mut reported, mut elapsed) = (0, 0, 0);
+    for step in steps {
+        match step {
+            Step::Report(requests, outcomes) => {
+                report(&mut client, vec![entry("up", *requests, *outcomes)]).await;
+                reported += requests;
+            }
+            Step::Decide => {
+                let answer = client.decide(retryable("up")).await.unwrap().into_inner();
+                granted += u64::from(answer.verdict() == pb::Verdict::Retry);
+            }
+            Step::Advance(millis) => {
+                clock.advance(millis * 1_000_000);
+                elapsed += millis;
+            }
+        }
+    }
+    (granted, reported, elapsed)
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+
+    /// Whatever the outcomes reported, the adaptive budget grants within
+    /// the fleet-wide bound, and never more than the same budget without
+    /// the rule would (it only takes deposits away).
+    #[test]
+    fn the_bound_holds_with_the_adaptive_rule(steps in proptest::collection::vec(step(), 1..60)) {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let ((adaptive, reported, elapsed), (fixed, _, _)) = runtime.block_on(async {
+            (run_steps(true, &steps).await, run_steps(false, &steps).await)
+        });
+        let bound = INITIAL + RATIO * reported as f64 + FLOOR * elapsed as f64 / 1000.0;
+        proptest::prop_assert!(adaptive as f64 <= bound + 1e-9, "{adaptive} > {bound}");
+        proptest::prop_assert!(adaptive <= fixed, "adaptive {adaptive} > fixed {fixed}");
+    }
+}
