@@ -279,6 +279,11 @@ impl Writer {
         let serialized = match pending {
             Pending::Decision(record) => serde_json::to_writer(&mut self.buffer, &record.view()),
             Pending::Line(line) => serde_json::to_writer(&mut self.buffer, line),
+            Pending::Flush(done) => {
+                let flushed = self.out.flush().is_ok();
+                let _ = done.try_send(());
+                return flushed;
+            }
         };
         if serialized.is_err() {
             return true;
@@ -361,6 +366,18 @@ impl DecisionLog {
         self.drops.dropped.load(Ordering::Relaxed)
     }
 
+    /// Waits, up to `within`, until every line sent before this call is
+    /// in the file: the writer thread appends a moment after each
+    /// decision, and a process that stops must not leave its last lines
+    /// in the queue. Blocking: call it off the runtime's workers.
+    pub fn flush(&self, within: Duration) -> bool {
+        let (done, flushed) = mpsc::sync_channel(1);
+        if self.lines.send(Pending::Flush(done)).is_err() {
+            return false;
+        }
+        flushed.recv_timeout(within).is_ok()
+    }
+
     /// Has the writer reopen the file by its path (within a second), for
     /// log rotation: what SIGHUP does.
     pub fn reopen(&self) {
@@ -428,6 +445,8 @@ enum Pending {
     /// Boxed: the queue holds its slots from the start.
     Decision(Box<DecisionRecord>),
     Line(Line),
+    /// Flush what came before, then say so (at shutdown).
+    Flush(mpsc::SyncSender<()>),
 }
 
 /// A [`DecisionLine`] borrowed from its record, for the writer to
@@ -780,6 +799,20 @@ fn evidence_of(name: &str) -> Option<Evidence> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_flush_returns_once_every_line_before_it_is_in_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("decisions.jsonl");
+        let log = DecisionLog::open(&path, 1024, None).unwrap();
+        for n in 0..500 {
+            log.report("flushed", n);
+        }
+        assert!(log.flush(Duration::from_secs(30)));
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.lines().count(), 500);
+        assert!(text.ends_with('\n'));
+    }
 
     fn record(all: bool) -> DecisionRecord {
         let some = |text: &'static str| all.then_some(text);

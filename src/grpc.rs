@@ -113,6 +113,11 @@ impl<S: BudgetStore> Service<S> {
         self
     }
 
+    /// Has the decision log, if any, write out every line it holds.
+    pub fn flush_decision_log(&self, within: std::time::Duration) -> bool {
+        self.inner.recorder.flush_decision_log(within)
+    }
+
     /// Has the decision log, if any, reopen its file (log rotation).
     pub fn reopen_decision_log(&self) {
         self.inner.recorder.reopen_decision_log();

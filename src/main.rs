@@ -440,6 +440,14 @@ async fn run<S: BudgetStore>(
     let _ = metrics_task.await;
     // Hand back leased tokens and flush batched deposits before exiting.
     store_for_shutdown.store().shutdown().await;
+    let flusher = store_for_shutdown.clone();
+    let flushed =
+        tokio::task::spawn_blocking(move || flusher.flush_decision_log(Duration::from_secs(5)))
+            .await
+            .unwrap_or(false);
+    if !flushed {
+        tracing::warn!("the decision log's last lines may not have been written");
+    }
     if let Some(guard) = tracer_guard {
         guard.shutdown(Duration::from_secs(5)).await;
     }

@@ -69,6 +69,14 @@ impl Recorder {
         self.decision_log = Some(log);
     }
 
+    /// Has the decision log, if any, write out every line it holds (at
+    /// shutdown); false if it could not within `within`.
+    pub fn flush_decision_log(&self, within: Duration) -> bool {
+        self.decision_log
+            .as_ref()
+            .is_none_or(|log| log.flush(within))
+    }
+
     /// Has the decision log, if any, reopen its file (log rotation).
     pub fn reopen_decision_log(&self) {
         if let Some(log) = &self.decision_log {

@@ -157,6 +157,22 @@ impl LoggedConfig {
         .expect("write config");
         LoggedConfig { dir, config, log }
     }
+
+    /// The log's decision lines, once there are `count` of them: the writer
+    /// thread appends them a moment after each answer (it naps between
+    /// batches), so a test that reads right after its last call waits.
+    pub async fn decisions(&self, count: usize) -> Vec<serde_json::Value> {
+        eventually(&format!("{count} decision lines in the log"), || {
+            let lines: Vec<serde_json::Value> = std::fs::read_to_string(&self.log)
+                .ok()?
+                .lines()
+                .filter_map(|line| serde_json::from_str(line).ok())
+                .filter(|line: &serde_json::Value| line["kind"] == "decision")
+                .collect();
+            (lines.len() >= count).then_some(lines)
+        })
+        .await
+    }
 }
 
 impl Server {
