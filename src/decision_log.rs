@@ -24,6 +24,8 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::texts::Texts;
+
 use serde::{Deserialize, Serialize};
 
 use crate::decide::{Attempt, Decided, Draw, NO_BODY};
@@ -526,9 +528,8 @@ const TEXTS: usize = 8;
 /// decision's thread (issue 34).
 #[derive(Debug)]
 struct DecisionRecord {
-    text: String,
-    ends: [u32; TEXTS],
-    present: u8,
+    /// The call's strings, indexed by the constants above.
+    texts: Texts<TEXTS>,
     clock_ns: u64,
     unix_ms: u64,
     idempotency: &'static str,
@@ -575,20 +576,9 @@ impl DecisionRecord {
             Some(facts.lineage.as_str()).filter(|raw| !raw.is_empty()),
             facts.retried_below,
         ];
-        let mut text = String::with_capacity(parts.iter().flatten().map(|part| part.len()).sum());
-        let mut ends = [0; TEXTS];
-        let mut present = 0;
-        for (index, part) in parts.into_iter().enumerate() {
-            if let Some(part) = part {
-                text.push_str(part);
-                present |= 1 << index;
-            }
-            ends[index] = text.len() as u32;
-        }
+        let texts = Texts::pack(parts);
         DecisionRecord {
-            text,
-            ends,
-            present,
+            texts,
             clock_ns,
             unix_ms,
             idempotency: facts.idempotency.as_str(),
@@ -617,15 +607,7 @@ impl DecisionRecord {
     }
 
     fn text(&self, index: usize) -> Option<&str> {
-        if self.present & (1 << index) == 0 {
-            return None;
-        }
-        let start = if index == 0 {
-            0
-        } else {
-            self.ends[index - 1] as usize
-        };
-        self.text.get(start..self.ends[index] as usize)
+        self.texts.get(index)
     }
 
     /// The line, borrowed from the record: what the writer serializes.
@@ -826,20 +808,9 @@ mod tests {
             some("edge:2/middle:1"),
             some("middle"),
         ];
-        let mut text = String::new();
-        let mut ends = [0; TEXTS];
-        let mut present = 0;
-        for (index, part) in parts.into_iter().enumerate() {
-            if let Some(part) = part {
-                text.push_str(part);
-                present |= 1 << index;
-            }
-            ends[index] = text.len() as u32;
-        }
+        let texts = Texts::pack(parts);
         DecisionRecord {
-            text,
-            ends,
-            present,
+            texts,
             clock_ns: 12_345,
             unix_ms: 1_764_000_000_000,
             idempotency: "idempotent",

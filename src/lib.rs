@@ -17,6 +17,7 @@ pub mod policy;
 pub mod record;
 pub mod reload;
 pub mod telemetry;
+pub mod texts;
 pub mod transport;
 
 // The crates this one serves, under the names the code reads best with.

@@ -11,6 +11,7 @@
 //! definition of a span's attributes and their order, which the encoder
 //! and the SDK-equivalence test both read.
 
+use crate::texts::Texts;
 use std::time::SystemTime;
 
 use opentelemetry::trace::TraceState;
@@ -150,12 +151,8 @@ const TEXTS: usize = 7;
 /// A decision's span as captured at decision time.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DecisionSpan {
-    /// The strings, one after the other.
-    text: String,
-    /// Where each string ends in `text`.
-    ends: [u32; TEXTS],
-    /// Which optional strings are present (bit per index).
-    present: u8,
+    /// The call's strings, indexed by the constants above.
+    texts: Texts<TEXTS>,
     fields: DecisionFields,
 }
 
@@ -171,34 +168,12 @@ impl DecisionSpan {
             texts.lineage,
             texts.retried_below,
         ];
-        let mut text = String::with_capacity(parts.iter().flatten().map(|part| part.len()).sum());
-        let mut ends = [0; TEXTS];
-        let mut present = 0;
-        for (index, part) in parts.into_iter().enumerate() {
-            if let Some(part) = part {
-                text.push_str(part);
-                present |= 1 << index;
-            }
-            ends[index] = text.len() as u32;
-        }
-        DecisionSpan {
-            text,
-            ends,
-            present,
-            fields,
-        }
+        let texts = Texts::pack(parts);
+        DecisionSpan { texts, fields }
     }
 
     fn text(&self, index: usize) -> Option<&str> {
-        if self.present & (1 << index) == 0 {
-            return None;
-        }
-        let start = if index == 0 {
-            0
-        } else {
-            self.ends[index - 1] as usize
-        };
-        self.text.get(start..self.ends[index] as usize)
+        self.texts.get(index)
     }
 
     fn required(&self, index: usize) -> &str {

@@ -1,6 +1,6 @@
 """grpcio interceptors: honest evidence from failed gRPC calls, and retryd-governed retries.
 
-About 650 lines: the classification table, the sync interceptor and its
+About 700 lines: the classification table, the sync interceptor and its
 asyncio twin, which mirror each other line for line (grpcio's two APIs).
 
 Classification (what each grpcio outcome proves; checked against the real

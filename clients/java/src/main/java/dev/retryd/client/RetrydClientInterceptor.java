@@ -70,9 +70,11 @@ import retryd.v1.Retryd.Verdict;
  * trailer, and a call that ends in failure after the decision is recorded on
  * the request being served.
  *
- * <p>About 570 lines, one responsibility: a gRPC call under retryd's
+ * <p>About 605 lines, one responsibility: a gRPC call under retryd's
  * decisions (the attempt loop, its classification of grpc-java's statuses
- * into evidence, and the deadline-after-send rule), read top to bottom.
+ * into evidence, the deadline-after-send rule, each attempt's outcome for the
+ * reporter, and a streaming call's single attempt with its lineage), read
+ * top to bottom.
  */
 public final class RetrydClientInterceptor implements ClientInterceptor, AutoCloseable {
   /** Declares a call's idempotency: {@code stub.withOption(IDEMPOTENCY, Idempotency.IDEMPOTENCY_SAFE)}. */
