@@ -124,6 +124,7 @@ fn entry(upstream: &str, requests: u64, outcomes: [u64; 4]) -> pb::UpstreamTraff
         failures: outcomes[1],
         retry_successes: outcomes[2],
         retry_failures: outcomes[3],
+        ..Default::default()
     }
 }
 

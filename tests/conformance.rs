@@ -237,6 +237,7 @@ fn decide_request(request: &Value) -> pb::DecideRequest {
             .map(|value| value.as_str().expect("pushback string").to_string()),
         lineage: text("lineage", "lineage"),
         retried_below: text("retriedBelow", "retried_below"),
+        hedge: uint(request.get("hedge")),
     }
 }
 

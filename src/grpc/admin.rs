@@ -109,6 +109,7 @@ fn budget(snapshot: BudgetSnapshot, policy: &UpstreamPolicy) -> pb::Budget {
         tracked: snapshot.tracked,
         shared_unavailable: snapshot.shared_unavailable,
         adaptive: policy.adaptive,
+        ..Default::default()
     }
 }
 

@@ -57,6 +57,7 @@ impl<S: BudgetStore> Service<S> {
                 Ok(Response::new(pb::ReportTrafficResponse {
                     accepted,
                     already_applied,
+                    hedging: Vec::new(),
                 }))
             }
             Err(status) => {

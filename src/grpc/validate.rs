@@ -50,6 +50,11 @@ pub fn decide_request(request: &pb::DecideRequest) -> Result<Attempt<'_>, Invali
         Ok(pb::Idempotency::NonIdempotent) => Idempotency::NonIdempotent,
         Err(_) => return Err(unknown_enum("idempotency", request.idempotency)),
     };
+    // The contract's hedge field lands before the hedge decision does: a
+    // hedge must not be decided as if it were a retry of a failure.
+    if request.hedge != 0 {
+        return Err(invalid("hedge", "hedge decisions are not served yet"));
+    }
     let body = match &request.body {
         None => Body::None,
         Some(body) => {

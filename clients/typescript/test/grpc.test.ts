@@ -89,7 +89,49 @@ const fail =
     for (const [key, value] of Object.entries(trailers)) metadata.set(key, value);
     callback({ code, details, metadata });
   };
-const never: Unary = () => undefined;
+
+/**
+ * A Stock server on node:http2 whose script can hold a call without ever
+ * answering. A grpc-js server cannot: it answers DEADLINE_EXCEEDED itself
+ * when the call's grpc-timeout runs out, which on a busy machine can come
+ * before the client's own deadline and turn "no response" into a server's
+ * status. A hung upstream (and a grpc-go or tonic server) says nothing.
+ */
+class HoldingServer {
+  private constructor(
+    private readonly listening: { port: number; close(): void },
+    readonly received: { at: number }[],
+  ) {}
+  static async start(script: ('hold' | 'ok')[]): Promise<HoldingServer> {
+    const h2 = http2.createServer();
+    const received: { at: number }[] = [];
+    h2.on('stream', (stream) => {
+      stream.on('error', () => undefined);
+      const chunks: Buffer[] = [];
+      stream.on('data', (chunk: Buffer) => chunks.push(chunk));
+      stream.on('end', () => {
+        const index = Math.min(received.length, script.length - 1);
+        received.push({ at: performance.now() });
+        if (script[index] === 'hold') return;
+        // One length-prefixed message, then the OK trailers.
+        const message = Buffer.from(`reserved ${Buffer.concat(chunks).subarray(5).toString()}`);
+        const frame = Buffer.alloc(5 + message.length);
+        frame.writeUInt32BE(message.length, 1);
+        message.copy(frame, 5);
+        stream.respond({ ':status': 200, 'content-type': 'application/grpc' }, { waitForTrailers: true });
+        stream.on('wantTrailers', () => stream.sendTrailers({ 'grpc-status': '0' }));
+        stream.end(frame);
+      });
+    });
+    return new HoldingServer(await listen(h2), received);
+  }
+  get target(): string {
+    return `127.0.0.1:${this.listening.port}`;
+  }
+  close(): void {
+    this.listening.close();
+  }
+}
 
 /**
  * Listens on a loopback port for failures a gRPC server would not produce;
@@ -165,7 +207,7 @@ describe('classification of real gRPC failures', { timeout: 60_000 }, () => {
   });
 
   test('a deadline after the request was written is SENT_NO_RESPONSE', async () => {
-    const server = await StockServer.start([never]);
+    const server = await HoldingServer.start(['hold']);
     try {
       assert.deepEqual(await classifyReserve(server.target, 500), {
         evidence: 'SENT_NO_RESPONSE',
@@ -295,7 +337,7 @@ describe('retryingInterceptor through retryd', { timeout: 60_000 }, () => {
     await retryd?.stop();
   });
 
-  async function run(server: StockServer | string, options: Partial<GrpcRetryOptions>, deadlineMs = 5000, metadata?: grpc.Metadata): Promise<Result> {
+  async function run(server: StockServer | HoldingServer | string, options: Partial<GrpcRetryOptions>, deadlineMs = 5000, metadata?: grpc.Metadata): Promise<Result> {
     const stock = client(typeof server === 'string' ? server : server.target, retryingInterceptor(decider, { upstream: 'ts-grpc', idempotency: 'SAFE', ...options }));
     try {
       return await reserve(stock, deadlineMs, metadata);
@@ -340,7 +382,7 @@ describe('retryingInterceptor through retryd', { timeout: 60_000 }, () => {
   });
 
   test('a non-idempotent call held past the attempt timeout on an empty budget is an ambiguous execution carrying BUDGET_EXHAUSTED', async () => {
-    const server = await StockServer.start([never, ok]);
+    const server = await HoldingServer.start(['hold', 'ok']);
     try {
       const { error } = await run(server, { upstream: 'ts-hold', idempotency: 'NON_IDEMPOTENT', attemptTimeoutMs: 300 });
       assert.equal(error?.code, grpc.status.DEADLINE_EXCEEDED);
@@ -355,7 +397,7 @@ describe('retryingInterceptor through retryd', { timeout: 60_000 }, () => {
   });
 
   test('a keyed call denied on an empty budget says: re-send with the same key', async () => {
-    const server = await StockServer.start([never, ok]);
+    const server = await HoldingServer.start(['hold', 'ok']);
     try {
       const { error } = await run(server, { upstream: 'ts-hold', idempotency: 'IDEMPOTENT_WITH_KEY', attemptTimeoutMs: 300 });
       assert.deepEqual([ambiguousExecutionOf(error)?.denyReason, ambiguousExecutionOf(error)?.resendWithSameKey], ['BUDGET_EXHAUSTED', true]);
@@ -377,7 +419,7 @@ describe('retryingInterceptor through retryd', { timeout: 60_000 }, () => {
   });
 
   test('attemptTimeoutMs ends a hung attempt and leaves the caller time for the next', async () => {
-    const server = await StockServer.start([never, ok]);
+    const server = await HoldingServer.start(['hold', 'ok']);
     const attempts: GrpcOutcome[] = [];
     try {
       const { error, value } = await run(server, { attemptTimeoutMs: 300, onAttempt: (outcome) => attempts.push(outcome) }, 10_000);
@@ -391,7 +433,7 @@ describe('retryingInterceptor through retryd', { timeout: 60_000 }, () => {
   });
 
   test("a non-idempotent call running into the caller's deadline is an ambiguous execution, decided locally", async () => {
-    const server = await StockServer.start([never, ok]);
+    const server = await HoldingServer.start(['hold', 'ok']);
     try {
       const { error } = await run(server, { idempotency: 'NON_IDEMPOTENT' }, 500);
       assert.equal(error?.code, grpc.status.DEADLINE_EXCEEDED);
@@ -457,7 +499,7 @@ describe('retryingInterceptor through retryd', { timeout: 60_000 }, () => {
   });
 
   test('the caller deadline bounds every attempt, and ends the call without asking retryd', async () => {
-    const server = await StockServer.start([never]);
+    const server = await HoldingServer.start(['hold']);
     try {
       const { error, ms } = await run(server, {}, 1000);
       assert.equal(error?.code, grpc.status.DEADLINE_EXCEEDED);

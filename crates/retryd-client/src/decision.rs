@@ -171,6 +171,8 @@ fn deny_reason(raw: i32) -> Option<DenyReason> {
         Pb::ServerPushback => DenyReason::ServerPushback,
         Pb::RetriedBelow => DenyReason::RetriedBelow,
         Pb::InsideEnclosingRetry => DenyReason::InsideEnclosingRetry,
+        // Hedge denials: this client does not ask for hedges yet.
+        Pb::HedgingOff | Pb::HedgeCap | Pb::UniformlySlow => return None,
     })
 }
 

@@ -100,6 +100,7 @@ impl Traffic {
             failures: self.failures,
             retry_successes: self.retry_successes,
             retry_failures: self.retry_failures,
+            ..Default::default()
         }
     }
 }

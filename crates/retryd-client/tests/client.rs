@@ -448,6 +448,7 @@ impl pb::retry_decider_server::RetryDecider for Recorder {
         Ok(tonic::Response::new(pb::ReportTrafficResponse {
             accepted: entries,
             already_applied: 0,
+            ..Default::default()
         }))
     }
 }

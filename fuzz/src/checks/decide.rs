@@ -217,6 +217,7 @@ fn decide_request(input: &mut Input<'_>) -> pb::DecideRequest {
         grpc_retry_pushback_ms: None,
         lineage: String::new(),
         retried_below: String::new(),
+        hedge: 0,
     };
     // Drawn last, so the HTTP fields read the same bytes as before. Mostly
     // a gRPC code only for a call without an HTTP status (then without a

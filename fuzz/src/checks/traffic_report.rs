@@ -40,6 +40,7 @@ pub fn traffic_report(data: &[u8]) {
                 failures: count(&mut input),
                 retry_successes: count(&mut input),
                 retry_failures: count(&mut input),
+                ..Default::default()
             })
             .collect();
         pb::ReportTrafficRequest {

@@ -229,6 +229,7 @@ impl RetryDecider for Baseline {
         Ok(Response::new(pb::ReportTrafficResponse {
             accepted: request.get_ref().traffic.len() as u32,
             already_applied: 0,
+            ..Default::default()
         }))
     }
 }
