@@ -342,12 +342,44 @@ impl<M: Operations> Core<M> {
         deadline: Instant,
         request: impl Future<Output = RedisResult<T>>,
     ) -> Result<T, Failure> {
+        // Not through `call_continuing`: one more async layer around the
+        // request doubles its future in a debug build, and a test's stack
+        // overflowed.
         let route = self.reach.route(key);
         if !route.circuit.allow() {
             return Err(Failure::NotSent);
         }
         self.send_on(&route, deadline, request, Circuited::Yes)
             .await
+            .map(|(value, _)| value)
+    }
+
+    /// [`Core::call`] for the first request of a store call that makes
+    /// another (an admission before the bucket script): with the answer,
+    /// the deadline the call goes on with. That is `deadline`, unless the
+    /// answer came only because the wait went on while this process was
+    /// starved (see [`within`]): then the next request is given until that
+    /// wait's limit. A deadline this process overran says nothing of Redis;
+    /// had it stood, the bucket request of a call whose admission was
+    /// answered so would never be sent, and the upstream would answer from
+    /// the fallback with its Redis master up.
+    pub(super) async fn call_continuing<T>(
+        &self,
+        key: Option<&str>,
+        deadline: Instant,
+        request: impl Future<Output = RedisResult<T>>,
+    ) -> Result<(T, Instant), Failure> {
+        let route = self.reach.route(key);
+        if !route.circuit.allow() {
+            return Err(Failure::NotSent);
+        }
+        let (value, starved_until) = self
+            .send_on(&route, deadline, request, Circuited::Yes)
+            .await?;
+        Ok((
+            value,
+            starved_until.map_or(deadline, |until| until.max(deadline)),
+        ))
     }
 
     /// Sends one request for `key` outside the circuit, for what is not on
@@ -366,7 +398,9 @@ impl<M: Operations> Core<M> {
         if !route.circuit.is_up() {
             return Err(Failure::NotSent);
         }
-        self.send_on(&route, deadline, request, Circuited::No).await
+        self.send_on(&route, deadline, request, Circuited::No)
+            .await
+            .map(|(value, _)| value)
     }
 
     /// Sends one request whatever the circuit says (a probe).
@@ -379,6 +413,7 @@ impl<M: Operations> Core<M> {
         let route = self.reach.route(key);
         self.send_on(&route, deadline, request, Circuited::Yes)
             .await
+            .map(|(value, _)| value)
     }
 
     async fn send_on<T>(
@@ -387,7 +422,7 @@ impl<M: Operations> Core<M> {
         deadline: Instant,
         request: impl Future<Output = RedisResult<T>>,
         circuited: Circuited,
-    ) -> Result<T, Failure> {
+    ) -> Result<(T, Option<Instant>), Failure> {
         let counted = circuited == Circuited::Yes;
         let started = Instant::now();
         // A live master may be slow for a moment while the Cluster fails
@@ -409,15 +444,20 @@ impl<M: Operations> Core<M> {
         }
         match within(limit, self.timeout, patience, request)
             .await
-            .map(|(answer, _)| answer)
+            .map(|(answer, starved_until)| answer.map(|value| (value, starved_until)))
         {
-            Ok(Ok(value)) => {
+            Ok(Ok(answered)) => {
                 if counted {
                     self.note(route.circuit.success(), route);
                 }
-                Ok(value)
+                Ok(answered)
             }
-            Ok(Err(error)) => {
+            // redis-rs's own response timeout (100 ms at least, for the
+            // requests given longer than the store timeout: the background
+            // rounds') is a slow answer, not a failed one: it is counted as
+            // a timeout. As a failure, one slow reply to a round opened a
+            // live Cluster master's circuit on a starved machine.
+            Ok(Err(error)) if !error.is_timeout() => {
                 bump(&self.counters.errors, 1);
                 tracing::debug!(%error, "Redis budget store call failed");
                 // A Cluster redirect is an answer from a live node whose
@@ -428,7 +468,7 @@ impl<M: Operations> Core<M> {
                 }
                 Err(Failure::Unknown(RedisStoreError::Redis(error)))
             }
-            Err(_) => {
+            Ok(Err(_)) | Err(_) => {
                 bump(&self.counters.errors, 1);
                 bump(&self.counters.timeouts, 1);
                 tracing::debug!(
@@ -541,9 +581,11 @@ pub(super) enum Patience {
 }
 
 /// `request`'s answer if it comes by `limit`, else `Err(Elapsed)`; with
-/// the answer, the limit that held (later than `limit` if it was
-/// extended). The limit is meant to measure Redis, or another task's call
-/// to it, and two things made it measure this process instead:
+/// the answer, the limit it was last waited for to when the wait went on
+/// because the process was starved (the rest of the call is then given
+/// until that limit too: see [`Core::call_continuing`]). The limit is meant
+/// to measure Redis, or another task's call to it, and two things made it
+/// measure this process instead:
 ///
 /// - The timer and the answer can become ready in the same wake-up: a
 ///   process the machine did not run for a while finds its timer due and
@@ -570,18 +612,19 @@ pub(super) async fn within<T>(
     timeout: Duration,
     patience: Patience,
     request: impl Future<Output = T>,
-) -> Result<(T, Instant), tokio::time::error::Elapsed> {
+) -> Result<(T, Option<Instant>), tokio::time::error::Elapsed> {
     let mut request = std::pin::pin!(request);
     let mut limit = limit;
     let mut waited_again = false;
+    let mut starved_until = None;
     loop {
         let elapsed = match tokio::time::timeout_at(limit, request.as_mut()).await {
-            Ok(answer) => return Ok((answer, limit)),
+            Ok(answer) => return Ok((answer, starved_until)),
             Err(elapsed) => elapsed,
         };
         tokio::task::yield_now().await;
         if let Some(answer) = futures::FutureExt::now_or_never(request.as_mut()) {
-            return Ok((answer, limit));
+            return Ok((answer, starved_until));
         }
         let now = Instant::now();
         let starved = now.saturating_duration_since(limit) >= STARVED;
@@ -589,7 +632,10 @@ pub(super) async fn within<T>(
             return Err(elapsed);
         }
         limit = match patience {
-            _ if starved => now + timeout,
+            _ if starved => {
+                starved_until = Some(now + timeout);
+                now + timeout
+            }
             Patience::Failover { until } if until > now => {
                 tracing::debug!(
                     "a live Redis Cluster master answers late during a failover; waiting once more"
@@ -625,11 +671,13 @@ mod tests {
         );
         let limit = Instant::now() + TIMEOUT;
         let until = limit + TIMEOUT;
-        let (answer, held) = within(limit, TIMEOUT, Patience::Failover { until }, late_reply())
-            .await
-            .expect("one more wait during a failover");
+        let (answer, starved_until) =
+            within(limit, TIMEOUT, Patience::Failover { until }, late_reply())
+                .await
+                .expect("one more wait during a failover");
         assert_eq!(answer, "reply");
-        assert_eq!(held, limit + TIMEOUT);
+        // The caller bounds a failover's waits itself (`until`).
+        assert_eq!(starved_until, None);
         // Once more, not twice: a master that stays silent is let go.
         let limit = Instant::now() + TIMEOUT;
         let silent = tokio::time::sleep(Duration::from_secs(1));
@@ -641,5 +689,37 @@ mod tests {
                 .is_err()
         );
         assert_eq!(started.elapsed(), 2 * TIMEOUT);
+    }
+
+    /// A request during which the process did not run: the clock jumps
+    /// 25 ms while the request is first polled, past its 20 ms limit, as
+    /// when the machine gave the runtime no CPU. Redis answers 10 ms after
+    /// that. The wait goes on, and the rest of the call is given until the
+    /// new limit, so that a bucket request after an admission answered that
+    /// way is still sent.
+    #[tokio::test(start_paused = true)]
+    async fn a_starved_wait_goes_on_and_moves_the_calls_deadline() {
+        let started = Instant::now();
+        let limit = started + TIMEOUT;
+        let starved = async {
+            tokio::time::advance(Duration::from_millis(25)).await;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            "reply"
+        };
+        let (answer, starved_until) = within(limit, TIMEOUT, Patience::Timeout, starved)
+            .await
+            .expect("a starved wait is waited again");
+        assert_eq!(answer, "reply");
+        assert_eq!(
+            starved_until,
+            Some(started + Duration::from_millis(25) + TIMEOUT)
+        );
+        // On time, the same reply is let go at the limit, and nothing moves.
+        let limit = Instant::now() + TIMEOUT;
+        assert!(
+            within(limit, TIMEOUT, Patience::Timeout, late_reply())
+                .await
+                .is_err()
+        );
     }
 }

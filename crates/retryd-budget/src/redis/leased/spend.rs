@@ -133,8 +133,8 @@ pub(super) async fn withdraw_from_lease(
     if is_closed(core) {
         return core.direct_withdraw(upstream, config, deadline).await;
     }
-    let state = match core.admitted(upstream, config, deadline).await {
-        Ok(state) => state,
+    let (state, deadline) = match core.admitted(upstream, config, deadline).await {
+        Ok(admitted) => admitted,
         Err(Ok(failure)) => return core.fallback_withdraw(upstream, config, failure).await,
         Err(Err(refused)) => return Err(refused),
     };
@@ -226,8 +226,9 @@ pub(super) async fn deposit_batched(
             .direct_deposit(upstream, config, requests, deadline)
             .await;
     }
-    let state = match core.admitted(upstream, config, deadline).await {
-        Ok(state) => state,
+    // Batched, so no second request of this call waits on the deadline.
+    let (state, _) = match core.admitted(upstream, config, deadline).await {
+        Ok(admitted) => admitted,
         Err(Ok(failure)) => {
             return core
                 .fallback_deposit(upstream, config, requests, failure)

@@ -52,8 +52,8 @@ impl<M: Operations> Core<M> {
         enabled: bool,
     ) -> Result<bool, StoreError> {
         let deadline = self.deadline();
-        let state = match self.admitted(upstream, config, deadline).await {
-            Ok(state) => state,
+        let (state, deadline) = match self.admitted(upstream, config, deadline).await {
+            Ok(admitted) => admitted,
             Err(Ok(failure)) => return Err(failure.into_error()),
             Err(Err(refused)) => return Err(refused),
         };

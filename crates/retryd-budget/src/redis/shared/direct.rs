@@ -57,8 +57,8 @@ impl<M: Operations> Core<M> {
         if !withdraw {
             return Ok(self.direct_view(upstream, config, deadline).await?.0);
         }
-        let state = match self.admitted(upstream, config, deadline).await {
-            Ok(state) => state,
+        let (state, deadline) = match self.admitted(upstream, config, deadline).await {
+            Ok(admitted) => admitted,
             Err(Ok(failure)) => return self.fallback_check(upstream, config, failure).await,
             Err(Err(refused)) => return Err(refused),
         };
@@ -84,8 +84,8 @@ impl<M: Operations> Core<M> {
         config: &BucketConfig,
         deadline: Instant,
     ) -> Result<Option<f64>, StoreError> {
-        let state = match self.admitted(upstream, config, deadline).await {
-            Ok(state) => state,
+        let (state, deadline) = match self.admitted(upstream, config, deadline).await {
+            Ok(admitted) => admitted,
             Err(Ok(failure)) => return self.fallback_withdraw(upstream, config, failure).await,
             Err(Err(refused)) => return Err(refused),
         };
@@ -108,8 +108,8 @@ impl<M: Operations> Core<M> {
         requests: u64,
         deadline: Instant,
     ) -> Result<(), StoreError> {
-        let state = match self.admitted(upstream, config, deadline).await {
-            Ok(state) => state,
+        let (state, deadline) = match self.admitted(upstream, config, deadline).await {
+            Ok(admitted) => admitted,
             Err(Ok(failure)) => {
                 return self
                     .fallback_deposit(upstream, config, requests, failure)

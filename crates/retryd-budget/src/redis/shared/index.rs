@@ -32,17 +32,20 @@ pub(in crate::redis) type NotAdmitted = Result<Failure, StoreError>;
 
 impl<M: Operations> Core<M> {
     /// The upstream's local state, admitting it to the fleet-wide index
-    /// first if this replica does not know it to be there.
+    /// first if this replica does not know it to be there; with it, the
+    /// deadline the store call goes on with: later than `deadline` only if
+    /// the admission was answered after a wait that went on because this
+    /// process was starved (see [`Core::call_continuing`]).
     pub(in crate::redis) async fn admitted(
         &self,
         upstream: &str,
         config: &BucketConfig,
         deadline: Instant,
-    ) -> Result<Arc<Upstream<M::Upstream>>, NotAdmitted> {
+    ) -> Result<(Arc<Upstream<M::Upstream>>, Instant), NotAdmitted> {
         if let Some(known) = self.upstreams.get(upstream) {
             if known.index_until.load(Ordering::Acquire) > self.now_ms() {
                 *lock(&known.config) = *config;
-                return Ok(Arc::clone(known.value()));
+                return Ok((Arc::clone(known.value()), deadline));
             }
         }
         let mut invocation = self.scripts.admit.prepare_invoke();
@@ -51,8 +54,8 @@ impl<M: Operations> Core<M> {
             .arg(upstream)
             .arg(self.limit_for(config))
             .arg(INDEX_SLACK_MS);
-        let values: Vec<i64> = self
-            .call(
+        let (values, deadline): (Vec<i64>, _) = self
+            .call_continuing(
                 Some(self.keys.index()),
                 deadline,
                 self.connection.invoke(Some(self.keys.index()), &invocation),
@@ -63,7 +66,7 @@ impl<M: Operations> Core<M> {
             Admission::Admitted { scores, now_ms } => {
                 let state = self.enter(upstream, config);
                 self.set_index(&state, scores[0], now_ms);
-                Ok(state)
+                Ok((state, deadline))
             }
             Admission::Full => Err(Err(StoreError::TooManyUpstreams {
                 limit: self.max_upstreams,
