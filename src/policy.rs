@@ -21,6 +21,9 @@ pub struct UpstreamPolicy {
     /// share of its requests its outcomes allow (`retryd_budget::adaptive`).
     /// `adaptive = false` funds every reported request, as before.
     pub adaptive: bool,
+    /// How long a caller's negative gRPC pushback stops every caller's
+    /// retries of the upstream (0: only the caller's own).
+    pub pushback_stop_window: std::time::Duration,
     /// A policy evaluated beside this one, on a budget of its own.
     pub candidate: Option<Box<CandidatePolicy>>,
 }
@@ -35,6 +38,13 @@ pub struct CandidatePolicy {
     /// The candidate's budget.
     pub bucket: BucketConfig,
 }
+
+/// How long a negative pushback stops every caller's retries of its
+/// upstream, unless the policy says: 5 s, long enough to cover the
+/// backoffs of the retries already asked for around it (the default
+/// backoff caps at 5 s), short enough that an upstream that sent one stray
+/// negative pushback is not left without retries for long.
+pub const DEFAULT_PUSHBACK_STOP_WINDOW: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The policy of every upstream: the named ones, and the defaults for all
 /// others.
@@ -86,6 +96,7 @@ impl Default for Policies {
                 bucket: BucketConfig::default(),
                 enforce: true,
                 adaptive: true,
+                pushback_stop_window: DEFAULT_PUSHBACK_STOP_WINDOW,
                 candidate: None,
             },
             HashMap::new(),

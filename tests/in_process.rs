@@ -18,8 +18,8 @@ use retryd::telemetry::{Metrics, Tracer};
 use retryd::transport::Acceptor;
 use retryd_budget::memory::{Clock, ManualClock};
 use retryd_budget::{
-    BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, MemoryBudgetStore, ReportClaim,
-    StoreError,
+    BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, FleetCall, MemoryBudgetStore,
+    ReportClaim, StoreError,
 };
 use retryd_proto as pb;
 use retryd_proto::retry_decider_client::RetryDeciderClient;
@@ -153,18 +153,22 @@ impl BudgetStore for GatedStore {
         self.inner.view(upstream, config).await
     }
 
-    async fn check(
+    async fn check_in_fleet(
         &self,
         upstream: &str,
         config: &BucketConfig,
         withdraw: bool,
+        fleet: FleetCall,
     ) -> Result<BudgetCheck, StoreError> {
         let gate = self.gate(upstream);
         gate.acquire()
             .await
             .expect("gates are never closed")
             .forget();
-        let checked = self.inner.check(upstream, config, withdraw).await;
+        let checked = self
+            .inner
+            .check_in_fleet(upstream, config, withdraw, fleet)
+            .await;
         self.answered.fetch_add(1, Ordering::SeqCst);
         checked
     }

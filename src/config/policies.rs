@@ -6,10 +6,11 @@
 //! budget's `BucketConfig::default()`: none is written again here.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use crate::budget::{BucketConfig, OnUnavailable};
 use crate::engine::Policy;
-use crate::policy::{CandidatePolicy, Policies, UpstreamPolicy};
+use crate::policy::{CandidatePolicy, DEFAULT_PUSHBACK_STOP_WINDOW, Policies, UpstreamPolicy};
 
 use super::{InvalidConfig, PolicySettings, Settings, invalid, parse_duration};
 
@@ -37,6 +38,7 @@ pub(super) fn policies(
         },
         enforce: true,
         adaptive: true,
+        pushback_stop_window: DEFAULT_PUSHBACK_STOP_WINDOW,
         candidate: None,
     };
     if settings.defaults.candidate.is_some() {
@@ -76,6 +78,10 @@ fn resolve_candidate(
         ("candidate", overrides.candidate.is_some()),
         ("on_unavailable", overrides.on_unavailable.is_some()),
         ("adaptive", overrides.adaptive.is_some()),
+        (
+            "pushback_stop_window",
+            overrides.pushback_stop_window.is_some(),
+        ),
     ] {
         if set {
             return Err(invalid(
@@ -130,6 +136,16 @@ fn resolve_policy(
     }
     let enforce = overrides.enforce.unwrap_or(base.enforce);
     let adaptive = overrides.adaptive.unwrap_or(base.adaptive);
+    let pushback_stop_window = match &overrides.pushback_stop_window {
+        Some(raw) => {
+            let window = parse_duration(&key("pushback_stop_window"), raw)?;
+            if window > Duration::from_secs(3600) {
+                return Err(invalid(key("pushback_stop_window"), "must be at most 1h"));
+            }
+            window
+        }
+        None => base.pushback_stop_window,
+    };
 
     let budget = &overrides.budget;
     let non_negative = |name: &str, value: Option<f64>, target: &mut f64| {
@@ -191,6 +207,7 @@ fn resolve_policy(
         bucket,
         enforce,
         adaptive,
+        pushback_stop_window,
         candidate: None,
     })
 }

@@ -5,7 +5,7 @@
 //! policy and for `retryd replay`, so that all three decide alike.
 
 use crate::budget::{BudgetCheck, StoreError};
-use crate::engine::{self, BudgetView, Decision, DenyReason, Facts, Verdict};
+use crate::engine::{self, BudgetView, Decision, DenyReason, Facts, FleetPushback, Verdict};
 
 /// A decision before the store call.
 #[derive(Clone, Copy, Debug)]
@@ -43,23 +43,34 @@ impl Settled {
         facts: &Facts<'_>,
         policy: &engine::Policy,
     ) -> Result<(Decision, f64), StoreError> {
-        let view = match checked {
-            Ok(check) if check.withdrew => return Ok((self.hoped, check.tokens)),
-            Ok(check) => BudgetView::from(&check),
-            Err(StoreError::Unavailable(_)) => BudgetView::UNAVAILABLE,
+        let (view, fleet) = match checked {
+            Ok(check) if check.withdrew && !check.pushback.is_set() => {
+                return Ok((self.hoped, check.tokens));
+            }
+            // Paid for; the fleet's pushback stretches the backoff. The
+            // store withdrew only for a wait the deadline can hold, so
+            // this is still a RETRY.
+            Ok(check) if check.withdrew => {
+                let decision = engine::decide_in_fleet(facts, policy, check.pushback);
+                debug_assert!(matches!(decision.verdict, Verdict::Retry { .. }));
+                return Ok((decision, check.tokens));
+            }
+            Ok(check) => (BudgetView::from(&check), check.pushback),
+            Err(StoreError::Unavailable(_)) => (BudgetView::UNAVAILABLE, FleetPushback::NONE),
             Err(refused) => return Err(refused),
         };
         // Allowed, and nothing to spend: the hoped decision stands.
-        if view.allows() && !self.withdraw {
+        if view.allows() && !self.withdraw && !fleet.is_set() {
             return Ok((self.hoped, view.tokens));
         }
         // The engine decides again on what was read (pure, no I/O).
-        let decision = engine::decide(
+        let decision = engine::decide_in_fleet(
             &Facts {
                 budget: view,
                 ..*facts
             },
             policy,
+            fleet,
         );
         Ok(match decision.verdict {
             // The read allowed a retry but no token came with it: someone

@@ -14,6 +14,7 @@
 
 pub mod adaptive;
 pub mod memory;
+pub mod pushback;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod reports;
@@ -22,6 +23,8 @@ use std::future::Future;
 use std::time::Duration;
 
 use retryd_engine::BudgetView;
+
+pub use pushback::{Announce, FleetCall, FleetPushback};
 
 pub use adaptive::Outcomes;
 pub use memory::MemoryBudgetStore;
@@ -177,6 +180,9 @@ pub struct BudgetSnapshot {
     /// fallback bucket, not the fleet's budget. Always false for the memory
     /// store.
     pub shared_unavailable: bool,
+    /// How long from now no retry of the upstream may land (the fleet's
+    /// earliest-retry time or a stop window); `None` when none is in force.
+    pub pushback_remaining: Option<Duration>,
 }
 
 /// What one decision learns from an upstream's budget, and whether it
@@ -190,6 +196,12 @@ pub struct BudgetCheck {
     pub retries_enabled: bool,
     /// True if this check withdrew one token.
     pub withdrew: bool,
+    /// The upstream's fleet-wide pushback before this call's own
+    /// announcement (see [`pushback`]).
+    pub pushback: FleetPushback,
+    /// How long from now no retry may land, the stop window included
+    /// (before this call's announcement); `None` when none is in force.
+    pub pushback_remaining: Option<Duration>,
 }
 
 impl BudgetCheck {
@@ -201,6 +213,7 @@ impl BudgetCheck {
             retries_enabled: self.retries_enabled,
             tracked,
             shared_unavailable: false,
+            pushback_remaining: self.pushback_remaining,
         }
     }
 }
@@ -269,11 +282,31 @@ pub trait BudgetStore: Send + Sync + 'static {
     ///
     /// The caller sets `withdraw` when the verdict would be RETRY if the
     /// budget allowed, so a decision never needs a second call.
+    ///
+    /// [`BudgetStore::check_in_fleet`] with nothing to announce.
     fn check(
         &self,
         upstream: &str,
         config: &BucketConfig,
         withdraw: bool,
+    ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send {
+        self.check_in_fleet(upstream, config, withdraw, FleetCall::PLAIN)
+    }
+
+    /// [`BudgetStore::check`] that also reads the upstream's fleet-wide
+    /// pushback (as it was before this call) and writes `fleet.announce`
+    /// to it, "set if later", in the same step (one script on Redis). A
+    /// stop in force withdraws nothing, as the kill switch, nor does a wait
+    /// in force longer than `fleet.patience`. An announcement for an
+    /// upstream the store does not track is written only if the upstream
+    /// is configured or `withdraw` is set (the calls that may create its
+    /// budget anyway). See [`pushback`].
+    fn check_in_fleet(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        withdraw: bool,
+        fleet: FleetCall,
     ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send;
 
     /// Withdraws one token if at least one is there. Returns the tokens left

@@ -39,6 +39,7 @@ use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 use thread_local::ThreadLocal;
 
+use super::pushback::{self, FleetCall};
 use super::{
     BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, ReportClaim, ReportLedger, StoreError,
     UNITS_PER_TOKEN, units_to_tokens,
@@ -131,6 +132,11 @@ struct Bucket {
     /// The bucket holds a place under `max_upstreams` (it was created for
     /// an unconfigured upstream and has not been evicted).
     counted: AtomicBool,
+    /// The fleet's earliest-retry time and the end of a stop window, on
+    /// the store's clock (0: never set). Beside the tokens, so a decision
+    /// reads them in the cache line it already has (`pushback.rs`).
+    pushback_after: AtomicU64,
+    pushback_stop: AtomicU64,
 }
 
 impl Bucket {
@@ -140,7 +146,28 @@ impl Bucket {
             credited_until: AtomicU64::new(now),
             retries_enabled: AtomicBool::new(true),
             counted: AtomicBool::new(!config.configured),
+            pushback_after: AtomicU64::new(0),
+            pushback_stop: AtomicU64::new(0),
         }
+    }
+
+    /// The pushback before `fleet.announce`, then the announcement written
+    /// "set if later": (earliest-retry time, stop's end), as they were.
+    fn announce(&self, fleet: FleetCall, now: u64) -> (u64, u64) {
+        let (wait, stop) = fleet.announce.nanos();
+        let after = if wait > 0 {
+            self.pushback_after
+                .fetch_max(now.saturating_add(wait), Ordering::AcqRel)
+        } else {
+            self.pushback_after.load(Ordering::Acquire)
+        };
+        let stop = if stop > 0 {
+            self.pushback_stop
+                .fetch_max(now.saturating_add(stop), Ordering::AcqRel)
+        } else {
+            self.pushback_stop.load(Ordering::Acquire)
+        };
+        (after, stop)
     }
 
     fn is_evicted(&self) -> bool {
@@ -221,22 +248,33 @@ impl Bucket {
 
     /// A decision's check on a tracked bucket: refill, then withdraw one
     /// token if asked to and retries are on; `None` if it was evicted.
-    fn check(&self, config: &BucketConfig, now: u64, withdraw: bool) -> Option<BudgetCheck> {
+    fn check(
+        &self,
+        config: &BucketConfig,
+        now: u64,
+        withdraw: bool,
+        fleet: FleetCall,
+    ) -> Option<BudgetCheck> {
         let capacity = config.capacity_units();
         let held = self.refill(config, now, capacity)?;
         let retries_enabled = self.retries_enabled.load(Ordering::Acquire);
-        let (units, withdrew) = if withdraw && retries_enabled {
-            match self.try_withdraw(capacity)? {
-                Ok(left) => (left, true),
-                Err(held) => (held, false),
-            }
-        } else {
-            (held, false)
-        };
+        let (after, stop) = self.announce(fleet, now);
+        let pushback = pushback::in_force(after, stop, now, 1);
+        let (units, withdrew) =
+            if withdraw && retries_enabled && !pushback.stop && fleet.bears(pushback.wait) {
+                match self.try_withdraw(capacity)? {
+                    Ok(left) => (left, true),
+                    Err(held) => (held, false),
+                }
+            } else {
+                (held, false)
+            };
         Some(BudgetCheck {
             tokens: units_to_tokens(units),
             retries_enabled,
             withdrew,
+            pushback,
+            pushback_remaining: pushback::remaining(after, stop, now, 1),
         })
     }
 }
@@ -432,14 +470,14 @@ impl<C: Clock> MemoryBudgetStore<C> {
 
     /// A look that creates nothing: the check of a bucket that exists, or
     /// what a fresh one would hold. Returns whether the bucket exists.
-    fn look(&self, upstream: &str, config: &BucketConfig) -> (BudgetCheck, bool) {
+    fn look(&self, upstream: &str, config: &BucketConfig, fleet: FleetCall) -> (BudgetCheck, bool) {
         let near = self.near();
         let now = self.clock.now_nanos();
         let found = near
             .map
             .borrow()
             .get(upstream)
-            .map(|bucket| bucket.check(config, now, false));
+            .map(|bucket| bucket.check(config, now, false, fleet));
         match found {
             Some(Some(check)) => return (check, true),
             Some(None) => {
@@ -453,7 +491,7 @@ impl<C: Clock> MemoryBudgetStore<C> {
             .map(|entry| (Arc::clone(entry.key()), Arc::clone(entry.value())));
         // Evicted since the map lookup: then it is as good as absent.
         if let Some((key, bucket)) = shared {
-            if let Some(check) = bucket.check(config, now, false) {
+            if let Some(check) = bucket.check(config, now, false, fleet) {
                 near.map.borrow_mut().insert(key, bucket);
                 return (check, true);
             }
@@ -463,6 +501,8 @@ impl<C: Clock> MemoryBudgetStore<C> {
                 tokens: units_to_tokens(config.initial_units()),
                 retries_enabled: true,
                 withdrew: false,
+                pushback: pushback::FleetPushback::NONE,
+                pushback_remaining: None,
             },
             false,
         )
@@ -492,23 +532,29 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
         upstream: &str,
         config: &BucketConfig,
     ) -> impl Future<Output = Result<BudgetSnapshot, StoreError>> + Send {
-        let (check, tracked) = self.look(upstream, config);
+        let (check, tracked) = self.look(upstream, config, FleetCall::PLAIN);
         ready(Ok(check.into_snapshot(upstream, tracked)))
     }
 
-    fn check(
+    fn check_in_fleet(
         &self,
         upstream: &str,
         config: &BucketConfig,
         withdraw: bool,
+        fleet: FleetCall,
     ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send {
-        ready(if withdraw {
-            self.with_bucket(upstream, config, |bucket, now| {
-                bucket.check(config, now, true)
-            })
-        } else {
-            Ok(self.look(upstream, config).0)
-        })
+        // A configured upstream's announcement makes its bucket (outside
+        // the upstream limit); an unconfigured one's only with a withdrawal,
+        // which would make it anyway.
+        ready(
+            if withdraw || (fleet.announce.is_set() && config.configured) {
+                self.with_bucket(upstream, config, |bucket, now| {
+                    bucket.check(config, now, withdraw, fleet)
+                })
+            } else {
+                Ok(self.look(upstream, config, fleet).0)
+            },
+        )
     }
 
     fn try_withdraw(
@@ -600,12 +646,19 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
                 let units = entry
                     .value()
                     .refill(&config, now, config.capacity_units())?;
+                let bucket = entry.value();
                 Some(BudgetSnapshot {
                     upstream: entry.key().to_string(),
                     tokens: units_to_tokens(units),
-                    retries_enabled: entry.value().retries_enabled.load(Ordering::Acquire),
+                    retries_enabled: bucket.retries_enabled.load(Ordering::Acquire),
                     tracked: true,
                     shared_unavailable: false,
+                    pushback_remaining: pushback::remaining(
+                        bucket.pushback_after.load(Ordering::Acquire),
+                        bucket.pushback_stop.load(Ordering::Acquire),
+                        now,
+                        1,
+                    ),
                 })
             })
             .collect();

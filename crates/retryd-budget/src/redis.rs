@@ -48,7 +48,9 @@ pub use self::shared::Mode;
 use self::shared::{Core, Source};
 pub use self::url::{RedisUrl, redact_url};
 use crate::reports::ReportClaim;
-use crate::{BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, StoreError, StoreStats};
+use crate::{
+    BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, FleetCall, StoreError, StoreStats,
+};
 
 /// Budgets in Redis, shared by every replica that uses the same Redis and
 /// key prefix, kept the way `M` says. Cheap to clone: clones share one
@@ -164,14 +166,15 @@ impl<M: Mode> BudgetStore for RedisBudgetStore<M> {
         }
     }
 
-    fn check(
+    fn check_in_fleet(
         &self,
         upstream: &str,
         config: &BucketConfig,
         withdraw: bool,
+        fleet: FleetCall,
     ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send {
         let core = &self.core;
-        async move { M::check(core, upstream, config, withdraw, core.deadline()).await }
+        async move { M::check(core, upstream, config, withdraw, fleet, core.deadline()).await }
     }
 
     fn try_withdraw(

@@ -164,6 +164,7 @@ impl<M: Operations> Core<M> {
                 retries_enabled: reply.enabled,
                 tracked: true,
                 shared_unavailable: false,
+                pushback_remaining: reply.pushback_remaining(),
                 upstream: name,
             });
         }
