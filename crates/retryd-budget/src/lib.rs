@@ -298,9 +298,9 @@ pub trait BudgetStore: Send + Sync + 'static {
     /// to it, "set if later", in the same step (one script on Redis). A
     /// stop in force withdraws nothing, as the kill switch, nor does a wait
     /// in force longer than `fleet.patience`. An announcement for an
-    /// upstream the store does not track is written only if the upstream
-    /// is configured or `withdraw` is set (the calls that may create its
-    /// budget anyway). See [`pushback`].
+    /// upstream the store does not track yet makes its state (the memory
+    /// store: its bucket, under the upstream limit, dropped past it; Redis:
+    /// two fields that expire with the pushback). See [`pushback`].
     fn check_in_fleet(
         &self,
         upstream: &str,

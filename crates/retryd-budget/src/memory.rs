@@ -543,18 +543,25 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
         withdraw: bool,
         fleet: FleetCall,
     ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send {
-        // A configured upstream's announcement makes its bucket (outside
-        // the upstream limit); an unconfigured one's only with a withdrawal,
-        // which would make it anyway.
-        ready(
-            if withdraw || (fleet.announce.is_set() && config.configured) {
-                self.with_bucket(upstream, config, |bucket, now| {
-                    bucket.check(config, now, withdraw, fleet)
-                })
-            } else {
-                Ok(self.look(upstream, config, fleet).0)
-            },
-        )
+        ready(if withdraw {
+            self.with_bucket(upstream, config, |bucket, now| {
+                bucket.check(config, now, true, fleet)
+            })
+        } else if fleet.announce.is_set() {
+            // An announcement needs a bucket to live in: made (under the
+            // upstream limit) if need be; past the limit it is dropped
+            // rather than refuse a decision that spends nothing.
+            match self.with_bucket(upstream, config, |bucket, now| {
+                bucket.check(config, now, false, fleet)
+            }) {
+                Err(StoreError::TooManyUpstreams { .. }) => {
+                    Ok(self.look(upstream, config, fleet).0)
+                }
+                checked => checked,
+            }
+        } else {
+            Ok(self.look(upstream, config, fleet).0)
+        })
     }
 
     fn try_withdraw(

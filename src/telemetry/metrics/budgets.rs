@@ -100,6 +100,7 @@ mod tests {
             retries_enabled: true,
             tracked: true,
             shared_unavailable: false,
+            pushback_remaining: None,
         }]
     }
 

@@ -140,6 +140,8 @@ fn one(value: Number) -> Vec<(Labels, Number)> {
 struct Gauges {
     tokens: f64,
     retries_enabled: bool,
+    /// The longest pushback in force among the label's upstreams, seconds.
+    pushback: f64,
 }
 
 impl Metrics {
@@ -256,6 +258,11 @@ impl Metrics {
             METRIC_RETRIES_GRANTED,
             "Retries granted (RETRY verdicts) by upstream.",
             by_upstream(&|row| self.decisions(row, RETRY_OUTCOME)),
+        ));
+        families.push(counter(
+            METRIC_BACKOFFS_STRETCHED,
+            "RETRY backoffs stretched past the upstream's earliest-retry time, set by another caller's Retry-After or pushback, by upstream.",
+            by_upstream(&|row| self.stretched[row].load(Ordering::Relaxed)),
         ));
         families.push(counter(
             METRIC_UPSTREAM_REPORTED,
@@ -523,9 +530,13 @@ impl Metrics {
             let gauge = gauges[self.row(&budget.upstream)].get_or_insert(Gauges {
                 tokens: 0.0,
                 retries_enabled: true,
+                pushback: 0.0,
             });
             gauge.tokens += budget.tokens;
             gauge.retries_enabled &= budget.retries_enabled;
+            if let Some(remaining) = budget.pushback_remaining {
+                gauge.pushback = gauge.pushback.max(remaining.as_secs_f64());
+            }
         }
         let labelled = |value: fn(Gauges) -> Number| -> Vec<(Labels, Number)> {
             self.labels
@@ -545,6 +556,11 @@ impl Metrics {
             METRIC_RETRIES_ENABLED,
             "0 while an operator has switched retries off (_other: for any unconfigured upstream).",
             labelled(|gauge| Number::Int(u64::from(gauge.retries_enabled))),
+        ));
+        families.push(gauge(
+            METRIC_UPSTREAM_PUSHBACK,
+            "Seconds until the upstream's fleet-wide pushback ends (earliest-retry time or stop window), 0 when none (_other: the longest).",
+            labelled(|gauge| Number::Float(gauge.pushback)),
         ));
 
         let mut registry = Registry::default();
