@@ -181,6 +181,15 @@ impl BudgetStore for GatedStore {
         self.inner.try_withdraw(upstream, config).await
     }
 
+    async fn note_level(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        level: f64,
+    ) -> Result<(), StoreError> {
+        self.inner.note_level(upstream, config, level).await
+    }
+
     async fn admit(&self, upstreams: &[(&str, &BucketConfig)]) -> Result<(), StoreError> {
         self.inner.admit(upstreams).await
     }

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use crate::budget::{BucketConfig, OnUnavailable};
 use crate::engine::Policy;
-use crate::policy::{CandidatePolicy, DEFAULT_PUSHBACK_STOP_WINDOW, Policies, UpstreamPolicy};
+use crate::policy::{
+    CandidatePolicy, DEFAULT_PUSHBACK_STOP_WINDOW, DEFAULT_RAMP_WINDOW, Policies, UpstreamPolicy,
+};
 
 use super::{InvalidConfig, PolicySettings, Settings, invalid, parse_duration};
 
@@ -39,6 +41,7 @@ pub(super) fn policies(
         enforce: true,
         adaptive: true,
         pushback_stop_window: DEFAULT_PUSHBACK_STOP_WINDOW,
+        ramp_window: DEFAULT_RAMP_WINDOW,
         candidate: None,
     };
     if settings.defaults.candidate.is_some() {
@@ -82,6 +85,7 @@ fn resolve_candidate(
             "pushback_stop_window",
             overrides.pushback_stop_window.is_some(),
         ),
+        ("ramp_window", overrides.ramp_window.is_some()),
     ] {
         if set {
             return Err(invalid(
@@ -146,6 +150,16 @@ fn resolve_policy(
         }
         None => base.pushback_stop_window,
     };
+    let ramp_window = match &overrides.ramp_window {
+        Some(raw) => {
+            let window = parse_duration(&key("ramp_window"), raw)?;
+            if window > Duration::from_secs(3600) {
+                return Err(invalid(key("ramp_window"), "must be at most 1h"));
+            }
+            window
+        }
+        None => base.ramp_window,
+    };
 
     let budget = &overrides.budget;
     let non_negative = |name: &str, value: Option<f64>, target: &mut f64| {
@@ -208,6 +222,7 @@ fn resolve_policy(
         enforce,
         adaptive,
         pushback_stop_window,
+        ramp_window,
         candidate: None,
     })
 }

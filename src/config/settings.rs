@@ -443,6 +443,11 @@ pub struct PolicySettings {
     /// caller's retries of the upstream, e.g. `"5s"` (README, "Fleet-wide
     /// pushback"); `"0s"` keeps the stop to the caller that received it.
     pub pushback_stop_window: Option<String>,
+    /// How long the retries admitted grow from none to all after the
+    /// upstream recovers (successes return after a low adaptive level) or
+    /// retries are switched back on, e.g. `"5s"` (README, "Recovery");
+    /// `"0s"`: no ramp.
+    pub ramp_window: Option<String>,
     /// A policy evaluated beside this one on every decision (any of these
     /// keys, except `enforce` and `candidate`), never enforced.
     pub candidate: Option<Box<PolicySettings>>,

@@ -9,6 +9,10 @@
 //! retries for the policy's `pushback_stop_window`. An unparseable one is
 //! the caller's own denial (gRFC A6) and announces nothing: it says nothing
 //! about how long the upstream wants.
+//!
+//! It also brings the decision's jitter draw and the policy's
+//! `ramp_window`: during a recovery ramp the store withdraws only for a draw
+//! below the ramp's share, and the engine admits on the same draw.
 
 use crate::budget::{Announce, FleetCall};
 use crate::engine::{Facts, Pushback, parse_pushback, parse_retry_after};
@@ -40,7 +44,12 @@ pub(super) fn fleet_call(facts: &Facts<'_>, policy: &UpstreamPolicy) -> FleetCal
         .deadline_remaining
         .map(|remaining| remaining.saturating_sub(policy.engine.min_attempt_budget))
         .filter(|room| *room < max);
-    FleetCall { announce, patience }
+    FleetCall {
+        announce,
+        patience,
+        draw: facts.jitter,
+        ramp_window: policy.ramp_window,
+    }
 }
 
 /// A pushback written as a negative integer (gRFC A6: "do not retry").
@@ -106,7 +115,10 @@ mod tests {
             Announce::Stop(Duration::from_secs(5))
         );
         assert_eq!(call(None, Some("x")).announce, Announce::Nothing);
-        assert_eq!(call(None, None), FleetCall::PLAIN);
+        let plain = call(None, None);
+        assert_eq!(plain.announce, Announce::Nothing);
+        assert_eq!(plain.patience, None);
+        assert_eq!(plain.ramp_window, Duration::from_secs(5));
     }
 
     #[test]

@@ -172,6 +172,19 @@ impl<S: BudgetStore> Decider<S> {
             observe.store_call(StoreOp::Deposit, depositing.elapsed(), deposited.is_err());
             deposited.map_err(|error| failed(error.into(), Some(index), entries.len()))?;
             observe.deposited(upstream, entry.requests, funded_requests);
+            // The level fleet-wide, for GetBudget and the recovery ramp:
+            // successes returning after a low level start it.
+            if live.policies.get(upstream).adaptive && entry.outcomes.is_reported() {
+                let noting = Instant::now();
+                let noted = self
+                    .store
+                    .note_level(upstream, config, entry.outcomes.health())
+                    .await;
+                observe.store_call(StoreOp::Deposit, noting.elapsed(), noted.is_err());
+                if let Err(error) = noted {
+                    tracing::debug!(%error, upstream, "could not note the adaptive level");
+                }
+            }
             if let Some(candidate) = &live.policies.get(upstream).candidate {
                 self.candidates
                     .deposit(upstream, candidate, funded_requests);

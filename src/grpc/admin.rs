@@ -110,8 +110,12 @@ fn budget(snapshot: BudgetSnapshot, policy: &UpstreamPolicy) -> pb::Budget {
         shared_unavailable: snapshot.shared_unavailable,
         adaptive: policy.adaptive,
         pushback_remaining: snapshot.pushback_remaining.map(duration),
-        // No ramp is kept yet: every retry the budget holds is admitted.
-        ramp: 1.0,
+        adaptive_level: if policy.adaptive {
+            snapshot.adaptive_level
+        } else {
+            1.0
+        },
+        ramp: crate::budget::pushback::ramp(snapshot.ramp_elapsed, policy.ramp_window).0,
         ..Default::default()
     }
 }

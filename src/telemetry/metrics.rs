@@ -121,6 +121,9 @@ pub const METRIC_BACKOFFS_STRETCHED: &str = "retryd_backoffs_stretched_total";
 /// Gauge: seconds from the listing until the upstream's fleet-wide pushback
 /// ends (its earliest-retry time or stop window); 0 when none is in force.
 pub const METRIC_UPSTREAM_PUSHBACK: &str = "retryd_upstream_pushback_seconds";
+/// Gauge: the adaptive budget's level as last reported fleet-wide (1
+/// before any outcome), by upstream (`_other`: the lowest).
+pub const METRIC_UPSTREAM_ADAPTIVE_LEVEL: &str = "retryd_upstream_adaptive_level";
 /// Counter of retries granted (RETRY verdicts), by upstream.
 pub const METRIC_RETRIES_GRANTED: &str = "retryd_retries_granted_total";
 /// Counter of decisions by principal and verdict.

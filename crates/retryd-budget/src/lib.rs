@@ -183,6 +183,13 @@ pub struct BudgetSnapshot {
     /// How long from now no retry of the upstream may land (the fleet's
     /// earliest-retry time or a stop window); `None` when none is in force.
     pub pushback_remaining: Option<Duration>,
+    /// The adaptive budget's level as last reported: the share of a report's
+    /// requests that funded retries (1 before any outcome was reported).
+    pub adaptive_level: f64,
+    /// How long ago the upstream's last recovery ramp began (retries
+    /// switched back on, or successes returning after a low level); `None`
+    /// if none ever did. The ramp is `elapsed / ramp_window`, capped at 1.
+    pub ramp_elapsed: Option<Duration>,
 }
 
 /// What one decision learns from an upstream's budget, and whether it
@@ -202,6 +209,10 @@ pub struct BudgetCheck {
     /// How long from now no retry may land, the stop window included
     /// (before this call's announcement); `None` when none is in force.
     pub pushback_remaining: Option<Duration>,
+    /// See [`BudgetSnapshot::adaptive_level`].
+    pub adaptive_level: f64,
+    /// See [`BudgetSnapshot::ramp_elapsed`].
+    pub ramp_elapsed: Option<Duration>,
 }
 
 impl BudgetCheck {
@@ -214,6 +225,8 @@ impl BudgetCheck {
             tracked,
             shared_unavailable: false,
             pushback_remaining: self.pushback_remaining,
+            adaptive_level: self.adaptive_level,
+            ramp_elapsed: self.ramp_elapsed,
         }
     }
 }
@@ -297,7 +310,8 @@ pub trait BudgetStore: Send + Sync + 'static {
     /// pushback (as it was before this call) and writes `fleet.announce`
     /// to it, "set if later", in the same step (one script on Redis). A
     /// stop in force withdraws nothing, as the kill switch, nor does a wait
-    /// in force longer than `fleet.patience`. An announcement for an
+    /// in force longer than `fleet.patience`, nor a draw a recovery ramp
+    /// does not admit (`fleet.draw` against the ramp's share). An announcement for an
     /// upstream the store does not track yet makes its state (the memory
     /// store: its bucket, under the upstream limit, dropped past it; Redis:
     /// two fields that expire with the pushback). See [`pushback`].
@@ -373,8 +387,20 @@ pub trait BudgetStore: Send + Sync + 'static {
         requests: u64,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Notes the adaptive budget's level of a report's entry for the
+    /// upstream (its health, 0 to 1), fleet-wide on a shared store: a level
+    /// at or above [`pushback::LOW_LEVEL`] after one below it (the fault
+    /// cleared) starts a recovery ramp. Called after the entry's deposit,
+    /// off the decision path.
+    fn note_level(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        level: f64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// Switches retries on or off for the upstream. Returns the previous
-    /// state.
+    /// state. Switching them back on starts a recovery ramp.
     fn set_retries_enabled(
         &self,
         upstream: &str,

@@ -137,6 +137,11 @@ struct Bucket {
     /// reads them in the cache line it already has (`pushback.rs`).
     pushback_after: AtomicU64,
     pushback_stop: AtomicU64,
+    /// When the last recovery ramp began, plus one (0: never), on the
+    /// store's clock.
+    ramp_from: AtomicU64,
+    /// The adaptive level last noted, as `f64` bits.
+    level: AtomicU64,
 }
 
 impl Bucket {
@@ -148,7 +153,29 @@ impl Bucket {
             counted: AtomicBool::new(!config.configured),
             pushback_after: AtomicU64::new(0),
             pushback_stop: AtomicU64::new(0),
+            ramp_from: AtomicU64::new(0),
+            level: AtomicU64::new(1.0f64.to_bits()),
         }
+    }
+
+    /// Starts a recovery ramp now.
+    fn start_ramp(&self, now: u64) {
+        self.ramp_from
+            .store(now.saturating_add(1), Ordering::Release);
+    }
+
+    /// How long ago the last ramp began.
+    fn ramp_elapsed(&self, now: u64) -> Option<std::time::Duration> {
+        match self.ramp_from.load(Ordering::Acquire) {
+            0 => None,
+            from => Some(std::time::Duration::from_nanos(
+                now.saturating_sub(from - 1),
+            )),
+        }
+    }
+
+    fn level(&self) -> f64 {
+        f64::from_bits(self.level.load(Ordering::Acquire))
     }
 
     /// The pushback before `fleet.announce`, then the announcement written
@@ -259,22 +286,24 @@ impl Bucket {
         let held = self.refill(config, now, capacity)?;
         let retries_enabled = self.retries_enabled.load(Ordering::Acquire);
         let (after, stop) = self.announce(fleet, now);
-        let pushback = pushback::in_force(after, stop, now, 1);
-        let (units, withdrew) =
-            if withdraw && retries_enabled && !pushback.stop && fleet.bears(pushback.wait) {
-                match self.try_withdraw(capacity)? {
-                    Ok(left) => (left, true),
-                    Err(held) => (held, false),
-                }
-            } else {
-                (held, false)
-            };
+        let ramp_elapsed = self.ramp_elapsed(now);
+        let pushback = fleet.fleet(pushback::in_force(after, stop, now, 1), ramp_elapsed);
+        let (units, withdrew) = if withdraw && retries_enabled && fleet.lets_through(&pushback) {
+            match self.try_withdraw(capacity)? {
+                Ok(left) => (left, true),
+                Err(held) => (held, false),
+            }
+        } else {
+            (held, false)
+        };
         Some(BudgetCheck {
             tokens: units_to_tokens(units),
             retries_enabled,
             withdrew,
             pushback,
             pushback_remaining: pushback::remaining(after, stop, now, 1),
+            adaptive_level: self.level(),
+            ramp_elapsed,
         })
     }
 }
@@ -503,6 +532,8 @@ impl<C: Clock> MemoryBudgetStore<C> {
                 withdrew: false,
                 pushback: pushback::FleetPushback::NONE,
                 pushback_remaining: None,
+                adaptive_level: 1.0,
+                ramp_elapsed: None,
             },
             false,
         )
@@ -626,13 +657,32 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
         config: &BucketConfig,
         enabled: bool,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        ready(self.with_bucket(upstream, config, |bucket, _| {
+        ready(self.with_bucket(upstream, config, |bucket, now| {
             // SeqCst, with the sweep's compare-and-swap and re-check: either
             // the sweep sees the switch (and keeps the bucket) or this sees
             // the eviction (and switches the new bucket). A kill switch is
             // never lost with an evicted bucket.
             let previous = bucket.retries_enabled.swap(enabled, Ordering::SeqCst);
+            // Released: the retries come back along the ramp.
+            if enabled && !previous {
+                bucket.start_ramp(now);
+            }
             (bucket.units.load(Ordering::SeqCst) != EVICTED).then_some(previous)
+        }))
+    }
+
+    fn note_level(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        level: f64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        ready(self.with_bucket(upstream, config, |bucket, now| {
+            let before = f64::from_bits(bucket.level.swap(level.to_bits(), Ordering::AcqRel));
+            if before < pushback::LOW_LEVEL && level >= pushback::LOW_LEVEL {
+                bucket.start_ramp(now);
+            }
+            (!bucket.is_evicted()).then_some(())
         }))
     }
 
@@ -666,6 +716,8 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
                         now,
                         1,
                     ),
+                    adaptive_level: bucket.level(),
+                    ramp_elapsed: bucket.ramp_elapsed(now),
                 })
             })
             .collect();

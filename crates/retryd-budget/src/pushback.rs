@@ -60,7 +60,7 @@ impl Announce {
 }
 
 /// What a decision brings to the store about the upstream's pushback.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FleetCall {
     /// The pushback it reports, to write.
     pub announce: Announce,
@@ -69,6 +69,14 @@ pub struct FleetCall {
     /// withdraws nothing, since the engine will deny it (DEADLINE), and
     /// only a final RETRY spends a token. `None`: any wait.
     pub patience: Option<Duration>,
+    /// The decision's jitter draw in `[0, 1)`: during a recovery ramp of
+    /// share `r`, a token is withdrawn only for a draw below `r` (the
+    /// engine admits on the same draw).
+    pub draw: f64,
+    /// The policy's `ramp_window`: how long the share grows from 0 to 1
+    /// after a fault cleared or retries were switched back on (zero: no
+    /// ramp).
+    pub ramp_window: Duration,
 }
 
 impl FleetCall {
@@ -76,7 +84,26 @@ impl FleetCall {
     pub const PLAIN: FleetCall = FleetCall {
         announce: Announce::Nothing,
         patience: None,
+        draw: 0.0,
+        ramp_window: Duration::ZERO,
     };
+
+    /// The pushback in force and the ramp, `elapsed` since the ramp began
+    /// (`None`: never), as the engine reads them.
+    pub fn fleet(&self, pushback: FleetPushback, elapsed: Option<Duration>) -> FleetPushback {
+        let (ramp, ramp_remaining) = ramp(elapsed, self.ramp_window);
+        FleetPushback {
+            ramp,
+            ramp_remaining,
+            ..pushback
+        }
+    }
+
+    /// True if the withdrawal may go ahead: no stop, a wait it bears, and
+    /// a draw the ramp admits.
+    pub fn lets_through(&self, fleet: &FleetPushback) -> bool {
+        !fleet.stop && self.bears(fleet.wait) && fleet.admits(self.draw)
+    }
 
     /// True if a pushback in force of `wait` lets the RETRY through.
     pub fn bears(&self, wait: Duration) -> bool {
@@ -92,6 +119,26 @@ impl FleetCall {
     }
 }
 
+/// A recovery ramp's share and time left, `elapsed` after it began, over
+/// `window`: the share grows linearly from 0 to 1 (README, "Recovery").
+pub fn ramp(elapsed: Option<Duration>, window: Duration) -> (f64, Duration) {
+    match elapsed {
+        // Whole nanoseconds, divided once: Redis's script divides the same
+        // milliseconds, and one correctly rounded quotient of the same real
+        // number is the same double, so both admit on the same draws.
+        Some(elapsed) if elapsed < window => (
+            elapsed.as_nanos() as f64 / window.as_nanos() as f64,
+            window - elapsed,
+        ),
+        _ => (1.0, Duration::ZERO),
+    }
+}
+
+/// A level of the adaptive budget below which the upstream is taken as
+/// failing: a later report at or above it (successes returning) starts a
+/// recovery ramp.
+pub const LOW_LEVEL: f64 = 0.5;
+
 /// The pushback in force at `now` given the earliest-retry time `after`
 /// and the stop's end `stop` (in the same clock's units per nanosecond
 /// scale, 0 for none).
@@ -99,6 +146,7 @@ pub fn in_force(after: u64, stop: u64, now: u64, nanos_per_unit: u64) -> FleetPu
     FleetPushback {
         wait: Duration::from_nanos(after.saturating_sub(now).saturating_mul(nanos_per_unit)),
         stop: stop > now,
+        ..FleetPushback::NONE
     }
 }
 
@@ -120,6 +168,18 @@ mod tests {
         assert_eq!(wait.millis(), (2, 0));
         assert_eq!(Announce::Stop(Duration::from_secs(5)).millis(), (0, 5000));
         assert!(!Announce::Nothing.is_set());
+    }
+
+    #[test]
+    fn a_ramp_grows_linearly_over_its_window() {
+        let window = Duration::from_secs(5);
+        assert_eq!(ramp(None, window), (1.0, Duration::ZERO));
+        assert_eq!(
+            ramp(Some(Duration::from_secs(1)), window),
+            (0.2, Duration::from_secs(4))
+        );
+        assert_eq!(ramp(Some(window), window), (1.0, Duration::ZERO));
+        assert_eq!(ramp(Some(Duration::ZERO), Duration::ZERO).0, 1.0);
     }
 
     #[test]

@@ -166,6 +166,19 @@ impl<M: Mode> BudgetStore for RedisBudgetStore<M> {
         }
     }
 
+    fn note_level(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        level: f64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let core = &self.core;
+        async move {
+            core.direct_note_level(upstream, config, level, core.deadline())
+                .await
+        }
+    }
+
     fn check_in_fleet(
         &self,
         upstream: &str,

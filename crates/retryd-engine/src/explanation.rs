@@ -63,6 +63,11 @@ impl Decision {
                         text.push_str(" allows another attempt (rule 9)");
                     }
                 }
+                if self.fleet == FleetEffect::Spread {
+                    text.push_str(
+                        "; the upstream is recovering, and the backoff is spread over the rest of its ramp",
+                    );
+                }
                 if self.fleet == FleetEffect::Stretched {
                     text.push_str(
                         "; the backoff was stretched past the upstream's earliest-retry time, set by another caller's Retry-After or pushback",
@@ -82,6 +87,9 @@ impl Decision {
             Verdict::Deny(reason) => {
                 let why = match reason {
                     DenyReason::MaxAttempts => "no attempts left",
+                    DenyReason::BudgetExhausted if self.fleet == FleetEffect::Ramped => {
+                        "the upstream is recovering, and its retry budget admits only part of the retries yet"
+                    }
                     DenyReason::BudgetExhausted => "the upstream's retry budget is empty",
                     DenyReason::BudgetUnavailable => {
                         "the shared retry budget is unreachable and the policy is to deny"

@@ -365,6 +365,12 @@ pub enum FleetEffect {
     /// The retry was denied (SERVER_PUSHBACK): a caller's negative pushback
     /// stopped the upstream's retries.
     Stopped,
+    /// The retry was denied (BUDGET_EXHAUSTED): the upstream is recovering
+    /// and its ramp admits only part of the retries yet.
+    Ramped,
+    /// The RETRY was admitted by a recovery ramp, its backoff spread over
+    /// what is left of it.
+    Spread,
 }
 
 impl Decision {
@@ -491,15 +497,17 @@ pub fn decide_in_fleet(facts: &Facts<'_>, policy: &Policy, fleet: FleetPushback)
             fleet: FleetEffect::Stopped,
             ..deny(DenyReason::ServerPushback, Rule::STATUS)
         },
+        // The upstream is recovering: its ramp admits a growing share of
+        // the retries (a budget rule: what the budget lets through).
+        StatusOutcome::Retry { .. } if !fleet.admits(facts.jitter) => Decision {
+            fleet: FleetEffect::Ramped,
+            ..deny(DenyReason::BudgetExhausted, Rule::BUDGET)
+        },
         StatusOutcome::Retry {
             refresh_credentials,
         } => match backoff_within_deadline(facts, policy, refresh_credentials, fleet) {
-            Some((backoff, stretched)) => Decision {
-                fleet: if stretched {
-                    FleetEffect::Stretched
-                } else {
-                    FleetEffect::None
-                },
+            Some((backoff, effect)) => Decision {
+                fleet: effect,
                 ..answer(
                     Verdict::Retry {
                         backoff,
@@ -613,7 +621,7 @@ fn grpc_rule(code: GrpcCode, facts: &Facts<'_>, policy: &Policy) -> StatusOutcom
     }
 }
 
-/// The backoff of a RETRY and whether the fleet's pushback stretched it,
+/// The backoff of a RETRY and what the fleet's pushback or ramp did to it,
 /// or `None` when a Retry-After (the caller's or the fleet's) cannot be
 /// honoured (too long for the policy, or not fitting the deadline).
 fn backoff_within_deadline(
@@ -621,7 +629,7 @@ fn backoff_within_deadline(
     policy: &Policy,
     refresh_credentials: bool,
     fleet: FleetPushback,
-) -> Option<(Duration, bool)> {
+) -> Option<(Duration, FleetEffect)> {
     // Retry-After (HTTP) or a valid pushback (gRPC): the server's floor.
     let floor = match facts.grpc_pushback.map(parse_pushback) {
         Some(Pushback::Wait(wait)) => Some(wait),
@@ -650,20 +658,28 @@ fn backoff_within_deadline(
         .backoff
         .ceiling(facts.attempt, facts.previous_backoff);
     let fleet_wait = fleet.wait.min(policy.max_retry_after);
-    let (backoff, stretched) = match fleet.floor(ceiling, facts.jitter, policy.max_retry_after) {
-        Some(stretched) if stretched > own => (stretched, true),
-        _ => (own, false),
+    let (backoff, effect) = match fleet.floor(ceiling, facts.jitter, policy.max_retry_after) {
+        Some(stretched) if stretched > own => (stretched, FleetEffect::Stretched),
+        _ => (own, FleetEffect::None),
+    };
+    // During a recovery ramp the admitted retries are spread over what is
+    // left of it (not a floor: the deadline may cut it short).
+    let spread = fleet.ramp_spread(facts.jitter);
+    let (backoff, effect) = if spread > backoff {
+        (spread, FleetEffect::Spread)
+    } else {
+        (backoff, effect)
     };
     let floor = floor.max(fleet_wait);
     match facts.deadline_remaining {
-        None => Some((backoff, stretched)),
+        None => Some((backoff, effect)),
         Some(remaining) => {
             // Rule 6 guarantees remaining >= min_attempt_budget.
             let room = remaining.saturating_sub(policy.min_attempt_budget);
             if floor > room {
                 None
             } else {
-                Some((backoff.min(room), stretched))
+                Some((backoff.min(room), effect))
             }
         }
     }

@@ -1908,7 +1908,7 @@ fn explanations_say_the_outcome_is_unknown() {
 fn a_fleet_pushback_stretches_the_backoff() {
     let fleet = FleetPushback {
         wait: Duration::from_secs(2),
-        stop: false,
+        ..FleetPushback::NONE
     };
     let busy = case().status(503);
     let decision = decide_in_fleet(&busy.facts(), &Policy::default(), fleet);
@@ -1966,8 +1966,8 @@ fn a_fleet_pushback_stretches_the_backoff() {
 #[test]
 fn a_fleet_stop_denies_retries_as_server_pushback() {
     let fleet = FleetPushback {
-        wait: Duration::ZERO,
         stop: true,
+        ..FleetPushback::NONE
     };
     let decision = decide_in_fleet(&case().status(503).facts(), &Policy::default(), fleet);
     assert_eq!(decision.verdict, Verdict::Deny(ServerPushback));
@@ -1985,7 +1985,7 @@ fn a_fleet_stop_denies_retries_as_server_pushback() {
 }
 
 proptest! {
-    /// The fleet's pushback only ever lengthens a RETRY's backoff to end
+    /// The fleet's pushback (and recovery ramp) only ever lengthens a RETRY's backoff to end
     /// no earlier than its wait (deadline permitting), or turns a RETRY
     /// into a DENY; every other verdict is the plain decision's.
     #[test]
@@ -1993,9 +1993,16 @@ proptest! {
         case in any_case(),
         wait_ms in 0u64..120_000,
         stop in any::<bool>(),
+        ramp in prop_oneof![Just(1.0f64), 0.0f64..1.0],
+        ramp_ms in 0u64..5_000,
     ) {
         let policy = Policy::default();
-        let fleet = FleetPushback { wait: Duration::from_millis(wait_ms), stop };
+        let fleet = FleetPushback {
+            wait: Duration::from_millis(wait_ms),
+            stop,
+            ramp,
+            ramp_remaining: Duration::from_millis(ramp_ms),
+        };
         let plain = case.run(&policy);
         let decision = decide_in_fleet(&case.facts(), &policy, fleet);
         match (plain.verdict, decision.verdict) {
@@ -2006,7 +2013,10 @@ proptest! {
                 prop_assert!(backoff >= bound, "{backoff:?} < {bound:?}");
             }
             (Verdict::Retry { .. }, Verdict::Deny(reason)) => {
-                prop_assert!(matches!(reason, ServerPushback | Deadline), "{decision}");
+                prop_assert!(
+                    matches!(reason, ServerPushback | Deadline | BudgetExhausted),
+                    "{decision}"
+                );
             }
             _ => prop_assert_eq!(plain, decision),
         }

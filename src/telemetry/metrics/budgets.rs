@@ -101,6 +101,8 @@ mod tests {
             tracked: true,
             shared_unavailable: false,
             pushback_remaining: None,
+            adaptive_level: 1.0,
+            ramp_elapsed: None,
         }]
     }
 

@@ -142,6 +142,8 @@ struct Gauges {
     retries_enabled: bool,
     /// The longest pushback in force among the label's upstreams, seconds.
     pushback: f64,
+    /// The lowest adaptive level among them.
+    level: f64,
 }
 
 impl Metrics {
@@ -531,7 +533,9 @@ impl Metrics {
                 tokens: 0.0,
                 retries_enabled: true,
                 pushback: 0.0,
+                level: 1.0,
             });
+            gauge.level = gauge.level.min(budget.adaptive_level);
             gauge.tokens += budget.tokens;
             gauge.retries_enabled &= budget.retries_enabled;
             if let Some(remaining) = budget.pushback_remaining {
@@ -561,6 +565,11 @@ impl Metrics {
             METRIC_UPSTREAM_PUSHBACK,
             "Seconds until the upstream's fleet-wide pushback ends (earliest-retry time or stop window), 0 when none (_other: the longest).",
             labelled(|gauge| Number::Float(gauge.pushback)),
+        ));
+        families.push(gauge(
+            METRIC_UPSTREAM_ADAPTIVE_LEVEL,
+            "The adaptive budget's level as last reported fleet-wide, 0 to 1 (_other: the lowest).",
+            labelled(|gauge| Number::Float(gauge.level)),
         ));
 
         let mut registry = Registry::default();

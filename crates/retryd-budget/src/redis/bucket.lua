@@ -36,9 +36,11 @@ local now_ms = math.floor(now_us / 1000)
 -- EVALSHA). `pb` and `ps` are the upstream's fleet-wide pushback (issue 32,
 -- pushback.rs): the earliest-retry time and the end of a stop window, in
 -- server ms (absent or past: none). They ride in the same hash so that a
--- decision reads them with the same HMGET.
+-- decision reads them with the same HMGET. `rs` is when the last recovery
+-- ramp began (server ms; absent: never) and `lv` the adaptive level last
+-- noted, in millionths (absent: 1).
 local state = redis.call('HMGET', KEYS[1], 'tokens', 'us', 'ns', 'out', 'lexp', 'off', 'exp',
-  'pb', 'ps')
+  'pb', 'ps', 'rs', 'lv')
 local existed = state[1] ~= false
 local tokens, us, ns
 if existed then
@@ -82,6 +84,22 @@ local function announce(wait_ms, stop_ms)
     moved = true
   end
   return moved
+end
+
+local rs = tonumber(state[10]) or 0
+local lv = tonumber(state[11]) or UNIT
+
+-- The recovery ramp's share now, over a window of `window_ms` (0: none):
+-- (now − rs) / window, capped at 1; the same doubles as Rust's.
+local function ramp_share(window_ms)
+  if rs <= 0 or window_ms <= 0 then
+    return 1
+  end
+  local elapsed = math.max(now_ms - rs, 0)
+  if elapsed >= window_ms then
+    return 1
+  end
+  return elapsed / window_ms
 end
 
 -- True while a stop window is in force: no token is withdrawn.
@@ -183,7 +201,7 @@ local function save()
   end
   redis.call('HSET', KEYS[1], 'tokens', int(tokens), 'us', int(us), 'ns', int(ns),
     'out', int(out), 'lexp', int(lexp), 'off', off, 'exp', int(expiry),
-    'pb', int(pb), 'ps', int(ps))
+    'pb', int(pb), 'ps', int(ps), 'rs', int(rs), 'lv', int(lv))
   if command == 'PERSIST' then
     redis.call('PERSIST', KEYS[1])
   elseif command == 'PEXPIRE' then
@@ -207,8 +225,8 @@ local function save_pushback()
   end
 end
 
--- {result, tokens, enabled, tracked, index, now_ms, pb, ps}; pb and ps as
--- read (see above); index: -1 retries off,
+-- {result, tokens, enabled, tracked, index, now_ms, pb, ps, rs, lv}; pb and
+-- ps as read (see above); index: -1 retries off,
 -- -2 nothing saved, -3 saved without expiry, else the bucket's expiry (ms).
 local function reply(result, expiry)
   local index
@@ -229,5 +247,5 @@ local function reply(result, expiry)
   if enabled then
     on = 1
   end
-  return {result, tokens, on, tracked, index, now_ms, pb0, ps0}
+  return {result, tokens, on, tracked, index, now_ms, pb0, ps0, rs, lv}
 end

@@ -3,7 +3,8 @@
 -- later"; if ARGV[5] is "1", withdraw one whole token when there is one,
 -- retries are on, no stop window is in force and the earliest-retry time in
 -- force is at most ARGV[8] ms away (-1: any; a longer wait is a DEADLINE
--- denial, which spends nothing). Result 1 if granted.
+-- denial, which spends nothing), and the recovery ramp (window ARGV[10] ms)
+-- admits the decision's draw ARGV[9] (below its share). Result 1 if granted.
 -- Saved like a withdrawal (the refill too) when asked to withdraw; like a
 -- view (nothing) otherwise, but for an announced pushback.
 refill()
@@ -16,7 +17,10 @@ if ARGV[5] ~= '1' then
 end
 local granted = 0
 local patience = tonumber(ARGV[8]) or -1
-if enabled and tokens >= UNIT and not stopped() and (patience < 0 or pb0 - now_ms <= patience) then
+local share = ramp_share(tonumber(ARGV[10]) or 0)
+local admitted = share >= 1 or (tonumber(ARGV[9]) or 0) < share
+if enabled and tokens >= UNIT and not stopped() and (patience < 0 or pb0 - now_ms <= patience)
+    and admitted then
   tokens = tokens - UNIT
   granted = 1
 end

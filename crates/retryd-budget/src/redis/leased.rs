@@ -82,6 +82,9 @@ pub(super) struct Reading {
     /// it from the cache, as it obeys the kill switch.
     after: Option<Instant>,
     stop: Option<Instant>,
+    /// The last recovery ramp's start and the adaptive level, as read.
+    ramp_from: Option<Instant>,
+    level: f64,
 }
 
 impl Reading {
@@ -97,7 +100,20 @@ impl Reading {
             read_at: now,
             after: at(reply.pushback_ms),
             stop: at(reply.stop_ms),
+            ramp_from: reply
+                .ramp_elapsed()
+                .map(|elapsed| now.checked_sub(elapsed).unwrap_or(now)),
+            level: reply.adaptive_level(),
         }
+    }
+
+    /// How long ago the last ramp began, at `now`; and the level.
+    fn ramp(&self, now: Instant) -> (Option<Duration>, f64) {
+        (
+            self.ramp_from
+                .map(|from| now.saturating_duration_since(from)),
+            self.level,
+        )
     }
 
     /// The pushback in force at `now`, and how long no retry may land.
@@ -109,6 +125,7 @@ impl Reading {
         let fleet = FleetPushback {
             wait,
             stop: !stop.is_zero(),
+            ..FleetPushback::NONE
         };
         let remaining = wait.max(stop);
         (fleet, (!remaining.is_zero()).then_some(remaining))

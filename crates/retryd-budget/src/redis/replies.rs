@@ -1,4 +1,4 @@
-//! What the scripts answer, parsed strictly: a bucket script's eight
+//! What the scripts answer, parsed strictly: a bucket script's ten
 //! integers, and the index's admission answers. Anything else is an
 //! unexpected reply (`RedisStoreError::Reply`), never a guess. Nothing here
 //! talks to Redis or acts on a reply.
@@ -28,6 +28,10 @@ pub struct Reply {
     /// end, in server milliseconds (0 or past: none).
     pub(super) pushback_ms: i64,
     pub(super) stop_ms: i64,
+    /// When the last recovery ramp began (server ms, 0: never), and the
+    /// adaptive level last noted, in millionths.
+    pub(super) ramp_ms: i64,
+    pub(super) level: i64,
 }
 
 impl Reply {
@@ -41,6 +45,18 @@ impl Reply {
     pub(super) fn pushback_remaining(&self) -> Option<std::time::Duration> {
         let (after, stop, now) = self.pushback_clock();
         crate::pushback::remaining(after, stop, now, 1_000_000)
+    }
+
+    /// How long before the script ran the last recovery ramp began.
+    pub(super) fn ramp_elapsed(&self) -> Option<std::time::Duration> {
+        (self.ramp_ms > 0).then(|| {
+            std::time::Duration::from_millis(self.now_ms.saturating_sub(self.ramp_ms).max(0) as u64)
+        })
+    }
+
+    /// The adaptive level last noted, 0 to 1.
+    pub(super) fn adaptive_level(&self) -> f64 {
+        (self.level as f64 / 1e6).clamp(0.0, 1.0)
     }
 
     fn pushback_clock(&self) -> (u64, u64, u64) {
@@ -61,6 +77,8 @@ impl Reply {
                 now_ms,
                 pushback_ms,
                 stop_ms,
+                ramp_ms,
+                level,
             ] => Ok(Reply {
                 result,
                 tokens: tokens.max(0) as u64,
@@ -70,6 +88,8 @@ impl Reply {
                 now_ms,
                 pushback_ms,
                 stop_ms,
+                ramp_ms,
+                level,
             }),
             _ => Err(RedisStoreError::Reply(format!(
                 "a bucket script answered {values:?}"
@@ -130,7 +150,7 @@ mod tests {
 
     #[test]
     fn replies_are_parsed_strictly() {
-        let reply = Reply::parse(&[1, 5_000_000, 1, 1, 42, 7, 2007, 0]).unwrap();
+        let reply = Reply::parse(&[1, 5_000_000, 1, 1, 42, 7, 2007, 0, 0, 1_000_000]).unwrap();
         assert_eq!(
             reply.pushback().wait,
             std::time::Duration::from_millis(2000)

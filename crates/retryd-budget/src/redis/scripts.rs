@@ -23,6 +23,7 @@ pub(super) struct Scripts {
     pub(super) list: Script,
     pub(super) probe: Script,
     pub(super) claim_report: Script,
+    pub(super) level: Script,
 }
 
 fn bucket_script(body: &str) -> Script {
@@ -44,11 +45,12 @@ impl Scripts {
             list: Script::new(include_str!("list.lua")),
             probe: Script::new(include_str!("probe.lua")),
             claim_report: Script::new(include_str!("claim_report.lua")),
+            level: bucket_script(include_str!("level.lua")),
         }
     }
 
     /// All of them, to load at start-up.
-    pub(super) fn all(&self) -> [&Script; 12] {
+    pub(super) fn all(&self) -> [&Script; 13] {
         [
             &self.view,
             &self.check,
@@ -62,6 +64,7 @@ impl Scripts {
             &self.list,
             &self.probe,
             &self.claim_report,
+            &self.level,
         ]
     }
 }

@@ -70,6 +70,7 @@ pub(super) async fn view_with_lease(
         }
     };
     let (pushback, pushback_remaining) = reading.pushback(now);
+    let (ramp_elapsed, adaptive_level) = reading.ramp(now);
     Ok((
         BudgetCheck {
             tokens: units_to_tokens(
@@ -82,6 +83,8 @@ pub(super) async fn view_with_lease(
             withdrew: false,
             pushback,
             pushback_remaining,
+            adaptive_level,
+            ramp_elapsed,
         },
         Source::Shared { tracked: true },
     ))
@@ -99,7 +102,9 @@ pub(super) async fn check_with_lease(
     deadline: Instant,
 ) -> Result<BudgetCheck, StoreError> {
     if !withdraw && !fleet.announce.is_set() {
-        return Ok(view_with_lease(core, upstream, config, deadline).await?.0);
+        let mut view = view_with_lease(core, upstream, config, deadline).await?.0;
+        view.pushback = fleet.fleet(view.pushback, view.ramp_elapsed);
+        return Ok(view);
     }
     if is_closed(core) {
         return core
@@ -119,11 +124,12 @@ pub(super) async fn check_with_lease(
         view.pushback = pushback;
         view.pushback_remaining = remaining;
     }
+    // The ramp from the cached reading, as the kill switch is.
+    view.pushback = fleet.fleet(view.pushback, view.ramp_elapsed);
     if !withdraw
         || !view.retries_enabled
         || view.tokens < 1.0
-        || view.pushback.stop
-        || !fleet.bears(view.pushback.wait)
+        || !fleet.lets_through(&view.pushback)
     {
         return Ok(view);
     }
@@ -160,7 +166,14 @@ async fn announce_now(
             &core.scripts.check,
             upstream,
             config,
-            &["0", &wait_ms.to_string(), &stop_ms.to_string(), "-1"],
+            &[
+                "0",
+                &wait_ms.to_string(),
+                &stop_ms.to_string(),
+                "-1",
+                "0",
+                "0",
+            ],
             deadline,
         )
         .await

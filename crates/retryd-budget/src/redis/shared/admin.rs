@@ -165,6 +165,8 @@ impl<M: Operations> Core<M> {
                 tracked: true,
                 shared_unavailable: false,
                 pushback_remaining: reply.pushback_remaining(),
+                adaptive_level: reply.adaptive_level(),
+                ramp_elapsed: reply.ramp_elapsed(),
                 upstream: name,
             });
         }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 
-use super::{Core, Operations, Source};
+use super::{Core, Operations, Source, UpstreamState};
 use crate::{BucketConfig, BudgetCheck, FleetCall, StoreError, units_to_tokens};
 
 impl<M: Operations> Core<M> {
@@ -40,6 +40,8 @@ impl<M: Operations> Core<M> {
                 withdrew: false,
                 pushback: reply.pushback(),
                 pushback_remaining: reply.pushback_remaining(),
+                adaptive_level: reply.adaptive_level(),
+                ramp_elapsed: reply.ramp_elapsed(),
             },
             Source::Shared {
                 tracked: reply.tracked,
@@ -59,11 +61,16 @@ impl<M: Operations> Core<M> {
         deadline: Instant,
     ) -> Result<BudgetCheck, StoreError> {
         if !withdraw && !fleet.announce.is_set() {
-            return Ok(self.direct_view(upstream, config, deadline).await?.0);
+            let mut view = self.direct_view(upstream, config, deadline).await?.0;
+            view.pushback = fleet.fleet(view.pushback, view.ramp_elapsed);
+            return Ok(view);
         }
         let (wait_ms, stop_ms) = fleet.announce.millis();
         let (wait_ms, stop_ms) = (wait_ms.to_string(), stop_ms.to_string());
         let patience = fleet.patience_millis().to_string();
+        // The exact double, as the refill's floor is passed.
+        let draw = format!("{:?}", fleet.draw);
+        let window = fleet.ramp_window.as_millis().to_string();
         if !withdraw {
             // An announcement alone: its two fields in the bucket's hash,
             // which expire with it, and no admission (nothing is budgeted).
@@ -72,12 +79,12 @@ impl<M: Operations> Core<M> {
                     &self.scripts.check,
                     upstream,
                     config,
-                    &["0", &wait_ms, &stop_ms, &patience],
+                    &["0", &wait_ms, &stop_ms, &patience, &draw, &window],
                     deadline,
                 )
                 .await
             {
-                Ok(reply) => Ok(self.checked(upstream, config, &reply)),
+                Ok(reply) => Ok(self.checked(upstream, config, &reply, fleet)),
                 Err(_) => Ok(self.fallback_view(upstream, config, 0).await?.0),
             };
         }
@@ -93,7 +100,7 @@ impl<M: Operations> Core<M> {
                 &self.scripts.check,
                 upstream,
                 config,
-                &["1", &wait_ms, &stop_ms, &patience],
+                &["1", &wait_ms, &stop_ms, &patience, &draw, &window],
                 deadline,
             )
             .await
@@ -102,7 +109,7 @@ impl<M: Operations> Core<M> {
                 self.after_write(upstream, &state, &reply);
                 Ok(BudgetCheck {
                     withdrew: reply.result == 1,
-                    ..self.checked(upstream, config, &reply)
+                    ..self.checked(upstream, config, &reply, fleet)
                 })
             }
             Err(failure) => self.fallback_check(upstream, config, failure, fleet).await,
@@ -115,6 +122,7 @@ impl<M: Operations> Core<M> {
         upstream: &str,
         config: &BucketConfig,
         reply: &crate::redis::replies::Reply,
+        fleet: FleetCall,
     ) -> BudgetCheck {
         self.note_switch(upstream, reply.enabled);
         let tokens = if reply.tracked {
@@ -126,9 +134,39 @@ impl<M: Operations> Core<M> {
             tokens: units_to_tokens(tokens),
             retries_enabled: reply.enabled,
             withdrew: false,
-            pushback: reply.pushback(),
+            pushback: fleet.fleet(reply.pushback(), reply.ramp_elapsed()),
             pushback_remaining: reply.pushback_remaining(),
+            adaptive_level: reply.adaptive_level(),
+            ramp_elapsed: reply.ramp_elapsed(),
         }
+    }
+
+    /// Notes a report entry's adaptive level (one script; see
+    /// `level.lua`). Redis not answering loses the note: the level and
+    /// the recovery ramp are the fleet's pacing, never its bound.
+    pub(in crate::redis) async fn direct_note_level(
+        self: &Arc<Self>,
+        upstream: &str,
+        config: &BucketConfig,
+        level: f64,
+        deadline: Instant,
+    ) -> Result<(), StoreError> {
+        let millionths = |level: f64| ((level.clamp(0.0, 1.0) * 1e6).round() as u64).to_string();
+        let reply = self
+            .run_bucket(
+                &self.scripts.level,
+                upstream,
+                config,
+                &[&millionths(level), &millionths(crate::pushback::LOW_LEVEL)],
+                deadline,
+            )
+            .await;
+        if let Ok(reply) = reply {
+            if let Some(state) = self.upstreams.get(upstream) {
+                state.mode.remember(&reply);
+            }
+        }
+        Ok(())
     }
 
     pub(in crate::redis) async fn direct_withdraw(
