@@ -124,6 +124,9 @@ pub const METRIC_UPSTREAM_PUSHBACK: &str = "retryd_upstream_pushback_seconds";
 /// Gauge: the adaptive budget's level as last reported fleet-wide (1
 /// before any outcome), by upstream (`_other`: the lowest).
 pub const METRIC_UPSTREAM_ADAPTIVE_LEVEL: &str = "retryd_upstream_adaptive_level";
+/// Gauge: the recovery ramp's share of retries admitted, 0 to 1 (1: no
+/// ramp), by upstream, as of the budget listing (`_other`: the lowest).
+pub const METRIC_UPSTREAM_RAMP: &str = "retryd_upstream_ramp";
 /// Counter of retries granted (RETRY verdicts), by upstream.
 pub const METRIC_RETRIES_GRANTED: &str = "retryd_retries_granted_total";
 /// Counter of decisions by principal and verdict.

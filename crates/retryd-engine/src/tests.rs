@@ -2022,3 +2022,45 @@ proptest! {
         }
     }
 }
+
+/// A recovery ramp at share 0.4 with 3 s left: a draw of 0.5 is denied as
+/// the budget's (rule 2), one of 0.2 admitted and spread to 0.5 × 3 s.
+#[test]
+fn a_recovery_ramp_admits_its_share_and_spreads_them() {
+    let fleet = FleetPushback {
+        ramp: 0.4,
+        ramp_remaining: Duration::from_secs(3),
+        ..FleetPushback::NONE
+    };
+    let denied = Case {
+        jitter: 0.5,
+        ..case().status(503)
+    };
+    let decision = decide_in_fleet(&denied.facts(), &Policy::default(), fleet);
+    assert_eq!(decision.verdict, Verdict::Deny(BudgetExhausted));
+    assert_eq!(decision.rule, Rule::BUDGET);
+    assert_eq!(decision.fleet_effect(), FleetEffect::Ramped);
+    assert_eq!(
+        decision.explanation(),
+        "deny: the upstream is recovering, and its retry budget admits only part of the retries yet (rule 2)"
+    );
+    let admitted = Case {
+        jitter: 0.2,
+        ..case().status(503)
+    };
+    let decision = decide_in_fleet(&admitted.facts(), &Policy::default(), fleet);
+    assert_eq!(
+        decision.verdict,
+        Verdict::Retry {
+            backoff: Duration::from_millis(1500),
+            refresh_credentials: false
+        }
+    );
+    assert_eq!(decision.fleet_effect(), FleetEffect::Spread);
+    assert!(
+        decision.explanation().ends_with(
+            "; the upstream is recovering, and the backoff is spread over the rest of its ramp"
+        ),
+        "{decision}"
+    );
+}

@@ -144,6 +144,8 @@ struct Gauges {
     pushback: f64,
     /// The lowest adaptive level among them.
     level: f64,
+    /// The lowest recovery ramp share among them.
+    ramp: f64,
 }
 
 impl Metrics {
@@ -154,6 +156,20 @@ impl Metrics {
         budgets: &[BudgetSnapshot],
         store_available: f64,
         store: &StoreStats,
+    ) -> String {
+        self.render_with_ramps(budgets, store_available, store, &|_| {
+            std::time::Duration::ZERO
+        })
+    }
+
+    /// [`Metrics::render`], with each upstream's `ramp_window` for the
+    /// `retryd_upstream_ramp` gauge (a zero window: no ramp, 1).
+    pub fn render_with_ramps(
+        &self,
+        budgets: &[BudgetSnapshot],
+        store_available: f64,
+        store: &StoreStats,
+        ramp_window_of: &dyn Fn(&str) -> std::time::Duration,
     ) -> String {
         let load = |counter: &AtomicU64| Number::Int(counter.load(Ordering::Relaxed));
         let by_upstream = |value: &dyn Fn(usize) -> u64| -> Vec<(Labels, Number)> {
@@ -534,8 +550,13 @@ impl Metrics {
                 retries_enabled: true,
                 pushback: 0.0,
                 level: 1.0,
+                ramp: 1.0,
             });
             gauge.level = gauge.level.min(budget.adaptive_level);
+            let window = ramp_window_of(&budget.upstream);
+            gauge.ramp = gauge
+                .ramp
+                .min(crate::budget::pushback::ramp(budget.ramp_elapsed, window).0);
             gauge.tokens += budget.tokens;
             gauge.retries_enabled &= budget.retries_enabled;
             if let Some(remaining) = budget.pushback_remaining {
@@ -570,6 +591,11 @@ impl Metrics {
             METRIC_UPSTREAM_ADAPTIVE_LEVEL,
             "The adaptive budget's level as last reported fleet-wide, 0 to 1 (_other: the lowest).",
             labelled(|gauge| Number::Float(gauge.level)),
+        ));
+        families.push(gauge(
+            METRIC_UPSTREAM_RAMP,
+            "The share of retries admitted while the upstream recovers, 0 to 1; 1 when no ramp is under way (_other: the lowest).",
+            labelled(|gauge| Number::Float(gauge.ramp)),
         ));
 
         let mut registry = Registry::default();
