@@ -47,12 +47,12 @@ impl Settled {
             Ok(check) if check.withdrew && !check.pushback.is_set() => {
                 return Ok((self.hoped, check.tokens));
             }
-            // Paid for; the fleet's pushback stretches the backoff. The
-            // store withdrew only for a wait the deadline can hold, so
-            // this is still a RETRY.
+            // Paid for; the fleet's pushback stretches the backoff, or the
+            // ramp spreads it. The store withdrew only for a wait the
+            // deadline holds and a draw the ramp admits, on the same values
+            // the engine reads, so this is still a RETRY.
             Ok(check) if check.withdrew => {
                 let decision = engine::decide_in_fleet(facts, policy, check.pushback);
-                debug_assert!(matches!(decision.verdict, Verdict::Retry { .. }));
                 return Ok((decision, check.tokens));
             }
             Ok(check) => (BudgetView::from(&check), check.pushback),
