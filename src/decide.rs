@@ -19,6 +19,7 @@
 mod attempt;
 mod candidate;
 pub mod names;
+mod pushback;
 pub mod replay;
 mod report;
 mod settle;
@@ -287,16 +288,26 @@ impl<S: BudgetStore> Decider<S> {
     ) -> Result<Decided<'r>, Refused> {
         let upstream = begun.attempt.upstream;
         let withdraw = begun.settled.withdraw;
+        let facts = begun.attempt.facts(BudgetView::OPEN, begun.draw);
+        // The caller's Retry-After or pushback, for every caller of the
+        // upstream: written by the same store call (`pushback.rs`).
+        let mut fleet = pushback::fleet_call(&facts, begun.policy);
+        if begun.settled.hedge.is_some() {
+            // A hedge cannot wait: while the upstream's fleet-wide pushback
+            // is in force the store withdraws nothing for it, and it is
+            // denied SERVER_PUSHBACK (settle.rs).
+            fleet.patience = Some(std::time::Duration::ZERO);
+        }
         let checked = if S::ANSWERS_AT_ONCE {
             // Part of the decision's own time: not timed apart.
             self.store
-                .check(upstream, &begun.policy.bucket, withdraw)
+                .check_in_fleet(upstream, &begun.policy.bucket, withdraw, fleet)
                 .await
         } else {
             let asked = Instant::now();
             let checked = self
                 .store
-                .check(upstream, &begun.policy.bucket, withdraw)
+                .check_in_fleet(upstream, &begun.policy.bucket, withdraw, fleet)
                 .await;
             let op = if withdraw {
                 StoreOp::Withdraw
@@ -306,7 +317,6 @@ impl<S: BudgetStore> Decider<S> {
             observe.store_call(op, asked.elapsed(), checked.is_err());
             checked
         };
-        let facts = begun.attempt.facts(BudgetView::OPEN, begun.draw);
         let (decision, tokens_remaining) =
             begun
                 .settled

@@ -409,7 +409,12 @@ async fn run<S: BudgetStore>(
                 let budgets = gauges
                     .budgets(|| store.list(|upstream| live.policies.get(upstream).bucket))
                     .await;
-                metrics.render(&budgets, store.availability(), &store.stats())
+                metrics.render_with_ramps(
+                    &budgets,
+                    store.availability(),
+                    &store.stats(),
+                    &|upstream| live.policies.get(upstream).ramp_window,
+                )
             }
         }
     };

@@ -21,6 +21,12 @@ pub struct UpstreamPolicy {
     /// share of its requests its outcomes allow (`retryd_budget::adaptive`).
     /// `adaptive = false` funds every reported request, as before.
     pub adaptive: bool,
+    /// How long a caller's negative gRPC pushback stops every caller's
+    /// retries of the upstream (0: only the caller's own).
+    pub pushback_stop_window: std::time::Duration,
+    /// How long the share of retries admitted grows from 0 to 1 after the
+    /// upstream recovers or retries are switched back on (0: no ramp).
+    pub ramp_window: std::time::Duration,
     /// A policy evaluated beside this one, on a budget of its own.
     pub candidate: Option<Box<CandidatePolicy>>,
     /// The hedging policy, if the upstream opted in.
@@ -37,6 +43,20 @@ pub struct CandidatePolicy {
     /// The candidate's budget.
     pub bucket: BucketConfig,
 }
+
+/// How long a negative pushback stops every caller's retries of its
+/// upstream, unless the policy says: 5 s, long enough to cover the
+/// backoffs of the retries already asked for around it (the default
+/// backoff caps at 5 s), short enough that an upstream that sent one stray
+/// negative pushback is not left without retries for long.
+pub const DEFAULT_PUSHBACK_STOP_WINDOW: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// How long a recovery ramp lasts unless the policy says: 5 s, the
+/// default backoff's cap, so that the retries a recovering upstream is
+/// asked to take are spread over at least as long as a caller would have
+/// waited anyway, and short enough that a recovered upstream has its full
+/// budget back within seconds.
+pub const DEFAULT_RAMP_WINDOW: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The policy of every upstream: the named ones, and the defaults for all
 /// others.
@@ -90,6 +110,8 @@ impl Default for Policies {
                 bucket: BucketConfig::default(),
                 enforce: true,
                 adaptive: true,
+                pushback_stop_window: DEFAULT_PUSHBACK_STOP_WINDOW,
+                ramp_window: DEFAULT_RAMP_WINDOW,
                 candidate: None,
                 hedging: None,
             },

@@ -110,9 +110,13 @@ async fn redis_store<M: Mode>(server: &RedisServer) -> RedisBudgetStore<M> {
 /// No initial tokens and no floor: every token comes from a report, so
 /// what a report funded is exactly what can be withdrawn, whatever the
 /// clock does.
+///
+/// No recovery ramp (`ramp_window = "0s"`): the outage's recovery below
+/// would start one, admitting only part of what was funded for 5 s; what
+/// is funded is this suite's, the ramp tests/ramp.rs's.
 fn config(adaptive: bool) -> String {
     format!(
-        "[defaults]\nadaptive = {adaptive}\nbudget = {{ capacity = 1000.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }}\n"
+        "[defaults]\nadaptive = {adaptive}\nramp_window = \"0s\"\nbudget = {{ capacity = 1000.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }}\n"
     )
 }
 

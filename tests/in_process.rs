@@ -18,8 +18,8 @@ use retryd::telemetry::{Metrics, Tracer};
 use retryd::transport::Acceptor;
 use retryd_budget::memory::{Clock, ManualClock};
 use retryd_budget::{
-    BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, MemoryBudgetStore, ReportClaim,
-    StoreError,
+    BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, FleetCall, MemoryBudgetStore,
+    ReportClaim, StoreError,
 };
 use retryd_proto as pb;
 use retryd_proto::retry_decider_client::RetryDeciderClient;
@@ -153,18 +153,22 @@ impl BudgetStore for GatedStore {
         self.inner.view(upstream, config).await
     }
 
-    async fn check(
+    async fn check_in_fleet(
         &self,
         upstream: &str,
         config: &BucketConfig,
         withdraw: bool,
+        fleet: FleetCall,
     ) -> Result<BudgetCheck, StoreError> {
         let gate = self.gate(upstream);
         gate.acquire()
             .await
             .expect("gates are never closed")
             .forget();
-        let checked = self.inner.check(upstream, config, withdraw).await;
+        let checked = self
+            .inner
+            .check_in_fleet(upstream, config, withdraw, fleet)
+            .await;
         self.answered.fetch_add(1, Ordering::SeqCst);
         checked
     }
@@ -175,6 +179,15 @@ impl BudgetStore for GatedStore {
         config: &BucketConfig,
     ) -> Result<Option<f64>, StoreError> {
         self.inner.try_withdraw(upstream, config).await
+    }
+
+    async fn note_level(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        level: f64,
+    ) -> Result<(), StoreError> {
+        self.inner.note_level(upstream, config, level).await
     }
 
     async fn admit(&self, upstreams: &[(&str, &BucketConfig)]) -> Result<(), StoreError> {

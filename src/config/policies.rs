@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use crate::budget::{BucketConfig, OnUnavailable};
 use crate::engine::{HedgePolicy, Idempotencies, Idempotency, Policy};
-use crate::policy::{CandidatePolicy, Policies, UpstreamPolicy};
+use crate::policy::{
+    CandidatePolicy, DEFAULT_PUSHBACK_STOP_WINDOW, DEFAULT_RAMP_WINDOW, Policies, UpstreamPolicy,
+};
 
 use super::{InvalidConfig, PolicySettings, Settings, invalid, parse_duration};
 
@@ -38,6 +40,8 @@ pub(super) fn policies(
         },
         enforce: true,
         adaptive: true,
+        pushback_stop_window: DEFAULT_PUSHBACK_STOP_WINDOW,
+        ramp_window: DEFAULT_RAMP_WINDOW,
         candidate: None,
         hedging: None,
     };
@@ -85,6 +89,11 @@ fn resolve_candidate(
         ("on_unavailable", overrides.on_unavailable.is_some()),
         ("adaptive", overrides.adaptive.is_some()),
         ("hedging", overrides.hedging.is_some()),
+        (
+            "pushback_stop_window",
+            overrides.pushback_stop_window.is_some(),
+        ),
+        ("ramp_window", overrides.ramp_window.is_some()),
     ] {
         if set {
             return Err(invalid(
@@ -143,6 +152,26 @@ fn resolve_policy(
         Some(settings) => Some(hedging(&key("hedging"), settings)?),
     };
     let adaptive = overrides.adaptive.unwrap_or(base.adaptive);
+    let pushback_stop_window = match &overrides.pushback_stop_window {
+        Some(raw) => {
+            let window = parse_duration(&key("pushback_stop_window"), raw)?;
+            if window > Duration::from_secs(3600) {
+                return Err(invalid(key("pushback_stop_window"), "must be at most 1h"));
+            }
+            window
+        }
+        None => base.pushback_stop_window,
+    };
+    let ramp_window = match &overrides.ramp_window {
+        Some(raw) => {
+            let window = parse_duration(&key("ramp_window"), raw)?;
+            if window > Duration::from_secs(3600) {
+                return Err(invalid(key("ramp_window"), "must be at most 1h"));
+            }
+            window
+        }
+        None => base.ramp_window,
+    };
 
     let budget = &overrides.budget;
     let non_negative = |name: &str, value: Option<f64>, target: &mut f64| {
@@ -204,6 +233,8 @@ fn resolve_policy(
         bucket,
         enforce,
         adaptive,
+        pushback_stop_window,
+        ramp_window,
         candidate: None,
         hedging,
     })

@@ -439,6 +439,15 @@ pub struct PolicySettings {
     /// reported outcomes (the adaptive budget, on by default, funds only
     /// the share the outcomes allow; README, "Adaptive budget").
     pub adaptive: Option<bool>,
+    /// How long a caller's negative `grpc-retry-pushback-ms` stops every
+    /// caller's retries of the upstream, e.g. `"5s"` (README, "Fleet-wide
+    /// pushback"); `"0s"` keeps the stop to the caller that received it.
+    pub pushback_stop_window: Option<String>,
+    /// How long the retries admitted grow from none to all after the
+    /// upstream recovers (successes return after a low adaptive level) or
+    /// retries are switched back on, e.g. `"5s"` (README, "Recovery");
+    /// `"0s"`: no ramp.
+    pub ramp_window: Option<String>,
     /// A policy evaluated beside this one on every decision (any of these
     /// keys, except `enforce` and `candidate`), never enforced.
     pub candidate: Option<Box<PolicySettings>>,

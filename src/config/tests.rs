@@ -647,3 +647,41 @@ fn the_adaptive_budget_is_on_unless_a_section_turns_it_off() {
         error_of("[upstreams.pay]\ncandidate = { adaptive = false }")
     );
 }
+
+#[test]
+fn the_pushback_stop_and_ramp_windows_default_to_5s_and_are_bounded() {
+    use std::time::Duration;
+    let defaults = config("").unwrap();
+    assert_eq!(
+        defaults.policies.defaults().pushback_stop_window,
+        Duration::from_secs(5)
+    );
+    assert_eq!(
+        defaults.policies.defaults().ramp_window,
+        Duration::from_secs(5)
+    );
+    let set = config(
+        "[defaults]\nramp_window = \"0s\"\n[upstreams.pay]\npushback_stop_window = \"2s\"\nramp_window = \"10s\"\n",
+    )
+    .unwrap();
+    assert_eq!(
+        set.policies.get("pay").pushback_stop_window,
+        Duration::from_secs(2)
+    );
+    assert_eq!(set.policies.get("pay").ramp_window, Duration::from_secs(10));
+    assert_eq!(set.policies.get("other").ramp_window, Duration::ZERO);
+    for (toml, key) in [
+        ("[defaults]\nramp_window = \"2h\"", "defaults.ramp_window"),
+        (
+            "[defaults]\npushback_stop_window = \"soon\"",
+            "defaults.pushback_stop_window",
+        ),
+        (
+            "[upstreams.pay]\ncandidate = { ramp_window = \"1s\" }",
+            "upstreams.\"pay\".candidate.ramp_window",
+        ),
+    ] {
+        let error = error_of(toml);
+        assert!(error.starts_with(key), "{error}");
+    }
+}

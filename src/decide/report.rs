@@ -185,6 +185,19 @@ impl<S: BudgetStore> Decider<S> {
             if let Some(hedging) = &live.policies.get(upstream).hedging {
                 self.record_latencies(upstream, hedging, entry).await;
             }
+            // The level fleet-wide, for GetBudget and the recovery ramp:
+            // successes returning after a low level start it.
+            if live.policies.get(upstream).adaptive && entry.outcomes.is_reported() {
+                let noting = Instant::now();
+                let noted = self
+                    .store
+                    .note_level(upstream, config, entry.outcomes.health())
+                    .await;
+                observe.store_call(StoreOp::Deposit, noting.elapsed(), noted.is_err());
+                if let Err(error) = noted {
+                    tracing::debug!(%error, upstream, "could not note the adaptive level");
+                }
+            }
             if let Some(candidate) = &live.policies.get(upstream).candidate {
                 self.candidates
                     .deposit(upstream, candidate, funded_requests);

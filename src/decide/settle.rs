@@ -6,7 +6,8 @@
 
 use crate::budget::{BudgetCheck, StoreError};
 use crate::engine::{
-    self, BudgetView, Decision, DenyReason, Facts, HedgeFacts, HedgePolicy, HedgeState, Verdict,
+    self, BudgetView, Decision, DenyReason, Facts, FleetPushback, HedgeFacts, HedgePolicy,
+    HedgeState, Verdict,
 };
 
 /// A decision before the store call.
@@ -77,32 +78,54 @@ impl Settled {
         facts: &Facts<'_>,
         policy: &engine::Policy,
     ) -> Result<(Decision, f64), StoreError> {
-        let view = match checked {
-            Ok(check) if check.withdrew => return Ok((self.hoped, check.tokens)),
-            Ok(check) => BudgetView::from(&check),
-            Err(StoreError::Unavailable(_)) => BudgetView::UNAVAILABLE,
+        let (view, fleet) = match checked {
+            Ok(check) if check.withdrew && (self.hedge.is_some() || !check.pushback.is_set()) => {
+                return Ok((self.hoped, check.tokens));
+            }
+            // Paid for; the fleet's pushback stretches the backoff, or the
+            // ramp spreads it. The store withdrew only for a wait the
+            // deadline holds and a draw the ramp admits, on the same values
+            // the engine reads, so this is still a RETRY.
+            Ok(check) if check.withdrew => {
+                let decision = engine::decide_in_fleet(facts, policy, check.pushback);
+                return Ok((decision, check.tokens));
+            }
+            Ok(check) => (BudgetView::from(&check), check.pushback),
+            Err(StoreError::Unavailable(_)) => (BudgetView::UNAVAILABLE, FleetPushback::NONE),
             Err(refused) => return Err(refused),
         };
         // Allowed, and nothing to spend: the hoped decision stands.
-        if view.allows() && !self.withdraw {
+        if view.allows() && !self.withdraw && (self.hedge.is_some() || !fleet.is_set()) {
             return Ok((self.hoped, view.tokens));
         }
         // The engine decides again on what was read (pure, no I/O).
         let decision = match &self.hedge {
-            Some(hedge) => engine::decide_hedge(
-                &HedgeFacts {
-                    budget: view,
-                    ..hedge.facts
-                },
-                hedge.policy.as_ref(),
-                &hedge.state,
-            ),
-            None => engine::decide(
+            // A hedge is never stretched or spread: it is sent now or not
+            // at all (the pipeline asks the store for no pushback wait).
+            Some(hedge) => {
+                let decision = engine::decide_hedge(
+                    &HedgeFacts {
+                        budget: view,
+                        ..hedge.facts
+                    },
+                    hedge.policy.as_ref(),
+                    &hedge.state,
+                );
+                if matches!(decision.verdict, Verdict::Retry { .. })
+                    && (fleet.stop || !fleet.wait.is_zero())
+                {
+                    // The store withdrew nothing for it (no patience).
+                    return Ok((decision.into_pushback_denial(), view.tokens));
+                }
+                decision
+            }
+            None => engine::decide_in_fleet(
                 &Facts {
                     budget: view,
                     ..*facts
                 },
                 policy,
+                fleet,
             ),
         };
         Ok(match decision.verdict {

@@ -114,6 +114,13 @@ fn budget(
         tracked: snapshot.tracked,
         shared_unavailable: snapshot.shared_unavailable,
         adaptive: policy.adaptive,
+        pushback_remaining: snapshot.pushback_remaining.map(duration),
+        adaptive_level: if policy.adaptive {
+            snapshot.adaptive_level
+        } else {
+            1.0
+        },
+        ramp: crate::budget::pushback::ramp(snapshot.ramp_elapsed, policy.ramp_window).0,
         ..Default::default()
     }
 }
@@ -295,5 +302,13 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
             named_upstreams: named as u32,
             restart_required: restart_required.into_iter().map(str::to_owned).collect(),
         }))
+    }
+}
+
+/// A duration on the wire.
+fn duration(duration: std::time::Duration) -> prost_types::Duration {
+    prost_types::Duration {
+        seconds: i64::try_from(duration.as_secs()).unwrap_or(i64::MAX),
+        nanos: duration.subsec_nanos() as i32,
     }
 }

@@ -118,6 +118,18 @@ pub const METRIC_UPSTREAM_REPORTED: &str = "retryd_upstream_reported_requests_to
 /// (see [`METRIC_FUNDED_REQUESTS`]): over the same rate of
 /// `retryd_upstream_reported_requests_total`, the upstream's adaptive level.
 pub const METRIC_UPSTREAM_FUNDED: &str = "retryd_upstream_funded_requests_total";
+/// Counter of RETRY backoffs stretched past the upstream's earliest-retry
+/// time, set by another caller's Retry-After or pushback, by upstream.
+pub const METRIC_BACKOFFS_STRETCHED: &str = "retryd_backoffs_stretched_total";
+/// Gauge: seconds from the listing until the upstream's fleet-wide pushback
+/// ends (its earliest-retry time or stop window); 0 when none is in force.
+pub const METRIC_UPSTREAM_PUSHBACK: &str = "retryd_upstream_pushback_seconds";
+/// Gauge: the adaptive budget's level as last reported fleet-wide (1
+/// before any outcome), by upstream (`_other`: the lowest).
+pub const METRIC_UPSTREAM_ADAPTIVE_LEVEL: &str = "retryd_upstream_adaptive_level";
+/// Gauge: the recovery ramp's share of retries admitted, 0 to 1 (1: no
+/// ramp), by upstream, as of the budget listing (`_other`: the lowest).
+pub const METRIC_UPSTREAM_RAMP: &str = "retryd_upstream_ramp";
 /// Counter of retries granted (RETRY verdicts), by upstream.
 pub const METRIC_RETRIES_GRANTED: &str = "retryd_retries_granted_total";
 /// Counter of decisions by principal and verdict.
@@ -331,6 +343,9 @@ pub struct Metrics {
     /// By upstream label: not on the decision path, so not sharded.
     upstream_reported: Box<[AtomicU64]>,
     upstream_funded: Box<[AtomicU64]>,
+    /// By upstream label: stretched backoffs are rare (another caller's
+    /// pushback in force), so not sharded either.
+    stretched: Box<[AtomicU64]>,
     /// By upstream label, then the new state (off, on).
     flips: Box<[[AtomicU64; 2]]>,
     /// Indexed by `StoreOp as usize`, in the order of `StoreOp::VARIANTS`.
@@ -384,6 +399,7 @@ impl Metrics {
         Metrics {
             upstream_reported: labels.iter().map(|_| AtomicU64::new(0)).collect(),
             upstream_funded: labels.iter().map(|_| AtomicU64::new(0)).collect(),
+            stretched: labels.iter().map(|_| AtomicU64::new(0)).collect(),
             flips: labels.iter().map(|_| Default::default()).collect(),
             labels,
             index,
@@ -465,6 +481,9 @@ impl Metrics {
         trace_id: Option<[u8; 16]>,
     ) {
         let row = self.row(upstream);
+        if decision.fleet_effect() == crate::engine::FleetEffect::Stretched {
+            self.stretched[row].fetch_add(1, Ordering::Relaxed);
+        }
         let shard = &self.shards[shard_of_this_thread(self.shards.len())];
         let outcome = outcome_index(&decision.verdict);
         shard.decisions[row][outcome].fetch_add(1, Ordering::Relaxed);

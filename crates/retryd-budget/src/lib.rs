@@ -15,6 +15,7 @@
 pub mod adaptive;
 pub mod hedging;
 pub mod memory;
+pub mod pushback;
 #[cfg(feature = "redis")]
 pub mod redis;
 pub mod reports;
@@ -23,6 +24,8 @@ use std::future::Future;
 use std::time::Duration;
 
 use retryd_engine::BudgetView;
+
+pub use pushback::{Announce, FleetCall, FleetPushback};
 
 pub use adaptive::Outcomes;
 pub use hedging::{FleetWindow, HedgeAdd, HedgeWindows};
@@ -179,6 +182,16 @@ pub struct BudgetSnapshot {
     /// fallback bucket, not the fleet's budget. Always false for the memory
     /// store.
     pub shared_unavailable: bool,
+    /// How long from now no retry of the upstream may land (the fleet's
+    /// earliest-retry time or a stop window); `None` when none is in force.
+    pub pushback_remaining: Option<Duration>,
+    /// The adaptive budget's level as last reported: the share of a report's
+    /// requests that funded retries (1 before any outcome was reported).
+    pub adaptive_level: f64,
+    /// How long ago the upstream's last recovery ramp began (retries
+    /// switched back on, or successes returning after a low level); `None`
+    /// if none ever did. The ramp is `elapsed / ramp_window`, capped at 1.
+    pub ramp_elapsed: Option<Duration>,
 }
 
 /// What one decision learns from an upstream's budget, and whether it
@@ -192,6 +205,16 @@ pub struct BudgetCheck {
     pub retries_enabled: bool,
     /// True if this check withdrew one token.
     pub withdrew: bool,
+    /// The upstream's fleet-wide pushback before this call's own
+    /// announcement (see [`pushback`]).
+    pub pushback: FleetPushback,
+    /// How long from now no retry may land, the stop window included
+    /// (before this call's announcement); `None` when none is in force.
+    pub pushback_remaining: Option<Duration>,
+    /// See [`BudgetSnapshot::adaptive_level`].
+    pub adaptive_level: f64,
+    /// See [`BudgetSnapshot::ramp_elapsed`].
+    pub ramp_elapsed: Option<Duration>,
 }
 
 impl BudgetCheck {
@@ -203,6 +226,9 @@ impl BudgetCheck {
             retries_enabled: self.retries_enabled,
             tracked,
             shared_unavailable: false,
+            pushback_remaining: self.pushback_remaining,
+            adaptive_level: self.adaptive_level,
+            ramp_elapsed: self.ramp_elapsed,
         }
     }
 }
@@ -271,11 +297,32 @@ pub trait BudgetStore: Send + Sync + 'static {
     ///
     /// The caller sets `withdraw` when the verdict would be RETRY if the
     /// budget allowed, so a decision never needs a second call.
+    ///
+    /// [`BudgetStore::check_in_fleet`] with nothing to announce.
     fn check(
         &self,
         upstream: &str,
         config: &BucketConfig,
         withdraw: bool,
+    ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send {
+        self.check_in_fleet(upstream, config, withdraw, FleetCall::PLAIN)
+    }
+
+    /// [`BudgetStore::check`] that also reads the upstream's fleet-wide
+    /// pushback (as it was before this call) and writes `fleet.announce`
+    /// to it, "set if later", in the same step (one script on Redis). A
+    /// stop in force withdraws nothing, as the kill switch, nor does a wait
+    /// in force longer than `fleet.patience`, nor a draw a recovery ramp
+    /// does not admit (`fleet.draw` against the ramp's share). An announcement for an
+    /// upstream the store does not track yet makes its state (the memory
+    /// store: its bucket, under the upstream limit, dropped past it; Redis:
+    /// two fields that expire with the pushback). See [`pushback`].
+    fn check_in_fleet(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        withdraw: bool,
+        fleet: FleetCall,
     ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send;
 
     /// Withdraws one token if at least one is there. Returns the tokens left
@@ -342,8 +389,20 @@ pub trait BudgetStore: Send + Sync + 'static {
         requests: u64,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Notes the adaptive budget's level of a report's entry for the
+    /// upstream (its health, 0 to 1), fleet-wide on a shared store: a level
+    /// at or above [`pushback::LOW_LEVEL`] after one below it (the fault
+    /// cleared) starts a recovery ramp. Called after the entry's deposit,
+    /// off the decision path.
+    fn note_level(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        level: f64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// Switches retries on or off for the upstream. Returns the previous
-    /// state.
+    /// state. Switching them back on starts a recovery ramp.
     fn set_retries_enabled(
         &self,
         upstream: &str,

@@ -39,6 +39,7 @@ use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 use thread_local::ThreadLocal;
 
+use super::pushback::{self, FleetCall};
 use super::{
     BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, ReportClaim, ReportLedger, StoreError,
     UNITS_PER_TOKEN, units_to_tokens,
@@ -131,6 +132,16 @@ struct Bucket {
     /// The bucket holds a place under `max_upstreams` (it was created for
     /// an unconfigured upstream and has not been evicted).
     counted: AtomicBool,
+    /// The fleet's earliest-retry time and the end of a stop window, on
+    /// the store's clock (0: never set). Beside the tokens, so a decision
+    /// reads them in the cache line it already has (`pushback.rs`).
+    pushback_after: AtomicU64,
+    pushback_stop: AtomicU64,
+    /// When the last recovery ramp began, plus one (0: never), on the
+    /// store's clock.
+    ramp_from: AtomicU64,
+    /// The adaptive level last noted, as `f64` bits.
+    level: AtomicU64,
 }
 
 impl Bucket {
@@ -140,7 +151,50 @@ impl Bucket {
             credited_until: AtomicU64::new(now),
             retries_enabled: AtomicBool::new(true),
             counted: AtomicBool::new(!config.configured),
+            pushback_after: AtomicU64::new(0),
+            pushback_stop: AtomicU64::new(0),
+            ramp_from: AtomicU64::new(0),
+            level: AtomicU64::new(1.0f64.to_bits()),
         }
+    }
+
+    /// Starts a recovery ramp now.
+    fn start_ramp(&self, now: u64) {
+        self.ramp_from
+            .store(now.saturating_add(1), Ordering::Release);
+    }
+
+    /// How long ago the last ramp began.
+    fn ramp_elapsed(&self, now: u64) -> Option<std::time::Duration> {
+        match self.ramp_from.load(Ordering::Acquire) {
+            0 => None,
+            from => Some(std::time::Duration::from_nanos(
+                now.saturating_sub(from - 1),
+            )),
+        }
+    }
+
+    fn level(&self) -> f64 {
+        f64::from_bits(self.level.load(Ordering::Acquire))
+    }
+
+    /// The pushback before `fleet.announce`, then the announcement written
+    /// "set if later": (earliest-retry time, stop's end), as they were.
+    fn announce(&self, fleet: FleetCall, now: u64) -> (u64, u64) {
+        let (wait, stop) = fleet.announce.nanos();
+        let after = if wait > 0 {
+            self.pushback_after
+                .fetch_max(now.saturating_add(wait), Ordering::AcqRel)
+        } else {
+            self.pushback_after.load(Ordering::Acquire)
+        };
+        let stop = if stop > 0 {
+            self.pushback_stop
+                .fetch_max(now.saturating_add(stop), Ordering::AcqRel)
+        } else {
+            self.pushback_stop.load(Ordering::Acquire)
+        };
+        (after, stop)
     }
 
     fn is_evicted(&self) -> bool {
@@ -221,11 +275,20 @@ impl Bucket {
 
     /// A decision's check on a tracked bucket: refill, then withdraw one
     /// token if asked to and retries are on; `None` if it was evicted.
-    fn check(&self, config: &BucketConfig, now: u64, withdraw: bool) -> Option<BudgetCheck> {
+    fn check(
+        &self,
+        config: &BucketConfig,
+        now: u64,
+        withdraw: bool,
+        fleet: FleetCall,
+    ) -> Option<BudgetCheck> {
         let capacity = config.capacity_units();
         let held = self.refill(config, now, capacity)?;
         let retries_enabled = self.retries_enabled.load(Ordering::Acquire);
-        let (units, withdrew) = if withdraw && retries_enabled {
+        let (after, stop) = self.announce(fleet, now);
+        let ramp_elapsed = self.ramp_elapsed(now);
+        let pushback = fleet.fleet(pushback::in_force(after, stop, now, 1), ramp_elapsed);
+        let (units, withdrew) = if withdraw && retries_enabled && fleet.lets_through(&pushback) {
             match self.try_withdraw(capacity)? {
                 Ok(left) => (left, true),
                 Err(held) => (held, false),
@@ -237,6 +300,10 @@ impl Bucket {
             tokens: units_to_tokens(units),
             retries_enabled,
             withdrew,
+            pushback,
+            pushback_remaining: pushback::remaining(after, stop, now, 1),
+            adaptive_level: self.level(),
+            ramp_elapsed,
         })
     }
 }
@@ -432,14 +499,14 @@ impl<C: Clock> MemoryBudgetStore<C> {
 
     /// A look that creates nothing: the check of a bucket that exists, or
     /// what a fresh one would hold. Returns whether the bucket exists.
-    fn look(&self, upstream: &str, config: &BucketConfig) -> (BudgetCheck, bool) {
+    fn look(&self, upstream: &str, config: &BucketConfig, fleet: FleetCall) -> (BudgetCheck, bool) {
         let near = self.near();
         let now = self.clock.now_nanos();
         let found = near
             .map
             .borrow()
             .get(upstream)
-            .map(|bucket| bucket.check(config, now, false));
+            .map(|bucket| bucket.check(config, now, false, fleet));
         match found {
             Some(Some(check)) => return (check, true),
             Some(None) => {
@@ -453,7 +520,7 @@ impl<C: Clock> MemoryBudgetStore<C> {
             .map(|entry| (Arc::clone(entry.key()), Arc::clone(entry.value())));
         // Evicted since the map lookup: then it is as good as absent.
         if let Some((key, bucket)) = shared {
-            if let Some(check) = bucket.check(config, now, false) {
+            if let Some(check) = bucket.check(config, now, false, fleet) {
                 near.map.borrow_mut().insert(key, bucket);
                 return (check, true);
             }
@@ -463,6 +530,10 @@ impl<C: Clock> MemoryBudgetStore<C> {
                 tokens: units_to_tokens(config.initial_units()),
                 retries_enabled: true,
                 withdrew: false,
+                pushback: pushback::FleetPushback::NONE,
+                pushback_remaining: None,
+                adaptive_level: 1.0,
+                ramp_elapsed: None,
             },
             false,
         )
@@ -492,22 +563,35 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
         upstream: &str,
         config: &BucketConfig,
     ) -> impl Future<Output = Result<BudgetSnapshot, StoreError>> + Send {
-        let (check, tracked) = self.look(upstream, config);
+        let (check, tracked) = self.look(upstream, config, FleetCall::PLAIN);
         ready(Ok(check.into_snapshot(upstream, tracked)))
     }
 
-    fn check(
+    fn check_in_fleet(
         &self,
         upstream: &str,
         config: &BucketConfig,
         withdraw: bool,
+        fleet: FleetCall,
     ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send {
         ready(if withdraw {
             self.with_bucket(upstream, config, |bucket, now| {
-                bucket.check(config, now, true)
+                bucket.check(config, now, true, fleet)
             })
+        } else if fleet.announce.is_set() {
+            // An announcement needs a bucket to live in: made (under the
+            // upstream limit) if need be; past the limit it is dropped
+            // rather than refuse a decision that spends nothing.
+            match self.with_bucket(upstream, config, |bucket, now| {
+                bucket.check(config, now, false, fleet)
+            }) {
+                Err(StoreError::TooManyUpstreams { .. }) => {
+                    Ok(self.look(upstream, config, fleet).0)
+                }
+                checked => checked,
+            }
         } else {
-            Ok(self.look(upstream, config).0)
+            Ok(self.look(upstream, config, fleet).0)
         })
     }
 
@@ -573,13 +657,32 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
         config: &BucketConfig,
         enabled: bool,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        ready(self.with_bucket(upstream, config, |bucket, _| {
+        ready(self.with_bucket(upstream, config, |bucket, now| {
             // SeqCst, with the sweep's compare-and-swap and re-check: either
             // the sweep sees the switch (and keeps the bucket) or this sees
             // the eviction (and switches the new bucket). A kill switch is
             // never lost with an evicted bucket.
             let previous = bucket.retries_enabled.swap(enabled, Ordering::SeqCst);
+            // Released: the retries come back along the ramp.
+            if enabled && !previous {
+                bucket.start_ramp(now);
+            }
             (bucket.units.load(Ordering::SeqCst) != EVICTED).then_some(previous)
+        }))
+    }
+
+    fn note_level(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        level: f64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        ready(self.with_bucket(upstream, config, |bucket, now| {
+            let before = f64::from_bits(bucket.level.swap(level.to_bits(), Ordering::AcqRel));
+            if before < pushback::LOW_LEVEL && level >= pushback::LOW_LEVEL {
+                bucket.start_ramp(now);
+            }
+            (!bucket.is_evicted()).then_some(())
         }))
     }
 
@@ -600,12 +703,21 @@ impl<C: Clock> BudgetStore for MemoryBudgetStore<C> {
                 let units = entry
                     .value()
                     .refill(&config, now, config.capacity_units())?;
+                let bucket = entry.value();
                 Some(BudgetSnapshot {
                     upstream: entry.key().to_string(),
                     tokens: units_to_tokens(units),
-                    retries_enabled: entry.value().retries_enabled.load(Ordering::Acquire),
+                    retries_enabled: bucket.retries_enabled.load(Ordering::Acquire),
                     tracked: true,
                     shared_unavailable: false,
+                    pushback_remaining: pushback::remaining(
+                        bucket.pushback_after.load(Ordering::Acquire),
+                        bucket.pushback_stop.load(Ordering::Acquire),
+                        now,
+                        1,
+                    ),
+                    adaptive_level: bucket.level(),
+                    ramp_elapsed: bucket.ramp_elapsed(now),
                 })
             })
             .collect();

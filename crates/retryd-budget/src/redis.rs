@@ -48,7 +48,9 @@ pub use self::shared::Mode;
 use self::shared::{Core, Source};
 pub use self::url::{RedisUrl, redact_url};
 use crate::reports::ReportClaim;
-use crate::{BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, StoreError, StoreStats};
+use crate::{
+    BucketConfig, BudgetCheck, BudgetSnapshot, BudgetStore, FleetCall, StoreError, StoreStats,
+};
 
 /// Budgets in Redis, shared by every replica that uses the same Redis and
 /// key prefix, kept the way `M` says. Cheap to clone: clones share one
@@ -164,14 +166,28 @@ impl<M: Mode> BudgetStore for RedisBudgetStore<M> {
         }
     }
 
-    fn check(
+    fn note_level(
+        &self,
+        upstream: &str,
+        config: &BucketConfig,
+        level: f64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let core = &self.core;
+        async move {
+            core.direct_note_level(upstream, config, level, core.deadline())
+                .await
+        }
+    }
+
+    fn check_in_fleet(
         &self,
         upstream: &str,
         config: &BucketConfig,
         withdraw: bool,
+        fleet: FleetCall,
     ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send {
         let core = &self.core;
-        async move { M::check(core, upstream, config, withdraw, core.deadline()).await }
+        async move { M::check(core, upstream, config, withdraw, fleet, core.deadline()).await }
     }
 
     fn try_withdraw(

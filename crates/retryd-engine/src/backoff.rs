@@ -33,6 +33,25 @@ impl Default for Backoff {
 }
 
 impl Backoff {
+    /// The longest backoff [`Backoff::compute`] can draw after attempt
+    /// `attempt` (its draw close to 1): the window a fleet pushback's
+    /// spread is at least as wide as.
+    pub fn ceiling(&self, attempt: u32, previous: Option<Duration>) -> Duration {
+        match self.jitter {
+            Jitter::Full => {
+                let exponent = attempt.saturating_sub(1).min(63);
+                self.base
+                    .checked_mul(1u32.checked_shl(exponent).unwrap_or(u32::MAX))
+                    .unwrap_or(Duration::MAX)
+                    .min(self.max)
+            }
+            Jitter::Decorrelated => {
+                let previous = previous.filter(|p| !p.is_zero()).unwrap_or(self.base);
+                previous.saturating_mul(3).min(self.max)
+            }
+        }
+    }
+
     /// The backoff after attempt `attempt` failed, for a uniform draw
     /// `jitter` in `[0, 1)`. Never above `max`.
     pub fn compute(&self, attempt: u32, previous: Option<Duration>, jitter: f64) -> Duration {

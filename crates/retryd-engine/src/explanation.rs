@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use super::{Decision, DenyReason, Facts, HedgeNote, Rule, UnknownOutcome, Verdict};
+use super::{Decision, DenyReason, Facts, FleetEffect, HedgeNote, Rule, UnknownOutcome, Verdict};
 
 impl Decision {
     /// One line for humans, the text of `Display`, built only when asked
@@ -66,6 +66,16 @@ impl Decision {
                         text.push_str(" allows another attempt (rule 9)");
                     }
                 }
+                if self.fleet == FleetEffect::Spread {
+                    text.push_str(
+                        "; the upstream is recovering, and the backoff is spread over the rest of its ramp",
+                    );
+                }
+                if self.fleet == FleetEffect::Stretched {
+                    text.push_str(
+                        "; the backoff was stretched past the upstream's earliest-retry time, set by another caller's Retry-After or pushback",
+                    );
+                }
             }
             Verdict::Ambiguous if self.rule == Rule::AMBIGUOUS_SEND => text.push_str(
                 "ambiguous: the request was sent and may have taken effect; the operation is not idempotent, so reconcile (rule 8)",
@@ -80,6 +90,9 @@ impl Decision {
             Verdict::Deny(reason) => {
                 let why = match reason {
                     DenyReason::MaxAttempts => "no attempts left",
+                    DenyReason::BudgetExhausted if self.fleet == FleetEffect::Ramped => {
+                        "the upstream is recovering, and its retry budget admits only part of the retries yet"
+                    }
                     DenyReason::BudgetExhausted => "the upstream's retry budget is empty",
                     DenyReason::BudgetUnavailable => {
                         "the shared retry budget is unreachable and the policy is to deny"
@@ -102,6 +115,9 @@ impl Decision {
                         (None, None) => "the outcome is not retryable for this operation",
                         _ => "the status is not retryable for this operation",
                     },
+                    DenyReason::ServerPushback if self.fleet == FleetEffect::Stopped => {
+                        "the server asked another caller not to retry (a negative grpc-retry-pushback-ms), which stops this upstream's retries for a while"
+                    }
                     DenyReason::ServerPushback => {
                         "the server asked not to retry (grpc-retry-pushback-ms)"
                     }

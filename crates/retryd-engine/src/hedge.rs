@@ -204,6 +204,7 @@ pub fn decide_hedge(
         http_status: None,
         grpc_status: None,
         hedge: Some(note),
+        fleet: crate::FleetEffect::None,
     };
     let deny = |reason| answer(Verdict::Deny(reason));
     if !facts.budget.retries_enabled {
@@ -243,6 +244,19 @@ pub fn decide_hedge(
         backoff: Duration::ZERO,
         refresh_credentials: false,
     })
+}
+
+impl Decision {
+    /// A granted hedge turned down because the upstream's fleet-wide
+    /// pushback is in force (another caller's Retry-After or pushback, or a
+    /// stop): a hedge is sent now or never, and now is before the time the
+    /// upstream asked for.
+    pub fn into_pushback_denial(self) -> Decision {
+        Decision {
+            verdict: Verdict::Deny(DenyReason::ServerPushback),
+            ..self
+        }
+    }
 }
 
 #[cfg(test)]

@@ -19,6 +19,7 @@ mod backoff;
 mod body;
 mod evidence;
 mod explanation;
+mod fleet;
 mod grpc;
 mod hedge;
 pub mod latency;
@@ -33,6 +34,7 @@ use std::time::{Duration, SystemTime};
 pub use backoff::{Backoff, Jitter};
 pub use body::{Body, Replayability};
 pub use evidence::{Evidence, FailureKind, effective_evidence};
+pub use fleet::{FleetPushback, SPREAD as PUSHBACK_SPREAD};
 pub use grpc::{GrpcCode, GrpcCodes, Pushback, parse_pushback};
 pub use hedge::{
     HedgeFacts, HedgeNote, HedgePolicy, HedgeState, Idempotencies, Served, decide_hedge,
@@ -365,9 +367,37 @@ pub struct Decision {
     grpc_status: Option<GrpcCode>,
     /// A hedge's numbers; `None` for a retry.
     pub hedge: Option<HedgeNote>,
+    /// What the fleet's pushback did to the verdict.
+    fleet: FleetEffect,
+}
+
+/// What another caller's pushback (the decision's [`FleetPushback`]) did to
+/// a decision, for the explanation and a metric.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FleetEffect {
+    /// Nothing: no pushback in force, or the backoff was as long anyway.
+    #[default]
+    None,
+    /// The RETRY's backoff was stretched to end after the fleet's
+    /// earliest-retry time.
+    Stretched,
+    /// The retry was denied (SERVER_PUSHBACK): a caller's negative pushback
+    /// stopped the upstream's retries.
+    Stopped,
+    /// The retry was denied (BUDGET_EXHAUSTED): the upstream is recovering
+    /// and its ramp admits only part of the retries yet.
+    Ramped,
+    /// The RETRY was admitted by a recovery ramp, its backoff spread over
+    /// what is left of it.
+    Spread,
 }
 
 impl Decision {
+    /// What the fleet's pushback did to this decision.
+    pub fn fleet_effect(&self) -> FleetEffect {
+        self.fleet
+    }
+
     /// The same decision with its verdict replaced by a rule-2 denial: the
     /// service calls this when the withdrawal after a RETRY failed (the last
     /// token went to someone else, or the store became unreachable), which
@@ -393,6 +423,16 @@ impl Decision {
 /// Decides one failed attempt. Rules are checked in the specification's
 /// order and the first that applies decides; see the module docs.
 pub fn decide(facts: &Facts<'_>, policy: &Policy) -> Decision {
+    decide_in_fleet(facts, policy, FleetPushback::NONE)
+}
+
+/// [`decide`] under the upstream's fleet-wide pushback, as the budget store
+/// read it: a RETRY's backoff ends no earlier than the fleet's
+/// earliest-retry time (spread after it, `fleet.rs`), and a stop in force
+/// turns a RETRY into DENY SERVER_PUSHBACK (rule 9). It can only lengthen
+/// a backoff or turn a RETRY into a DENY: every other verdict is
+/// [`decide`]'s.
+pub fn decide_in_fleet(facts: &Facts<'_>, policy: &Policy, fleet: FleetPushback) -> Decision {
     // An HTTP status or a pushback trailer can only have come from the
     // server; a gRPC code alone may be the library's own.
     let answered = facts.http_status.is_some() || facts.grpc_pushback.is_some();
@@ -410,6 +450,7 @@ pub fn decide(facts: &Facts<'_>, policy: &Policy) -> Decision {
         http_status: facts.http_status,
         grpc_status: facts.grpc_status,
         hedge: None,
+        fleet: FleetEffect::None,
     };
     let deny = |reason, rule| answer(Verdict::Deny(reason), rule);
 
@@ -476,16 +517,30 @@ pub fn decide(facts: &Facts<'_>, policy: &Policy) -> Decision {
     }
     // 9. Evidence and status.
     match status_rule(facts, policy, effective) {
+        // Another caller's negative pushback stopped the upstream's retries.
+        StatusOutcome::Retry { .. } if fleet.stop => Decision {
+            fleet: FleetEffect::Stopped,
+            ..deny(DenyReason::ServerPushback, Rule::STATUS)
+        },
+        // The upstream is recovering: its ramp admits a growing share of
+        // the retries (a budget rule: what the budget lets through).
+        StatusOutcome::Retry { .. } if !fleet.admits(facts.jitter) => Decision {
+            fleet: FleetEffect::Ramped,
+            ..deny(DenyReason::BudgetExhausted, Rule::BUDGET)
+        },
         StatusOutcome::Retry {
             refresh_credentials,
-        } => match backoff_within_deadline(facts, policy, refresh_credentials) {
-            Some(backoff) => answer(
-                Verdict::Retry {
-                    backoff,
-                    refresh_credentials,
-                },
-                Rule::STATUS,
-            ),
+        } => match backoff_within_deadline(facts, policy, refresh_credentials, fleet) {
+            Some((backoff, effect)) => Decision {
+                fleet: effect,
+                ..answer(
+                    Verdict::Retry {
+                        backoff,
+                        refresh_credentials,
+                    },
+                    Rule::STATUS,
+                )
+            },
             None => deny(DenyReason::Deadline, Rule::DEADLINE),
         },
         StatusOutcome::Ambiguous => answer(Verdict::Ambiguous, Rule::STATUS),
@@ -591,13 +646,15 @@ fn grpc_rule(code: GrpcCode, facts: &Facts<'_>, policy: &Policy) -> StatusOutcom
     }
 }
 
-/// The backoff of a RETRY, or `None` when a Retry-After cannot be honoured
-/// (too long for the policy, or not fitting the deadline).
+/// The backoff of a RETRY and what the fleet's pushback or ramp did to it,
+/// or `None` when a Retry-After (the caller's or the fleet's) cannot be
+/// honoured (too long for the policy, or not fitting the deadline).
 fn backoff_within_deadline(
     facts: &Facts<'_>,
     policy: &Policy,
     refresh_credentials: bool,
-) -> Option<Duration> {
+    fleet: FleetPushback,
+) -> Option<(Duration, FleetEffect)> {
     // Retry-After (HTTP) or a valid pushback (gRPC): the server's floor.
     let floor = match facts.grpc_pushback.map(parse_pushback) {
         Some(Pushback::Wait(wait)) => Some(wait),
@@ -619,16 +676,35 @@ fn backoff_within_deadline(
             .compute(facts.attempt, facts.previous_backoff, facts.jitter)
     };
     let floor = floor.unwrap_or(Duration::ZERO);
-    let backoff = computed.max(floor);
+    let own = computed.max(floor);
+    // The fleet's earliest-retry time, spread after it; its wait (not the
+    // spread) is a floor like the caller's own Retry-After.
+    let ceiling = policy
+        .backoff
+        .ceiling(facts.attempt, facts.previous_backoff);
+    let fleet_wait = fleet.wait.min(policy.max_retry_after);
+    let (backoff, effect) = match fleet.floor(ceiling, facts.jitter, policy.max_retry_after) {
+        Some(stretched) if stretched > own => (stretched, FleetEffect::Stretched),
+        _ => (own, FleetEffect::None),
+    };
+    // During a recovery ramp the admitted retries are spread over what is
+    // left of it (not a floor: the deadline may cut it short).
+    let spread = fleet.ramp_spread(facts.jitter);
+    let (backoff, effect) = if spread > backoff {
+        (spread, FleetEffect::Spread)
+    } else {
+        (backoff, effect)
+    };
+    let floor = floor.max(fleet_wait);
     match facts.deadline_remaining {
-        None => Some(backoff),
+        None => Some((backoff, effect)),
         Some(remaining) => {
             // Rule 6 guarantees remaining >= min_attempt_budget.
             let room = remaining.saturating_sub(policy.min_attempt_budget);
             if floor > room {
                 None
             } else {
-                Some(backoff.min(room))
+                Some((backoff.min(room), effect))
             }
         }
     }

@@ -811,6 +811,7 @@ fn every_explanation_word_for_word() {
         http_status: status,
         grpc_status: None,
         hedge: None,
+        fleet: FleetEffect::None,
     };
     let retry = |refresh_credentials| Verdict::Retry {
         backoff: Duration::from_micros(1_234_567),
@@ -1869,6 +1870,7 @@ fn explanations_say_the_outcome_is_unknown() {
         http_status: None,
         grpc_status: None,
         hedge: None,
+        fleet: FleetEffect::None,
     };
     let cases = [
         (
@@ -1899,4 +1901,168 @@ fn explanations_say_the_outcome_is_unknown() {
     for (decision, text) in cases {
         assert_eq!(decision.to_string(), text, "{decision:?}");
     }
+}
+
+/// Another caller's 429 with Retry-After set the fleet's earliest-retry
+/// time 2 s away: this caller's RETRY waits it out, spread after it, and
+/// the explanation says why.
+#[test]
+fn a_fleet_pushback_stretches_the_backoff() {
+    let fleet = FleetPushback {
+        wait: Duration::from_secs(2),
+        ..FleetPushback::NONE
+    };
+    let busy = case().status(503);
+    let decision = decide_in_fleet(&busy.facts(), &Policy::default(), fleet);
+    // 2 s + 0.5 × max(50 ms, 500 ms).
+    assert_eq!(
+        decision.verdict,
+        Verdict::Retry {
+            backoff: Duration::from_millis(2250),
+            refresh_credentials: false
+        }
+    );
+    assert_eq!(decision.fleet_effect(), FleetEffect::Stretched);
+    assert_eq!(
+        decision.explanation(),
+        "retry after 2250ms: status 503 is retryable (rule 9); the backoff was stretched past \
+         the upstream's earliest-retry time, set by another caller's Retry-After or pushback"
+    );
+    // Its own longer Retry-After is not stretched.
+    let own = Case {
+        retry_after: Some("5"),
+        ..case().status(429)
+    };
+    let decision = decide_in_fleet(&own.facts(), &Policy::default(), fleet);
+    assert_eq!(decision.fleet_effect(), FleetEffect::None);
+    assert_eq!(
+        decision.verdict,
+        Verdict::Retry {
+            backoff: Duration::from_secs(5),
+            refresh_credentials: false
+        }
+    );
+    // A deadline the fleet's wait does not fit: DENY DEADLINE, as for the
+    // caller's own Retry-After.
+    let short = Case {
+        deadline: Some(Duration::from_secs(1)),
+        ..case().status(503)
+    };
+    let decision = decide_in_fleet(&short.facts(), &Policy::default(), fleet);
+    assert_eq!(decision.verdict, Verdict::Deny(Deadline));
+    // Bounded by max_retry_after.
+    let policy = Policy {
+        max_retry_after: Duration::from_secs(1),
+        ..Policy::default()
+    };
+    let decision = decide_in_fleet(&busy.facts(), &policy, fleet);
+    assert_eq!(
+        decision.verdict,
+        Verdict::Retry {
+            backoff: Duration::from_millis(1125),
+            refresh_credentials: false
+        }
+    );
+}
+
+#[test]
+fn a_fleet_stop_denies_retries_as_server_pushback() {
+    let fleet = FleetPushback {
+        stop: true,
+        ..FleetPushback::NONE
+    };
+    let decision = decide_in_fleet(&case().status(503).facts(), &Policy::default(), fleet);
+    assert_eq!(decision.verdict, Verdict::Deny(ServerPushback));
+    assert_eq!(decision.fleet_effect(), FleetEffect::Stopped);
+    assert!(
+        decision.explanation().starts_with(
+            "deny: the server asked another caller not to retry (a negative grpc-retry-pushback-ms)"
+        ),
+        "{decision}"
+    );
+    // An ambiguous call stays ambiguous: the stop hides no possible effect.
+    let ambiguous = case().status(503).idempotency(NonIdempotent);
+    let decision = decide_in_fleet(&ambiguous.facts(), &Policy::default(), fleet);
+    assert_eq!(decision.verdict, Verdict::Ambiguous);
+}
+
+proptest! {
+    /// The fleet's pushback (and recovery ramp) only ever lengthens a RETRY's backoff to end
+    /// no earlier than its wait (deadline permitting), or turns a RETRY
+    /// into a DENY; every other verdict is the plain decision's.
+    #[test]
+    fn the_fleet_only_delays_or_denies(
+        case in any_case(),
+        wait_ms in 0u64..120_000,
+        stop in any::<bool>(),
+        ramp in prop_oneof![Just(1.0f64), 0.0f64..1.0],
+        ramp_ms in 0u64..5_000,
+    ) {
+        let policy = Policy::default();
+        let fleet = FleetPushback {
+            wait: Duration::from_millis(wait_ms),
+            stop,
+            ramp,
+            ramp_remaining: Duration::from_millis(ramp_ms),
+        };
+        let plain = case.run(&policy);
+        let decision = decide_in_fleet(&case.facts(), &policy, fleet);
+        match (plain.verdict, decision.verdict) {
+            (Verdict::Retry { backoff: before, .. }, Verdict::Retry { backoff, .. }) => {
+                prop_assert!(!stop);
+                prop_assert!(backoff >= before);
+                let bound = fleet.wait.min(policy.max_retry_after);
+                prop_assert!(backoff >= bound, "{backoff:?} < {bound:?}");
+            }
+            (Verdict::Retry { .. }, Verdict::Deny(reason)) => {
+                prop_assert!(
+                    matches!(reason, ServerPushback | Deadline | BudgetExhausted),
+                    "{decision}"
+                );
+            }
+            _ => prop_assert_eq!(plain, decision),
+        }
+    }
+}
+
+/// A recovery ramp at share 0.4 with 3 s left: a draw of 0.5 is denied as
+/// the budget's (rule 2), one of 0.2 admitted and spread to 0.5 × 3 s.
+#[test]
+fn a_recovery_ramp_admits_its_share_and_spreads_them() {
+    let fleet = FleetPushback {
+        ramp: 0.4,
+        ramp_remaining: Duration::from_secs(3),
+        ..FleetPushback::NONE
+    };
+    let denied = Case {
+        jitter: 0.5,
+        ..case().status(503)
+    };
+    let decision = decide_in_fleet(&denied.facts(), &Policy::default(), fleet);
+    assert_eq!(decision.verdict, Verdict::Deny(BudgetExhausted));
+    assert_eq!(decision.rule, Rule::BUDGET);
+    assert_eq!(decision.fleet_effect(), FleetEffect::Ramped);
+    assert_eq!(
+        decision.explanation(),
+        "deny: the upstream is recovering, and its retry budget admits only part of the retries yet (rule 2)"
+    );
+    let admitted = Case {
+        jitter: 0.2,
+        ..case().status(503)
+    };
+    let decision = decide_in_fleet(&admitted.facts(), &Policy::default(), fleet);
+    assert_eq!(
+        decision.verdict,
+        Verdict::Retry {
+            backoff: Duration::from_millis(1500),
+            refresh_credentials: false
+        }
+    );
+    assert_eq!(decision.fleet_effect(), FleetEffect::Spread);
+    assert!(
+        decision.explanation().ends_with(
+            "; the upstream is recovering, and the backoff is spread over the rest of its ramp"
+        ),
+        "{decision}"
+    );
 }

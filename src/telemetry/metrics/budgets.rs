@@ -100,6 +100,9 @@ mod tests {
             retries_enabled: true,
             tracked: true,
             shared_unavailable: false,
+            pushback_remaining: None,
+            adaptive_level: 1.0,
+            ramp_elapsed: None,
         }]
     }
 

@@ -140,6 +140,12 @@ fn one(value: Number) -> Vec<(Labels, Number)> {
 struct Gauges {
     tokens: f64,
     retries_enabled: bool,
+    /// The longest pushback in force among the label's upstreams, seconds.
+    pushback: f64,
+    /// The lowest adaptive level among them.
+    level: f64,
+    /// The lowest recovery ramp share among them.
+    ramp: f64,
 }
 
 impl Metrics {
@@ -150,6 +156,20 @@ impl Metrics {
         budgets: &[BudgetSnapshot],
         store_available: f64,
         store: &StoreStats,
+    ) -> String {
+        self.render_with_ramps(budgets, store_available, store, &|_| {
+            std::time::Duration::ZERO
+        })
+    }
+
+    /// [`Metrics::render`], with each upstream's `ramp_window` for the
+    /// `retryd_upstream_ramp` gauge (a zero window: no ramp, 1).
+    pub fn render_with_ramps(
+        &self,
+        budgets: &[BudgetSnapshot],
+        store_available: f64,
+        store: &StoreStats,
+        ramp_window_of: &dyn Fn(&str) -> std::time::Duration,
     ) -> String {
         let load = |counter: &AtomicU64| Number::Int(counter.load(Ordering::Relaxed));
         let by_upstream = |value: &dyn Fn(usize) -> u64| -> Vec<(Labels, Number)> {
@@ -256,6 +276,11 @@ impl Metrics {
             METRIC_RETRIES_GRANTED,
             "Retries granted (RETRY verdicts) by upstream.",
             by_upstream(&|row| self.decisions(row, RETRY_OUTCOME)),
+        ));
+        families.push(counter(
+            METRIC_BACKOFFS_STRETCHED,
+            "RETRY backoffs stretched past the upstream's earliest-retry time, set by another caller's Retry-After or pushback, by upstream.",
+            by_upstream(&|row| self.stretched[row].load(Ordering::Relaxed)),
         ));
         families.push(counter(
             METRIC_UPSTREAM_REPORTED,
@@ -542,9 +567,20 @@ impl Metrics {
             let gauge = gauges[self.row(&budget.upstream)].get_or_insert(Gauges {
                 tokens: 0.0,
                 retries_enabled: true,
+                pushback: 0.0,
+                level: 1.0,
+                ramp: 1.0,
             });
+            gauge.level = gauge.level.min(budget.adaptive_level);
+            let window = ramp_window_of(&budget.upstream);
+            gauge.ramp = gauge
+                .ramp
+                .min(crate::budget::pushback::ramp(budget.ramp_elapsed, window).0);
             gauge.tokens += budget.tokens;
             gauge.retries_enabled &= budget.retries_enabled;
+            if let Some(remaining) = budget.pushback_remaining {
+                gauge.pushback = gauge.pushback.max(remaining.as_secs_f64());
+            }
         }
         let labelled = |value: fn(Gauges) -> Number| -> Vec<(Labels, Number)> {
             self.labels
@@ -564,6 +600,21 @@ impl Metrics {
             METRIC_RETRIES_ENABLED,
             "0 while an operator has switched retries off (_other: for any unconfigured upstream).",
             labelled(|gauge| Number::Int(u64::from(gauge.retries_enabled))),
+        ));
+        families.push(gauge(
+            METRIC_UPSTREAM_PUSHBACK,
+            "Seconds until the upstream's fleet-wide pushback ends (earliest-retry time or stop window), 0 when none (_other: the longest).",
+            labelled(|gauge| Number::Float(gauge.pushback)),
+        ));
+        families.push(gauge(
+            METRIC_UPSTREAM_ADAPTIVE_LEVEL,
+            "The adaptive budget's level as last reported fleet-wide, 0 to 1 (_other: the lowest).",
+            labelled(|gauge| Number::Float(gauge.level)),
+        ));
+        families.push(gauge(
+            METRIC_UPSTREAM_RAMP,
+            "The share of retries admitted while the upstream recovers, 0 to 1; 1 when no ramp is under way (_other: the lowest).",
+            labelled(|gauge| Number::Float(gauge.ramp)),
         ));
 
         let mut registry = Registry::default();

@@ -173,6 +173,9 @@ fn budget(upstream: &str, tokens: f64, retries_enabled: bool) -> BudgetSnapshot 
         retries_enabled,
         tracked: true,
         shared_unavailable: false,
+        pushback_remaining: None,
+        adaptive_level: 1.0,
+        ramp_elapsed: None,
     }
 }
 

@@ -467,3 +467,140 @@ fn a_newly_configured_upstream_gives_its_place_back() {
     assert_eq!(store.counted_upstreams(), 0);
     block_on(store.try_withdraw("another", &config)).unwrap();
 }
+
+mod fleet {
+    use super::super::*;
+    use crate::{Announce, FleetCall};
+    use std::time::Duration;
+
+    fn configured() -> BucketConfig {
+        BucketConfig {
+            configured: true,
+            ..BucketConfig::default()
+        }
+    }
+
+    fn check(
+        store: &MemoryBudgetStore<ManualClock>,
+        withdraw: bool,
+        fleet: FleetCall,
+    ) -> BudgetCheck {
+        store
+            .check_in_fleet("up", &configured(), withdraw, fleet)
+            .now_or_never()
+            .unwrap()
+            .unwrap()
+    }
+
+    fn announcing(announce: Announce) -> FleetCall {
+        FleetCall {
+            announce,
+            ..FleetCall::PLAIN
+        }
+    }
+
+    use futures::FutureExt;
+
+    #[test]
+    fn a_pushback_is_set_if_later_and_read_before_its_own_announcement() {
+        let clock = ManualClock::default();
+        let store = MemoryBudgetStore::with_clock(10, clock.clone());
+        let first = check(
+            &store,
+            false,
+            announcing(Announce::Wait(Duration::from_secs(2))),
+        );
+        // The announcer reads the state before its announcement.
+        assert_eq!(first.pushback.wait, Duration::ZERO);
+        clock.advance(500_000_000);
+        let second = check(
+            &store,
+            true,
+            announcing(Announce::Wait(Duration::from_millis(100))),
+        );
+        assert_eq!(second.pushback.wait, Duration::from_millis(1500));
+        assert!(second.withdrew, "a wait with no deadline is borne");
+        // The shorter announcement did not bring it forward.
+        let third = check(&store, false, FleetCall::PLAIN);
+        assert_eq!(third.pushback.wait, Duration::from_millis(1500));
+        assert_eq!(third.pushback_remaining, Some(Duration::from_millis(1500)));
+        // A caller whose deadline cannot hold it withdraws nothing.
+        let impatient = FleetCall {
+            patience: Some(Duration::from_secs(1)),
+            ..FleetCall::PLAIN
+        };
+        assert!(!check(&store, true, impatient).withdrew);
+        clock.advance(1_500_000_000);
+        assert_eq!(
+            check(&store, false, FleetCall::PLAIN).pushback_remaining,
+            None
+        );
+    }
+
+    #[test]
+    fn a_stop_withdraws_nothing_for_its_window() {
+        let clock = ManualClock::default();
+        let store = MemoryBudgetStore::with_clock(10, clock.clone());
+        check(
+            &store,
+            false,
+            announcing(Announce::Stop(Duration::from_secs(5))),
+        );
+        let stopped = check(&store, true, FleetCall::PLAIN);
+        assert!(stopped.pushback.stop && !stopped.withdrew);
+        assert_eq!(stopped.tokens, 100.0);
+        clock.advance(5_000_000_000);
+        assert!(check(&store, true, FleetCall::PLAIN).withdrew);
+    }
+
+    #[test]
+    fn a_ramp_withdraws_only_for_the_draws_it_admits() {
+        let clock = ManualClock::default();
+        let store = MemoryBudgetStore::with_clock(10, clock.clone());
+        let config = configured();
+        let ramped = |draw| FleetCall {
+            draw,
+            ramp_window: Duration::from_secs(5),
+            ..FleetCall::PLAIN
+        };
+        store
+            .set_retries_enabled("up", &config, false)
+            .now_or_never()
+            .unwrap()
+            .unwrap();
+        store
+            .set_retries_enabled("up", &config, true)
+            .now_or_never()
+            .unwrap()
+            .unwrap();
+        clock.advance(1_000_000_000);
+        let denied = check(&store, true, ramped(0.3));
+        assert!(!denied.withdrew);
+        assert_eq!(denied.pushback.ramp, 0.2);
+        assert_eq!(denied.pushback.ramp_remaining, Duration::from_secs(4));
+        assert!(check(&store, true, ramped(0.1)).withdrew);
+        // A level returning from low starts one too; rare failures do not.
+        clock.advance(4_000_000_000);
+        assert!(check(&store, true, ramped(0.9)).withdrew);
+        store
+            .note_level("up", &config, 0.9)
+            .now_or_never()
+            .unwrap()
+            .unwrap();
+        assert!(check(&store, true, ramped(0.9)).withdrew);
+        store
+            .note_level("up", &config, 0.1)
+            .now_or_never()
+            .unwrap()
+            .unwrap();
+        store
+            .note_level("up", &config, 1.0)
+            .now_or_never()
+            .unwrap()
+            .unwrap();
+        let ramping = check(&store, true, ramped(0.9));
+        assert!(!ramping.withdrew);
+        assert_eq!(ramping.adaptive_level, 1.0);
+        assert_eq!(ramping.ramp_elapsed, Some(Duration::ZERO));
+    }
+}

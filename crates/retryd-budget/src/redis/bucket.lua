@@ -33,8 +33,14 @@ local now_ms = math.floor(now_us / 1000)
 -- (a new bucket, or one written by an older retryd) means "read it from
 -- the source", so the slow path is also the upgrade path; in steady state a
 -- decision runs TIME, HMGET and HSET only (issue 19: <= 4 commands with the
--- EVALSHA).
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'us', 'ns', 'out', 'lexp', 'off', 'exp')
+-- EVALSHA). `pb` and `ps` are the upstream's fleet-wide pushback (issue 32,
+-- pushback.rs): the earliest-retry time and the end of a stop window, in
+-- server ms (absent or past: none). They ride in the same hash so that a
+-- decision reads them with the same HMGET. `rs` is when the last recovery
+-- ramp began (server ms; absent: never) and `lv` the adaptive level last
+-- noted, in millionths (absent: 1).
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'us', 'ns', 'out', 'lexp', 'off', 'exp',
+  'pb', 'ps', 'rs', 'lv')
 local existed = state[1] ~= false
 local tokens, us, ns
 if existed then
@@ -59,6 +65,46 @@ if out == nil or lexp == nil or (out > 0 and lexp < now_ms) then
   if #members > 0 then
     lexp = tonumber(members[2])
   end
+end
+-- The pushback as read, before any announcement of this call: what the
+-- reply tells, so the caller can tell another caller's pushback from its own.
+local pb0, ps0 = tonumber(state[8]) or 0, tonumber(state[9]) or 0
+local pb, ps = pb0, ps0
+
+-- Writes a pushback "set if later" (milliseconds from now, 0 for none);
+-- true if it moved anything.
+local function announce(wait_ms, stop_ms)
+  local moved = false
+  if wait_ms > 0 and now_ms + wait_ms > pb then
+    pb = now_ms + wait_ms
+    moved = true
+  end
+  if stop_ms > 0 and now_ms + stop_ms > ps then
+    ps = now_ms + stop_ms
+    moved = true
+  end
+  return moved
+end
+
+local rs = tonumber(state[10]) or 0
+local lv = tonumber(state[11]) or UNIT
+
+-- The recovery ramp's share now, over a window of `window_ms` (0: none):
+-- (now − rs) / window, capped at 1; the same doubles as Rust's.
+local function ramp_share(window_ms)
+  if rs <= 0 or window_ms <= 0 then
+    return 1
+  end
+  local elapsed = math.max(now_ms - rs, 0)
+  if elapsed >= window_ms then
+    return 1
+  end
+  return elapsed / window_ms
+end
+
+-- True while a stop window is in force: no token is withdrawn.
+local function stopped()
+  return ps0 > now_ms
 end
 local room = math.max(cap - out, 0)
 tokens = math.min(tokens, room)
@@ -132,6 +178,11 @@ local function save()
       ttl = -1
     end
   end
+  -- The key outlives the pushback it holds.
+  local hold = math.max(pb, ps) - now_ms
+  if ttl >= 0 and hold > ttl then
+    ttl = hold
+  end
   local expiry = tonumber(state[7])
   local command = nil
   if ttl < 0 then
@@ -149,7 +200,8 @@ local function save()
     off = '1'
   end
   redis.call('HSET', KEYS[1], 'tokens', int(tokens), 'us', int(us), 'ns', int(ns),
-    'out', int(out), 'lexp', int(lexp), 'off', off, 'exp', int(expiry))
+    'out', int(out), 'lexp', int(lexp), 'off', off, 'exp', int(expiry),
+    'pb', int(pb), 'ps', int(ps), 'rs', int(rs), 'lv', int(lv))
   if command == 'PERSIST' then
     redis.call('PERSIST', KEYS[1])
   elseif command == 'PEXPIRE' then
@@ -158,7 +210,23 @@ local function save()
   return expiry
 end
 
--- {result, tokens, enabled, tracked, index, now_ms}; index: -1 retries off,
+-- Saves only the pushback (a call that saves nothing else), on a hash that
+-- may hold nothing more: its key then expires with the pushback, and an
+-- existing bucket's expiry is moved only if it would fall short of it.
+local function save_pushback()
+  redis.call('HSET', KEYS[1], 'pb', int(pb), 'ps', int(ps))
+  local until_ms = math.max(pb, ps)
+  local expiry = tonumber(state[7])
+  if not existed then
+    redis.call('PEXPIREAT', KEYS[1], int(until_ms + 1000))
+  elseif expiry == nil or (expiry >= 0 and expiry < until_ms) then
+    redis.call('PEXPIREAT', KEYS[1], int(until_ms + 1000))
+    redis.call('HSET', KEYS[1], 'exp', int(until_ms + 1000))
+  end
+end
+
+-- {result, tokens, enabled, tracked, index, now_ms, pb, ps, rs, lv}; pb and
+-- ps as read (see above); index: -1 retries off,
 -- -2 nothing saved, -3 saved without expiry, else the bucket's expiry (ms).
 local function reply(result, expiry)
   local index
@@ -179,5 +247,5 @@ local function reply(result, expiry)
   if enabled then
     on = 1
   end
-  return {result, tokens, on, tracked, index, now_ms}
+  return {result, tokens, on, tracked, index, now_ms, pb0, ps0, rs, lv}
 end

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use super::config::{RedisConfig, RedisMode};
 use super::shared::{Core, Mode, Operations, Source};
-use crate::{BucketConfig, BudgetCheck, StoreError};
+use crate::{BucketConfig, BudgetCheck, FleetCall, StoreError};
 
 /// The exact mode of [`super::RedisBudgetStore`]: every withdrawal is one
 /// atomic script call. It has no state of its own.
@@ -49,9 +49,10 @@ impl Operations for Exact {
         upstream: &str,
         config: &BucketConfig,
         withdraw: bool,
+        fleet: FleetCall,
         deadline: Instant,
     ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send {
-        core.direct_check(upstream, config, withdraw, deadline)
+        core.direct_check(upstream, config, withdraw, fleet, deadline)
     }
 
     fn try_withdraw(

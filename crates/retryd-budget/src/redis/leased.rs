@@ -27,7 +27,10 @@ use super::config::{RedisConfig, RedisMode};
 use super::leases::{Acquisition, LastAcquisition, Lease, LeaseSize, Return, lease_cap};
 use super::replies::Reply;
 use super::shared::{Core, Mode, Operations, Source, UpstreamState, lock};
-use crate::{BucketConfig, BudgetCheck, StoreError, UNITS_PER_TOKEN, units_to_tokens};
+use crate::{
+    Announce, BucketConfig, BudgetCheck, FleetCall, FleetPushback, StoreError, UNITS_PER_TOKEN,
+    units_to_tokens,
+};
 
 /// Deposits are flushed and leases swept this often.
 const TICK: Duration = Duration::from_millis(5);
@@ -74,6 +77,59 @@ pub(super) struct Reading {
     units: u64,
     enabled: bool,
     read_at: Instant,
+    /// The fleet's pushback as read (the earliest-retry time and a stop
+    /// window's end, on this replica's clock): a leased decision obeys
+    /// it from the cache, as it obeys the kill switch.
+    after: Option<Instant>,
+    stop: Option<Instant>,
+    /// The last recovery ramp's start and the adaptive level, as read.
+    ramp_from: Option<Instant>,
+    level: f64,
+}
+
+impl Reading {
+    /// What a bucket script answered, read at `now`.
+    fn of(reply: &Reply, now: Instant) -> Reading {
+        let at = |ms: i64| {
+            let ahead = ms.saturating_sub(reply.now_ms);
+            (ahead > 0).then(|| now + Duration::from_millis(ahead as u64))
+        };
+        Reading {
+            units: reply.tokens,
+            enabled: reply.enabled,
+            read_at: now,
+            after: at(reply.pushback_ms),
+            stop: at(reply.stop_ms),
+            ramp_from: reply
+                .ramp_elapsed()
+                .map(|elapsed| now.checked_sub(elapsed).unwrap_or(now)),
+            level: reply.adaptive_level(),
+        }
+    }
+
+    /// How long ago the last ramp began, at `now`; and the level.
+    fn ramp(&self, now: Instant) -> (Option<Duration>, f64) {
+        (
+            self.ramp_from
+                .map(|from| now.saturating_duration_since(from)),
+            self.level,
+        )
+    }
+
+    /// The pushback in force at `now`, and how long no retry may land.
+    fn pushback(&self, now: Instant) -> (FleetPushback, Option<Duration>) {
+        let left = |until: Option<Instant>| {
+            until.map_or(Duration::ZERO, |until| until.saturating_duration_since(now))
+        };
+        let (wait, stop) = (left(self.after), left(self.stop));
+        let fleet = FleetPushback {
+            wait,
+            stop: !stop.is_zero(),
+            ..FleetPushback::NONE
+        };
+        let remaining = wait.max(stop);
+        (fleet, (!remaining.is_zero()).then_some(remaining))
+    }
 }
 
 /// What a leased store keeps per upstream, beside the index bookkeeping.
@@ -124,6 +180,21 @@ impl LeaseState {
         lock(&self.lease).is_some()
     }
 
+    /// This replica's own announcement, in its cached reading at once (the
+    /// script's reply tells the pushback as it was before it).
+    fn announced(&self, announce: Announce, now: Instant) {
+        if let Some(reading) = lock(&self.reading).as_mut() {
+            let later = |until: &mut Option<Instant>, by: Duration| {
+                if !by.is_zero() {
+                    *until = Some(until.map_or(now + by, |until| until.max(now + by)));
+                }
+            };
+            let (wait, stop) = announce.nanos();
+            later(&mut reading.after, Duration::from_nanos(wait));
+            later(&mut reading.stop, Duration::from_nanos(stop));
+        }
+    }
+
     fn cached(&self, now: Instant, fresh_for: Duration) -> Option<Reading> {
         lock(&self.reading).filter(|reading| now.duration_since(reading.read_at) < fresh_for)
     }
@@ -138,11 +209,7 @@ impl LeaseState {
 
 impl UpstreamState for LeaseState {
     fn remember(&self, reply: &Reply) {
-        *lock(&self.reading) = Some(Reading {
-            units: reply.tokens,
-            enabled: reply.enabled,
-            read_at: Instant::now(),
-        });
+        *lock(&self.reading) = Some(Reading::of(reply, Instant::now()));
     }
 
     /// Its lease and the deposits not yet sent. Not a flush on its way:
@@ -209,9 +276,10 @@ impl Operations for Leased {
         upstream: &str,
         config: &BucketConfig,
         withdraw: bool,
+        fleet: FleetCall,
         deadline: Instant,
     ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send {
-        spend::check_with_lease(core, upstream, config, withdraw, deadline)
+        spend::check_with_lease(core, upstream, config, withdraw, fleet, deadline)
     }
 
     fn try_withdraw(

@@ -1,4 +1,4 @@
-//! What the scripts answer, parsed strictly: a bucket script's six
+//! What the scripts answer, parsed strictly: a bucket script's ten
 //! integers, and the index's admission answers. Anything else is an
 //! unexpected reply (`RedisStoreError::Reply`), never a guess. Nothing here
 //! talks to Redis or acts on a reply.
@@ -23,18 +23,73 @@ pub struct Reply {
     /// bucket's expiry in server milliseconds.
     pub(super) index: i64,
     pub(super) now_ms: i64,
+    /// The upstream's fleet-wide pushback as the script read it, before
+    /// its own announcement: the earliest-retry time and a stop window's
+    /// end, in server milliseconds (0 or past: none).
+    pub(super) pushback_ms: i64,
+    pub(super) stop_ms: i64,
+    /// When the last recovery ramp began (server ms, 0: never), and the
+    /// adaptive level last noted, in millionths.
+    pub(super) ramp_ms: i64,
+    pub(super) level: i64,
+}
+
+impl Reply {
+    /// The pushback in force when the script ran.
+    pub(super) fn pushback(&self) -> crate::FleetPushback {
+        let (after, stop, now) = self.pushback_clock();
+        crate::pushback::in_force(after, stop, now, 1_000_000)
+    }
+
+    /// How long from when the script ran no retry may land.
+    pub(super) fn pushback_remaining(&self) -> Option<std::time::Duration> {
+        let (after, stop, now) = self.pushback_clock();
+        crate::pushback::remaining(after, stop, now, 1_000_000)
+    }
+
+    /// How long before the script ran the last recovery ramp began.
+    pub(super) fn ramp_elapsed(&self) -> Option<std::time::Duration> {
+        (self.ramp_ms > 0).then(|| {
+            std::time::Duration::from_millis(self.now_ms.saturating_sub(self.ramp_ms).max(0) as u64)
+        })
+    }
+
+    /// The adaptive level last noted, 0 to 1.
+    pub(super) fn adaptive_level(&self) -> f64 {
+        (self.level as f64 / 1e6).clamp(0.0, 1.0)
+    }
+
+    fn pushback_clock(&self) -> (u64, u64, u64) {
+        let ms = |value: i64| value.max(0) as u64;
+        (ms(self.pushback_ms), ms(self.stop_ms), ms(self.now_ms))
+    }
 }
 
 impl Reply {
     pub(super) fn parse(values: &[i64]) -> Result<Reply, RedisStoreError> {
         match *values {
-            [result, tokens, enabled, tracked, index, now_ms] => Ok(Reply {
+            [
+                result,
+                tokens,
+                enabled,
+                tracked,
+                index,
+                now_ms,
+                pushback_ms,
+                stop_ms,
+                ramp_ms,
+                level,
+            ] => Ok(Reply {
                 result,
                 tokens: tokens.max(0) as u64,
                 enabled: enabled == 1,
                 tracked: tracked == 1,
                 index,
                 now_ms,
+                pushback_ms,
+                stop_ms,
+                ramp_ms,
+                level,
             }),
             _ => Err(RedisStoreError::Reply(format!(
                 "a bucket script answered {values:?}"
@@ -95,7 +150,12 @@ mod tests {
 
     #[test]
     fn replies_are_parsed_strictly() {
-        let reply = Reply::parse(&[1, 5_000_000, 1, 1, 42, 7]).unwrap();
+        let reply = Reply::parse(&[1, 5_000_000, 1, 1, 42, 7, 2007, 0, 0, 1_000_000]).unwrap();
+        assert_eq!(
+            reply.pushback().wait,
+            std::time::Duration::from_millis(2000)
+        );
+        assert!(!reply.pushback().stop);
         assert_eq!(reply.result, 1);
         assert_eq!(reply.tokens, 5_000_000);
         assert!(reply.enabled && reply.tracked);

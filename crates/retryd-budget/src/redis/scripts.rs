@@ -25,6 +25,7 @@ pub(super) struct Scripts {
     pub(super) claim_report: Script,
     pub(super) hedge_add: Script,
     pub(super) hedge_read: Script,
+    pub(super) level: Script,
 }
 
 fn bucket_script(body: &str) -> Script {
@@ -48,11 +49,12 @@ impl Scripts {
             claim_report: Script::new(include_str!("claim_report.lua")),
             hedge_add: Script::new(include_str!("hedge_add.lua")),
             hedge_read: Script::new(include_str!("hedge_read.lua")),
+            level: bucket_script(include_str!("level.lua")),
         }
     }
 
     /// All of them, to load at start-up.
-    pub(super) fn all(&self) -> [&Script; 14] {
+    pub(super) fn all(&self) -> [&Script; 15] {
         [
             &self.view,
             &self.check,
@@ -68,6 +70,7 @@ impl Scripts {
             &self.claim_report,
             &self.hedge_add,
             &self.hedge_read,
+            &self.level,
         ]
     }
 }

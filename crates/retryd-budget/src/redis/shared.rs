@@ -38,7 +38,8 @@ use super::reachability::{Reachability, Route};
 use super::replies::Reply;
 use super::scripts::Scripts;
 use crate::{
-    BucketConfig, BudgetCheck, MemoryBudgetStore, StoreError, StoreStats, units_to_tokens,
+    BucketConfig, BudgetCheck, FleetCall, MemoryBudgetStore, StoreError, StoreStats,
+    units_to_tokens,
 };
 
 /// A bucket lives at least this long after its last write.
@@ -75,12 +76,13 @@ pub trait Operations: Sized + Send + Sync + 'static {
         deadline: Instant,
     ) -> impl Future<Output = Result<(BudgetCheck, Source), StoreError>> + Send;
 
-    /// [`crate::BudgetStore::check`].
+    /// [`crate::BudgetStore::check_in_fleet`].
     fn check(
         core: &Arc<Core<Self>>,
         upstream: &str,
         config: &BucketConfig,
         withdraw: bool,
+        fleet: FleetCall,
         deadline: Instant,
     ) -> impl Future<Output = Result<BudgetCheck, StoreError>> + Send;
 

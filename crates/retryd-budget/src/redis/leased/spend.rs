@@ -16,7 +16,8 @@ use crate::redis::error::{Failure, RedisStoreError};
 use crate::redis::leases::{Acquisition, Lease, LeaseEnd};
 use crate::redis::shared::{Core, Source, Upstream, UpstreamState, bump, lock};
 use crate::{
-    BucketConfig, BudgetCheck, OnUnavailable, StoreError, UNITS_PER_TOKEN, units_to_tokens,
+    Announce, BucketConfig, BudgetCheck, FleetCall, FleetPushback, OnUnavailable, StoreError,
+    UNITS_PER_TOKEN, units_to_tokens,
 };
 
 fn is_closed(core: &Core<Leased>) -> bool {
@@ -65,13 +66,11 @@ pub(super) async fn view_with_lease(
             };
             core.note_switch(upstream, reply.enabled);
             state.mode.remember(&reply);
-            Reading {
-                units: reply.tokens,
-                enabled: reply.enabled,
-                read_at: now,
-            }
+            Reading::of(&reply, now)
         }
     };
+    let (pushback, pushback_remaining) = reading.pushback(now);
+    let (ramp_elapsed, adaptive_level) = reading.ramp(now);
     Ok((
         BudgetCheck {
             tokens: units_to_tokens(
@@ -82,6 +81,10 @@ pub(super) async fn view_with_lease(
             ),
             retries_enabled: reading.enabled,
             withdrew: false,
+            pushback,
+            pushback_remaining,
+            adaptive_level,
+            ramp_elapsed,
         },
         Source::Shared { tracked: true },
     ))
@@ -95,33 +98,92 @@ pub(super) async fn check_with_lease(
     upstream: &str,
     config: &BucketConfig,
     withdraw: bool,
+    fleet: FleetCall,
     deadline: Instant,
 ) -> Result<BudgetCheck, StoreError> {
-    if !withdraw {
-        return Ok(view_with_lease(core, upstream, config, deadline).await?.0);
+    if !withdraw && !fleet.announce.is_set() {
+        let mut view = view_with_lease(core, upstream, config, deadline).await?.0;
+        view.pushback = fleet.fleet(view.pushback, view.ramp_elapsed);
+        return Ok(view);
     }
     if is_closed(core) {
-        return core.direct_check(upstream, config, true, deadline).await;
+        return core
+            .direct_check(upstream, config, withdraw, fleet, deadline)
+            .await;
     }
-    let (view, _) = view_with_lease(core, upstream, config, deadline).await?;
-    if !view.retries_enabled || view.tokens < 1.0 {
+    // A reported pushback is written to Redis at once, by the check script
+    // without a withdrawal (a round trip only for the rare decision that
+    // reports one); its reply also renews this replica's reading.
+    let announced = if fleet.announce.is_set() {
+        Some(announce_now(core, upstream, config, fleet.announce, deadline).await)
+    } else {
+        None
+    };
+    let (mut view, _) = view_with_lease(core, upstream, config, deadline).await?;
+    if let Some(Some((pushback, remaining))) = announced {
+        view.pushback = pushback;
+        view.pushback_remaining = remaining;
+    }
+    // The ramp from the cached reading, as the kill switch is.
+    view.pushback = fleet.fleet(view.pushback, view.ramp_elapsed);
+    if !withdraw
+        || !view.retries_enabled
+        || view.tokens < 1.0
+        || !fleet.lets_through(&view.pushback)
+    {
         return Ok(view);
     }
     Ok(
         match withdraw_from_lease(core, upstream, config, deadline).await? {
             Some(left) => BudgetCheck {
                 tokens: left,
-                retries_enabled: true,
                 withdrew: true,
+                ..view
             },
             // Less than a whole token, however much the view promised.
             None => BudgetCheck {
                 tokens: 0.0,
-                retries_enabled: true,
                 withdrew: false,
+                ..view
             },
         },
     )
+}
+
+/// Writes `announce` to the upstream's pushback in Redis: the pushback as
+/// it was before, or `None` if Redis did not answer (the announcement is
+/// then lost; the caller's own Retry-After still paces its own retry).
+async fn announce_now(
+    core: &Arc<Core<Leased>>,
+    upstream: &str,
+    config: &BucketConfig,
+    announce: Announce,
+    deadline: Instant,
+) -> Option<(FleetPushback, Option<std::time::Duration>)> {
+    let (wait_ms, stop_ms) = announce.millis();
+    let reply = core
+        .run_bucket(
+            &core.scripts.check,
+            upstream,
+            config,
+            &[
+                "0",
+                &wait_ms.to_string(),
+                &stop_ms.to_string(),
+                "-1",
+                "0",
+                "0",
+            ],
+            deadline,
+        )
+        .await
+        .ok()?;
+    core.note_switch(upstream, reply.enabled);
+    if let Some(state) = core.upstreams.get(upstream) {
+        state.mode.remember(&reply);
+        state.mode.announced(announce, Instant::now());
+    }
+    Some((reply.pushback(), reply.pushback_remaining()))
 }
 
 pub(super) async fn withdraw_from_lease(

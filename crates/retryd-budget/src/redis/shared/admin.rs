@@ -164,6 +164,9 @@ impl<M: Operations> Core<M> {
                 retries_enabled: reply.enabled,
                 tracked: true,
                 shared_unavailable: false,
+                pushback_remaining: reply.pushback_remaining(),
+                adaptive_level: reply.adaptive_level(),
+                ramp_elapsed: reply.ramp_elapsed(),
                 upstream: name,
             });
         }

@@ -7,7 +7,9 @@
 
 use super::{Core, Operations, Source, bump};
 use crate::redis::error::{Failure, RedisStoreError, unavailable};
-use crate::{BucketConfig, BudgetCheck, BudgetStore, OnUnavailable, StoreError, units_to_tokens};
+use crate::{
+    BucketConfig, BudgetCheck, BudgetStore, FleetCall, OnUnavailable, StoreError, units_to_tokens,
+};
 
 /// The parameters of the fallback bucket: same capacity and ratio, no
 /// initial tokens, no floor (see the module docs for why).
@@ -83,14 +85,16 @@ impl<M: Operations> Core<M> {
         upstream: &str,
         config: &BucketConfig,
         failure: Failure,
+        fleet: FleetCall,
     ) -> Result<BudgetCheck, StoreError> {
         match config.on_unavailable {
             OnUnavailable::Local => {
                 bump(&self.counters.fallbacks, 1);
                 let off = self.is_known_off(upstream);
+                // The pushback is kept locally too while Redis is away.
                 let mut check = self
                     .fallback
-                    .check(upstream, &local_config(config), !off)
+                    .check_in_fleet(upstream, &local_config(config), !off, fleet)
                     .await?;
                 check.retries_enabled &= !off;
                 Ok(check)
