@@ -240,6 +240,20 @@ impl<S: BudgetStore> Decider<S> {
         attempt: Attempt<'r>,
         draw: Draw,
     ) -> Result<Begun<'r>, Refused> {
+        self.begin_with(live, principal, attempt, draw, None)
+    }
+
+    /// [`Decider::begin`], a hedge decided on `hedge_state` rather than on
+    /// the fleet's state now: `retryd replay`, deciding a logged hedge on
+    /// the state it was decided on live.
+    pub fn begin_with<'r>(
+        &self,
+        live: &'r Live,
+        principal: &'r Principal,
+        attempt: Attempt<'r>,
+        draw: Draw,
+        hedge_state: Option<crate::engine::HedgeState>,
+    ) -> Result<Begun<'r>, Refused> {
         permit(principal, attempt.upstream, "upstream")?;
         let policy = live.policies.get(attempt.upstream);
         // The budget (rules 2 and 5) can only turn a verdict into a DENY, so
@@ -248,10 +262,12 @@ impl<S: BudgetStore> Decider<S> {
         let settled = if attempt.hedge > 0 {
             // A hedge: the fleet's state is read once, here, and the hedge
             // rule decides on it; the budget step is the retries' own.
-            let state = policy
-                .hedging
-                .map(|hedging| self.hedges.state(attempt.upstream, &hedging))
-                .unwrap_or_default();
+            let state = hedge_state.unwrap_or_else(|| {
+                policy
+                    .hedging
+                    .map(|hedging| self.hedges.state(attempt.upstream, &hedging))
+                    .unwrap_or_default()
+            });
             Settled::hope_hedge(Hedge {
                 facts: HedgeFacts {
                     hedge: attempt.hedge,

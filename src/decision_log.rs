@@ -156,6 +156,8 @@ pub struct HedgeLine {
     pub delay_ns: u64,
     /// The fleet's median, in nanoseconds.
     pub p50_ns: u64,
+    /// The fleet's tail quantile, in nanoseconds.
+    pub tail_ns: u64,
     /// Latencies counted over the window.
     pub samples: u64,
     /// First attempts reported over the window.
@@ -631,6 +633,7 @@ impl DecisionRecord {
                 k: note.hedge,
                 delay_ns: nanos(note.delay),
                 p50_ns: nanos(note.p50),
+                tail_ns: nanos(note.tail),
                 samples: note.samples,
                 first_attempts: note.first_attempts,
                 hedges: note.hedges,
@@ -728,11 +731,6 @@ impl DecisionRecord {
 /// The attempt of a logged decision and its draw, in the engine's terms,
 /// to decide again. `Err` names the field that does not read.
 pub fn attempt_of(line: &DecisionLine) -> Result<(Attempt<'_>, Draw), &'static str> {
-    // A hedge is decided on the fleet's state of its moment, which a
-    // replay's store does not have: not replayed (yet).
-    if line.hedge.is_some() {
-        return Err("hedge");
-    }
     let nanos = Duration::from_nanos;
     let body = body_of(&line.replayability).ok_or("replayability")?;
     let reported = Facts {
@@ -776,7 +774,7 @@ pub fn attempt_of(line: &DecisionLine) -> Result<(Attempt<'_>, Draw), &'static s
         upstream: &line.upstream,
         operation: &line.operation,
         body,
-        hedge: 0,
+        hedge: line.hedge.map_or(0, |hedge| hedge.k),
         reported,
     };
     let draw = Draw {
@@ -784,6 +782,19 @@ pub fn attempt_of(line: &DecisionLine) -> Result<(Attempt<'_>, Draw), &'static s
         jitter: line.jitter,
     };
     Ok((attempt, draw))
+}
+
+/// The fleet's state a logged hedge decision was made on.
+pub fn hedge_state_of(line: &HedgeLine) -> crate::engine::HedgeState {
+    let nanos = Duration::from_nanos;
+    crate::engine::HedgeState {
+        samples: line.samples,
+        p50: nanos(line.p50_ns),
+        delay: nanos(line.delay_ns),
+        tail: nanos(line.tail_ns),
+        first_attempts: line.first_attempts,
+        hedges: line.hedges,
+    }
 }
 
 /// A body of the given replayability, as the engine reads it.
@@ -879,6 +890,7 @@ mod tests {
                 k: 1,
                 delay_ns: 40_000_000,
                 p50_ns: 10_000_000,
+                tail_ns: 200_000_000,
                 samples: 1_000,
                 first_attempts: 1_000,
                 hedges: 3,

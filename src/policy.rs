@@ -24,6 +24,9 @@ pub struct UpstreamPolicy {
     /// How long a caller's negative gRPC pushback stops every caller's
     /// retries of the upstream (0: only the caller's own).
     pub pushback_stop_window: std::time::Duration,
+    /// True (the default): a caller's Retry-After or pushback sets the
+    /// upstream's earliest-retry time (or stop) for every caller.
+    pub fleet_pushback: bool,
     /// How long the share of retries admitted grows from 0 to 1 after the
     /// upstream recovers or retries are switched back on (0: no ramp).
     pub ramp_window: std::time::Duration,
@@ -111,6 +114,7 @@ impl Default for Policies {
                 enforce: true,
                 adaptive: true,
                 pushback_stop_window: DEFAULT_PUSHBACK_STOP_WINDOW,
+                fleet_pushback: true,
                 ramp_window: DEFAULT_RAMP_WINDOW,
                 candidate: None,
                 hedging: None,

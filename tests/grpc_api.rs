@@ -289,12 +289,30 @@ async fn the_kill_switch() {
         })
         .await
         .unwrap();
+    // Switched back on, retries return along the recovery ramp (README,
+    // "Recovery"): GetBudget shows it under way, and a retry is admitted
+    // only on a draw below its share, which starts at 0.
+    let ramping = admin
+        .get_budget(pb::GetBudgetRequest {
+            upstream: "search".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .budget
+        .unwrap();
+    assert!(ramping.retries_enabled && ramping.ramp < 1.0, "{ramping:?}");
     let again = client
         .decide(retryable("search"))
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(again.verdict(), pb::Verdict::Retry);
+    assert!(
+        again.verdict() == pb::Verdict::Retry
+            || (again.deny_reason() == pb::DenyReason::BudgetExhausted
+                && again.explanation.contains("recovering")),
+        "{again:?}"
+    );
 }
 
 #[tokio::test]
@@ -318,10 +336,18 @@ async fn decide_stream_keeps_order_over_ten_thousand_requests() {
                 ..retryable("stream")
             };
         }
+        // The deadline leaves exactly i seconds of room: every caller's
+        // 429 sets the upstream's earliest-retry time fleet-wide (README,
+        // "Fleet-wide pushback"), and a later item's backoff, stretched
+        // past an earlier item's time and spread, is cut to its room.
         pb::DecideRequest {
             failure: 0,
             http_status: 429,
             retry_after: i.to_string(),
+            deadline_remaining: Some(prost_types::Duration {
+                seconds: i as i64,
+                nanos: 50_000_000,
+            }),
             ..retryable("stream")
         }
     };

@@ -346,3 +346,58 @@ async fn a_shadow_upstream_answers_hedges_as_not_enforced() {
     assert!(answer.shadow);
     assert_eq!(budget(&server, "shadowed").await.tokens, 99.0);
 }
+
+/// `retryd replay` decides a logged hedge again on the fleet's state it was
+/// decided on live (logged with it): the same verdicts, nothing changed.
+#[tokio::test]
+async fn a_logged_hedge_replays_to_the_same_decision() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("decisions.jsonl");
+    let config = format!(
+        "{CONFIG}\n[decision_log]\npath = {:?}\n",
+        log.to_str().unwrap()
+    );
+    let server = InProcess::start(&config, MemoryBudgetStore::new(100)).await;
+    let mut client = server.decider().await;
+    report(
+        &mut client,
+        vec![entry("fast", 40, &[(10, 180), (100, 20)])],
+    )
+    .await
+    .unwrap();
+    // 2 granted (5% of 40), then capped; a non-idempotent one is off.
+    let mut verdicts = Vec::new();
+    for request in [
+        hedge("fast", 1),
+        hedge("fast", 1),
+        hedge("fast", 1),
+        pb::DecideRequest {
+            idempotency: pb::Idempotency::NonIdempotent as i32,
+            ..hedge("fast", 1)
+        },
+    ] {
+        verdicts.push(client.decide(request).await.unwrap().into_inner().verdict());
+    }
+    assert_eq!(
+        verdicts,
+        [
+            pb::Verdict::Retry,
+            pb::Verdict::Retry,
+            pb::Verdict::Deny,
+            pb::Verdict::Deny
+        ]
+    );
+    server.flush_log();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("\"hedge\":{\"k\":1"), "{text}");
+    let path = dir.path().join("replay.toml");
+    std::fs::write(&path, CONFIG).unwrap();
+    let config = retryd::config::Config::load(Some(&path)).unwrap();
+    let replayed = retryd::decide::replay::replay(&config, text.as_bytes()).unwrap();
+    let fast = &replayed.upstreams["fast"];
+    assert_eq!(fast.decisions, 4);
+    assert_eq!(fast.changed, 0, "{fast:?}");
+    assert_eq!(fast.replayed.retry, 2);
+    assert_eq!(fast.replayed_denials.get("hedge_cap"), Some(&1));
+    assert_eq!(fast.replayed_denials.get("hedging_off"), Some(&1));
+}

@@ -14,7 +14,7 @@ use retryd_budget::redis::{Exact, Leased, Mode, RedisAccess, RedisConfig};
 use retryd_proto as pb;
 use retryd_proto::retry_decider_client::RetryDeciderClient;
 use retryd_testkit::HANG_GUARD;
-use retryd_testkit::redis::{RedisServer, fresh_prefix};
+use retryd_testkit::redis::{RedisCluster, RedisServer, fresh_prefix};
 use tonic::transport::Channel;
 
 const CONFIG: &str = r#"
@@ -24,9 +24,9 @@ budget = { capacity = 1000.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
 [upstreams.fast.hedging]
 "#;
 
-async fn redis_store<M: Mode>(server: &RedisServer, prefix: &str) -> RedisBudgetStore<M> {
+async fn redis_store<M: Mode>(urls: &[String], prefix: &str) -> RedisBudgetStore<M> {
     let config = RedisConfig {
-        urls: vec![server.url().as_str().into()],
+        urls: urls.iter().map(|url| url.as_str().into()).collect(),
         mode: M::MODE,
         // The default store.timeout.
         timeout: Duration::from_millis(20),
@@ -78,11 +78,10 @@ async fn sees(client: &RetryDeciderClient<Channel>, numbers: &str) {
     .await;
 }
 
-async fn two_replicas_share_one_window<M: Mode>() {
-    let redis = RedisServer::start();
+async fn two_replicas_share_one_window<M: Mode>(urls: &[String]) {
     let prefix = fresh_prefix("hedging");
-    let a = InProcess::start(CONFIG, redis_store::<M>(&redis, &prefix).await).await;
-    let b = InProcess::start(CONFIG, redis_store::<M>(&redis, &prefix).await).await;
+    let a = InProcess::start(CONFIG, redis_store::<M>(urls, &prefix).await).await;
+    let b = InProcess::start(CONFIG, redis_store::<M>(urls, &prefix).await).await;
     let mut to_a = a.decider().await;
     let mut to_b = b.decider().await;
 
@@ -135,10 +134,20 @@ async fn two_replicas_share_one_window<M: Mode>() {
 
 #[tokio::test]
 async fn exact_replicas_share_one_window() {
-    two_replicas_share_one_window::<Exact>().await;
+    let redis = RedisServer::start();
+    two_replicas_share_one_window::<Exact>(&[redis.url().as_str().into()]).await;
 }
 
 #[tokio::test]
 async fn leased_replicas_share_one_window() {
-    two_replicas_share_one_window::<Leased>().await;
+    let redis = RedisServer::start();
+    two_replicas_share_one_window::<Leased>(&[redis.url().as_str().into()]).await;
+}
+
+/// A window's 30 keys share the upstream's hash tag: one script on the
+/// node serving its slot.
+#[tokio::test]
+async fn cluster_replicas_share_one_window() {
+    let cluster = RedisCluster::start(3);
+    two_replicas_share_one_window::<Exact>(&cluster.urls()).await;
 }

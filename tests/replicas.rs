@@ -138,9 +138,13 @@ async fn the_kill_switch_crosses_replicas() {
     for mode in ["exact", "leased"] {
         let config = replica_config(&[redis.url()], mode, "");
         let (a, b) = (Server::start(&config), Server::start(&config));
+        // One upstream per mode, on the one key prefix: switching the
+        // previous mode's back on started its recovery ramp (README,
+        // "Recovery"), which would deny this mode's first retry.
+        let search = format!("search-{mode}");
         let mut on_b = b.decider().await;
         assert_eq!(
-            on_b.decide(retryable("search"))
+            on_b.decide(retryable(&search))
                 .await
                 .unwrap()
                 .into_inner()
@@ -151,7 +155,7 @@ async fn the_kill_switch_crosses_replicas() {
         a.admin()
             .await
             .set_retries_enabled(pb::SetRetriesEnabledRequest {
-                upstream: "search".into(),
+                upstream: search.clone(),
                 enabled: false,
                 reason: "cross-replica test".into(),
             })
@@ -163,7 +167,7 @@ async fn the_kill_switch_crosses_replicas() {
         // two processes on a machine that may be busy, only that it
         // crosses is checked (30 s guards against a hang, not a latency).
         loop {
-            let response = on_b.decide(retryable("search")).await.unwrap().into_inner();
+            let response = on_b.decide(retryable(&search)).await.unwrap().into_inner();
             if response.deny_reason() == pb::DenyReason::RetriesDisabled {
                 break;
             }
@@ -181,7 +185,7 @@ async fn the_kill_switch_crosses_replicas() {
         a.admin()
             .await
             .set_retries_enabled(pb::SetRetriesEnabledRequest {
-                upstream: "search".into(),
+                upstream: search.clone(),
                 enabled: true,
                 reason: String::new(),
             })

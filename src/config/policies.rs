@@ -41,6 +41,7 @@ pub(super) fn policies(
         enforce: true,
         adaptive: true,
         pushback_stop_window: DEFAULT_PUSHBACK_STOP_WINDOW,
+        fleet_pushback: true,
         ramp_window: DEFAULT_RAMP_WINDOW,
         candidate: None,
         hedging: None,
@@ -94,6 +95,7 @@ fn resolve_candidate(
             overrides.pushback_stop_window.is_some(),
         ),
         ("ramp_window", overrides.ramp_window.is_some()),
+        ("fleet_pushback", overrides.fleet_pushback.is_some()),
     ] {
         if set {
             return Err(invalid(
@@ -162,6 +164,7 @@ fn resolve_policy(
         }
         None => base.pushback_stop_window,
     };
+    let fleet_pushback = overrides.fleet_pushback.unwrap_or(base.fleet_pushback);
     let ramp_window = match &overrides.ramp_window {
         Some(raw) => {
             let window = parse_duration(&key("ramp_window"), raw)?;
@@ -234,6 +237,7 @@ fn resolve_policy(
         enforce,
         adaptive,
         pushback_stop_window,
+        fleet_pushback,
         ramp_window,
         candidate: None,
         hedging,

@@ -443,6 +443,9 @@ pub struct PolicySettings {
     /// caller's retries of the upstream, e.g. `"5s"` (README, "Fleet-wide
     /// pushback"); `"0s"` keeps the stop to the caller that received it.
     pub pushback_stop_window: Option<String>,
+    /// False: a caller's Retry-After or pushback paces only that caller,
+    /// as before fleet-wide pushback (README, "Fleet-wide pushback").
+    pub fleet_pushback: Option<bool>,
     /// How long the retries admitted grow from none to all after the
     /// upstream recovers (successes return after a low adaptive level) or
     /// retries are switched back on, e.g. `"5s"` (README, "Recovery");

@@ -22,6 +22,8 @@ use crate::policy::UpstreamPolicy;
 pub(super) fn fleet_call(facts: &Facts<'_>, policy: &UpstreamPolicy) -> FleetCall {
     let max = policy.engine.max_retry_after;
     let announce = match facts.grpc_pushback {
+        // Each caller follows only what it was told itself.
+        _ if !policy.fleet_pushback => Announce::Nothing,
         Some(raw) => match parse_pushback(raw) {
             Pushback::Wait(wait) if !wait.is_zero() => Announce::Wait(wait.min(max)),
             Pushback::Wait(_) => Announce::Nothing,

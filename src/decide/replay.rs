@@ -19,7 +19,7 @@ use crate::auth::{Auth, Principal};
 use crate::budget::MemoryBudgetStore;
 use crate::budget::memory::ManualClock;
 use crate::config::Config;
-use crate::decision_log::{DecisionLine, Line, attempt_of};
+use crate::decision_log::{DecisionLine, Line, attempt_of, hedge_state_of};
 use crate::engine::{Decision, Verdict};
 
 /// What the replay found for one upstream.
@@ -233,8 +233,10 @@ fn decide_again(
     recorded: &DecisionLine,
 ) -> Result<Decision, &'static str> {
     let (attempt, draw): (_, Draw) = attempt_of(recorded)?;
+    // A hedge is decided again on the fleet's state it was decided on live.
+    let hedge_state = recorded.hedge.as_ref().map(hedge_state_of);
     let decided = decider
-        .begin(live, principal, attempt, draw)
+        .begin_with(live, principal, attempt, draw, hedge_state)
         .and_then(|begun| decider.decide_now(begun, &()));
     // The memory store answers at once and tracks every upstream
     // `check_line` let through, so no refusal is expected here.

@@ -21,6 +21,7 @@ use tonic::transport::Channel;
 pub(crate) struct InProcess {
     addr: SocketAddr,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
+    flush: Box<dyn Fn() + Send + Sync>,
     _dir: tempfile::TempDir,
 }
 
@@ -32,6 +33,9 @@ impl InProcess {
         let config = Config::load(Some(&path)).unwrap();
         let acceptor = Acceptor::try_new(config.tls.as_ref(), &config.server_limits).unwrap();
         let metrics = Arc::new(Metrics::new(config.policies.named().map(|(name, _)| name)));
+        let log = config.decision_log.as_ref().map(|log| {
+            retryd::decision_log::DecisionLog::open(&log.path, log.queue, log.max_bytes).unwrap()
+        });
         let service = Service::new(
             store,
             "hedging",
@@ -42,6 +46,14 @@ impl InProcess {
             metrics,
             Tracer::disabled(),
         );
+        let service = match log {
+            Some(log) => service.with_decision_log(log),
+            None => service,
+        };
+        let flusher = service.clone();
+        let flush: Box<dyn Fn() + Send + Sync> = Box::new(move || {
+            assert!(flusher.flush_decision_log(Duration::from_secs(10)));
+        });
         let listener = grpc::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -57,8 +69,14 @@ impl InProcess {
         InProcess {
             addr,
             stop: Some(stop),
+            flush,
             _dir: dir,
         }
+    }
+
+    /// Waits until every decision-log line so far is in the file.
+    pub(crate) fn flush_log(&self) {
+        (self.flush)();
     }
 
     pub(crate) async fn decider(&self) -> RetryDeciderClient<Channel> {
