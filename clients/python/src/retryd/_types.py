@@ -110,6 +110,12 @@ class DenyReason(enum.IntEnum):
     RETRIED_BELOW = 12
     #: The call is made inside a retry of an enclosing call (an attempt above 1 in ``lineage``).
     INSIDE_ENCLOSING_RETRY = 13
+    #: A hedge for an upstream without hedging, for this idempotency, or beyond ``max_hedges``.
+    HEDGING_OFF = 14
+    #: A hedge beyond the policy's cap on extra load.
+    HEDGE_CAP = 15
+    #: A hedge for an upstream that is uniformly slow (p50 close to the hedging quantile).
+    UNIFORMLY_SLOW = 16
 
 
 class UnknownOutcome(enum.IntEnum):
