@@ -287,3 +287,87 @@ def test_non_idempotent_call_is_never_hedged(server: Server) -> None:
         await client.close()
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------------ hedged gRPC calls
+
+class HeldFirstGrpc:
+    """A gRPC upstream whose first call is held until the client cancels it (at
+    most ``hold`` seconds) and whose later calls are answered at once."""
+
+    def __init__(self, hold: float = 5.0) -> None:
+        from grpc_servers import scripted
+
+        self.hold = hold
+        self.cancelled = threading.Event()
+        self.lock = threading.Lock()
+        self.count = 0
+        self.server = scripted(self._action)
+
+    def _action(self, request: bytes, context: Any) -> bytes:
+        with self.lock:
+            self.count += 1
+            first = self.count == 1
+        if not first:
+            return b"hedge"
+        ended = threading.Event()
+        context.add_callback(ended.set)  # runs when the call ends, a cancel included
+        if ended.wait(self.hold) and not context.is_active():
+            self.cancelled.set()
+        return b"first"
+
+    def __enter__(self) -> HeldFirstGrpc:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.server.close()
+
+
+def test_grpc_local_hedging_cancels_the_slow_first_call() -> None:
+    import grpc.aio
+
+    from grpc_servers import METHOD
+    from retryd.grpc import AsyncRetryInterceptor
+
+    async def main() -> None:
+        local = LocalHedging(delay=0.1, max_extra_load=1.0)
+        client = AsyncClient(CLOSED_RETRYD, timeout=0.5, connect_timeout=0.5, local_hedging=local)
+        await _unreachable(client)
+        with HeldFirstGrpc() as upstream:
+            interceptor = AsyncRetryInterceptor(client, upstream="py-hedge-grpc", idempotency=Idempotency.SAFE)
+            async with grpc.aio.insecure_channel(upstream.server.target, interceptors=[interceptor]) as channel:
+                started = time.monotonic()
+                answer = await channel.unary_unary(METHOD)(b"x", timeout=5)
+                took = time.monotonic() - started
+            assert answer == b"hedge" and upstream.count == 2
+            assert upstream.cancelled.wait(2), "the losing first call was not cancelled"
+            assert took < 2.5
+        traffic = client.reporter.pending_traffic()["py-hedge-grpc"]
+        assert (traffic.requests, traffic.successes, traffic.failures) == (1, 0, 0)
+        assert (traffic.retry_successes, traffic.retry_failures) == (1, 0)
+        [(index, count)] = traffic.latency_successes
+        assert count == 1 and bucket_start(index) >= 87_000
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_grpc_refused_hedge_sends_no_copy(server: Server) -> None:
+    """A served delay, and retryd asked when it fires: until retryd decides
+    hedges it refuses the request, and a refused or denied hedge sends no copy."""
+    import grpc.aio
+
+    from grpc_servers import METHOD
+    from retryd.grpc import AsyncRetryInterceptor
+
+    async def main() -> None:
+        client = AsyncClient(server.grpc, timeout=5)
+        client.hedging.update([Hedging("py-hedge-refused", True, 0.05, 1, frozenset({int(Idempotency.SAFE)}))])
+        with HeldFirstGrpc(hold=0.5) as upstream:
+            interceptor = AsyncRetryInterceptor(client, upstream="py-hedge-refused", idempotency=Idempotency.SAFE)
+            async with grpc.aio.insecure_channel(upstream.server.target, interceptors=[interceptor]) as channel:
+                answer = await channel.unary_unary(METHOD)(b"x", timeout=5)
+            assert answer == b"first" and upstream.count == 1
+        await client.close()
+
+    asyncio.run(main())

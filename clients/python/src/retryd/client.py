@@ -1,8 +1,9 @@
 """Blocking and asyncio clients of retryd.v1.
 
-About 850 lines because the blocking and asyncio clients are written out side
+About 970 lines because the blocking and asyncio clients are written out side
 by side (the same calls, one with ``await``), so that each reads on its own;
-their shared request building and answers are helpers here.
+their shared request building and answers are helpers here (a hedge's
+request and local answer are :mod:`retryd.hedging`'s).
 
 Both clients put a short timeout on every decision (``timeout``, 200 ms by
 default, further bounded by the caller's own remaining deadline), attach the
@@ -67,6 +68,9 @@ log = logging.getLogger("retryd")
 
 #: Seconds, or a timedelta.
 Seconds = Union[float, int, timedelta]
+
+#: Codes of a report that say retryd could not be reached (local hedging may start).
+_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 #: The least time a decision call gets when the caller's deadline is nearly over.
 _MIN_CALL_TIMEOUT = 0.05
@@ -734,7 +738,7 @@ class Client(_Base):
                 request, timeout=max(self.timeout, 1.0), metadata=self._call_metadata()
             )
         except grpc.RpcError as error:
-            self.hedging.unreachable = error.code() != grpc.StatusCode.INVALID_ARGUMENT
+            self.hedging.unreachable = error.code() in _UNREACHABLE
             raise self._unavailable(error) from error
         return _report_result(response, self.hedging)
 
@@ -926,7 +930,7 @@ class AsyncClient(_Base):
                 request, timeout=max(self.timeout, 1.0), metadata=self._call_metadata()
             )
         except grpc.RpcError as error:
-            self.hedging.unreachable = error.code() != grpc.StatusCode.INVALID_ARGUMENT
+            self.hedging.unreachable = error.code() in _UNREACHABLE
             raise self._unavailable(error) from error
         return _report_result(response, self.hedging)
 

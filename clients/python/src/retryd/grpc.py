@@ -1,7 +1,9 @@
 """grpcio interceptors: honest evidence from failed gRPC calls, and retryd-governed retries.
 
-About 700 lines: the classification table, the sync interceptor and its
-asyncio twin, which mirror each other line for line (grpcio's two APIs).
+About 780 lines: the classification table, the sync interceptor and its
+asyncio twin, which mirror each other line for line (grpcio's two APIs);
+the asyncio one's hedged round is its ``_hedged``, the race
+:mod:`retryd.hedge_runner`.
 
 Classification (what each grpcio outcome proves; checked against the real
 failures on 127.0.0.1 by tests/test_grpc.py, for the grpcio version pinned
@@ -50,6 +52,11 @@ with its outcome unknown (AMBIGUOUS, a DENY with an ``unknown_outcome``
 mark, or a non-idempotent call whose deadline passed after it was sent,
 decided locally) raises :class:`AmbiguousRpcError` /
 :class:`AmbiguousAioRpcError`.
+
+:class:`AsyncRetryInterceptor` also hedges unary calls to an upstream whose
+hedging retryd serves (:mod:`retryd.hedge_runner`: a copy after the served
+delay, granted by retryd; the loser cancelled); the blocking interceptor
+does not. Both record every completed first attempt's latency.
 
 Switch off grpcio's own retries for the channels retryd governs: give no
 ``retryPolicy`` in the channel's service config (``grpc.service_config``)

@@ -1,8 +1,9 @@
 """httpx adapter: honest evidence from httpx outcomes, and retryd-governed retries.
 
-About 650 lines: one responsibility (an httpx call under retryd's decisions),
+About 750 lines: one responsibility (an httpx call under retryd's decisions),
 written twice, for ``httpx.Client`` and ``httpx.AsyncClient``, beside the
-classification they share.
+classification they share; the async one's hedged first round describes a
+copy here, and the race itself lives in :mod:`retryd.hedge_runner`.
 
 Classification (what each httpx outcome proves):
 
@@ -47,6 +48,11 @@ bounds every phase of every attempt and every backoff; the decision about
 a returned response is in ``response.extensions["retryd.decision"]``. A
 call that ends with its outcome unknown (AMBIGUOUS, or a DENY with an
 ``unknown_outcome`` mark) raises :class:`~retryd.errors.AmbiguousExecutionError`.
+
+Hedging: :func:`arequest_with_retries` hedges idempotent calls as retryd
+serves (:mod:`retryd.hedging`, :mod:`retryd.hedge_runner`); the blocking
+loop does not, since a blocking httpx call cannot be cancelled from another
+thread. Every completed first attempt's latency is recorded on the reporter.
 
 httpx and httpcore send nothing again by themselves once any of a request
 was written: httpcore takes another connection only for a request it has
@@ -585,7 +591,14 @@ async def arequest_with_retries(
     clock: Callable[[], float] = time.monotonic,
     **kwargs: Any,
 ) -> httpx.Response:
-    """The asyncio twin of :func:`request_with_retries`.
+    """The asyncio twin of :func:`request_with_retries`, which also hedges.
+
+    For an idempotent call to an upstream whose hedging retryd serves
+    (``retryd.hedging``, learned from the reporter's answers), the first
+    attempt is raced against copies sent after the served delay, each one
+    granted by retryd (:mod:`retryd.hedge_runner`); the losers are aborted,
+    and retryd's answers to the hedge requests are in
+    ``response.extensions["retryd.hedges"]``.
 
     Here the deadline also cuts an attempt as a whole (a server trickling
     bytes cannot stretch it): an attempt still running when the deadline
