@@ -352,22 +352,131 @@ def test_grpc_local_hedging_cancels_the_slow_first_call() -> None:
     asyncio.run(main())
 
 
-def test_grpc_refused_hedge_sends_no_copy(server: Server) -> None:
-    """A served delay, and retryd asked when it fires: until retryd decides
-    hedges it refuses the request, and a refused or denied hedge sends no copy."""
+def test_grpc_hedge_denied_hedging_off_sends_no_copy(server: Server) -> None:
+    """The table says hedge (an entry retryd no longer serves), retryd has no
+    policy for the upstream: the hedge is denied HEDGING_OFF and no copy goes."""
+    import grpc.aio
+
+    from grpc_servers import METHOD
+    from retryd import DenyReason
+    from retryd.grpc import AsyncRetryInterceptor
+
+    async def main() -> None:
+        client = AsyncClient(server.grpc, timeout=5)
+        client.hedging.update([Hedging("py-hedge-off", True, 0.05, 1, frozenset({int(Idempotency.SAFE)}))])
+        with HeldFirstGrpc(hold=0.5) as upstream:
+            interceptor = AsyncRetryInterceptor(client, upstream="py-hedge-off", idempotency=Idempotency.SAFE)
+            async with grpc.aio.insecure_channel(upstream.server.target, interceptors=[interceptor]) as channel:
+                call = channel.unary_unary(METHOD)(b"x", timeout=5)
+                answer = await call
+            assert answer == b"first" and upstream.count == 1
+        await client.close()
+
+    asyncio.run(main())
+    # The decision itself, through the same client call the adapters make.
+    async def ask() -> None:
+        client = AsyncClient(server.grpc, timeout=5)
+        decision = await client.decide_hedge(upstream="py-hedge-off", idempotency=Idempotency.SAFE, hedge=1,
+                                             attempt=1)
+        assert decision.deny_reason == DenyReason.HEDGING_OFF, decision
+        await client.close()
+
+    asyncio.run(ask())
+
+
+# ------------------------------------------------------------------ against retryd's hedging
+
+async def _feed(client: AsyncClient, upstream: str, requests: int = 200) -> None:
+    """Reports, through the client's own reporter, first attempts with a tail:
+    90% at 10 ms, 10% at 100 ms, so retryd's p95 (its hedge delay) is about
+    100 ms; the report's answer fills the client's hedging table."""
+    reporter = client.reporter
+    reporter.record(upstream, requests)
+    reporter.record_outcome(upstream, True, count=requests)
+    for n in range(requests):
+        reporter.record_latency(upstream, True, 0.100 if n % 10 == 0 else 0.010)
+    assert await reporter.flush()
+
+
+def test_served_delay_hedges_the_slow_first_attempt(server: Server) -> None:
+    from retryd import Verdict
+
+    async def main() -> None:
+        client = AsyncClient(server.grpc, timeout=5, report_interval=60)
+        await _feed(client, "py-hedged")
+        served = client.hedging.current("py-hedged")
+        assert served is not None and served.enabled, served
+        assert 0.0875 <= served.delay <= 0.1125, served
+        before = client.reporter.pending_traffic().get("py-hedged")
+        assert before is None
+        with HeldFirst() as upstream:
+            async with httpx.AsyncClient() as http:
+                started = time.monotonic()
+                response = await arequest_with_retries(http, client, "GET", upstream.server.url,
+                                                       upstream="py-hedged", idempotency=Idempotency.SAFE,
+                                                       deadline=5)
+                took = time.monotonic() - started
+            assert response.content == b"hedge" and upstream.count == 2
+            [decision] = response.extensions[HEDGES_EXTENSION]
+            assert decision.verdict == Verdict.RETRY and not decision.fallback, decision
+            assert upstream.cancelled.wait(2), "the losing first attempt was not cancelled"
+            # Sent after the served delay, not before it.
+            assert took >= served.delay
+            assert took < 2.5
+        traffic = client.reporter.pending_traffic()["py-hedged"]
+        assert (traffic.requests, traffic.successes, traffic.failures) == (1, 0, 0)
+        assert (traffic.retry_successes, traffic.retry_failures) == (1, 0)
+        [(index, count)] = traffic.latency_successes
+        assert count == 1 and bucket_start(index) >= 0.8 * served.delay * 1e6
+        # retryd accepts the report of it.
+        assert await client.reporter.flush()
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_served_delay_hedges_a_grpc_call(server: Server) -> None:
     import grpc.aio
 
     from grpc_servers import METHOD
     from retryd.grpc import AsyncRetryInterceptor
 
     async def main() -> None:
-        client = AsyncClient(server.grpc, timeout=5)
-        client.hedging.update([Hedging("py-hedge-refused", True, 0.05, 1, frozenset({int(Idempotency.SAFE)}))])
-        with HeldFirstGrpc(hold=0.5) as upstream:
-            interceptor = AsyncRetryInterceptor(client, upstream="py-hedge-refused", idempotency=Idempotency.SAFE)
+        client = AsyncClient(server.grpc, timeout=5, report_interval=60)
+        await _feed(client, "py-hedged-grpc")
+        assert client.hedging.plan("py-hedged-grpc", Idempotency.SAFE) is not None
+        with HeldFirstGrpc() as upstream:
+            interceptor = AsyncRetryInterceptor(client, upstream="py-hedged-grpc", idempotency=Idempotency.SAFE)
             async with grpc.aio.insecure_channel(upstream.server.target, interceptors=[interceptor]) as channel:
                 answer = await channel.unary_unary(METHOD)(b"x", timeout=5)
-            assert answer == b"first" and upstream.count == 1
+            assert answer == b"hedge" and upstream.count == 2
+            assert upstream.cancelled.wait(2), "the losing first call was not cancelled"
+        # Two calls reached the server: retryd granted the hedge (a denied one sends none).
+        traffic = client.reporter.pending_traffic()["py-hedged-grpc"]
+        assert (traffic.requests, traffic.successes, traffic.failures) == (1, 0, 0)
+        assert (traffic.retry_successes, traffic.retry_failures) == (1, 0)
+        await client.close()
+
+    asyncio.run(main())
+
+
+def test_hedge_beyond_the_cap_sends_no_copy(server: Server) -> None:
+    from retryd import DenyReason, Verdict
+
+    async def main() -> None:
+        client = AsyncClient(server.grpc, timeout=5, report_interval=60)
+        await _feed(client, "py-hedge-cap", requests=100)  # 5% of 100: five hedges
+        for _ in range(5):
+            granted = await client.decide_hedge(upstream="py-hedge-cap", idempotency=Idempotency.SAFE,
+                                                hedge=1, attempt=1)
+            assert granted.verdict == Verdict.RETRY, granted
+        with HeldFirst(hold=0.4) as upstream:
+            async with httpx.AsyncClient() as http:
+                response = await arequest_with_retries(http, client, "GET", upstream.server.url,
+                                                       upstream="py-hedge-cap", idempotency=Idempotency.SAFE)
+            assert response.content == b"first" and upstream.count == 1
+            [decision] = response.extensions[HEDGES_EXTENSION]
+            assert decision.deny_reason == DenyReason.HEDGE_CAP, decision
         await client.close()
 
     asyncio.run(main())

@@ -16,16 +16,12 @@ export const MAX_BUCKET = 237;
 
 /** The bucket of a latency of `micros` microseconds (an integer; negative counts as 0). */
 export function latencyBucket(micros: number): number {
-  let v = Math.floor(micros);
-  if (!(v >= 16)) return Math.max(0, Number.isNaN(v) ? 0 : v);
-  if (v > MAX_LATENCY_US) v = MAX_LATENCY_US;
-  // Above 2^31 the 32-bit operators would wrap: the exponent comes from
-  // Math.clz32 only below it, and from Math.log2 (exact on powers of two,
-  // checked) above.
-  let e = v < 2 ** 31 ? 31 - Math.clz32(v) : Math.floor(Math.log2(v));
-  if (2 ** e > v) e -= 1;
-  else if (2 ** (e + 1) <= v) e += 1;
-  const m = Math.floor(v / 2 ** (e - 3));
+  if (!(micros >= 16)) return micros > 0 ? Math.floor(micros) : 0;
+  // One hour (3.6e9) is below 2^32, so the unsigned 32-bit operators are
+  // exact on every value that reaches them.
+  const v = (micros > MAX_LATENCY_US ? MAX_LATENCY_US : Math.floor(micros)) >>> 0;
+  const e = 31 - Math.clz32(v);
+  const m = v >>> (e - 3);
   return 8 * (e - 2) + (m - 8);
 }
 

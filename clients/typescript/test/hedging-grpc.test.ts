@@ -5,6 +5,7 @@ import { strict as assert } from 'node:assert';
 import { after, before, describe, test } from 'node:test';
 import * as grpc from '@grpc/grpc-js';
 import { bucketStart, retryingInterceptor, RetrydClient, RetrydError, type Decision } from '../src';
+import { feed } from './hedging-support';
 import { CLIENT_TEST_CONFIG, closedPort, startRetryd, type Retryd } from './support';
 
 const bytes = { serialize: (value: Buffer) => value, deserialize: (value: Buffer) => value };
@@ -122,19 +123,43 @@ describe('hedged gRPC calls', () => {
     }
   });
 
-  test('a refused hedge sends no copy', async () => {
-    // A served delay, and retryd asked when it fires: until retryd decides
-    // hedges it refuses the request; a refused or denied hedge sends nothing.
+  test('a hedge retryd denies HEDGING_OFF sends no copy', async () => {
     const client = new RetrydClient(retryd.grpc, { timeoutMs: 5000, reporting: { intervalMs: 60_000 } });
-    client.hedging.update([{ upstream: 'ts-hedge-grpc-refused', enabled: true, delayMs: 50, maxHedges: 1, idempotency: new Set(['SAFE'] as const) }]);
+    client.hedging.update([{ upstream: 'ts-hedge-grpc-off', enabled: true, delayMs: 50, maxHedges: 1, idempotency: new Set(['SAFE'] as const) }]);
     const upstream = new HeldFirstGrpc(400);
     const target = await upstream.start();
     try {
-      assert.equal(await reserve(client, target, 'ts-hedge-grpc-refused'), 'first');
+      const hedges: Decision[] = [];
+      assert.equal(await reserve(client, target, 'ts-hedge-grpc-off', (d) => hedges.push(d)), 'first');
       assert.equal(upstream.count, 1);
-      const traffic = client.reporter!.pendingTraffic()['ts-hedge-grpc-refused']!;
+      assert.deepEqual(hedges.map((d) => d.denyReason), ['HEDGING_OFF']);
+      const traffic = client.reporter!.pendingTraffic()['ts-hedge-grpc-off']!;
       assert.deepEqual([traffic.requests, traffic.successes, traffic.failures], [1, 1, 0]);
       assert.equal(Object.values(traffic.latencySuccesses!).reduce((a, b) => a + b, 0), 1);
+    } finally {
+      upstream.close();
+      await client.close();
+    }
+  });
+
+  test('retryd serves a delay from reported latencies; a hedge after it wins and the first call is cancelled', async () => {
+    const client = new RetrydClient(retryd.grpc, { timeoutMs: 5000, reporting: { intervalMs: 60_000 } });
+    await feed(client, 'ts-hedged-grpc');
+    const served = client.hedging.current('ts-hedged-grpc');
+    assert.ok(served?.enabled, JSON.stringify(served));
+    const upstream = new HeldFirstGrpc();
+    const target = await upstream.start();
+    try {
+      const hedges: Decision[] = [];
+      const started = performance.now();
+      assert.equal(await reserve(client, target, 'ts-hedged-grpc', (d) => hedges.push(d)), 'hedge');
+      const took = performance.now() - started;
+      assert.equal(upstream.count, 2);
+      assert.deepEqual(hedges.map((d) => [d.verdict, d.fallback]), [['RETRY', false]]);
+      assert.ok(await upstream.untilCancelled(2000), 'the losing first call was not cancelled');
+      assert.ok(took >= served.delayMs && took < 2500, `took ${took} ms`);
+      const traffic = client.reporter!.pendingTraffic()['ts-hedged-grpc']!;
+      assert.deepEqual([traffic.requests, traffic.successes, traffic.failures, traffic.retrySuccesses, traffic.retryFailures], [1, 0, 0, 1, 0]);
     } finally {
       upstream.close();
       await client.close();

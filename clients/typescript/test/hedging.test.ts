@@ -19,6 +19,7 @@ import {
   TrafficReporter,
   type TrafficEntry,
 } from '../src';
+import { feed } from './hedging-support';
 import { CLIENT_TEST_CONFIG, closedPort, REPO, startRetryd, type Retryd } from './support';
 
 // The brief's vectors, with 1000 us in bucket 63: e = 9, m = 1000 >> 6 = 15,
@@ -273,17 +274,66 @@ describe('hedged fetch calls', () => {
     }
   });
 
-  test('a refused hedge sends no copy', async () => {
-    // A served delay and retryd asked when it fires: until retryd decides
-    // hedges it refuses the request; a refused or denied hedge sends nothing.
+  test('a hedge retryd denies HEDGING_OFF sends no copy', async () => {
+    // The table says hedge (an entry retryd no longer serves); retryd has no
+    // hedging policy for the upstream: denied, and nothing is sent.
     const client = new RetrydClient(retryd.grpc, { timeoutMs: 5000, reporting: { intervalMs: 60_000 } });
-    client.hedging.update([{ upstream: 'ts-hedge-refused', enabled: true, delayMs: 50, maxHedges: 1, idempotency: new Set(['SAFE'] as const) }]);
+    client.hedging.update([{ upstream: 'ts-hedge-off', enabled: true, delayMs: 50, maxHedges: 1, idempotency: new Set(['SAFE'] as const) }]);
     const upstream = new HeldFirst(400);
     const url = await upstream.listen();
     try {
-      const response = await fetchWithRetries(client, url, {}, { upstream: 'ts-hedge-refused', idempotency: 'SAFE' });
+      const response = await fetchWithRetries(client, url, {}, { upstream: 'ts-hedge-off', idempotency: 'SAFE' });
       assert.equal(await response.text(), 'first');
       assert.equal(upstream.count, 1);
+      assert.deepEqual(hedgesOf(response).map((d) => [d.verdict, d.denyReason]), [['DENY', 'HEDGING_OFF']]);
+    } finally {
+      await upstream.close();
+      await client.close();
+    }
+  });
+
+  test('retryd serves a delay from reported latencies; a hedge after it wins and the first attempt is cancelled', async () => {
+    const client = new RetrydClient(retryd.grpc, { timeoutMs: 5000, reporting: { intervalMs: 60_000 } });
+    await feed(client, 'ts-hedged');
+    const served = client.hedging.current('ts-hedged');
+    assert.ok(served?.enabled, JSON.stringify(served));
+    assert.ok(served.delayMs >= 87.5 && served.delayMs <= 112.5, `${served.delayMs}`);
+    const upstream = new HeldFirst();
+    const url = await upstream.listen();
+    try {
+      const started = performance.now();
+      const response = await fetchWithRetries(client, url, {}, { upstream: 'ts-hedged', idempotency: 'SAFE', deadlineMs: 5000 });
+      const took = performance.now() - started;
+      assert.equal(await response.text(), 'hedge');
+      assert.equal(upstream.count, 2);
+      assert.deepEqual(hedgesOf(response).map((d) => [d.verdict, d.fallback]), [['RETRY', false]]);
+      assert.ok(await upstream.untilCancelled(2000), 'the losing first attempt was not cancelled');
+      assert.ok(took >= served.delayMs, `took ${took} ms, before the served delay`);
+      assert.ok(took < 2500, `took ${took} ms; the hold is 5 s`);
+      const traffic = client.reporter!.pendingTraffic()['ts-hedged']!;
+      assert.deepEqual([traffic.requests, traffic.successes, traffic.failures, traffic.retrySuccesses, traffic.retryFailures], [1, 0, 0, 1, 0]);
+      assert.equal(traffic.latencyFailures, undefined);
+      assert.equal(await client.reporter!.flush(), true); // and retryd accepts the report of it
+    } finally {
+      await upstream.close();
+      await client.close();
+    }
+  });
+
+  test('a hedge beyond the cap (5% of first attempts) sends no copy', async () => {
+    const client = new RetrydClient(retryd.grpc, { timeoutMs: 5000, reporting: { intervalMs: 60_000 } });
+    await feed(client, 'ts-hedge-cap', 100); // five hedges
+    for (let i = 0; i < 5; i++) {
+      const granted = await client.decideHedge({ upstream: 'ts-hedge-cap', idempotency: 'SAFE', hedge: 1, attempt: 1 });
+      assert.equal(granted.verdict, 'RETRY', granted.explanation);
+    }
+    const upstream = new HeldFirst(400);
+    const url = await upstream.listen();
+    try {
+      const response = await fetchWithRetries(client, url, {}, { upstream: 'ts-hedge-cap', idempotency: 'SAFE' });
+      assert.equal(await response.text(), 'first');
+      assert.equal(upstream.count, 1);
+      assert.deepEqual(hedgesOf(response).map((d) => d.denyReason), ['HEDGE_CAP']);
     } finally {
       await upstream.close();
       await client.close();
