@@ -10,7 +10,6 @@ import select
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,21 +36,16 @@ VECTORS = [(0, 0), (15, 15), (16, 16), (17, 16), (18, 17), (31, 23), (32, 24), (
 def test_bucket_vectors() -> None:
     for micros, expected in VECTORS:
         assert bucket(micros) == expected, micros
-    shared = REPO / "conformance" / "latency_buckets.json"
-    if shared.is_file():  # the server helper's vectors, once merged
-        for micros, expected in _pairs(json.loads(shared.read_text())):
-            assert bucket(micros) == expected, micros
 
 
-def _pairs(loaded: Any) -> list[tuple[int, int]]:
-    items = loaded.get("vectors", loaded.get("pairs", loaded)) if isinstance(loaded, dict) else loaded
-    pairs = []
-    for item in items:
-        if isinstance(item, dict):
-            pairs.append((int(item.get("micros", item.get("us", item.get("latency_us")))), int(item["bucket"])))
-        else:
-            pairs.append((int(item[0]), int(item[1])))
-    return pairs
+def test_bucket_conformance_vectors() -> None:
+    """conformance/latency_buckets.json, which retryd's own bucket function is checked against."""
+    shared = json.loads((REPO / "conformance" / "latency_buckets.json").read_text())
+    assert shared["max_bucket"] == MAX_BUCKET
+    for micros, expected in shared["pairs"]:
+        assert bucket(micros) == expected, micros
+    for index, start in shared["starts"]:
+        assert bucket_start(index) == start and bucket(start) == index, index
 
 
 def test_every_bucket_starts_where_the_formula_says() -> None:
