@@ -20,6 +20,7 @@ pub const METRIC_HEDGING_UNIFORMLY_SLOW: &str = "retryd_hedging_uniformly_slow";
 const UNSET: u64 = u64::MAX;
 
 type Series = Vec<(Vec<(&'static str, String)>, u64)>;
+type FloatSeries = Vec<(Vec<(&'static str, String)>, f64)>;
 
 #[derive(Debug)]
 pub(super) struct Hedges {
@@ -56,10 +57,7 @@ impl Hedges {
 
     /// The decisions counted, the delays (seconds) and the flags, for the
     /// rows that have any.
-    pub(super) fn samples(
-        &self,
-        labels: &[String],
-    ) -> (Series, Vec<(Vec<(&'static str, String)>, f64)>, Series) {
+    pub(super) fn samples(&self, labels: &[String]) -> (Series, FloatSeries, Series) {
         let mut decisions = Vec::new();
         for (label, columns) in labels.iter().zip(&self.decisions) {
             for (column, count) in columns.iter().enumerate() {
