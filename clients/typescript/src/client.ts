@@ -355,10 +355,11 @@ export class RetrydClient {
    * `localHedging` option decides, or, without it, this rejects with
    * RetrydUnavailableError. The adapters call it when a hedge timer fires.
    */
-  async decideHedge(input: HedgeInput): Promise<Decision> {
-    if (this.connecting) await this.untilConnected(input.deadlineRemainingMs);
-    let timeoutMs = this.timeoutMs;
-    if (input.deadlineRemainingMs !== undefined) timeoutMs = Math.min(timeoutMs, Math.max(input.deadlineRemainingMs, MIN_CALL_TIMEOUT_MS));
+  async decideHedge(input: HedgeInput, options: CallOptions = {}): Promise<Decision> {
+    const bound = options.boundByDeadline !== false;
+    if (this.connecting) await this.untilConnected(bound ? input.deadlineRemainingMs : undefined);
+    let timeoutMs = options.timeoutMs ?? this.timeoutMs;
+    if (input.deadlineRemainingMs !== undefined && bound) timeoutMs = Math.min(timeoutMs, Math.max(input.deadlineRemainingMs, MIN_CALL_TIMEOUT_MS));
     const request: DecideRequest = {
       upstream: input.upstream,
       operation: input.operation ?? '',
