@@ -80,6 +80,13 @@ quantile = 0.95
 
 [upstreams."py-hedge-cap".hedging]
 quantile = 0.95
+
+# In shadow mode: retryd's hedge answers are not enforced.
+[upstreams."py-hedge-shadow"]
+enforce = false
+
+[upstreams."py-hedge-shadow".hedging]
+quantile = 0.95
 """
 
 

@@ -483,3 +483,20 @@ def test_hedge_beyond_the_cap_sends_no_copy(server: Server) -> None:
         await client.close()
 
     asyncio.run(main())
+
+
+def test_shadow_hedge_answer_is_not_acted_on(server: Server) -> None:
+    from retryd import DenyReason, Verdict
+
+    async def main() -> None:
+        client = AsyncClient(server.grpc, timeout=5, report_interval=60)
+        await _feed(client, "py-hedge-shadow")
+        decision = await client.decide_hedge(upstream="py-hedge-shadow", idempotency=Idempotency.SAFE,
+                                             hedge=1, attempt=1)
+        # retryd would have hedged; without local hedging the client does not.
+        assert decision.shadow and not decision.fallback
+        assert decision.retryd_decision is not None and decision.retryd_decision.verdict == Verdict.RETRY
+        assert decision.verdict == Verdict.DENY and decision.deny_reason == DenyReason.HEDGING_OFF
+        await client.close()
+
+    asyncio.run(main())

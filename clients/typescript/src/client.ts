@@ -377,7 +377,18 @@ export class RetrydClient {
         timeoutMs,
       );
       this.answered();
-      return toDecision(response);
+      const decision = toDecision(response);
+      if (!decision.shadow) return decision;
+      // Not enforced (the upstream is in shadow mode): hedge as the client
+      // would without retryd (its local hedging, else not at all).
+      const local = localHedgeDecision(
+        this.hedging,
+        input.hedge,
+        input.idempotency,
+        input.deadlineRemainingMs,
+        'retryd shadow answer, not enforced (upstream in shadow mode)',
+      );
+      return { ...local, fallback: false, shadow: true, retrydDecision: decision, decisionId: decision.decisionId };
     } catch (error) {
       if (!isServiceError(error)) throw error;
       if (error.code === grpc.status.INVALID_ARGUMENT) throw new InvalidRequestError(error.details);

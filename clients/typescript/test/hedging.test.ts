@@ -348,6 +348,19 @@ describe('hedged fetch calls', () => {
     }
   });
 
+  test("a shadow answer to a hedge is not acted on", async () => {
+    const client = new RetrydClient(retryd.grpc, { timeoutMs: 5000, reporting: { intervalMs: 60_000 } });
+    try {
+      await feed(client, 'ts-hedge-shadow');
+      const decision = await client.decideHedge({ upstream: 'ts-hedge-shadow', idempotency: 'SAFE', hedge: 1, attempt: 1 });
+      // retryd would have hedged; without local hedging the client does not.
+      assert.deepEqual([decision.shadow, decision.fallback, decision.retrydDecision?.verdict], [true, false, 'RETRY']);
+      assert.deepEqual([decision.verdict, decision.denyReason], ['DENY', 'HEDGING_OFF']);
+    } finally {
+      await client.close();
+    }
+  });
+
   test('a NON_IDEMPOTENT call is never hedged', async () => {
     const client = new RetrydClient(retryd.grpc, { timeoutMs: 5000, reporting: { intervalMs: 60_000 } });
     client.hedging.update([

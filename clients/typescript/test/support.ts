@@ -71,6 +71,13 @@ quantile = 0.95
 
 [upstreams."ts-hedge-cap".hedging]
 quantile = 0.95
+
+# In shadow mode: retryd's hedge answers are not enforced.
+[upstreams."ts-hedge-shadow"]
+enforce = false
+
+[upstreams."ts-hedge-shadow".hedging]
+quantile = 0.95
 `;
 
 export interface Retryd {

@@ -499,6 +499,19 @@ class _Base:
         decision: Decision = local_hedge_decision(self.hedging, args, f"retryd unreachable ({code.name})")
         return decision
 
+    def _hedge_answered(self, response: pb.DecideResponse, args: dict[str, Any]) -> Decision:
+        """The hedge decision to act on: retryd's, or for a shadow answer the local hedging's."""
+        self._reachable()
+        decision = _decision(response)
+        if not decision.shadow:
+            return decision
+        # Not enforced (the upstream is in shadow mode): hedge as the client
+        # would without retryd (its local hedging, else not at all).
+        local: Decision = local_hedge_decision(self.hedging, args,
+                                               "retryd shadow answer, not enforced (upstream in shadow mode)")
+        return dataclasses.replace(local, fallback=False, shadow=True, retryd_decision=decision,
+                                   decision_id=decision.decision_id)
+
     @staticmethod
     def _hedge_args(upstream: str, idempotency: IdempotencyLike, hedge: int, attempt: int, operation: str,
                     deadline_remaining: Optional[Seconds], body: Optional[Body], lineage: str) -> dict[str, Any]:
@@ -711,8 +724,7 @@ class Client(_Base):
                 metadata=self._call_metadata())
         except grpc.RpcError as error:
             return self._on_hedge_error(error, args)
-        self._reachable()
-        return _decision(response)
+        return self._hedge_answered(response, args)
 
     @property
     def reporter(self) -> TrafficReporter:
@@ -910,8 +922,7 @@ class AsyncClient(_Base):
                 metadata=self._call_metadata())
         except grpc.RpcError as error:
             return self._on_hedge_error(error, args)
-        self._reachable()
-        return _decision(response)
+        return self._hedge_answered(response, args)
 
     @property
     def reporter(self) -> AsyncTrafficReporter:
