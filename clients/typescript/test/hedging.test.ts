@@ -182,6 +182,14 @@ async function unreachable(client: RetrydClient): Promise<void> {
   await assert.rejects(client.sendTrafficReport([['ts-hedge', 1]], 'x'), RetrydError);
 }
 
+/**
+ * A hedge reaches the upstream at least this share of the served delay after
+ * the first attempt did: the two arrivals differ by the delay, retryd's answer
+ * and each request's own connect, which a busy machine can delay for the first
+ * one; sent at once, the gap would be near 0.
+ */
+const HALF = 0.5;
+
 async function decisionsMade(retryd: Retryd): Promise<number> {
   const text = await (await fetch(`http://${retryd.metrics}/metrics`)).text();
   let total = 0;
@@ -316,7 +324,7 @@ describe('hedged fetch calls', () => {
       assert.ok(await upstream.untilCancelled(2000), 'the losing first attempt was not cancelled');
       // The hedge reached the upstream after the served delay, not before it.
       const [first, hedge] = upstream.arrivals;
-      assert.ok(hedge! - first! >= served.delayMs * 0.9, `the hedge came ${hedge! - first!} ms after the first attempt`);
+      assert.ok(hedge! - first! >= served.delayMs * HALF, `the hedge came ${hedge! - first!} ms after the first attempt`);
       assert.ok(took < 2500, `took ${took} ms; the hold is 5 s`);
       const traffic = client.reporter!.pendingTraffic()['ts-hedged']!;
       assert.deepEqual([traffic.requests, traffic.successes, traffic.failures, traffic.retrySuccesses, traffic.retryFailures], [1, 0, 0, 1, 0]);
