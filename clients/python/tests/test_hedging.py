@@ -412,6 +412,8 @@ def test_served_delay_hedges_the_slow_first_attempt(server: Server) -> None:
         served = client.hedging.current("py-hedged")
         assert served is not None and served.enabled, served
         assert 0.0875 <= served.delay <= 0.1125, served
+        # GetBudget shows the same hedging.
+        assert (await client.get_budget("py-hedged")).hedging == served
         before = client.reporter.pending_traffic().get("py-hedged")
         assert before is None
         with HeldFirst() as upstream:

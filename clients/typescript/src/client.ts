@@ -219,6 +219,7 @@ function toBudget(budget: Budget__Output | null): Budget {
     minPerSecond: budget.minPerSecond,
     retriesEnabled: budget.retriesEnabled,
     tracked: budget.tracked,
+    ...(budget.hedging === null || budget.hedging === undefined ? {} : { hedging: hedgingFromPb(budget.hedging) }),
   };
 }
 

@@ -312,6 +312,7 @@ describe('hedged fetch calls', () => {
     const served = client.hedging.current('ts-hedged');
     assert.ok(served?.enabled, JSON.stringify(served));
     assert.ok(served.delayMs >= 87.5 && served.delayMs <= 112.5, `${served.delayMs}`);
+    assert.deepEqual((await client.getBudget('ts-hedged')).hedging, served); // GetBudget shows the same
     const upstream = new HeldFirst();
     const url = await upstream.listen();
     try {

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:  # hedging imports this module
+    from .hedging import Hedging
 
 
 class Idempotency(enum.IntEnum):
@@ -305,3 +308,5 @@ class Budget:
     min_per_second: float
     retries_enabled: bool
     tracked: bool
+    #: The upstream's hedging as served to clients; None without a policy.
+    hedging: Optional[Hedging] = None

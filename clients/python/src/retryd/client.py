@@ -170,6 +170,7 @@ def _budget(message: pb.Budget) -> Budget:
         min_per_second=message.min_per_second,
         retries_enabled=message.retries_enabled,
         tracked=message.tracked,
+        hedging=hedging_from_pb(message.hedging) if message.HasField("hedging") else None,
     )
 
 
