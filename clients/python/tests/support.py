@@ -69,6 +69,24 @@ budget = { capacity = 10.0, initial = 0.0, ratio = 0.1, min_per_second = 0.0 }
 
 [upstreams."py-dedup-direct"]
 budget = { capacity = 100.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
+
+# Issue 33: hedged upstreams at the policy's defaults (p95, one hedge, 5% of
+# first attempts, 100 samples over 30 s); the tests report the latencies.
+[upstreams."py-hedged".hedging]
+quantile = 0.95
+
+[upstreams."py-hedged-grpc".hedging]
+quantile = 0.95
+
+[upstreams."py-hedge-cap".hedging]
+quantile = 0.95
+
+# In shadow mode: retryd's hedge answers are not enforced.
+[upstreams."py-hedge-shadow"]
+enforce = false
+
+[upstreams."py-hedge-shadow".hedging]
+quantile = 0.95
 """
 
 

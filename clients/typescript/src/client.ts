@@ -20,13 +20,15 @@ import type { RetryDeciderClient } from './generated/retryd/v1/RetryDecider';
 import type { UpstreamTraffic } from './generated/retryd/v1/UpstreamTraffic';
 import { InvalidRequestError, RetrydUnavailableError } from './errors';
 import { DEFAULT_LOCAL_POLICY, localDecide, type LocalPolicy } from './fallback';
+import type { Hedging__Output } from './generated/retryd/v1/Hedging';
+import { hedgingFromPb, HedgingTable, localHedgeDecision, type LocalHedging } from './hedging';
 import { isLayerName, lineageError, resolveLayer } from './lineage';
 import { OutageLog } from './outage';
 import { proto } from './proto';
 import { MAX_TRAFFIC_ENTRIES, TrafficReporter, type Logger, type ReportResult, type TrafficEntry, type TrafficReporterOptions } from './reporter';
 import { decisionsDiffer, DEFAULT_SHADOW_LOG_INTERVAL_MS, ShadowDivergences } from './shadow';
 import { traceMetadata } from './tracing';
-import type { Body, Budget, DecideInput, Decision, DenyReason, Evidence, UnknownOutcome, Verdict } from './types';
+import type { Body, Budget, DecideInput, Decision, DenyReason, Evidence, Idempotency, UnknownOutcome, Verdict } from './types';
 
 export { MAX_TRAFFIC_ENTRIES };
 
@@ -81,6 +83,25 @@ export interface ClientOptions {
    * OTEL_SERVICE_NAME if it is valid, else the program's name, else "service".
    */
   layer?: string;
+  /**
+   * Hedging while retryd is unreachable (./hedging): a fixed delay paid from
+   * a local bucket. Default null: no hedging without retryd.
+   */
+  localHedging?: LocalHedging | null;
+}
+
+/** Asks whether to send the `hedge`-th hedge of a call whose attempts are still running. */
+export interface HedgeInput {
+  upstream: string;
+  idempotency: Idempotency | number;
+  /** 1 for the first hedge. */
+  hedge: number;
+  /** Attempts already sent. */
+  attempt: number;
+  operation?: string;
+  deadlineRemainingMs?: number;
+  body?: Body;
+  lineage?: string;
 }
 
 /** A decision call's own options. */
@@ -124,6 +145,17 @@ function toPbBody(body: Body): PbBody {
     kind: pbEnum('BODY_KIND_', body.kind),
     declared: pbEnum('REPLAYABILITY_', body.declared),
     parts: (body.parts ?? []).map(toPbBody),
+  };
+}
+
+/** One report entry on the wire; the histograms absent (not empty) when none was recorded. */
+function toUpstreamTraffic(entry: TrafficEntry | [string, number]): UpstreamTraffic {
+  if (Array.isArray(entry)) return { upstream: entry[0], requests: entry[1] };
+  const { latencySuccesses, latencyFailures, ...counts } = entry;
+  return {
+    ...counts,
+    ...(latencySuccesses === undefined ? {} : { latencySuccesses: { counts: latencySuccesses } }),
+    ...(latencyFailures === undefined ? {} : { latencyFailures: { counts: latencyFailures } }),
   };
 }
 
@@ -187,6 +219,7 @@ function toBudget(budget: Budget__Output | null): Budget {
     minPerSecond: budget.minPerSecond,
     retriesEnabled: budget.retriesEnabled,
     tracked: budget.tracked,
+    ...(budget.hedging === null || budget.hedging === undefined ? {} : { hedging: hedgingFromPb(budget.hedging) }),
   };
 }
 
@@ -260,6 +293,11 @@ export class RetrydClient {
    * their first attempts here unless told otherwise; close() flushes it.
    */
   readonly reporter: TrafficReporter | null;
+  /**
+   * The hedging retryd served with the reporter's answers, per upstream,
+   * kept three report intervals after an upstream's last entry (./hedging).
+   */
+  readonly hedging: HedgingTable;
   private readonly logger: Logger;
   /** The fallback's outage: one warning when it begins, one line when retryd answers again. */
   private readonly outage: OutageLog;
@@ -304,8 +342,63 @@ export class RetrydClient {
     void this.connected.then(() => {
       this.connecting = false;
     });
+    const intervalMs = (options.reporting === false ? undefined : options.reporting?.intervalMs) ?? 1000;
+    this.hedging = new HedgingTable(3 * intervalMs, options.localHedging ?? null);
     this.reporter =
       options.reporting === false ? null : new TrafficReporter(this, { logger: this.logger, ...options.reporting }).start();
+  }
+
+  /**
+   * Asks retryd whether to send the `hedge`-th hedge (1 = the first) of a
+   * call still running. A RETRY says send it now (it spent a token of the
+   * upstream's retry budget); a DENY names why (HEDGING_OFF, HEDGE_CAP,
+   * UNIFORMLY_SLOW, BUDGET_EXHAUSTED, ...). With retryd unreachable the
+   * `localHedging` option decides, or, without it, this rejects with
+   * RetrydUnavailableError. The adapters call it when a hedge timer fires.
+   */
+  async decideHedge(input: HedgeInput, options: CallOptions = {}): Promise<Decision> {
+    const bound = options.boundByDeadline !== false;
+    if (this.connecting) await this.untilConnected(bound ? input.deadlineRemainingMs : undefined);
+    let timeoutMs = options.timeoutMs ?? this.timeoutMs;
+    if (input.deadlineRemainingMs !== undefined && bound) timeoutMs = Math.min(timeoutMs, Math.max(input.deadlineRemainingMs, MIN_CALL_TIMEOUT_MS));
+    const request: DecideRequest = {
+      upstream: input.upstream,
+      operation: input.operation ?? '',
+      idempotency: pbEnum('IDEMPOTENCY_', input.idempotency),
+      attempt: input.attempt,
+      hedge: input.hedge,
+      lineage: input.lineage ?? '',
+      deadlineRemaining: toDuration(input.deadlineRemainingMs),
+      ...(input.body === undefined ? {} : { body: toPbBody(input.body) }),
+    };
+    try {
+      const response = await this.call<DecideRequest, DecideResponse__Output>(
+        this.decider.Decide.bind(this.decider) as Unary<DecideRequest, DecideResponse__Output>,
+        request,
+        timeoutMs,
+      );
+      this.answered();
+      const decision = toDecision(response);
+      if (!decision.shadow) return decision;
+      // Not enforced (the upstream is in shadow mode): hedge as the client
+      // would without retryd (its local hedging, else not at all).
+      const local = localHedgeDecision(
+        this.hedging,
+        input.hedge,
+        input.idempotency,
+        input.deadlineRemainingMs,
+        'retryd shadow answer, not enforced (upstream in shadow mode)',
+      );
+      return { ...local, fallback: false, shadow: true, retrydDecision: decision, decisionId: decision.decisionId };
+    } catch (error) {
+      if (!isServiceError(error)) throw error;
+      if (error.code === grpc.status.INVALID_ARGUMENT) throw new InvalidRequestError(error.details);
+      const codeName = grpc.status[error.code] ?? String(error.code);
+      if (this.hedging.local === null) throw new RetrydUnavailableError(`retryd: ${codeName}: ${error.details}`, error.code);
+      this.hedging.unreachable = true;
+      this.outage.failed(`${codeName}: ${error.details}`);
+      return localHedgeDecision(this.hedging, input.hedge, input.idempotency, input.deadlineRemainingMs, `retryd unreachable (${codeName})`);
+    }
   }
 
   /** Asks retryd whether the failed attempt may be retried. */
@@ -386,11 +479,22 @@ export class RetrydClient {
     if (traffic.length > MAX_TRAFFIC_ENTRIES) {
       throw new InvalidRequestError(`traffic: at most ${MAX_TRAFFIC_ENTRIES} entries per report, got ${traffic.length}`);
     }
-    const response = await this.adminCall(
-      this.decider.ReportTraffic.bind(this.decider) as Unary<unknown, { accepted: number; alreadyApplied: number }>,
-      { traffic: traffic.map((entry) => (Array.isArray(entry) ? { upstream: entry[0], requests: entry[1] } : { ...entry })), reportId },
-    );
-    return { accepted: response.accepted, alreadyApplied: response.alreadyApplied };
+    let response: { accepted: number; alreadyApplied: number; hedging: Hedging__Output[] };
+    try {
+      response = await this.adminCall(
+        this.decider.ReportTraffic.bind(this.decider) as Unary<unknown, { accepted: number; alreadyApplied: number; hedging: Hedging__Output[] }>,
+        { traffic: traffic.map(toUpstreamTraffic), reportId },
+      );
+    } catch (error) {
+      // Unreachable or too slow, not a refusal: the local hedging may start.
+      if (error instanceof RetrydUnavailableError && (error.code === grpc.status.UNAVAILABLE || error.code === grpc.status.DEADLINE_EXCEEDED)) {
+        this.hedging.unreachable = true;
+      }
+      throw error;
+    }
+    const hedging = (response.hedging ?? []).map(hedgingFromPb);
+    this.hedging.update(hedging);
+    return { accepted: response.accepted, alreadyApplied: response.alreadyApplied, hedging };
   }
 
   /** Reports real (first-attempt) requests per upstream; resolves to the entries accepted. */

@@ -51,7 +51,8 @@ import { AmbiguousExecutionError, attachDecision, leavesOutcomeUnknown } from '.
 import { currentChain, isLayerName, LINEAGE_BAGGAGE_KEY, outboundLineage, recordRetriedFailure, RETRIED_HEADER, withLineageBaggage } from './lineage';
 import type { TrafficReporter } from './reporter';
 import { withBaggageEntry } from './tracing';
-import type { Body, Decision, Evidence, FailureKind, Idempotency } from './types';
+import { runHedged } from './hedging';
+import { replayabilityOf, type Body, type Decision, type Evidence, type FailureKind, type Idempotency } from './types';
 
 /** What happened to one attempt, in retryd's terms. */
 export interface Outcome {
@@ -255,6 +256,23 @@ export interface FetchRetryOptions {
 }
 
 const MAX_LOOP = 100;
+
+/** How one attempt ended: `final` for a response returned as is (not a retryable failure). */
+interface Attempted {
+  final: boolean;
+  response: Response | undefined;
+  failure: unknown;
+  outcome: Outcome | undefined;
+  deadlineExpired: boolean;
+  elapsedMs: number;
+}
+
+const HEDGES = new WeakMap<object, readonly Decision[]>();
+
+/** retryd's answers to the hedge requests of the call that returned `response` (empty: no hedge timer fired). */
+export function hedgesOf(response: Response): readonly Decision[] {
+  return HEDGES.get(response) ?? [];
+}
 /** A timer that an abort of the caller's signal ends early (the next attempt then rethrows the abort). */
 const defaultSleep = (ms: number, signal?: AbortSignal): Promise<void> =>
   new Promise((resolve) => {
@@ -310,13 +328,16 @@ export async function fetchWithRetries(
   let decision: Decision | undefined;
   // The request being served, if an inbound wrapper (./lineage) set it.
   const chain = currentChain();
+  /** retryd's answers to this call's hedge requests (HEDGES on the response). */
+  const hedgeDecisions: Decision[] = [];
   const settle = (response: Response): Response => {
     if (decision !== undefined) attachDecision(response, decision);
+    HEDGES.set(response, hedgeDecisions);
     return response;
   };
 
-  for (let attempt = 1; ; attempt++) {
-    if (attempt === 1) reporter?.record(options.upstream);
+  /** One attempt, its body read whole; `cancel` aborts it when a hedge of it wins. Rethrows the caller's abort. */
+  const sendAttempt = async (attempt: number, cancel?: AbortSignal): Promise<Attempted> => {
     const userSignal = currentInit.signal ?? undefined;
     // One timer per attempt, for the attempt timeout and the deadline alike,
     // cleared once the body has been read: a returned response must not be
@@ -336,7 +357,11 @@ export async function fetchWithRetries(
             deadlineExpired = limitIsDeadline;
             attemptController.abort(new DOMException(`the attempt ran out of time (${Math.round(attemptLimitMs)} ms)`, 'TimeoutError'));
           }, attemptLimitMs);
-    const signal = userSignal === undefined ? attemptController.signal : AbortSignal.any([userSignal, attemptController.signal]);
+    const signals = [userSignal, cancel, attemptController.signal].filter((one): one is AbortSignal => one !== undefined);
+    const signal = signals.length === 1 ? attemptController.signal : AbortSignal.any(signals);
+    const startedAt = performance.now();
+    // Rethrown: the caller's abort ends the call, and a hedge's win ends this copy.
+    const abandoned = (): boolean => userSignal?.aborted === true || cancel?.aborted === true;
 
     let response: Response | undefined;
     let failure: unknown;
@@ -360,7 +385,7 @@ export async function fetchWithRetries(
         try {
           response = await withBaggageEntry(LINEAGE_BAGGAGE_KEY, lineage.outbound, () => fetchImpl(sending));
         } catch (error) {
-          if (userSignal?.aborted) throw error;
+          if (abandoned()) throw error;
           failure = error;
           outcome = classifyFetchError(error);
         }
@@ -370,12 +395,11 @@ export async function fetchWithRetries(
           // Read the whole body (through a clone, so the response stays readable).
           await response.clone().arrayBuffer();
           if (!retryStatuses.has(response.status)) {
-            reporter?.recordOutcome(options.upstream, true, attempt > 1);
-            return settle(response);
+            return { final: true, response, failure, outcome: undefined, deadlineExpired, elapsedMs: performance.now() - startedAt };
           }
           outcome = classifyResponse(response);
         } catch (error) {
-          if (userSignal?.aborted) throw error;
+          if (abandoned()) throw error;
           failure = error;
           outcome = classifyFetchError(error, response);
         }
@@ -383,10 +407,58 @@ export async function fetchWithRetries(
     } finally {
       clearTimeout(timer);
     }
+    return { final: false, response, failure, outcome, deadlineExpired, elapsedMs: performance.now() - startedAt };
+  };
 
-    // Asked about: a failed attempt in the reporter's outcome counts (an
-    // abort by the caller was rethrown above, counted as neither).
-    reporter?.recordOutcome(options.upstream, false, attempt > 1);
+  const table = retryd.hedging;
+  // A one-shot body (a stream) is never hedged: a copy could not be sent.
+  const plan = body !== undefined && replayabilityOf(body) === 'ONE_SHOT' ? undefined : table.plan(options.upstream, options.idempotency);
+  let attempt = 0;
+  for (;;) {
+    let attempted: Attempted;
+    if (attempt === 0) {
+      reporter?.record(options.upstream);
+      table.firstAttempt();
+    }
+    if (attempt === 0 && plan !== undefined) {
+      // The first attempt and its hedges; every copy that answered is counted here.
+      const round = await runHedged<Attempted>({
+        plan,
+        startCopy: (copy, cancel) => sendAttempt(copy + 1, cancel),
+        isFinal: (result) => result.final,
+        ask: (hedge) =>
+          retryd.decideHedge({
+            upstream: options.upstream,
+            idempotency: options.idempotency,
+            hedge,
+            attempt: hedge,
+            operation,
+            deadlineRemainingMs: remaining(),
+            ...(body === undefined ? {} : { body }),
+            lineage: outboundLineage(chain, retryd.layer, 1).inbound,
+          }),
+        onEnd: (copy, result, elapsedMs) => {
+          reporter?.recordOutcome(options.upstream, result.final, copy > 0);
+          if (copy === 0) reporter?.recordLatency(options.upstream, result.final, elapsedMs);
+        },
+        onFirstCancelled: (elapsedMs) => reporter?.recordLatency(options.upstream, true, elapsedMs),
+        remaining,
+      });
+      hedgeDecisions.push(...round.decisions);
+      attempt = round.sent;
+      attempted = round.result;
+    } else {
+      attempt += 1;
+      attempted = await sendAttempt(attempt);
+      reporter?.recordOutcome(options.upstream, attempted.final, attempt > 1);
+      if (attempt === 1) reporter?.recordLatency(options.upstream, attempted.final, attempted.elapsedMs);
+    }
+    const { response, failure, outcome, deadlineExpired } = attempted;
+    if (attempted.final) return settle(response!);
+    const lineage = outboundLineage(chain, retryd.layer, attempt);
+
+    // A failed attempt was counted in the reporter's outcome counts above
+    // (an abort by the caller was rethrown, counted as neither).
     decision = await retryd.decide({
       upstream: options.upstream,
       idempotency: options.idempotency,

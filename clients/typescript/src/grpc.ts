@@ -180,6 +180,8 @@ export interface GrpcRetryOptions {
    * by its idempotency. Default: none (only the caller's deadline).
    */
   attemptTimeoutMs?: number;
+  /** Called with retryd's answer to each hedge request of a call (./hedging). */
+  onHedge?: (decision: Decision) => void;
 }
 
 /**
@@ -205,9 +207,12 @@ export function attemptSucceeded(code: number): boolean | undefined {
   return !FAILURE_CODES.has(code);
 }
 
-function recordAttempt(reporter: TrafficReporter | null, upstream: string, code: number, attempt: number): void {
+/** Counts how an attempt ended; a first attempt's `elapsedMs` goes in the latency histograms. */
+function recordAttempt(reporter: TrafficReporter | null, upstream: string, code: number, attempt: number, elapsedMs?: number): void {
   const success = attemptSucceeded(code);
-  if (success !== undefined) reporter?.recordOutcome(upstream, success, attempt > 1);
+  if (success === undefined) return;
+  reporter?.recordOutcome(upstream, success, attempt > 1);
+  if (attempt === 1 && elapsedMs !== undefined) reporter?.recordLatency(upstream, success, elapsedMs);
 }
 
 /** A backstop on attempts, far above any policy's max_attempts. */
@@ -347,6 +352,7 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
     /** A listener that holds the attempt's headers and message until its status says what to do. */
     const attemptListener = (attempt: number, callerDeadline: boolean): grpc.InterceptingListener => {
       const seen: AttemptSeen = { headers: false, messagesDelivered: 0 };
+      const startedAt = performance.now();
       let headers: grpc.Metadata | undefined;
       let response: unknown;
       return {
@@ -361,24 +367,139 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
           current = undefined;
           inFlight = false;
           // A call the caller cancelled counts as neither.
-          if (!cancelled) recordAttempt(reporter, settings.upstream, status.code, attempt);
+          if (!cancelled) recordAttempt(reporter, settings.upstream, status.code, attempt, performance.now() - startedAt);
           if (status.code === grpc.status.OK || cancelled) return finish(status, headers, response);
-          const outcome = classifyGrpcStatus(status, seen);
-          // grpc-js's own DEADLINE_EXCEEDED on an attempt that ran under the
-          // caller's deadline: that deadline is over, whatever the clock says.
-          const deadlineExpired = callerDeadline && outcome.evidence !== 'RESPONSE_RECEIVED' && status.code === grpc.status.DEADLINE_EXCEEDED;
-          void afterFailure(attempt, status, outcome, deadlineExpired).then(
-            (retry) => {
-              if (retry) return;
-              // Ended in failure after retryd's decision: the inbound
-              // middleware says so upward, so the layer above does not retry.
-              if (decided && !cancelled) recordRetriedFailure(chain, retryd.layer);
-              finish(status, headers, response);
-            },
-            () => finish(status, headers, response),
-          );
+          failed(attempt, status, seen, callerDeadline, headers, response);
         },
       };
+    };
+
+    /** A failed (or non-OK) last attempt: retryd decides whether another follows. */
+    const failed = (attempt: number, status: grpc.StatusObject, seen: AttemptSeen, callerDeadline: boolean, headers?: grpc.Metadata, response?: unknown): void => {
+      const outcome = classifyGrpcStatus(status, seen);
+      // grpc-js's own DEADLINE_EXCEEDED on an attempt that ran under the
+      // caller's deadline: that deadline is over, whatever the clock says.
+      const deadlineExpired = callerDeadline && outcome.evidence !== 'RESPONSE_RECEIVED' && status.code === grpc.status.DEADLINE_EXCEEDED;
+      void afterFailure(attempt, status, outcome, deadlineExpired).then(
+        (retry) => {
+          if (retry) return;
+          // Ended in failure after retryd's decision: the inbound
+          // middleware says so upward, so the layer above does not retry.
+          if (decided && !cancelled) recordRetriedFailure(chain, retryd.layer);
+          finish(status, headers, response);
+        },
+        () => finish(status, headers, response),
+      );
+    };
+
+    // ---------------------------------------------------------------- the hedged first round
+    // (./hedging's design, on grpc-js's callbacks: copy 0 is the
+    // InterceptingCall's own call, each hedge a call of its own.)
+    const plan = retryd.hedging.plan(settings.upstream, idempotency);
+    /** The copies of the first round still running: their calls (copy 0's is `firstCall`) and start times. */
+    const running = new Map<number, { call: ReturnType<grpc.NextCall>; startedAt: number }>();
+    let sent = 0;
+    let hedging = plan !== undefined && plan.maxHedges >= 1;
+    let hedgeTimer: NodeJS.Timeout | undefined;
+    let roundOver = plan === undefined;
+
+    /** Ends the round: the other copies are cancelled (a cancelled first attempt's time is a success latency). */
+    const endRound = (): void => {
+      roundOver = true;
+      clearTimeout(hedgeTimer);
+      const now = performance.now();
+      for (const [copy, entry] of running) {
+        if (copy === 0 && !cancelled) reporter?.recordLatency(settings.upstream, true, now - entry.startedAt);
+        entry.call.cancelWithStatus(grpc.status.CANCELLED, 'a hedge of this call answered first');
+      }
+      running.clear();
+    };
+
+    const copyListener = (copy: number, callerDeadline: boolean): grpc.InterceptingListener => {
+      const seen: AttemptSeen = { headers: false, messagesDelivered: 0 };
+      let headers: grpc.Metadata | undefined;
+      let response: unknown;
+      return {
+        onReceiveMetadata(received) {
+          seen.headers = true;
+          headers = received;
+        },
+        onReceiveMessage(received) {
+          if (received !== null && received !== undefined) response = received;
+        },
+        onReceiveStatus(status) {
+          const entry = running.get(copy);
+          if (entry === undefined) return; // a loser this round cancelled
+          running.delete(copy);
+          if (cancelled) {
+            endRound();
+            return finish(status, headers, response);
+          }
+          const success = attemptSucceeded(status.code);
+          recordAttempt(reporter, settings.upstream, status.code, copy + 1, copy === 0 ? performance.now() - entry.startedAt : undefined);
+          // The first answer that is not a retryable failure wins; when every
+          // copy failed, the normal path decides about the last one.
+          if (success !== false || running.size === 0) {
+            endRound();
+            inFlight = false;
+            if (status.code === grpc.status.OK) return finish(status, headers, response);
+            failed(sent, status, seen, callerDeadline, headers, response);
+          }
+        },
+      };
+    };
+
+    const armHedge = (): void => {
+      if (hedging && !roundOver) hedgeTimer = setTimeout(fireHedge, plan!.delayMs);
+    };
+
+    /** The hedge timer fired with every copy still running: only now is retryd asked. */
+    const fireHedge = (): void => {
+      hedgeTimer = undefined;
+      const left = remaining();
+      if (roundOver || running.size === 0 || message === undefined || (left !== undefined && left <= 0)) return;
+      const hedge = sent;
+      retryd
+        .decideHedge({
+          upstream: settings.upstream,
+          idempotency,
+          hedge,
+          attempt: sent,
+          operation: settings.operation ?? path,
+          deadlineRemainingMs: left,
+          body: { kind: 'ENCODED_VALUE' },
+          lineage: outboundLineage(chain, retryd.layer, 1).inbound,
+        })
+        .then(
+          (decision) => {
+            settings.onHedge?.(decision);
+            if (decision.verdict !== 'RETRY' || roundOver || running.size === 0 || cancelled) {
+              hedging = false;
+              return;
+            }
+            startCopy();
+            hedging = sent <= plan!.maxHedges;
+            armHedge();
+          },
+          // retryd refused or could not answer, and no local hedging decided:
+          // the call goes on unhedged.
+          () => {
+            hedging = false;
+          },
+        );
+    };
+
+    /** Sends the next hedge of the first round. */
+    const startCopy = (): void => {
+      const copy = sent++;
+      const next = attemptOptions();
+      const call = nextCall(next.options);
+      running.set(copy, { call, startedAt: performance.now() });
+      const lineage = outboundLineage(chain, retryd.layer, copy + 1).outbound;
+      withBaggageEntry(LINEAGE_BAGGAGE_KEY, lineage, () => call.start(setLineage(metadata.clone(), lineage), copyListener(copy, next.callerDeadline)));
+      call.sendMessage(message);
+      call.halfClose();
+      call.startRead();
     };
 
     /** Asks retryd; resolves true when a next attempt was scheduled. */
@@ -448,14 +569,23 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
     };
 
     const first = attemptOptions();
-    return new grpc.InterceptingCall(nextCall(first.options), {
+    const firstCall = nextCall(first.options);
+    return new grpc.InterceptingCall(firstCall, {
       start(received, listener, next) {
         downstream = listener;
         metadata = received.clone(); // kept for replays; the first attempt sends the original
         reporter?.record(settings.upstream);
+        retryd.hedging.firstAttempt();
         current = undefined;
         inFlight = true;
         const lineage = outboundLineage(chain, retryd.layer, 1).outbound;
+        if (plan !== undefined) {
+          running.set(0, { call: firstCall, startedAt: performance.now() });
+          sent = 1;
+          withBaggageEntry(LINEAGE_BAGGAGE_KEY, lineage, () => next(setLineage(received, lineage), copyListener(0, first.callerDeadline)));
+          armHedge();
+          return;
+        }
         withBaggageEntry(LINEAGE_BAGGAGE_KEY, lineage, () => next(setLineage(received, lineage), attemptListener(1, first.callerDeadline)));
       },
       sendMessage(received, next) {
@@ -465,6 +595,12 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
       cancel(next) {
         cancelled = true;
         next();
+        if (!roundOver) {
+          // The first round's hedges go with it; the first status to come back is handed on.
+          clearTimeout(hedgeTimer);
+          for (const [copy, entry] of running) if (copy > 0) entry.call.cancelWithStatus(grpc.status.CANCELLED, 'Cancelled on client');
+          return;
+        }
         if (inFlight) {
           // The attempt ends with CANCELLED, which is handed on as it is.
           current?.cancelWithStatus(grpc.status.CANCELLED, 'Cancelled on client');

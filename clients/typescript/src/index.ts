@@ -11,7 +11,7 @@
  * With fetch, `fetchWithRetries` does the whole loop; with @grpc/grpc-js,
  * `retryingInterceptor`.
  */
-export { RetrydClient, DEFAULT_CHANNEL_OPTIONS, MAX_TRAFFIC_ENTRIES, toDecideRequest, type ClientOptions, type CallOptions } from './client';
+export { RetrydClient, DEFAULT_CHANNEL_OPTIONS, MAX_TRAFFIC_ENTRIES, toDecideRequest, type ClientOptions, type CallOptions, type HedgeInput } from './client';
 export {
   AmbiguousExecutionError,
   ambiguousExecutionOf,
@@ -28,6 +28,7 @@ export {
   classifyResponse,
   DEFAULT_RETRY_STATUSES,
   fetchWithRetries,
+  hedgesOf,
   type FetchRetryOptions,
   type Outcome,
 } from './fetch';
@@ -67,8 +68,20 @@ export {
   type LineageEntry,
   type LineageOptions,
 } from './lineage';
+export {
+  hedgingFromPb,
+  HedgingTable,
+  localHedgeDecision,
+  runHedged,
+  type HedgePlan,
+  type HedgeRace,
+  type HedgeRound,
+  type Hedging,
+  type LocalHedging,
+} from './hedging';
+export { bucketStart, latencyBucket, latencyBucketOfMs, MAX_BUCKET, MAX_LATENCY_US } from './latency';
 export { DEFAULT_SHADOW_LOG_INTERVAL_MS } from './shadow';
-export { TrafficReporter, type Logger, type ReportResult, type TrafficEntry, type TrafficReporterOptions, type TrafficSink } from './reporter';
+export { TrafficReporter, type LatencyCounts, type Logger, type ReportResult, type TrafficEntry, type TrafficReporterOptions, type TrafficSink } from './reporter';
 export { traceMetadata, withBaggageEntry } from './tracing';
 export {
   ENUM_VALUES,

@@ -37,9 +37,20 @@
  * kept for the next interval; the first such failure warns, and the first
  * report that goes through after it says how many failed meanwhile: one
  * pair of lines per outage, not one per failed batch.
+ *
+ * Latencies: recordLatency(upstream, success, ms) counts how long a completed
+ * first attempt took, from sending to the end of the response, in the
+ * upstream's success or failure histogram (./latency: at most 238 buckets
+ * each, so memory stays bounded by maxUpstreams too). retryd adds them up
+ * fleet-wide to serve hedge delays. Hedges and retries are never recorded; a
+ * first attempt cancelled because its hedge answered first is recorded as a
+ * success with the time it had run. The adapters do this by default. A batch
+ * carries the histograms beside the counts, and a re-sent batch the same.
  */
 import { randomUUID } from 'node:crypto';
 import { InvalidRequestError, RetrydError, RetrydUnavailableError } from './errors';
+import type { Hedging } from './hedging';
+import { latencyBucketOfMs } from './latency';
 import { OutageLog } from './outage';
 
 /** The most entries one ReportTraffic call may carry. */
@@ -51,7 +62,12 @@ export interface ReportResult {
   accepted: number;
   /** Entries an earlier call with the same report id had already applied. */
   alreadyApplied: number;
+  /** The hedging retryd serves for the reported upstreams that have a policy. */
+  hedging?: Hedging[];
 }
+
+/** A latency histogram: bucket index (./latency) to count; empty buckets absent. */
+export type LatencyCounts = Record<number, number>;
 
 /** One entry of a report: first attempts sent, and how attempts ended. */
 export interface TrafficEntry {
@@ -64,6 +80,9 @@ export interface TrafficEntry {
   /** Retries (attempts after the first) that succeeded / failed. */
   retrySuccesses: number;
   retryFailures: number;
+  /** First-attempt latencies of successes and of failures; absent when none was recorded. */
+  latencySuccesses?: LatencyCounts;
+  latencyFailures?: LatencyCounts;
 }
 
 /** Where a reporter sends its batches (a RetrydClient). */
@@ -76,9 +95,41 @@ export interface TrafficSink {
 type Counts = [number, number, number, number, number];
 const REQUESTS = 0;
 
-function entryOf(upstream: string, counts: Counts): TrafficEntry {
-  const [requests, successes, failures, retrySuccesses, retryFailures] = counts;
-  return { upstream, requests, successes, failures, retrySuccesses, retryFailures };
+/** One upstream's pending counts and its two latency histograms (bucket -> count). */
+interface Row {
+  counts: Counts;
+  latencySuccesses: Map<number, number>;
+  latencyFailures: Map<number, number>;
+}
+
+const newRow = (): Row => ({ counts: [0, 0, 0, 0, 0], latencySuccesses: new Map(), latencyFailures: new Map() });
+
+function addHistogram(into: Map<number, number>, from: LatencyCounts | Map<number, number> | undefined): void {
+  if (from === undefined) return;
+  const pairs = from instanceof Map ? [...from] : Object.entries(from).map(([k, n]) => [Number(k), n] as const);
+  for (const [index, n] of pairs) into.set(index, (into.get(index) ?? 0) + n);
+}
+
+function histogramOf(map: Map<number, number>): LatencyCounts | undefined {
+  if (map.size === 0) return undefined;
+  return Object.fromEntries([...map].sort(([a], [b]) => a - b));
+}
+
+function entryOf(upstream: string, row: Row): TrafficEntry {
+  const [requests, successes, failures, retrySuccesses, retryFailures] = row.counts;
+  const entry: TrafficEntry = { upstream, requests, successes, failures, retrySuccesses, retryFailures };
+  const latencySuccesses = histogramOf(row.latencySuccesses);
+  const latencyFailures = histogramOf(row.latencyFailures);
+  if (latencySuccesses !== undefined) entry.latencySuccesses = latencySuccesses;
+  if (latencyFailures !== undefined) entry.latencyFailures = latencyFailures;
+  return entry;
+}
+
+function addEntry(row: Row, e: TrafficEntry): void {
+  const counts = [e.requests, e.successes, e.failures, e.retrySuccesses, e.retryFailures];
+  for (let i = 0; i < 5; i++) row.counts[i]! += counts[i]!;
+  addHistogram(row.latencySuccesses, e.latencySuccesses);
+  addHistogram(row.latencyFailures, e.latencyFailures);
 }
 
 /** Where warnings go (default: console). */
@@ -115,7 +166,7 @@ export class TrafficReporter {
   /** Batches dropped because retryd refused them for good. */
   droppedBatches = 0;
   private readonly logger: Logger;
-  private pendingCounts = new Map<string, Counts>();
+  private pendingCounts = new Map<string, Row>();
   /** Formed, not yet acknowledged, each with the id it is re-sent with. */
   private unsent: Batch[] = [];
   private timer: NodeJS.Timeout | undefined;
@@ -150,6 +201,15 @@ export class TrafficReporter {
     this.add(upstream, retry ? (success ? 3 : 4) : success ? 1 : 2, count);
   }
 
+  /** Counts one completed first attempt's latency, in ms (see the module doc for the rule). */
+  recordLatency(upstream: string, success: boolean, ms: number): void {
+    const row = this.row(upstream);
+    if (row === undefined) return;
+    const histogram = success ? row.latencySuccesses : row.latencyFailures;
+    const index = latencyBucketOfMs(ms);
+    histogram.set(index, (histogram.get(index) ?? 0) + 1);
+  }
+
   /** A copy of the requests not yet acknowledged by retryd (unsent batches included). */
   pending(): Record<string, number> {
     const all: Record<string, number> = {};
@@ -159,17 +219,15 @@ export class TrafficReporter {
 
   /** A copy of every count not yet acknowledged (outcomes too, unsent batches included), per upstream. */
   pendingTraffic(): Record<string, TrafficEntry> {
-    const all = new Map<string, Counts>();
-    const add = (upstream: string, counts: Counts): void => {
-      const row = all.get(upstream) ?? [0, 0, 0, 0, 0];
-      for (let i = 0; i < 5; i++) row[i]! += counts[i]!;
-      all.set(upstream, row);
+    const all = new Map<string, Row>();
+    const add = (e: TrafficEntry): void => {
+      const row = all.get(e.upstream) ?? newRow();
+      addEntry(row, e);
+      all.set(e.upstream, row);
     };
-    for (const batch of this.unsent) {
-      for (const e of batch.entries) add(e.upstream, [e.requests, e.successes, e.failures, e.retrySuccesses, e.retryFailures]);
-    }
-    for (const [upstream, counts] of this.pendingCounts) add(upstream, counts);
-    return Object.fromEntries([...all].map(([upstream, counts]) => [upstream, entryOf(upstream, counts)]));
+    for (const batch of this.unsent) for (const e of batch.entries) add(e);
+    for (const [upstream, row] of this.pendingCounts) add(entryOf(upstream, row));
+    return Object.fromEntries([...all].map(([upstream, row]) => [upstream, entryOf(upstream, row)]));
   }
 
   /**
@@ -207,7 +265,7 @@ export class TrafficReporter {
       // of its first send.
       if (this.unsent.length === 0) {
         if (this.pendingCounts.size === 0) return true;
-        const entries = [...this.pendingCounts].map(([upstream, counts]) => entryOf(upstream, counts));
+        const entries = [...this.pendingCounts].map(([upstream, row]) => entryOf(upstream, row));
         this.pendingCounts = new Map();
         for (let start = 0; start < entries.length; start += MAX_TRAFFIC_ENTRIES) {
           this.unsent.push({ id: randomUUID(), entries: entries.slice(start, start + MAX_TRAFFIC_ENTRIES) });
@@ -252,16 +310,23 @@ export class TrafficReporter {
 
   private add(upstream: string, index: number, n: number): void {
     if (n <= 0) return;
+    const row = this.row(upstream);
+    if (row === undefined) {
+      if (index === REQUESTS) this.dropped += n;
+      return;
+    }
+    row.counts[index]! += n;
+  }
+
+  /** The upstream's pending row, made if the maxUpstreams bound allows. */
+  private row(upstream: string): Row | undefined {
     let row = this.pendingCounts.get(upstream);
     if (row === undefined) {
-      if (this.pendingCounts.size >= this.maxUpstreams) {
-        if (index === REQUESTS) this.dropped += n;
-        return;
-      }
-      row = [0, 0, 0, 0, 0];
+      if (this.pendingCounts.size >= this.maxUpstreams) return undefined;
+      row = newRow();
       this.pendingCounts.set(upstream, row);
     }
-    row[index]! += n;
+    return row;
   }
 }
 

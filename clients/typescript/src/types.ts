@@ -10,6 +10,7 @@
  */
 import { BodyKind as PbBodyKind } from './generated/retryd/v1/BodyKind';
 import { DenyReason as PbDenyReason } from './generated/retryd/v1/DenyReason';
+import type { Hedging } from './hedging';
 import { Evidence as PbEvidence } from './generated/retryd/v1/Evidence';
 import { FailureKind as PbFailureKind } from './generated/retryd/v1/FailureKind';
 import { Idempotency as PbIdempotency } from './generated/retryd/v1/Idempotency';
@@ -189,6 +190,8 @@ export interface Budget {
   minPerSecond: number;
   retriesEnabled: boolean;
   tracked: boolean;
+  /** The upstream's hedging as served to clients; absent without a policy. */
+  hedging?: Hedging;
 }
 
 const REPLAYABILITY_RANK: Record<Replayability, number> = { REPLAYABLE: 0, REOPENABLE: 1, ONE_SHOT: 2 };

@@ -437,7 +437,7 @@ describe('against a fake retryd', () => {
       });
       assert.deepEqual(fake.requests.at(-1), {
         upstream: 'u', operation: 'PUT /x', idempotency: 'IDEMPOTENCY_IDEMPOTENT_WITH_KEY', attempt: 2, maxAttempts: 4,
-        evidence: 'EVIDENCE_SENT_NO_RESPONSE', failure: 'FAILURE_KIND_PARTIAL_WRITE', httpStatus: 0, grpcStatusCode: 0, retryAfter: '3',
+        evidence: 'EVIDENCE_SENT_NO_RESPONSE', failure: 'FAILURE_KIND_PARTIAL_WRITE', httpStatus: 0, grpcStatusCode: 0, hedge: 0, retryAfter: '3',
         deadlineRemaining: { seconds: 1, nanos: 500_000_000 }, previousBackoff: { seconds: 0, nanos: 250_000_000 },
         body: {
           kind: 'BODY_KIND_MULTIPART', declared: 'REPLAYABILITY_UNSPECIFIED',

@@ -60,6 +60,24 @@ budget = { capacity = 10.0, initial = 0.0, ratio = 0.1, min_per_second = 0.0 }
 
 [upstreams."ts-frozen"]
 budget = { capacity = 2.0, initial = 2.0, ratio = 0.0, min_per_second = 0.0 }
+
+# Issue 33: hedged upstreams at the policy's defaults (p95, one hedge, 5% of
+# first attempts, 100 samples over 30 s); the tests report the latencies.
+[upstreams."ts-hedged".hedging]
+quantile = 0.95
+
+[upstreams."ts-hedged-grpc".hedging]
+quantile = 0.95
+
+[upstreams."ts-hedge-cap".hedging]
+quantile = 0.95
+
+# In shadow mode: retryd's hedge answers are not enforced.
+[upstreams."ts-hedge-shadow"]
+enforce = false
+
+[upstreams."ts-hedge-shadow".hedging]
+quantile = 0.95
 `;
 
 export interface Retryd {

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:  # hedging imports this module
+    from .hedging import Hedging
 
 
 class Idempotency(enum.IntEnum):
@@ -110,6 +113,12 @@ class DenyReason(enum.IntEnum):
     RETRIED_BELOW = 12
     #: The call is made inside a retry of an enclosing call (an attempt above 1 in ``lineage``).
     INSIDE_ENCLOSING_RETRY = 13
+    #: A hedge for an upstream without hedging, for this idempotency, or beyond ``max_hedges``.
+    HEDGING_OFF = 14
+    #: A hedge beyond the policy's cap on extra load.
+    HEDGE_CAP = 15
+    #: A hedge for an upstream that is uniformly slow (p50 close to the hedging quantile).
+    UNIFORMLY_SLOW = 16
 
 
 class UnknownOutcome(enum.IntEnum):
@@ -299,3 +308,5 @@ class Budget:
     min_per_second: float
     retries_enabled: bool
     tracked: bool
+    #: The upstream's hedging as served to clients; None without a policy.
+    hedging: Optional[Hedging] = None

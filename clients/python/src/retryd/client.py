@@ -1,8 +1,9 @@
 """Blocking and asyncio clients of retryd.v1.
 
-About 850 lines because the blocking and asyncio clients are written out side
+About 970 lines because the blocking and asyncio clients are written out side
 by side (the same calls, one with ``await``), so that each reads on its own;
-their shared request building and answers are helpers here.
+their shared request building and answers are helpers here (a hedge's
+request and local answer are :mod:`retryd.hedging`'s).
 
 Both clients put a short timeout on every decision (``timeout``, 200 ms by
 default, further bounded by the caller's own remaining deadline), attach the
@@ -47,6 +48,14 @@ from ._types import (
 )
 from .errors import InvalidRequestError, RetrydError, RetrydUnavailableError
 from .fallback import DEFAULT_LOCAL_POLICY, LocalPolicy, local_decide
+from .hedging import (
+    HedgingTable,
+    LocalHedging,
+    check_hedge_args,
+    hedge_request,
+    hedging_from_pb,
+    local_hedge_decision,
+)
 from .lineage import check_layer
 from .outage import Outage
 from .reporter import MAX_TRAFFIC_ENTRIES, AsyncTrafficReporter, ReportResult, Traffic, TrafficReporter
@@ -59,6 +68,9 @@ log = logging.getLogger("retryd")
 
 #: Seconds, or a timedelta.
 Seconds = Union[float, int, timedelta]
+
+#: Codes of a report that say retryd could not be reached (local hedging may start).
+_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 #: The least time a decision call gets when the caller's deadline is nearly over.
 _MIN_CALL_TIMEOUT = 0.05
@@ -158,15 +170,29 @@ def _budget(message: pb.Budget) -> Budget:
         min_per_second=message.min_per_second,
         retries_enabled=message.retries_enabled,
         tracked=message.tracked,
+        hedging=hedging_from_pb(message.hedging) if message.HasField("hedging") else None,
     )
 
 
 def _upstream_traffic(entry: Union[Traffic, tuple[str, int]]) -> pb.UpstreamTraffic:
     """One entry: a :class:`Traffic`, or a plain ``(upstream, requests)`` pair (no outcomes)."""
     t = Traffic(*entry)
-    return pb.UpstreamTraffic(upstream=t.upstream, requests=t.requests, successes=t.successes,
-                              failures=t.failures, retry_successes=t.retry_successes,
-                              retry_failures=t.retry_failures)
+    message = pb.UpstreamTraffic(upstream=t.upstream, requests=t.requests, successes=t.successes,
+                                 failures=t.failures, retry_successes=t.retry_successes,
+                                 retry_failures=t.retry_failures)
+    # Absent, not empty, when nothing was recorded: "this caller reports no latency".
+    if t.latency_successes:
+        message.latency_successes.counts.update(dict(t.latency_successes))
+    if t.latency_failures:
+        message.latency_failures.counts.update(dict(t.latency_failures))
+    return message
+
+
+def _report_result(response: pb.ReportTrafficResponse, table: HedgingTable) -> ReportResult:
+    """The answer to a report; its hedging goes into the client's table on the way."""
+    hedging = tuple(hedging_from_pb(entry) for entry in response.hedging)
+    table.update(hedging)
+    return ReportResult(accepted=response.accepted, already_applied=response.already_applied, hedging=hedging)
 
 
 def _report_request(traffic: Sequence[Union[Traffic, tuple[str, int]]], report_id: str) -> pb.ReportTrafficRequest:
@@ -314,8 +340,13 @@ class _Base:
         metadata: Sequence[tuple[str, str]],
         shadow_log_interval: float,
         layer: Optional[str],
+        report_interval: float = 1.0,
+        local_hedging: Optional[LocalHedging] = None,
     ) -> None:
         self.timeout = timeout
+        #: The hedging retryd served with the reporter's answers (retryd.hedging),
+        #: kept three report intervals after an upstream's last entry.
+        self.hedging = HedgingTable(keep_for=3 * report_interval, local=local_hedging)
         #: This service's name in a call chain's lineage (docs/lineage.md): the
         #: adapters send ``<inbound lineage>/<layer>:<attempt>`` on each attempt.
         self.layer = check_layer(layer)
@@ -456,6 +487,38 @@ class _Base:
         self.outage.failed(f"{code.name}: {details}", getattr(self, "target", "?"))
         return self._local(args, self.fallback, f"retryd unreachable ({code.name})")
 
+    def _on_hedge_error(self, error: grpc.RpcError, args: dict[str, Any]) -> Decision:
+        code = error.code()
+        details = error.details() or ""
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise InvalidRequestError(details) from None
+        if self.hedging.local is None:
+            raise RetrydUnavailableError(f"retryd: {code.name}: {details}", code) from error
+        check_hedge_args(args)
+        self.hedging.unreachable = True
+        self.outage.failed(f"{code.name}: {details}", getattr(self, "target", "?"))
+        decision: Decision = local_hedge_decision(self.hedging, args, f"retryd unreachable ({code.name})")
+        return decision
+
+    def _hedge_answered(self, response: pb.DecideResponse, args: dict[str, Any]) -> Decision:
+        """The hedge decision to act on: retryd's, or for a shadow answer the local hedging's."""
+        self._reachable()
+        decision = _decision(response)
+        if not decision.shadow:
+            return decision
+        # Not enforced (the upstream is in shadow mode): hedge as the client
+        # would without retryd (its local hedging, else not at all).
+        local: Decision = local_hedge_decision(self.hedging, args,
+                                               "retryd shadow answer, not enforced (upstream in shadow mode)")
+        return dataclasses.replace(local, fallback=False, shadow=True, retryd_decision=decision,
+                                   decision_id=decision.decision_id)
+
+    @staticmethod
+    def _hedge_args(upstream: str, idempotency: IdempotencyLike, hedge: int, attempt: int, operation: str,
+                    deadline_remaining: Optional[Seconds], body: Optional[Body], lineage: str) -> dict[str, Any]:
+        return dict(upstream=upstream, idempotency=idempotency, hedge=hedge, attempt=attempt,
+                    operation=operation, deadline_remaining=deadline_remaining, body=body, lineage=lineage)
+
     @staticmethod
     def _unavailable(error: grpc.RpcError) -> RetrydError:
         code = error.code()
@@ -556,9 +619,11 @@ class Client(_Base):
         shadow_log_interval: float = DEFAULT_SHADOW_LOG_INTERVAL,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         layer: Optional[str] = None,
+        local_hedging: Optional[LocalHedging] = None,
     ) -> None:
         super().__init__(timeout=timeout, fallback=fallback, metadata=metadata,
-                         shadow_log_interval=shadow_log_interval, layer=layer)
+                         shadow_log_interval=shadow_log_interval, layer=layer,
+                         report_interval=report_interval, local_hedging=local_hedging)
         self.target = target
         self.report_interval = report_interval
         self._reporter: Optional[TrafficReporter] = None
@@ -627,6 +692,41 @@ class Client(_Base):
             return self._on_error(error, args)
         return self._answered(response, args)
 
+    def decide_hedge(
+        self,
+        *,
+        upstream: str,
+        idempotency: IdempotencyLike,
+        hedge: int,
+        attempt: int,
+        operation: str = "",
+        deadline_remaining: Optional[Seconds] = None,
+        body: Optional[Body] = None,
+        lineage: str = "",
+        timeout: Optional[float] = None,
+    ) -> Decision:
+        """Asks retryd whether to send the ``hedge``-th hedge (1 = the first) of a call still running.
+
+        ``attempt`` is the number of attempts already sent. A RETRY says
+        send it now (it spent a token of the upstream's retry budget); a DENY
+        names why (HEDGING_OFF, HEDGE_CAP, UNIFORMLY_SLOW, BUDGET_EXHAUSTED,
+        ...). With retryd unreachable, the client's ``local_hedging`` decides
+        (:func:`retryd.hedging.local_hedge_decision`), or, without it, this
+        raises :class:`RetrydUnavailableError`. The adapters call this when a
+        hedge timer fires (retryd.hedging).
+        """
+        args = self._hedge_args(upstream, idempotency, hedge, attempt, operation, deadline_remaining, body,
+                                lineage)
+        args["deadline_remaining"] = self._connecting.wait(_seconds(deadline_remaining))
+        request = hedge_request(pb, args, _duration, _body_message)
+        try:
+            response = self._decider.Decide(
+                request, timeout=self._call_timeout(_seconds(args["deadline_remaining"]), timeout),
+                metadata=self._call_metadata())
+        except grpc.RpcError as error:
+            return self._on_hedge_error(error, args)
+        return self._hedge_answered(response, args)
+
     @property
     def reporter(self) -> TrafficReporter:
         """This client's traffic reporter, started on first use and closed with the client."""
@@ -651,8 +751,9 @@ class Client(_Base):
                 request, timeout=max(self.timeout, 1.0), metadata=self._call_metadata()
             )
         except grpc.RpcError as error:
+            self.hedging.unreachable = error.code() in _UNREACHABLE
             raise self._unavailable(error) from error
-        return ReportResult(accepted=response.accepted, already_applied=response.already_applied)
+        return _report_result(response, self.hedging)
 
     def report_traffic(self, counts: Union[Mapping[str, int], Iterable[tuple[str, int]]]) -> int:
         """Reports real (first-attempt) requests per upstream now; returns the entries accepted.
@@ -740,9 +841,11 @@ class AsyncClient(_Base):
         shadow_log_interval: float = DEFAULT_SHADOW_LOG_INTERVAL,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         layer: Optional[str] = None,
+        local_hedging: Optional[LocalHedging] = None,
     ) -> None:
         super().__init__(timeout=timeout, fallback=fallback, metadata=metadata,
-                         shadow_log_interval=shadow_log_interval, layer=layer)
+                         shadow_log_interval=shadow_log_interval, layer=layer,
+                         report_interval=report_interval, local_hedging=local_hedging)
         self.target = target
         self.report_interval = report_interval
         self._reporter: Optional[AsyncTrafficReporter] = None
@@ -796,6 +899,32 @@ class AsyncClient(_Base):
             return self._on_error(error, args)
         return self._answered(response, args)
 
+    async def decide_hedge(
+        self,
+        *,
+        upstream: str,
+        idempotency: IdempotencyLike,
+        hedge: int,
+        attempt: int,
+        operation: str = "",
+        deadline_remaining: Optional[Seconds] = None,
+        body: Optional[Body] = None,
+        lineage: str = "",
+        timeout: Optional[float] = None,
+    ) -> Decision:
+        """See :meth:`Client.decide_hedge`."""
+        args = self._hedge_args(upstream, idempotency, hedge, attempt, operation, deadline_remaining, body,
+                                lineage)
+        args["deadline_remaining"] = await self._connecting.wait(_seconds(deadline_remaining))
+        request = hedge_request(pb, args, _duration, _body_message)
+        try:
+            response = await self._decider.Decide(
+                request, timeout=self._call_timeout(_seconds(args["deadline_remaining"]), timeout),
+                metadata=self._call_metadata())
+        except grpc.RpcError as error:
+            return self._on_hedge_error(error, args)
+        return self._hedge_answered(response, args)
+
     @property
     def reporter(self) -> AsyncTrafficReporter:
         """This client's traffic reporter (a task of the running loop), closed with the client."""
@@ -813,8 +942,9 @@ class AsyncClient(_Base):
                 request, timeout=max(self.timeout, 1.0), metadata=self._call_metadata()
             )
         except grpc.RpcError as error:
+            self.hedging.unreachable = error.code() in _UNREACHABLE
             raise self._unavailable(error) from error
-        return ReportResult(accepted=response.accepted, already_applied=response.already_applied)
+        return _report_result(response, self.hedging)
 
     async def report_traffic(self, counts: Union[Mapping[str, int], Iterable[tuple[str, int]]]) -> int:
         """See :meth:`Client.report_traffic`."""

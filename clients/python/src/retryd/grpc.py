@@ -1,7 +1,9 @@
 """grpcio interceptors: honest evidence from failed gRPC calls, and retryd-governed retries.
 
-About 700 lines: the classification table, the sync interceptor and its
-asyncio twin, which mirror each other line for line (grpcio's two APIs).
+About 780 lines: the classification table, the sync interceptor and its
+asyncio twin, which mirror each other line for line (grpcio's two APIs);
+the asyncio one's hedged round is its ``_hedged``, the race
+:mod:`retryd.hedge_runner`.
 
 Classification (what each grpcio outcome proves; checked against the real
 failures on 127.0.0.1 by tests/test_grpc.py, for the grpcio version pinned
@@ -51,6 +53,11 @@ mark, or a non-idempotent call whose deadline passed after it was sent,
 decided locally) raises :class:`AmbiguousRpcError` /
 :class:`AmbiguousAioRpcError`.
 
+:class:`AsyncRetryInterceptor` also hedges unary calls to an upstream whose
+hedging retryd serves (:mod:`retryd.hedge_runner`: a copy after the served
+delay, granted by retryd; the loser cancelled); the blocking interceptor
+does not. Both record every completed first attempt's latency.
+
 Switch off grpcio's own retries for the channels retryd governs: give no
 ``retryPolicy`` in the channel's service config (``grpc.service_config``)
 and pass ``("grpc.service_config_disable_resolution", 1)`` so that a
@@ -71,9 +78,10 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union, ca
 import grpc
 import grpc.aio
 
-from ._types import Body, Decision, Evidence, FailureKind, Idempotency, IdempotencyLike
+from ._types import Body, Decision, Evidence, FailureKind, Idempotency, IdempotencyLike, Replayability
 from .client import AsyncClient, Client, Seconds, _seconds
 from .errors import AmbiguousExecutionError, describe_ambiguity
+from .hedge_runner import HedgePlan, run_hedged
 from .lineage import (
     RETRIED_HEADER,
     baggage_with_lineage,
@@ -414,16 +422,30 @@ class _Policy:
         if reporter is not None:
             reporter.record(self.upstream)
 
-    def record_outcome(self, attempt: int, error: Optional[BaseException]) -> None:
-        """Counts how an attempt ended (``error`` None: a response); see :data:`FAILURE_CODES`."""
+    def record_outcome(self, attempt: int, error: Optional[BaseException], elapsed: Optional[float] = None,
+                       *, retry: Optional[bool] = None) -> None:
+        """Counts how an attempt ended (``error`` None: a response); see :data:`FAILURE_CODES`.
+
+        A first attempt's ``elapsed`` seconds go in the latency histograms
+        (``retry`` overrides ``attempt > 1``: a hedge is never a first attempt).
+        """
         if not self.retries:
             return  # classifying only: the caller counts its own traffic
         success = attempt_succeeded(error)
         if success is None:
             return
-        record_outcome = getattr(self._chosen_reporter(), "record_outcome", None)
+        later = attempt > 1 if retry is None else retry
+        reporter = self._chosen_reporter()
+        record_outcome = getattr(reporter, "record_outcome", None)
         if record_outcome is not None:
-            record_outcome(self.upstream, success, retry=attempt > 1)
+            record_outcome(self.upstream, success, retry=later)
+        if not later and elapsed is not None:
+            self.record_first_latency(success, elapsed)
+
+    def record_first_latency(self, success: bool, elapsed: float) -> None:
+        record_latency = getattr(self._chosen_reporter(), "record_latency", None)
+        if record_latency is not None:
+            record_latency(self.upstream, success, elapsed)
 
 
 class _Call:
@@ -442,6 +464,12 @@ class _Call:
         self.auth_refresh_attempted = False
         # The request being served when the call starts (docs/lineage.md).
         self.lineage = current_lineage()
+        self.sent_at = clock()
+        #: retryd's answers to this call's hedge requests.
+        self.hedge_decisions: list[Decision] = []
+
+    def elapsed(self) -> float:
+        return self.clock() - self.sent_at
 
     def remaining(self) -> Optional[float]:
         return None if self.deadline_at is None else max(0.0, self.deadline_at - self.clock())
@@ -460,6 +488,7 @@ class _Call:
         self.attempt += 1
         if self.attempt == 1 and self.policy.retries:
             self.policy.record_first_attempt()
+        self.sent_at = self.clock()
         remaining = self.remaining()
         limit = self.policy.attempt_timeout
         if limit is None:
@@ -570,7 +599,7 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
             )
             outcome = continuation(details, request)
             error = outcome.exception()
-            self._policy.record_outcome(state.attempt, error)
+            self._policy.record_outcome(state.attempt, error, state.elapsed())
             if error is None or not isinstance(error, grpc.RpcError):
                 return outcome  # a response, or a failure that is no RPC's (passed through)
             classified = classify_rpc_error(error)
@@ -636,11 +665,16 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
         state = _Call(self._policy, _method_name(client_call_details.method), client_call_details.timeout,
                       self._clock)
         metadata = client_call_details.metadata
-        while True:
-            timeout = state.begin()
+        table = self._retryd.hedging
+        # A unary call with a replayable request (the default body) may be hedged.
+        body = self._policy.body
+        plan = (table.plan(self._policy.upstream, state.idempotency)
+                if self._policy.retries and (body is None or body.replayability != Replayability.ONE_SHOT) else None)
+
+        async def attempt() -> tuple[Any, Optional[grpc.aio.AioRpcError]]:
             details = grpc.aio.ClientCallDetails(
                 client_call_details.method,
-                timeout,
+                state.begin(),
                 grpc.aio.Metadata(*state.carry_lineage(metadata)),
                 client_call_details.credentials,
                 client_call_details.wait_for_ready,
@@ -649,11 +683,29 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
             try:
                 await call
             except grpc.aio.AioRpcError as error:
-                self._policy.record_outcome(state.attempt, error)
+                return call, error
+            except asyncio.CancelledError:
+                call.cancel()  # a hedge answered first: the upstream sees the call cancelled
+                raise
+            return call, None
+
+        while True:
+            if state.attempt == 0:
+                table.first_attempt()
+            hedged = state.attempt == 0 and plan is not None
+            if hedged:
+                assert plan is not None
+                # Every copy that answered is counted inside the round.
+                call, error = await self._hedged(state, plan, attempt)
+            else:
+                call, error = await attempt()
+                if error is not None:
+                    self._policy.record_outcome(state.attempt, error, state.elapsed())
+            if error is not None:
                 classified = classify_rpc_error(error)
                 if not self._policy.retries:
                     _attach(error, classified, None, state.attempt)
-                    raise
+                    raise error
                 decision = (self._retryd.decide_past_deadline(**state.decide_kwargs(classified))
                             if state.out_of_time() else await self._retryd.decide(**state.decide_kwargs(classified)))
                 _attach(error, classified, decision, state.attempt)
@@ -675,10 +727,36 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
                     record_failure_after_decision()
                     if decision.is_outcome_unknown:
                         raise AmbiguousAioRpcError(decision, error) from error
-                    raise
+                    raise error
             else:
-                self._policy.record_outcome(state.attempt, None)
+                if not hedged:
+                    self._policy.record_outcome(state.attempt, None, state.elapsed())
                 return call
+
+    async def _hedged(self, state: _Call, plan: HedgePlan,
+                      attempt: Callable[[], Awaitable[tuple[Any, Optional[grpc.aio.AioRpcError]]]]
+                      ) -> tuple[Any, Optional[grpc.aio.AioRpcError]]:
+        """The first attempt and its hedges (retryd.hedge_runner), every copy that answered counted."""
+
+        def ask(hedge: int) -> Awaitable[Decision]:
+            return self._retryd.decide_hedge(upstream=self._policy.upstream, idempotency=state.idempotency,
+                                             hedge=hedge, attempt=state.attempt, operation=state.method,
+                                             deadline_remaining=state.remaining(), body=self._policy.body,
+                                             lineage=state.lineage)
+
+        def on_end(copy: int, result: tuple[Any, Optional[grpc.aio.AioRpcError]], elapsed: float) -> None:
+            self._policy.record_outcome(state.attempt, result[1], elapsed, retry=copy > 0)
+
+        def final(result: tuple[Any, Optional[grpc.aio.AioRpcError]]) -> bool:
+            error = result[1]
+            return error is None or attempt_succeeded(error) is not False
+
+        hedged = await run_hedged(plan=plan, start_copy=lambda copy: attempt(), is_final=final, ask=ask,
+                                  on_end=on_end,
+                                  on_first_cancelled=lambda elapsed: self._policy.record_first_latency(True, elapsed),
+                                  clock=state.clock, remaining=state.remaining)
+        state.hedge_decisions.extend(hedged.decisions)
+        return hedged.result
 
 
 __all__ = [

@@ -1,8 +1,9 @@
 """httpx adapter: honest evidence from httpx outcomes, and retryd-governed retries.
 
-About 650 lines: one responsibility (an httpx call under retryd's decisions),
+About 750 lines: one responsibility (an httpx call under retryd's decisions),
 written twice, for ``httpx.Client`` and ``httpx.AsyncClient``, beside the
-classification they share.
+classification they share; the async one's hedged first round describes a
+copy here, and the race itself lives in :mod:`retryd.hedge_runner`.
 
 Classification (what each httpx outcome proves):
 
@@ -48,6 +49,11 @@ a returned response is in ``response.extensions["retryd.decision"]``. A
 call that ends with its outcome unknown (AMBIGUOUS, or a DENY with an
 ``unknown_outcome`` mark) raises :class:`~retryd.errors.AmbiguousExecutionError`.
 
+Hedging: :func:`arequest_with_retries` hedges idempotent calls as retryd
+serves (:mod:`retryd.hedging`, :mod:`retryd.hedge_runner`); the blocking
+loop does not, since a blocking httpx call cannot be cancelled from another
+thread. Every completed first attempt's latency is recorded on the reporter.
+
 httpx and httpcore send nothing again by themselves once any of a request
 was written: httpcore takes another connection only for a request it has
 not sent (a pooled connection found closed, an HTTP/2 stream above a
@@ -68,9 +74,10 @@ from typing import Any, Callable, Optional, Protocol, TypeVar, Union, cast
 
 import httpx
 
-from ._types import Body, Decision, Evidence, FailureKind, IdempotencyLike
+from ._types import Body, Decision, Evidence, FailureKind, IdempotencyLike, Replayability
 from .client import AsyncClient, Client, Seconds, _seconds
 from .errors import AmbiguousExecutionError
+from .hedge_runner import HedgePlan, run_hedged
 from .lineage import (
     RETRIED_HEADER,
     baggage_with_lineage,
@@ -249,6 +256,8 @@ DECISION_EXTENSION = "retryd.decision"
 DECISIONS_EXTENSION = "retryd.decisions"
 #: The key of ``response.extensions`` holding the number of attempts made.
 ATTEMPTS_EXTENSION = "retryd.attempts"
+#: The key of ``response.extensions`` holding retryd's answers to the call's hedge requests.
+HEDGES_EXTENSION = "retryd.hedges"
 
 
 class _UseClientReporter:
@@ -331,6 +340,9 @@ class _Loop:
         self.previous_backoff: Optional[float] = None
         self.auth_refresh_attempted = False
         self.decisions: list[Decision] = []
+        self.hedge_decisions: list[Decision] = []
+        #: When the current attempt was sent (its latency is measured from here).
+        self.sent_at = 0.0
 
     def remaining(self) -> Optional[float]:
         return None if self.deadline_at is None else max(0.0, self.deadline_at - self.clock())
@@ -340,6 +352,7 @@ class _Loop:
         self.attempt += 1
         if self.attempt == 1 and self.reporter is not None:
             self.reporter.record(self.upstream)
+        self.sent_at = self.clock()
         given = build.get("timeout", httpx.USE_CLIENT_DEFAULT)
         base = default_timeout if given is httpx.USE_CLIENT_DEFAULT else httpx.Timeout(given)
         return {**build, "timeout": _capped(base, self.remaining())}
@@ -349,9 +362,21 @@ class _Loop:
 
         A reporter of the caller's own without ``record_outcome`` counts requests only.
         """
+        self.copy_ended(success, retry=self.attempt > 1, elapsed=self.clock() - self.sent_at)
+
+    def copy_ended(self, success: bool, *, retry: bool, elapsed: float) -> None:
+        """Counts how one attempt ended; a first attempt's latency goes in the histograms too."""
         record_outcome = getattr(self.reporter, "record_outcome", None)
         if record_outcome is not None:
-            record_outcome(self.upstream, success, retry=self.attempt > 1)
+            record_outcome(self.upstream, success, retry=retry)
+        if not retry:
+            self.first_latency(success, elapsed)
+
+    def first_latency(self, success: bool, elapsed: float) -> None:
+        """Records the first attempt's latency (a reporter without histograms records none)."""
+        record_latency = getattr(self.reporter, "record_latency", None)
+        if record_latency is not None:
+            record_latency(self.upstream, success, elapsed)
 
     def carry_lineage(self, request: httpx.Request) -> httpx.Request:
         """Puts ``<lineage>/<layer>:<attempt>`` in the attempt's baggage, other members untouched."""
@@ -381,6 +406,7 @@ class _Loop:
         response.extensions[DECISION_EXTENSION] = decision
         response.extensions[DECISIONS_EXTENSION] = tuple(self.decisions)
         response.extensions[ATTEMPTS_EXTENSION] = self.attempt
+        response.extensions[HEDGES_EXTENSION] = tuple(self.hedge_decisions)
         return response
 
     def end(self, decision: Decision, response: Optional[httpx.Response],
@@ -565,7 +591,14 @@ async def arequest_with_retries(
     clock: Callable[[], float] = time.monotonic,
     **kwargs: Any,
 ) -> httpx.Response:
-    """The asyncio twin of :func:`request_with_retries`.
+    """The asyncio twin of :func:`request_with_retries`, which also hedges.
+
+    For an idempotent call to an upstream whose hedging retryd serves
+    (``retryd.hedging``, learned from the reporter's answers), the first
+    attempt is raced against copies sent after the served delay, each one
+    granted by retryd (:mod:`retryd.hedge_runner`); the losers are aborted,
+    and retryd's answers to the hedge requests are in
+    ``response.extensions["retryd.hedges"]``.
 
     Here the deadline also cuts an attempt as a whole (a server trickling
     bytes cannot stretch it): an attempt still running when the deadline
@@ -587,26 +620,23 @@ async def arequest_with_retries(
         clock=clock,
         layer=retryd.layer,
     )
+    table = retryd.hedging
+    # One-shot bodies and streamed content are never hedged: a copy could not be sent.
+    plan = (table.plan(upstream, idempotency)
+            if loop.body is None or loop.body.replayability != Replayability.ONE_SHOT else None)
     while True:
-        request = loop.carry_lineage(http.build_request(method, url, **loop.begin(build, http.timeout)))
-        response: Optional[httpx.Response] = None
-        error: Optional[BaseException] = None
-        try:
-            response = await _within(loop.remaining(), http.send(request, stream=True, **send), request)
-        except httpx.TransportError as exc:
-            error, outcome = exc, classify_exception(exc)
+        if loop.attempt == 0:
+            table.first_attempt()
+        if loop.attempt == 0 and plan is not None:
+            copy = await _ahedged_round(http, retryd, loop, plan, method, url, build, send, retry_statuses)
         else:
-            try:
-                await _within(loop.remaining(), response.aread(), request)
-            except (httpx.TransportError, httpx.DecodingError) as exc:
-                await response.aclose()
-                error, outcome = exc, classify_exception(exc, response=response)
-            else:
-                if response.status_code not in retry_statuses:
-                    loop.ended(True)
-                    return loop.finish(response, None)
-                outcome = classify_response(response)
-        loop.ended(False)
+            request = loop.carry_lineage(http.build_request(method, url, **loop.begin(build, http.timeout)))
+            copy = await _acopy(http, request, send, loop, retry_statuses)
+            loop.ended(copy.outcome is None)
+        response, error, outcome = copy.response, copy.error, copy.outcome
+        if outcome is None:
+            assert response is not None
+            return loop.finish(response, None)
 
         decision = (retryd.decide_past_deadline(**loop.decide_kwargs(outcome)) if loop.out_of_time()
                     else await retryd.decide(**loop.decide_kwargs(outcome)))
@@ -628,6 +658,64 @@ async def arequest_with_retries(
             retry = not loop.out_of_time()
         if not retry:
             return loop.end(decision, response, error)
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """How one async attempt ended: ``outcome`` None for a final response (returned as is)."""
+
+    response: Optional[httpx.Response]
+    error: Optional[BaseException]
+    outcome: Optional[Outcome]
+
+
+async def _acopy(http: httpx.AsyncClient, request: httpx.Request, send: dict[str, Any], loop: _Loop,
+                 retry_statuses: frozenset[int]) -> _Copy:
+    """Sends one attempt and reads its response in full; cancelling it aborts the request."""
+    response: Optional[httpx.Response] = None
+    try:
+        try:
+            response = await _within(loop.remaining(), http.send(request, stream=True, **send), request)
+        except httpx.TransportError as exc:
+            return _Copy(None, exc, classify_exception(exc))
+        try:
+            await _within(loop.remaining(), response.aread(), request)
+        except (httpx.TransportError, httpx.DecodingError) as exc:
+            await response.aclose()
+            return _Copy(response, exc, classify_exception(exc, response=response))
+    except asyncio.CancelledError:
+        # A hedge answered first: close this copy's stream, so that its
+        # connection is dropped (the upstream sees the request aborted).
+        if response is not None:
+            await response.aclose()
+        raise
+    if response.status_code not in retry_statuses:
+        return _Copy(response, None, None)
+    return _Copy(response, None, classify_response(response))
+
+
+async def _ahedged_round(http: httpx.AsyncClient, retryd: AsyncClient, loop: _Loop, plan: HedgePlan,
+                         method: str, url: Union[httpx.URL, str], build: dict[str, Any],
+                         send: dict[str, Any], retry_statuses: frozenset[int]) -> _Copy:
+    """The first attempt and its hedges (retryd.hedge_runner); counts every copy that answered."""
+
+    def start_copy(copy: int) -> Awaitable[_Copy]:
+        request = loop.carry_lineage(http.build_request(method, url, **loop.begin(build, http.timeout)))
+        return _acopy(http, request, send, loop, retry_statuses)
+
+    def ask(hedge: int) -> Awaitable[Decision]:
+        return retryd.decide_hedge(upstream=loop.upstream, idempotency=loop.idempotency, hedge=hedge,
+                                   attempt=loop.attempt, operation=loop.operation,
+                                   deadline_remaining=loop.remaining(), body=loop.body, lineage=loop.lineage)
+
+    def on_end(copy: int, result: _Copy, elapsed: float) -> None:
+        loop.copy_ended(result.outcome is None, retry=copy > 0, elapsed=elapsed)
+
+    hedged = await run_hedged(plan=plan, start_copy=start_copy, is_final=lambda result: result.outcome is None,
+                              ask=ask, on_end=on_end, on_first_cancelled=lambda elapsed: loop.first_latency(True, elapsed),
+                              clock=loop.clock, remaining=loop.remaining)
+    loop.hedge_decisions.extend(hedged.decisions)
+    return hedged.result
 
 
 #: Added to the remaining deadline before an async attempt is cut, so that
@@ -654,6 +742,7 @@ __all__ = [
     "DECISIONS_EXTENSION",
     "DECISION_EXTENSION",
     "DEFAULT_RETRY_STATUSES",
+    "HEDGES_EXTENSION",
     "Outcome",
     "arequest_with_retries",
     "attempts_of",

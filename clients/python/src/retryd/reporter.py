@@ -38,6 +38,16 @@ each with a fresh ``report_id`` (a random UUID), and are sent:
 ``dropped_batches`` counts dropped batches. A batch carries, per upstream,
 the requests and the four outcome counts together, and a re-sent batch the
 same counts.
+
+Latencies: ``record_latency(upstream, success, seconds)`` counts how long a
+completed *first* attempt took, from sending to the end of the response, in
+the upstream's success or failure histogram (:mod:`retryd.latency`: at most
+238 buckets each, so memory stays bounded by ``max_upstreams`` too). retryd
+adds them up fleet-wide to serve hedge delays. Hedges and retries are never
+recorded; a first attempt cancelled because its hedge answered first is
+recorded as a success with the time it had run. The adapters do this by
+default. A batch carries the histograms beside the counts, and a re-sent
+batch the same histograms.
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Protocol
 
 from .errors import InvalidRequestError, RetrydError
+from .hedging import Hedging
+from .latency import bucket_of_seconds
 from .outage import Outage
 
 log = logging.getLogger("retryd")
@@ -70,6 +82,8 @@ class ReportResult:
 
     accepted: int
     already_applied: int = 0
+    #: The hedging retryd serves for the reported upstreams that have a policy.
+    hedging: tuple[Hedging, ...] = ()
 
 
 class Traffic(NamedTuple):
@@ -86,10 +100,41 @@ class Traffic(NamedTuple):
     failures: int = 0
     retry_successes: int = 0
     retry_failures: int = 0
+    #: First-attempt latencies of successes: ``(bucket, count)`` pairs, by bucket.
+    latency_successes: tuple[tuple[int, int], ...] = ()
+    #: First-attempt latencies of failures, likewise.
+    latency_failures: tuple[tuple[int, int], ...] = ()
 
 
 #: Where each count sits in a pending row (the fields of Traffic after ``upstream``).
 _REQUESTS, _SUCCESSES, _FAILURES, _RETRY_SUCCESSES, _RETRY_FAILURES = range(5)
+_COUNTS = 5
+
+
+class _Row:
+    """One upstream's pending counts and its two latency histograms (bucket -> count)."""
+
+    __slots__ = ("counts", "latency_successes", "latency_failures")
+
+    def __init__(self) -> None:
+        self.counts = [0] * _COUNTS
+        self.latency_successes: dict[int, int] = {}
+        self.latency_failures: dict[int, int] = {}
+
+    def add(self, entry: Traffic) -> None:
+        for index, n in enumerate((entry.requests, entry.successes, entry.failures, entry.retry_successes,
+                                   entry.retry_failures)):
+            self.counts[index] += n
+        for histogram, pairs in ((self.latency_successes, entry.latency_successes),
+                                 (self.latency_failures, entry.latency_failures)):
+            for index, n in pairs:
+                histogram[index] = histogram.get(index, 0) + n
+
+    def traffic(self, upstream: str) -> Traffic:
+        requests, successes, failures, retry_successes, retry_failures = self.counts
+        return Traffic(upstream, requests, successes, failures, retry_successes, retry_failures,
+                       tuple(sorted(self.latency_successes.items())),
+                       tuple(sorted(self.latency_failures.items())))
 
 
 class _SendsReports(Protocol):
@@ -145,33 +190,47 @@ class _Book:
         self.dropped_requests = 0
         self.dropped_batches = 0
         self.lock = threading.Lock()
-        #: Per upstream: requests, successes, failures, retry_successes, retry_failures.
-        self.pending: dict[str, list[int]] = {}
+        #: Per upstream: requests, the four outcome counts, the two latency histograms.
+        self.pending: dict[str, _Row] = {}
         self.unsent: list[Batch] = []
+
+    def _row(self, upstream: str) -> Optional[_Row]:
+        """The upstream's pending row, created if the bound allows (call under the lock)."""
+        row = self.pending.get(upstream)
+        if row is None and len(self.pending) < self.max_upstreams:
+            row = self.pending[upstream] = _Row()
+        return row
 
     def add(self, upstream: str, index: int, n: int) -> None:
         if n <= 0:
             return
         with self.lock:
-            row = self.pending.get(upstream)
+            row = self._row(upstream)
             if row is None:
-                if len(self.pending) >= self.max_upstreams:
-                    if index == _REQUESTS:
-                        self.dropped_requests += n
-                    return
-                row = self.pending[upstream] = [0, 0, 0, 0, 0]
-            row[index] += n
+                if index == _REQUESTS:
+                    self.dropped_requests += n
+                return
+            row.counts[index] += n
+
+    def add_latency(self, upstream: str, success: bool, index: int) -> None:
+        with self.lock:
+            row = self._row(upstream)
+            if row is None:
+                return
+            histogram = row.latency_successes if success else row.latency_failures
+            histogram[index] = histogram.get(index, 0) + 1
 
     def traffic(self) -> dict[str, Traffic]:
         """Every count not yet delivered, per upstream (unsent batches included)."""
+        rows: dict[str, _Row] = {}
         with self.lock:
-            rows = {upstream: list(row) for upstream, row in self.pending.items()}
+            for upstream, pending in self.pending.items():
+                rows[upstream] = _Row()
+                rows[upstream].add(pending.traffic(upstream))
         for batch in self.unsent:
             for entry in batch.entries:
-                row = rows.setdefault(entry.upstream, [0, 0, 0, 0, 0])
-                for index, n in enumerate(entry[1:]):
-                    row[index] += n
-        return {upstream: Traffic(upstream, *row) for upstream, row in rows.items()}
+                rows.setdefault(entry.upstream, _Row()).add(entry)
+        return {upstream: row.traffic(upstream) for upstream, row in rows.items()}
 
     def snapshot(self) -> dict[str, int]:
         return {upstream: entry.requests for upstream, entry in self.traffic().items() if entry.requests}
@@ -186,7 +245,7 @@ class _Book:
             with self.lock:
                 if not self.pending:
                     return None
-                entries = [Traffic(upstream, *row) for upstream, row in self.pending.items()]
+                entries = [row.traffic(upstream) for upstream, row in self.pending.items()]
                 self.pending = {}
             for start in range(0, len(entries), MAX_TRAFFIC_ENTRIES):
                 chunk = tuple(entries[start : start + MAX_TRAFFIC_ENTRIES])
@@ -265,6 +324,10 @@ class TrafficReporter:
         ``True`` for the attempts after them (``retry_successes``/``retry_failures``).
         """
         self._book.add(upstream, _outcome_index(success, retry), count)
+
+    def record_latency(self, upstream: str, success: bool, seconds: float) -> None:
+        """Counts one completed first attempt's latency (see the module doc for the rule)."""
+        self._book.add_latency(upstream, success, bucket_of_seconds(seconds))
 
     def pending(self) -> dict[str, int]:
         """The requests not yet delivered (unsent batches included), per upstream."""
@@ -358,6 +421,11 @@ class AsyncTrafficReporter:
     def record_outcome(self, upstream: str, success: bool, *, retry: bool = False, count: int = 1) -> None:
         """See :meth:`TrafficReporter.record_outcome`."""
         self._book.add(upstream, _outcome_index(success, retry), count)
+        self._start_in_loop()
+
+    def record_latency(self, upstream: str, success: bool, seconds: float) -> None:
+        """See :meth:`TrafficReporter.record_latency`."""
+        self._book.add_latency(upstream, success, bucket_of_seconds(seconds))
         self._start_in_loop()
 
     def _start_in_loop(self) -> None:
