@@ -757,16 +757,18 @@ async fn grpc_outcomes_on_spans_and_metrics() {
     ));
     let mut client = server.decider().await;
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
-    let grpc = |code: i32, pushback: Option<&str>| pb::DecideRequest {
+    // Two upstreams: a negative pushback stops its upstream's retries
+    // fleet-wide for `pushback_stop_window`.
+    let grpc = |upstream: &str, code: i32, pushback: Option<&str>| pb::DecideRequest {
         failure: 0,
         evidence: pb::Evidence::ResponseReceived as i32,
         grpc_status_code: code as u32,
         grpc_retry_pushback_ms: pushback.map(str::to_owned),
-        ..retryable("stock")
+        ..retryable(upstream)
     };
     let denied = client
         .decide(traced(
-            grpc(tonic::Code::Unavailable as i32, Some("-1")),
+            grpc("stock", tonic::Code::Unavailable as i32, Some("-1")),
             trace_id,
             PARENT,
         ))
@@ -780,7 +782,11 @@ async fn grpc_outcomes_on_spans_and_metrics() {
     );
     let granted = client
         .decide(traced(
-            grpc(tonic::Code::ResourceExhausted as i32, Some("300")),
+            grpc(
+                "stock-paced",
+                tonic::Code::ResourceExhausted as i32,
+                Some("300"),
+            ),
             trace_id,
             PARENT,
         ))

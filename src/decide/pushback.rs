@@ -27,7 +27,14 @@ pub(super) fn fleet_call(facts: &Facts<'_>, policy: &UpstreamPolicy) -> FleetCal
         Some(raw) => match parse_pushback(raw) {
             Pushback::Wait(wait) if !wait.is_zero() => Announce::Wait(wait.min(max)),
             Pushback::Wait(_) => Announce::Nothing,
-            Pushback::DoNotRetry if is_negative(raw) && !policy.pushback_stop_window.is_zero() => {
+            // With `retried_below` it is a call chain's per-call signal (a
+            // layer below retried this failure: docs/lineage.md), not the
+            // upstream asking the fleet to stop: it stops nothing.
+            Pushback::DoNotRetry
+                if is_negative(raw)
+                    && facts.retried_below.is_none()
+                    && !policy.pushback_stop_window.is_zero() =>
+            {
                 Announce::Stop(policy.pushback_stop_window)
             }
             Pushback::DoNotRetry => Announce::Nothing,

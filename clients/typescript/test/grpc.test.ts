@@ -462,7 +462,9 @@ describe('retryingInterceptor through retryd', { timeout: 60_000 }, () => {
   test('a negative pushback is not retried', async () => {
     const server = await StockServer.start([fail(grpc.status.RESOURCE_EXHAUSTED, 'go away', { 'grpc-retry-pushback-ms': '-1' }), ok]);
     try {
-      const { error } = await run(server, {});
+      // An upstream of its own: a negative pushback stops the upstream's
+      // retries fleet-wide for a while (retryd's pushback_stop_window).
+      const { error } = await run(server, { upstream: 'ts-stopped' });
       assert.equal(error?.code, grpc.status.RESOURCE_EXHAUSTED);
       assert.deepEqual([decisionOf(error)?.verdict, decisionOf(error)?.denyReason], ['DENY', 'SERVER_PUSHBACK']);
       assert.equal(server.received.length, 1);
