@@ -390,12 +390,42 @@ fn report_ids(c: &mut Criterion) {
     group.finish();
 }
 
+/// Hedging's window (issue 33): what a hedge decision reads (the state,
+/// cached between writes), what a report's entry adds (a 20-bucket
+/// histogram), and the state recomputed after a write (30 slots merged).
+fn hedging(c: &mut Criterion) {
+    use retryd_budget::HedgeWindows;
+    use retryd_engine::HedgePolicy;
+    use retryd_engine::latency::Histogram;
+    let windows = HedgeWindows::default();
+    let policy = HedgePolicy::default();
+    let mut histogram = Histogram::new();
+    for i in 0..20u64 {
+        histogram.add(60 + i as u32, 10 + i);
+    }
+    windows.record("orders", &policy, &histogram, 100);
+    let mut group = c.benchmark_group("hedging");
+    group.bench_function("state_cached", |b| {
+        b.iter(|| windows.state("orders", &policy))
+    });
+    group.bench_function("record_report_entry", |b| {
+        b.iter(|| windows.record("orders", &policy, &histogram, 100))
+    });
+    group.bench_function("record_then_state", |b| {
+        b.iter(|| {
+            windows.record("orders", &policy, &histogram, 100);
+            windows.state("orders", &policy)
+        })
+    });
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .sample_size(30)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    targets = budget, ratios, report_ids
+    targets = budget, ratios, report_ids, hedging
 }
 criterion_main!(benches);
