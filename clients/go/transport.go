@@ -397,12 +397,37 @@ func (t *Transport) RoundTrip(req *http.Request) (resp *http.Response, err error
 		if attempt == 1 && !t.DisableReporting {
 			t.Client.Reporter().Record(upstream, 1)
 		}
-		member := withLineageMember(baggage, outboundLineage(lineage, t.Client.Layer(), attempt))
-		resp, failed, attemptErr := t.attempt(ctx, next, member, errorBodyLimit)
-		if !t.DisableReporting {
-			// A failure is an attempt retryd (or, past the deadline, the
-			// local rule) is asked about; any other ending is a success.
-			t.Client.recordAttempt(ctx, upstream, attempt, attemptErr == nil && failed == nil)
+		if attempt == 1 {
+			t.Client.firstAttemptSent(upstream)
+		}
+		var resp *http.Response
+		var failed *failure
+		var attemptErr error
+		plan, hedge := hedgePlan{}, false
+		if attempt == 1 && (body == nil || req.GetBody != nil) {
+			// A one-shot body cannot be sent twice: never hedged.
+			plan, hedge = t.Client.hedgePlanFor(upstream, idempotency)
+		}
+		if hedge {
+			first := t.hedgeFirst(ctx, decideCtx, req, plan, hedgeCall{
+				upstream: upstream, operation: operation, idempotency: idempotency, body: body,
+				maxAttempts: call.MaxAttempts, lineage: lineage, baggage: baggage, errorBodyLimit: errorBodyLimit,
+			})
+			resp, failed, attemptErr = first.resp, first.failed, first.err
+			decisions = append(decisions, first.decisions...)
+			if first.sent > 1 {
+				decided = true
+			}
+			attempt = first.sent // the next retry, if any, counts every copy sent
+		} else {
+			member := withLineageMember(baggage, outboundLineage(lineage, t.Client.Layer(), attempt))
+			start := time.Now()
+			resp, failed, attemptErr = t.attempt(ctx, next, member, errorBodyLimit)
+			if !t.DisableReporting {
+				// A failure is an attempt retryd (or, past the deadline, the
+				// local rule) is asked about; any other ending is a success.
+				t.Client.recordAttempt(ctx, upstream, attempt, attemptErr == nil && failed == nil, time.Since(start))
+			}
 		}
 		if attemptErr == nil && failed == nil {
 			return withDecisions(resp, decisions), nil
