@@ -2,6 +2,7 @@ package retryd
 
 import (
 	"context"
+	"reflect"
 	"time"
 
 	pb "github.com/retryd/retryd/clients/go/retrydv1"
@@ -17,7 +18,7 @@ type grpcCopy struct {
 	err             error
 	header, trailer metadata.MD
 	peer            peer.Peer
-	reply           proto.Message // the copy's own reply (hedged calls only)
+	reply           interface{} // the copy's own reply (hedged calls only)
 }
 
 // hedgedGRPC is a hedged first attempt as the interceptor's retry loop sees
@@ -33,13 +34,14 @@ func hedgeCallOf(upstream, operation string, idempotency pb.Idempotency, maxAtte
 }
 
 // grpcHedgePlan says whether the first attempt of a unary call is hedged:
-// only with a proto reply, since every copy needs a reply of its own and
+// only with a protobuf reply (APIv2 or APIv1, see messageOf) behind a
+// pointer, since every copy needs a reply of its own of the same type, and
 // the winner's is merged into the caller's.
 func (c *Client) grpcHedgePlan(attempt int, upstream string, idempotency pb.Idempotency, reply interface{}) (hedgePlan, bool) {
 	if attempt != 1 {
 		return hedgePlan{}, false
 	}
-	if _, ok := reply.(proto.Message); !ok {
+	if messageOf(reply) == nil || reflect.TypeOf(reply).Kind() != reflect.Pointer {
 		return hedgePlan{}, false
 	}
 	return c.hedgePlanFor(upstream, idempotency)
@@ -55,9 +57,9 @@ func grpcDone(err error) bool {
 // runHedged). Losers are cancelled (grpc-go sends RST_STREAM: the server
 // sees its context cancelled); the winner's reply is merged into reply.
 func (c *Client) hedgeFirstCall(ctx context.Context, plan hedgePlan, send func(context.Context, int, interface{}) grpcCopy, reply interface{}, call hedgeCall, noReporting bool) hedgedGRPC {
-	template := reply.(proto.Message)
+	replyType := reflect.TypeOf(reply).Elem()
 	sendCopy := func(copyCtx context.Context, copy int) (grpcCopy, bool) {
-		own := template.ProtoReflect().New().Interface()
+		own := reflect.New(replyType).Interface()
 		out := send(copyCtx, copy+1, own)
 		out.reply = own
 		return out, grpcDone(out.err)
@@ -87,8 +89,9 @@ func (c *Client) hedgeFirstCall(ctx context.Context, plan hedgePlan, send func(c
 	out.cancel()
 	result := out.result
 	if result.err == nil {
-		proto.Reset(template)
-		proto.Merge(template, result.reply)
+		into := messageOf(reply)
+		proto.Reset(into)
+		proto.Merge(into, messageOf(result.reply))
 	}
 	return hedgedGRPC{grpcCopy: result, sent: out.sent, decisions: out.decisions}
 }
