@@ -111,13 +111,14 @@ func startSlowFirst(t *testing.T, hold time.Duration) *slowFirst {
 	return s
 }
 
-func (s *slowFirst) gap() time.Duration {
+// hedgeAfter is how long after start the second request to /slow arrived.
+func (s *slowFirst) hedgeAfter(start time.Time) time.Duration {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if len(s.arrivals) < 2 {
 		return 0
 	}
-	return s.arrivals[1].Sub(s.arrivals[0])
+	return s.arrivals[1].Sub(start)
 }
 
 // unreachableClient is a client whose retryd is down, known to be down (a
@@ -165,12 +166,14 @@ func TestLocalHedgeWinsAndCancelsTheSlowFirstAttempt(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(WithIdempotency(context.Background(), pb.Idempotency_IDEMPOTENCY_SAFE), hangGuard)
 	defer cancel()
+	start := time.Now()
 	resp, body := fetchBody(t, httpClient, ctx, upstream.server.URL+"/slow")
 	decisions := Decisions(resp)
 	if body != "fast" || len(decisions) != 1 || !decisions[0].ShouldRetry() || !decisions[0].Fallback {
 		t.Fatalf("%q %+v", body, decisions)
 	}
-	if gap := upstream.gap(); gap < policy.HedgeDelay {
+	// The timer starts when the first attempt is sent, after start.
+	if gap := upstream.hedgeAfter(start); gap < policy.HedgeDelay {
 		t.Fatalf("the hedge was sent %s after the first attempt, before the delay", gap)
 	}
 	select {
@@ -236,10 +239,10 @@ func TestNoLocalHedgingByDefault(t *testing.T) {
 
 func TestGRPCLocalHedgeWinsAndCancelsTheSlowFirstAttempt(t *testing.T) {
 	cancelled := make(chan struct{}, 1)
-	var arrivals [2]atomic.Int64
+	var hedgeArrival atomic.Int64
 	upstream, addr := startUpstream(t, func(ctx context.Context, n int64) error {
-		if n <= 2 {
-			arrivals[n-1].Store(time.Now().UnixNano())
+		if n == 2 {
+			hedgeArrival.Store(time.Now().UnixNano())
 		}
 		if n == 1 {
 			<-ctx.Done() // held until the hedge wins
@@ -262,6 +265,7 @@ func TestGRPCLocalHedgeWinsAndCancelsTheSlowFirstAttempt(t *testing.T) {
 	defer conn.Close()
 	ctx, cancel := context.WithTimeout(WithIdempotency(context.Background(), pb.Idempotency_IDEMPOTENCY_SAFE), hangGuard)
 	defer cancel()
+	start := time.Now()
 	reply, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
 	if err != nil || reply.GetStatus() != healthpb.HealthCheckResponse_SERVING {
 		t.Fatalf("%v %v", reply, err)
@@ -271,7 +275,7 @@ func TestGRPCLocalHedgeWinsAndCancelsTheSlowFirstAttempt(t *testing.T) {
 	case <-time.After(hangGuard):
 		t.Fatal("the upstream never saw the first attempt cancelled")
 	}
-	if gap := time.Duration(arrivals[1].Load() - arrivals[0].Load()); gap < policy.HedgeDelay {
+	if gap := time.Duration(hedgeArrival.Load() - start.UnixNano()); gap < policy.HedgeDelay {
 		t.Fatalf("the hedge was sent %s after the first attempt", gap)
 	}
 	if n := upstream.calls.Load(); n != 2 {
