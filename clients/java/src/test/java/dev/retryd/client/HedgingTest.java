@@ -20,6 +20,18 @@ import java.util.concurrent.CountDownLatch;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicInteger;
 import java.util.concurrent.atomic.AtomicLong;
+import dev.retryd.client.testproto.EchoGrpc;
+import dev.retryd.client.testproto.EchoReply;
+import dev.retryd.client.testproto.EchoRequest;
+import io.grpc.ClientInterceptors;
+import io.grpc.Context;
+import io.grpc.ManagedChannel;
+import io.grpc.Server;
+import io.grpc.netty.NettyChannelBuilder;
+import io.grpc.netty.NettyServerBuilder;
+import io.grpc.stub.ServerCallStreamObserver;
+import io.grpc.stub.StreamObserver;
+import java.net.InetSocketAddress;
 import org.junit.jupiter.api.Test;
 import retryd.v1.Retryd.DenyReason;
 import retryd.v1.Retryd.Idempotency;
@@ -240,6 +252,62 @@ class HedgingTest {
       assertEquals("held", response.body());
       assertTrue(response.decision().isEmpty());
       assertEquals(1, upstream.slow.get());
+    }
+  }
+
+  @Test
+  void aGrpcLocalHedgeWinsAndTheSlowFirstCallIsCancelled() throws Exception {
+    AtomicInteger calls = new AtomicInteger();
+    AtomicLong hedgeArrival = new AtomicLong();
+    CountDownLatch cancelled = new CountDownLatch(1);
+    EchoGrpc.EchoImplBase service =
+        new EchoGrpc.EchoImplBase() {
+          @Override
+          public void say(EchoRequest request, StreamObserver<EchoReply> reply) {
+            int n = calls.incrementAndGet();
+            if (n == 1) {
+              // Held until the client cancels it (the hedge won).
+              ((ServerCallStreamObserver<EchoReply>) reply).setOnCancelHandler(cancelled::countDown);
+              Context.current().addListener(context -> cancelled.countDown(), Runnable::run);
+              return;
+            }
+            if (n == 2) {
+              hedgeArrival.set(System.nanoTime());
+            }
+            reply.onNext(EchoReply.newBuilder().setText("fast").build());
+            reply.onCompleted();
+          }
+        };
+    Server server = NettyServerBuilder.forAddress(new InetSocketAddress("127.0.0.1", 0)).addService(service).build().start();
+    ManagedChannel channel = NettyChannelBuilder.forAddress("127.0.0.1", server.getPort()).usePlaintext().build();
+    Duration delay = Duration.ofMillis(50);
+    TrafficReporter[] reporter = new TrafficReporter[1];
+    try (RetrydClient client = unreachable(LocalPolicy.DEFAULT.withHedgeDelay(delay), reporter);
+        RetrydClientInterceptor interceptor = RetrydClientInterceptor.builder(client, "java-grpc-hedge").reporter(reporter[0]).build()) {
+      for (int i = 0; i < 25; i++) {
+        client.firstAttemptSent("java-grpc-hedge"); // as 25 calls would
+      }
+      long start = System.nanoTime();
+      EchoReply reply =
+          EchoGrpc.newBlockingStub(ClientInterceptors.intercept(channel, interceptor))
+              .withOption(RetrydClientInterceptor.IDEMPOTENCY, Idempotency.IDEMPOTENCY_SAFE)
+              .withDeadlineAfter(HANG_GUARD_SECONDS, TimeUnit.SECONDS)
+              .say(EchoRequest.newBuilder().setText("hi").build());
+      assertEquals("fast", reply.getText());
+      assertTrue(hedgeArrival.get() - start >= delay.toNanos(), "the hedge went before the delay");
+      assertTrue(cancelled.await(HANG_GUARD_SECONDS, TimeUnit.SECONDS), "the upstream never saw the first call cancelled");
+      assertEquals(2, calls.get());
+      UpstreamTraffic traffic = reporter[0].pendingTraffic().get("java-grpc-hedge");
+      assertEquals(1, traffic.getRequests());
+      assertEquals(0, traffic.getSuccesses());
+      assertEquals(0, traffic.getFailures());
+      assertEquals(1, traffic.getRetrySuccesses());
+      assertEquals(0, traffic.getRetryFailures());
+      assertEquals(1, successes(traffic)); // the cancelled first call's time
+      assertFalse(traffic.hasLatencyFailures());
+    } finally {
+      channel.shutdownNow();
+      server.shutdownNow();
     }
   }
 }
