@@ -33,14 +33,14 @@ use futures::FutureExt;
 use rand::Rng;
 
 use crate::auth::{Auth, Denied, Principal};
-use crate::budget::{BudgetStore, StoreError};
-use crate::engine::{BudgetView, Decision, Facts};
+use crate::budget::{BudgetStore, HedgeWindows, StoreError};
+use crate::engine::{BudgetView, Decision, Facts, HedgeFacts, Verdict};
 use crate::policy::{Policies, UpstreamPolicy};
 use crate::telemetry::StoreOp;
 pub use attempt::{Attempt, Draw, NO_BODY};
 pub use names::InvalidRequest;
 pub use report::{Report, Traffic};
-pub use settle::Settled;
+pub use settle::{Hedge, Settled};
 pub use shares::ShareFull;
 
 /// The reloadable part of the configuration: what a decision decides on,
@@ -114,6 +114,8 @@ pub struct Decider<S> {
     live: ArcSwap<Live>,
     /// How long a traffic report's id is remembered.
     report_window: Duration,
+    /// The hedged upstreams' latencies and hedges over their windows.
+    hedges: HedgeWindows,
 }
 
 /// A decision up to its one store call: authorised, and decided as if the
@@ -182,7 +184,25 @@ impl<S: BudgetStore> Decider<S> {
             shares: shares::Shares::new(share_limit, evict_idle_after),
             live: ArcSwap::from_pointee(live),
             report_window,
+            hedges: HedgeWindows::default(),
         }
+    }
+
+    /// The hedged upstreams' windows.
+    pub fn hedges(&self) -> &HedgeWindows {
+        &self.hedges
+    }
+
+    /// What a client is told about hedging `upstream` now; `None` without
+    /// a hedging policy.
+    pub fn hedging(&self, live: &Live, upstream: &str) -> Option<Hedging> {
+        let policy = live.policies.get(upstream).hedging?;
+        let state = self.hedges.state(upstream, &policy);
+        Some(Hedging {
+            served: state.served(&policy),
+            state,
+            policy,
+        })
     }
 
     /// The budget store.
@@ -224,7 +244,27 @@ impl<S: BudgetStore> Decider<S> {
         // The budget (rules 2 and 5) can only turn a verdict into a DENY, so
         // only a RETRY here needs a token, and then the store withdraws it
         // in the same call that reads the budget.
-        let settled = Settled::hope(&attempt.facts(BudgetView::OPEN, draw), &policy.engine);
+        let settled = if attempt.hedge > 0 {
+            // A hedge: the fleet's state is read once, here, and the hedge
+            // rule decides on it; the budget step is the retries' own.
+            let state = policy
+                .hedging
+                .map(|hedging| self.hedges.state(attempt.upstream, &hedging))
+                .unwrap_or_default();
+            Settled::hope_hedge(Hedge {
+                facts: HedgeFacts {
+                    hedge: attempt.hedge,
+                    idempotency: attempt.reported.idempotency,
+                    deadline_remaining: attempt.reported.deadline_remaining,
+                    min_attempt_budget: policy.engine.min_attempt_budget,
+                    budget: BudgetView::OPEN,
+                },
+                policy: policy.hedging,
+                state,
+            })
+        } else {
+            Settled::hope(&attempt.facts(BudgetView::OPEN, draw), &policy.engine)
+        };
         if settled.withdraw && !policy.bucket.configured {
             self.shares.claim(&principal.name, [attempt.upstream])?;
         }
@@ -271,10 +311,24 @@ impl<S: BudgetStore> Decider<S> {
             begun
                 .settled
                 .settle(checked, &facts, &begun.policy.engine)?;
+        let hedge = begun.settled.hedge;
+        if let (
+            Some(Hedge {
+                policy: Some(policy),
+                ..
+            }),
+            Verdict::Retry { .. },
+        ) = (hedge, decision.verdict)
+        {
+            // Counted once granted, for the cap over the window.
+            self.hedges.count_hedge(upstream, &policy);
+        }
+        // A candidate policy has no hedging of its own: it decides retries.
         let candidate = begun
             .policy
             .candidate
             .as_deref()
+            .filter(|_| hedge.is_none())
             .map(|candidate| self.candidates.decide(upstream, &facts, candidate));
         Ok(Decided {
             principal: begun.principal,
@@ -356,6 +410,17 @@ impl<S: BudgetStore> Decider<S> {
         self.shares.forget_idle();
         evicted
     }
+}
+
+/// An upstream's hedging as served to clients.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Hedging {
+    /// Hedge now after a delay, or not, and why.
+    pub served: crate::engine::Served,
+    /// The fleet's state over the window.
+    pub state: crate::engine::HedgeState,
+    /// The policy.
+    pub policy: crate::engine::HedgePolicy,
 }
 
 /// Refuses an upstream the principal may not use, naming the request's

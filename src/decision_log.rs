@@ -737,6 +737,7 @@ pub fn attempt_of(line: &DecisionLine) -> Result<(Attempt<'_>, Draw), &'static s
         upstream: &line.upstream,
         operation: &line.operation,
         body,
+        hedge: 0,
         reported,
     };
     let draw = Draw {

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 
 use crate::budget::BucketConfig;
-use crate::engine::Policy;
+use crate::engine::{HedgePolicy, Policy};
 
 /// Everything configured for one upstream.
 #[derive(Clone, Debug, PartialEq)]
@@ -23,6 +23,8 @@ pub struct UpstreamPolicy {
     pub adaptive: bool,
     /// A policy evaluated beside this one, on a budget of its own.
     pub candidate: Option<Box<CandidatePolicy>>,
+    /// The hedging policy, if the upstream opted in.
+    pub hedging: Option<HedgePolicy>,
 }
 
 /// A candidate policy: decided on every decision of its upstream beside
@@ -51,6 +53,8 @@ impl Policies {
     pub fn new(mut defaults: UpstreamPolicy, mut named: HashMap<String, UpstreamPolicy>) -> Self {
         defaults.bucket.configured = false;
         defaults.candidate = None;
+        // Hedging is opted into per upstream only.
+        defaults.hedging = None;
         for policy in named.values_mut() {
             policy.bucket.configured = true;
             if let Some(candidate) = &mut policy.candidate {
@@ -87,6 +91,7 @@ impl Default for Policies {
                 enforce: true,
                 adaptive: true,
                 candidate: None,
+                hedging: None,
             },
             HashMap::new(),
         )

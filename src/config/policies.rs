@@ -6,9 +6,10 @@
 //! budget's `BucketConfig::default()`: none is written again here.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use crate::budget::{BucketConfig, OnUnavailable};
-use crate::engine::Policy;
+use crate::engine::{HedgePolicy, Idempotencies, Idempotency, Policy};
 use crate::policy::{CandidatePolicy, Policies, UpstreamPolicy};
 
 use super::{InvalidConfig, PolicySettings, Settings, invalid, parse_duration};
@@ -38,7 +39,14 @@ pub(super) fn policies(
         enforce: true,
         adaptive: true,
         candidate: None,
+        hedging: None,
     };
+    if settings.defaults.hedging.is_some() {
+        return Err(invalid(
+            "defaults.hedging",
+            "hedging is opted into per upstream ([upstreams.\"name\".hedging]): its delay and its cap are measured per upstream, and an upstream without a policy costs nothing",
+        ));
+    }
     if settings.defaults.candidate.is_some() {
         return Err(invalid(
             "defaults.candidate",
@@ -76,6 +84,7 @@ fn resolve_candidate(
         ("candidate", overrides.candidate.is_some()),
         ("on_unavailable", overrides.on_unavailable.is_some()),
         ("adaptive", overrides.adaptive.is_some()),
+        ("hedging", overrides.hedging.is_some()),
     ] {
         if set {
             return Err(invalid(
@@ -129,6 +138,10 @@ fn resolve_policy(
         bucket.on_unavailable = on_unavailable.into();
     }
     let enforce = overrides.enforce.unwrap_or(base.enforce);
+    let hedging = match &overrides.hedging {
+        None => base.hedging,
+        Some(settings) => Some(hedging(&key("hedging"), settings)?),
+    };
     let adaptive = overrides.adaptive.unwrap_or(base.adaptive);
 
     let budget = &overrides.budget;
@@ -192,5 +205,91 @@ fn resolve_policy(
         enforce,
         adaptive,
         candidate: None,
+        hedging,
     })
+}
+
+/// `[upstreams."name".hedging]` validated over `HedgePolicy::default()`.
+fn hedging(
+    section: &str,
+    settings: &super::settings::HedgingSettings,
+) -> Result<HedgePolicy, InvalidConfig> {
+    let key = |name: &str| format!("{section}.{name}");
+    let mut policy = HedgePolicy::default();
+    if let Some(quantile) = settings.quantile {
+        if !(quantile > 0.0 && quantile < 1.0) {
+            return Err(invalid(key("quantile"), "must be above 0 and below 1"));
+        }
+        policy.quantile = quantile;
+    }
+    if let Some(max_hedges) = settings.max_hedges {
+        if !(1..=4).contains(&max_hedges) {
+            return Err(invalid(key("max_hedges"), "must be between 1 and 4"));
+        }
+        policy.max_hedges = max_hedges;
+    }
+    if let Some(share) = settings.max_extra_load {
+        if !(share > 0.0 && share <= 1.0) {
+            return Err(invalid(
+                key("max_extra_load"),
+                "must be above 0 and at most 1",
+            ));
+        }
+        policy.max_extra_load = share;
+    }
+    if let Some(names) = &settings.idempotency {
+        let mut levels = Idempotencies::default();
+        for name in names {
+            let level = match name.to_ascii_uppercase().as_str() {
+                "SAFE" => Idempotency::Safe,
+                "IDEMPOTENT" => Idempotency::Idempotent,
+                "IDEMPOTENT_WITH_KEY" => Idempotency::IdempotentWithKey,
+                "NON_IDEMPOTENT" => {
+                    return Err(invalid(
+                        key("idempotency"),
+                        "NON_IDEMPOTENT is never hedged: a second copy may repeat its effect",
+                    ));
+                }
+                _ => {
+                    return Err(invalid(
+                        key("idempotency"),
+                        format!(
+                            "{name:?} is not one of \"SAFE\", \"IDEMPOTENT\", \"IDEMPOTENT_WITH_KEY\""
+                        ),
+                    ));
+                }
+            };
+            levels = levels.with(level);
+        }
+        if levels == Idempotencies::default() {
+            return Err(invalid(
+                key("idempotency"),
+                "must name at least one level (remove the section to turn hedging off)",
+            ));
+        }
+        policy.idempotency = levels;
+    }
+    if let Some(raw) = &settings.window {
+        let window = parse_duration(&key("window"), raw)?;
+        if window < Duration::from_secs(1) || window > Duration::from_secs(3_600) {
+            return Err(invalid(key("window"), "must be between 1s and 1h"));
+        }
+        policy.window = window;
+    }
+    if let Some(min_samples) = settings.min_samples {
+        if min_samples == 0 || min_samples > 1_000_000_000 {
+            return Err(invalid(key("min_samples"), "must be between 1 and 1e9"));
+        }
+        policy.min_samples = min_samples;
+    }
+    if let Some(ratio) = settings.uniform_ratio {
+        if !(ratio > 0.0 && ratio <= 1.0) {
+            return Err(invalid(
+                key("uniform_ratio"),
+                "must be above 0 and at most 1",
+            ));
+        }
+        policy.uniform_ratio = ratio;
+    }
+    Ok(policy)
 }

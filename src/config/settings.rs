@@ -446,6 +446,31 @@ pub struct PolicySettings {
     pub budget: BudgetSettings,
     /// The backoff.
     pub backoff: BackoffSettings,
+    /// Hedging (README, "Hedging"): opted into per upstream, off without
+    /// the section.
+    pub hedging: Option<HedgingSettings>,
+}
+
+/// `[upstreams."name".hedging]`: every key optional, the section itself
+/// turns hedging on.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HedgingSettings {
+    /// The first-attempt latency quantile a call must run past, in (0, 1).
+    pub quantile: Option<f64>,
+    /// Hedges of one call, 1 to 4.
+    pub max_hedges: Option<u32>,
+    /// Hedges over the window, at most this share of first attempts.
+    pub max_extra_load: Option<f64>,
+    /// The idempotency levels hedged, e.g. `["SAFE", "IDEMPOTENT"]`.
+    #[serde(default, deserialize_with = "names_or_commas")]
+    pub idempotency: Option<Vec<String>>,
+    /// The sliding window, e.g. `"30s"`.
+    pub window: Option<String>,
+    /// Latencies needed over the window before any hedge.
+    pub min_samples: Option<u64>,
+    /// p50 at least this share of the quantile: uniformly slow.
+    pub uniform_ratio: Option<f64>,
 }
 
 /// `budget = { ... }`

@@ -17,6 +17,9 @@ pub struct Attempt<'a> {
     pub operation: &'a str,
     /// The body, as the engine reads it.
     pub body: Body,
+    /// 0 for a retry of a failure; k >= 1 for the k-th hedge of a call
+    /// still in flight (`reported` then carries no failure).
+    pub hedge: u32,
     /// Everything else the caller reported, in the engine's own terms. Its
     /// `body`, `budget`, `now` and `jitter` are not the request's: they are
     /// filled in for each decision by [`Attempt::facts`].

@@ -18,10 +18,11 @@ use super::names::invalid;
 use super::{Decider, Live, Observe, Refused, permit};
 use crate::auth::Principal;
 use crate::budget::{BucketConfig, BudgetStore, Outcomes, ReportClaim};
+use crate::engine::latency::Histogram;
 use crate::telemetry::StoreOp;
 
 /// One validated entry of a traffic report.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Traffic<'a> {
     /// The upstream.
     pub upstream: &'a str,
@@ -29,6 +30,9 @@ pub struct Traffic<'a> {
     pub requests: u64,
     /// How the caller's attempts ended (all 0: not reported).
     pub outcomes: Outcomes,
+    /// How long the successful first attempts took, if reported (kept
+    /// only for an upstream with a hedging policy).
+    pub latencies: Option<Box<Histogram>>,
 }
 
 impl<'a> Traffic<'a> {
@@ -38,6 +42,7 @@ impl<'a> Traffic<'a> {
             upstream,
             requests,
             outcomes: Outcomes::default(),
+            latencies: None,
         }
     }
 }
@@ -172,6 +177,15 @@ impl<S: BudgetStore> Decider<S> {
             observe.store_call(StoreOp::Deposit, depositing.elapsed(), deposited.is_err());
             deposited.map_err(|error| failed(error.into(), Some(index), entries.len()))?;
             observe.deposited(upstream, entry.requests, funded_requests);
+            // The fleet's latency, for hedging: only an upstream with a
+            // policy keeps any (after its deposit, so that a re-sent report
+            // records each entry at most once, as it deposits).
+            if let Some(hedging) = &live.policies.get(upstream).hedging {
+                let none = Histogram::new();
+                let latencies = entry.latencies.as_deref().unwrap_or(&none);
+                self.hedges
+                    .record(upstream, hedging, latencies, entry.requests);
+            }
             if let Some(candidate) = &live.policies.get(upstream).candidate {
                 self.candidates
                     .deposit(upstream, candidate, funded_requests);

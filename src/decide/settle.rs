@@ -5,7 +5,9 @@
 //! policy and for `retryd replay`, so that all three decide alike.
 
 use crate::budget::{BudgetCheck, StoreError};
-use crate::engine::{self, BudgetView, Decision, DenyReason, Facts, Verdict};
+use crate::engine::{
+    self, BudgetView, Decision, DenyReason, Facts, HedgeFacts, HedgePolicy, HedgeState, Verdict,
+};
 
 /// A decision before the store call.
 #[derive(Clone, Copy, Debug)]
@@ -14,6 +16,20 @@ pub struct Settled {
     pub hoped: Decision,
     /// `hoped` is a RETRY: the store call is asked to withdraw.
     pub withdraw: bool,
+    /// For a hedge, what it was decided on: settled by the hedge rule, on
+    /// the same facts and the fleet's state as read once.
+    pub hedge: Option<Hedge>,
+}
+
+/// What a hedge is decided on, apart from the budget.
+#[derive(Clone, Copy, Debug)]
+pub struct Hedge {
+    /// The hedge's facts (their budget is replaced by the store's view).
+    pub facts: HedgeFacts,
+    /// The upstream's hedging policy, if any.
+    pub policy: Option<HedgePolicy>,
+    /// The fleet's state over the window.
+    pub state: HedgeState,
 }
 
 impl Settled {
@@ -29,6 +45,24 @@ impl Settled {
         Settled {
             hoped,
             withdraw: matches!(hoped.verdict, Verdict::Retry { .. }),
+            hedge: None,
+        }
+    }
+
+    /// Decides a hedge as if the budget allowed.
+    pub fn hope_hedge(hedge: Hedge) -> Settled {
+        let hoped = engine::decide_hedge(
+            &HedgeFacts {
+                budget: BudgetView::OPEN,
+                ..hedge.facts
+            },
+            hedge.policy.as_ref(),
+            &hedge.state,
+        );
+        Settled {
+            hoped,
+            withdraw: matches!(hoped.verdict, Verdict::Retry { .. }),
+            hedge: Some(hedge),
         }
     }
 
@@ -54,13 +88,23 @@ impl Settled {
             return Ok((self.hoped, view.tokens));
         }
         // The engine decides again on what was read (pure, no I/O).
-        let decision = engine::decide(
-            &Facts {
-                budget: view,
-                ..*facts
-            },
-            policy,
-        );
+        let decision = match &self.hedge {
+            Some(hedge) => engine::decide_hedge(
+                &HedgeFacts {
+                    budget: view,
+                    ..hedge.facts
+                },
+                hedge.policy.as_ref(),
+                &hedge.state,
+            ),
+            None => engine::decide(
+                &Facts {
+                    budget: view,
+                    ..*facts
+                },
+                policy,
+            ),
+        };
         Ok(match decision.verdict {
             // The read allowed a retry but no token came with it: someone
             // else took the last one in between (leased mode's read is a

@@ -98,8 +98,13 @@ fn permit(principal: &Principal, upstream: &str) -> Result<(), Status> {
     }
 }
 
-fn budget(snapshot: BudgetSnapshot, policy: &UpstreamPolicy) -> pb::Budget {
+fn budget(
+    snapshot: BudgetSnapshot,
+    policy: &UpstreamPolicy,
+    hedging: Option<pb::Hedging>,
+) -> pb::Budget {
     pb::Budget {
+        hedging,
         upstream: snapshot.upstream,
         tokens: snapshot.tokens,
         capacity: policy.bucket.capacity,
@@ -140,7 +145,9 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
                 .timed_admin(self.store().view(upstream, &policy.bucket))
                 .await
                 .map_err(store_status)?;
-            Ok(budget(snapshot, policy))
+            let hedging = self.decider().hedging(&live, upstream);
+            let hedging = hedging.map(|served| super::answer::hedging(upstream, &served));
+            Ok(budget(snapshot, policy, hedging))
         };
         let describe = |budget: &pb::Budget, _: &Principal| {
             vec![(attr::UPSTREAM, Attribute::Text(budget.upstream.clone()))]
@@ -175,7 +182,11 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
                 .filter(|snapshot| principal.may_use(&snapshot.upstream))
                 .map(|snapshot| {
                     let policy = policies.get(&snapshot.upstream);
-                    budget(snapshot, policy)
+                    let hedging = self
+                        .decider()
+                        .hedging(&live, &snapshot.upstream)
+                        .map(|served| super::answer::hedging(&snapshot.upstream, &served));
+                    budget(snapshot, policy, hedging)
                 })
                 .collect::<Vec<_>>())
         };

@@ -1,8 +1,8 @@
 //! The pipeline's answers in protobuf: a [`Decided`] as a
 //! `DecideResponse` (requests go the other way in `validate.rs`).
 
-use crate::decide::Decided;
-use crate::engine::{Decision, DenyReason, Evidence, UnknownOutcome, Verdict};
+use crate::decide::{Decided, Hedging};
+use crate::engine::{Decision, DenyReason, Evidence, Idempotency, Served, UnknownOutcome, Verdict};
 use crate::pb;
 
 /// The response to a decision.
@@ -17,6 +17,36 @@ pub(super) fn response(decided: &Decided<'_>) -> pb::DecideResponse {
     );
     answer.shadow = decided.shadow;
     answer
+}
+
+/// An upstream's hedging as served to clients.
+pub(super) fn hedging(upstream: &str, hedging: &Hedging) -> pb::Hedging {
+    let (enabled, delay) = match hedging.served {
+        Served::Hedge(delay) => (true, delay),
+        Served::TooFewSamples | Served::UniformlySlow => (false, std::time::Duration::ZERO),
+    };
+    pb::Hedging {
+        upstream: upstream.to_owned(),
+        enabled,
+        delay: Some(prost_types::Duration {
+            seconds: delay.as_secs() as i64,
+            nanos: delay.subsec_nanos() as i32,
+        }),
+        max_hedges: hedging.policy.max_hedges,
+        idempotency: hedging
+            .policy
+            .idempotency
+            .iter()
+            .map(|level| {
+                (match level {
+                    Idempotency::Safe => pb::Idempotency::Safe,
+                    Idempotency::Idempotent => pb::Idempotency::Idempotent,
+                    Idempotency::IdempotentWithKey => pb::Idempotency::IdempotentWithKey,
+                    Idempotency::NonIdempotent => pb::Idempotency::NonIdempotent,
+                }) as i32
+            })
+            .collect(),
+    }
 }
 
 fn decision_response(
@@ -87,6 +117,9 @@ fn deny_reason(reason: DenyReason) -> pb::DenyReason {
         DenyReason::PermanentFailure => pb::DenyReason::PermanentFailure,
         DenyReason::StatusNotRetryable => pb::DenyReason::StatusNotRetryable,
         DenyReason::ServerPushback => pb::DenyReason::ServerPushback,
+        DenyReason::HedgingOff => pb::DenyReason::HedgingOff,
+        DenyReason::HedgeCap => pb::DenyReason::HedgeCap,
+        DenyReason::UniformlySlow => pb::DenyReason::UniformlySlow,
     }
 }
 

@@ -54,10 +54,21 @@ impl<S: BudgetStore> Service<S> {
                         .tracer()
                         .finish(span, SPAN_REPORT_TRAFFIC, attributes, None);
                 }
+                // Each hedged upstream once, however often the report names
+                // it; nothing for the others.
+                let mut hedging: Vec<pb::Hedging> = Vec::new();
+                for entry in &message.traffic {
+                    if hedging.iter().any(|seen| seen.upstream == entry.upstream) {
+                        continue;
+                    }
+                    if let Some(served) = self.decider().hedging(&live, &entry.upstream) {
+                        hedging.push(super::answer::hedging(&entry.upstream, &served));
+                    }
+                }
                 Ok(Response::new(pb::ReportTrafficResponse {
                     accepted,
                     already_applied,
-                    hedging: Vec::new(),
+                    hedging,
                 }))
             }
             Err(status) => {

@@ -5,6 +5,7 @@ use std::time::{Duration, SystemTime};
 
 use crate::budget::Outcomes;
 use crate::decide::{Attempt, NO_BODY, Traffic};
+use crate::engine::latency::{self, Histogram};
 use crate::engine::{
     Body, BudgetView, Evidence, Facts, FailureKind, GrpcCode, Idempotency, Lineage, Replayability,
     retried_below,
@@ -50,10 +51,8 @@ pub fn decide_request(request: &pb::DecideRequest) -> Result<Attempt<'_>, Invali
         Ok(pb::Idempotency::NonIdempotent) => Idempotency::NonIdempotent,
         Err(_) => return Err(unknown_enum("idempotency", request.idempotency)),
     };
-    // The contract's hedge field lands before the hedge decision does: a
-    // hedge must not be decided as if it were a retry of a failure.
     if request.hedge != 0 {
-        return Err(invalid("hedge", "hedge decisions are not served yet"));
+        hedge_request(request)?;
     }
     let body = match &request.body {
         None => Body::None,
@@ -121,7 +120,12 @@ pub fn decide_request(request: &pb::DecideRequest) -> Result<Attempt<'_>, Invali
     }
     let claimed_evidence = match pb::Evidence::try_from(request.evidence) {
         Ok(pb::Evidence::Unspecified) => {
-            if failure.is_none() && http_status.is_none() && grpc_status.is_none() {
+            // A hedge reports no failure (`hedge_request`).
+            if failure.is_none()
+                && http_status.is_none()
+                && grpc_status.is_none()
+                && request.hedge == 0
+            {
                 return Err(invalid(
                     "evidence",
                     "required when neither failure, http_status nor grpc_status_code says \
@@ -165,6 +169,7 @@ pub fn decide_request(request: &pb::DecideRequest) -> Result<Attempt<'_>, Invali
         upstream,
         operation,
         body,
+        hedge: request.hedge,
         reported: Facts {
             idempotency,
             body: &NO_BODY,
@@ -188,6 +193,88 @@ pub fn decide_request(request: &pb::DecideRequest) -> Result<Attempt<'_>, Invali
             jitter: 0.0,
         },
     })
+}
+
+/// Most hedges of one call a request may ask about (a policy allows 4).
+pub const MAX_HEDGE: u32 = 16;
+
+/// A hedge (`hedge` >= 1) reports no failure: nothing has failed, the
+/// first attempt is still running. Any failure field is refused by name, so
+/// that a caller mixing the two never has a hedge decided as a retry.
+fn hedge_request(request: &pb::DecideRequest) -> Result<(), InvalidRequest> {
+    if request.hedge > MAX_HEDGE {
+        return Err(invalid(
+            "hedge",
+            format!(
+                "at most {MAX_HEDGE} hedges of one call, not {}",
+                request.hedge
+            ),
+        ));
+    }
+    for (field, set) in [
+        ("evidence", request.evidence != 0),
+        ("failure", request.failure != 0),
+        ("http_status", request.http_status != 0),
+        ("grpc_status_code", request.grpc_status_code != 0),
+        (
+            "grpc_retry_pushback_ms",
+            request.grpc_retry_pushback_ms.is_some(),
+        ),
+        ("retry_after", !request.retry_after.is_empty()),
+        ("retried_below", !request.retried_below.is_empty()),
+    ] {
+        if set {
+            return Err(invalid(
+                field,
+                "must be empty with hedge >= 1: a hedge reports no failure",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Most latencies one histogram of a traffic report entry may count (as
+/// `requests`: more between two reports is a bug in the caller).
+pub const MAX_REPORTED_LATENCIES: u64 = 1_000_000_000;
+
+/// Validates a latency histogram: indexes at most 237, counts above 0, a
+/// bounded total.
+fn latency_histogram(
+    field: &str,
+    raw: Option<&pb::LatencyHistogram>,
+) -> Result<Option<Histogram>, InvalidRequest> {
+    let Some(raw) = raw else { return Ok(None) };
+    if raw.counts.len() > latency::BUCKETS {
+        return Err(invalid(
+            format!("{field}.counts"),
+            format!("more than {} buckets", latency::BUCKETS),
+        ));
+    }
+    let mut histogram = Histogram::new();
+    let mut total = 0u64;
+    for (&index, &count) in &raw.counts {
+        if index > latency::MAX_BUCKET {
+            return Err(invalid(
+                format!("{field}.counts[{index}]"),
+                format!("a bucket index is at most {}", latency::MAX_BUCKET),
+            ));
+        }
+        if count == 0 {
+            return Err(invalid(
+                format!("{field}.counts[{index}]"),
+                "a count of 0 (leave empty buckets out)",
+            ));
+        }
+        total = total.saturating_add(count);
+        if total > MAX_REPORTED_LATENCIES {
+            return Err(invalid(
+                format!("{field}.counts"),
+                "more than 1e9 latencies in one report",
+            ));
+        }
+        histogram.add(index, count);
+    }
+    Ok(Some(histogram))
 }
 
 /// Most requests (or outcomes of one kind) one traffic report entry may
@@ -227,9 +314,20 @@ pub fn traffic_report(
                     ));
                 }
             }
+            let latencies = latency_histogram(
+                &format!("traffic[{index}].latency_successes"),
+                entry.latency_successes.as_ref(),
+            )?;
+            // Validated like the successes; not kept: the delay is how long
+            // a healthy call takes (`retryd_budget::hedging`).
+            latency_histogram(
+                &format!("traffic[{index}].latency_failures"),
+                entry.latency_failures.as_ref(),
+            )?;
             Ok(Traffic {
                 upstream,
                 requests: entry.requests,
+                latencies: latencies.map(Box::new),
                 outcomes: Outcomes {
                     successes: entry.successes,
                     failures: entry.failures,

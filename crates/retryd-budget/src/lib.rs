@@ -13,6 +13,7 @@
 //! funds more than were reported, so the invariant holds with it.
 
 pub mod adaptive;
+pub mod hedging;
 pub mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
@@ -24,6 +25,7 @@ use std::time::Duration;
 use retryd_engine::BudgetView;
 
 pub use adaptive::Outcomes;
+pub use hedging::HedgeWindows;
 pub use memory::MemoryBudgetStore;
 #[cfg(feature = "redis")]
 pub use redis::{ExactStore, LeasedStore, RedisBudgetStore, RedisConfig, RedisMode, RedisUrl};

@@ -171,8 +171,9 @@ fn deny_reason(raw: i32) -> Option<DenyReason> {
         Pb::ServerPushback => DenyReason::ServerPushback,
         Pb::RetriedBelow => DenyReason::RetriedBelow,
         Pb::InsideEnclosingRetry => DenyReason::InsideEnclosingRetry,
-        // Hedge denials: this client does not ask for hedges yet.
-        Pb::HedgingOff | Pb::HedgeCap | Pb::UniformlySlow => return None,
+        Pb::HedgingOff => DenyReason::HedgingOff,
+        Pb::HedgeCap => DenyReason::HedgeCap,
+        Pb::UniformlySlow => DenyReason::UniformlySlow,
     })
 }
 
@@ -193,6 +194,9 @@ pub fn deny_reason_name(reason: DenyReason) -> &'static str {
         DenyReason::ServerPushback => Pb::ServerPushback,
         DenyReason::RetriedBelow => Pb::RetriedBelow,
         DenyReason::InsideEnclosingRetry => Pb::InsideEnclosingRetry,
+        DenyReason::HedgingOff => Pb::HedgingOff,
+        DenyReason::HedgeCap => Pb::HedgeCap,
+        DenyReason::UniformlySlow => Pb::UniformlySlow,
     };
     wire.as_str_name()
 }

@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use super::{Decision, DenyReason, Facts, Rule, UnknownOutcome, Verdict};
+use super::{Decision, DenyReason, Facts, HedgeNote, Rule, UnknownOutcome, Verdict};
 
 impl Decision {
     /// One line for humans, the text of `Display`, built only when asked
@@ -23,6 +23,9 @@ impl Decision {
     }
 
     fn explain(&self, facts: Option<&Facts<'_>>) -> String {
+        if let Some(note) = &self.hedge {
+            return self.explain_hedge(note);
+        }
         // The longest is under 200 bytes, plus a chain denial's layer name
         // (at most 64).
         let mut text = String::with_capacity(264);
@@ -102,6 +105,11 @@ impl Decision {
                     DenyReason::ServerPushback => {
                         "the server asked not to retry (grpc-retry-pushback-ms)"
                     }
+                    // Only hedges deny for these, and they are explained
+                    // by `explain_hedge`.
+                    DenyReason::HedgingOff => "hedging is off",
+                    DenyReason::HedgeCap => "hedges reached their cap",
+                    DenyReason::UniformlySlow => "the upstream is uniformly slow",
                 };
                 text.push_str("deny: ");
                 text.push_str(why);
@@ -150,6 +158,69 @@ impl Decision {
             (Some(UnknownOutcome::ResendWithKey), _) => text.push_str(
                 "; the outcome upstream is unknown: re-send only with the same idempotency key",
             ),
+        }
+        text
+    }
+}
+
+impl Decision {
+    /// A hedge's explanation, with the numbers it was decided on.
+    fn explain_hedge(&self, note: &HedgeNote) -> String {
+        let mut text = String::with_capacity(200);
+        let millis = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let numbers = |text: &mut String| {
+            text.push_str("delay ");
+            push_decimal(text, millis(note.delay));
+            text.push_str("ms at p");
+            push_decimal(text, (note.quantile * 1000.0).round() as u64 / 10);
+            text.push_str(", p50 ");
+            push_decimal(text, millis(note.p50));
+            text.push_str("ms over ");
+            push_decimal(text, note.samples);
+            text.push_str(" samples, ");
+            push_decimal(text, note.hedges);
+            text.push_str(" hedges of ");
+            push_decimal(text, note.first_attempts);
+            text.push_str(" first attempts in the window");
+        };
+        match self.verdict {
+            Verdict::Retry { .. } => {
+                text.push_str("hedge ");
+                push_decimal(&mut text, note.hedge.into());
+                text.push_str(" now: the first attempt ran past the fleet's hedge delay (");
+                numbers(&mut text);
+                text.push(')');
+            }
+            Verdict::Deny(reason) => {
+                text.push_str("deny hedge ");
+                push_decimal(&mut text, note.hedge.into());
+                text.push_str(": ");
+                text.push_str(match reason {
+                    DenyReason::HedgingOff if note.quantile == 0.0 => {
+                        "the upstream has no hedging policy"
+                    }
+                    DenyReason::HedgingOff => {
+                        "hedging is off for this call (its idempotency, its hedge count, or too few latencies reported yet)"
+                    }
+                    DenyReason::HedgeCap => "hedges reached the cap on extra load",
+                    DenyReason::UniformlySlow => {
+                        "the upstream is uniformly slow (its p50 is close to the hedging quantile): a copy would be as slow"
+                    }
+                    DenyReason::BudgetExhausted => "the upstream's retry budget is empty",
+                    DenyReason::BudgetUnavailable => {
+                        "the shared retry budget is unreachable and the policy is to deny"
+                    }
+                    DenyReason::RetriesDisabled => {
+                        "an operator switched retries off for this upstream"
+                    }
+                    DenyReason::Deadline => "the remaining deadline leaves no room for another attempt",
+                    _ => "not hedged",
+                });
+                text.push_str(" (");
+                numbers(&mut text);
+                text.push(')');
+            }
+            Verdict::Ambiguous => text.push_str("ambiguous"),
         }
         text
     }

@@ -20,6 +20,8 @@ mod body;
 mod evidence;
 mod explanation;
 mod grpc;
+mod hedge;
+pub mod latency;
 mod lineage;
 mod outcome;
 mod retry_after;
@@ -32,6 +34,9 @@ pub use backoff::{Backoff, Jitter};
 pub use body::{Body, Replayability};
 pub use evidence::{Evidence, FailureKind, effective_evidence};
 pub use grpc::{GrpcCode, GrpcCodes, Pushback, parse_pushback};
+pub use hedge::{
+    HedgeFacts, HedgeNote, HedgePolicy, HedgeState, Idempotencies, Served, decide_hedge,
+};
 pub use lineage::{
     Lineage, LineageError, MAX_LAYER_BYTES, MAX_LINEAGE_ATTEMPT, MAX_LINEAGE_BYTES,
     MAX_LINEAGE_ENTRIES, layer_name, retried_below,
@@ -246,6 +251,13 @@ pub enum DenyReason {
     StatusNotRetryable,
     /// Rule 9: a negative or unparseable gRPC pushback (gRFC A6).
     ServerPushback,
+    /// A hedge: no hedging policy, an idempotency it does not allow, beyond
+    /// `max_hedges`, or too few latencies learned yet.
+    HedgingOff,
+    /// A hedge beyond the cap on extra load.
+    HedgeCap,
+    /// A hedge of an upstream whose p50 is close to the hedging quantile.
+    UniformlySlow,
 }
 
 impl DenyReason {
@@ -265,6 +277,9 @@ impl DenyReason {
             DenyReason::PermanentFailure => "permanent_failure",
             DenyReason::StatusNotRetryable => "status_not_retryable",
             DenyReason::ServerPushback => "server_pushback",
+            DenyReason::HedgingOff => "hedging_off",
+            DenyReason::HedgeCap => "hedge_cap",
+            DenyReason::UniformlySlow => "uniformly_slow",
         }
     }
 }
@@ -320,6 +335,8 @@ impl Rule {
     pub const AMBIGUOUS_SEND: Rule = Rule(8);
     /// Rule 9: evidence and status rules.
     pub const STATUS: Rule = Rule(9);
+    /// Not a rule of the retry order: a hedge, decided by `decide_hedge`.
+    pub const HEDGE: Rule = Rule(10);
 
     /// The rule's number in the decision order.
     pub fn number(self) -> u8 {
@@ -346,6 +363,8 @@ pub struct Decision {
     http_status: Option<u16>,
     /// The gRPC code, for the explanation.
     grpc_status: Option<GrpcCode>,
+    /// A hedge's numbers; `None` for a retry.
+    pub hedge: Option<HedgeNote>,
 }
 
 impl Decision {
@@ -360,7 +379,12 @@ impl Decision {
         ));
         Decision {
             verdict: Verdict::Deny(reason),
-            rule: Rule::BUDGET,
+            // A hedge keeps its own rule: it was never in the retry order.
+            rule: if self.hedge.is_some() {
+                Rule::HEDGE
+            } else {
+                Rule::BUDGET
+            },
             ..self
         }
     }
@@ -385,6 +409,7 @@ pub fn decide(facts: &Facts<'_>, policy: &Policy) -> Decision {
         unknown_outcome,
         http_status: facts.http_status,
         grpc_status: facts.grpc_status,
+        hedge: None,
     };
     let deny = |reason, rule| answer(Verdict::Deny(reason), rule);
 

@@ -810,6 +810,7 @@ fn every_explanation_word_for_word() {
         unknown_outcome: None,
         http_status: status,
         grpc_status: None,
+        hedge: None,
     };
     let retry = |refresh_credentials| Verdict::Retry {
         backoff: Duration::from_micros(1_234_567),
@@ -1867,6 +1868,7 @@ fn explanations_say_the_outcome_is_unknown() {
         unknown_outcome,
         http_status: None,
         grpc_status: None,
+        hedge: None,
     };
     let cases = [
         (

@@ -1,0 +1,430 @@
+//! The hedge rule: may a caller send the k-th copy of a call whose first
+//! attempt is still running past the hedge delay? Facts in, decision out;
+//! the fleet's view of the upstream (its quantiles and the hedges already
+//! granted over the window) is an input like the budget view.
+//!
+//! The order: the kill switch, the policy (none, the idempotency, the
+//! number of hedges), the deadline, the fleet's latency (too few samples,
+//! uniformly slow), the cap on extra load, then the shared retry budget. A
+//! hedge is never AMBIGUOUS: nothing has failed and nothing is in doubt.
+
+use std::time::Duration;
+
+use super::{BudgetView, Decision, DenyReason, Evidence, Idempotency, Rule, Verdict};
+
+/// An upstream's hedging policy (`[upstreams."name".hedging]`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HedgePolicy {
+    /// The latency quantile a first attempt must run past before a hedge
+    /// (0 < q < 1).
+    pub quantile: f64,
+    /// Hedges of one call, at most (1 to 4).
+    pub max_hedges: u32,
+    /// Hedges granted over the window, at most this share of the first
+    /// attempts reported over it (0 < x ≤ 1).
+    pub max_extra_load: f64,
+    /// The idempotency levels that may be hedged (never NON_IDEMPOTENT).
+    pub idempotency: Idempotencies,
+    /// The sliding window the quantiles and the cap are taken over.
+    pub window: Duration,
+    /// First-attempt latencies needed over the window before any hedge.
+    pub min_samples: u64,
+    /// The upstream is uniformly slow when its p50 is at least this share
+    /// of the hedging quantile.
+    pub uniform_ratio: f64,
+}
+
+impl Default for HedgePolicy {
+    fn default() -> Self {
+        HedgePolicy {
+            quantile: 0.95,
+            max_hedges: 1,
+            max_extra_load: 0.05,
+            idempotency: Idempotencies::SAFE_AND_IDEMPOTENT,
+            window: Duration::from_secs(30),
+            min_samples: 100,
+            uniform_ratio: 0.8,
+        }
+    }
+}
+
+/// A set of idempotency levels, as bits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Idempotencies(u8);
+
+impl Idempotencies {
+    /// SAFE and IDEMPOTENT: the default of a hedging policy.
+    pub const SAFE_AND_IDEMPOTENT: Idempotencies =
+        Idempotencies(1 << Idempotency::Safe as u8 | 1 << Idempotency::Idempotent as u8);
+
+    /// `self` with `level` added.
+    pub fn with(self, level: Idempotency) -> Idempotencies {
+        Idempotencies(self.0 | 1 << level as u8)
+    }
+
+    /// Whether `level` is in the set.
+    pub fn contains(self, level: Idempotency) -> bool {
+        self.0 & (1 << level as u8) != 0
+    }
+
+    /// The levels in the set, SAFE first.
+    pub fn iter(self) -> impl Iterator<Item = Idempotency> {
+        [
+            Idempotency::Safe,
+            Idempotency::Idempotent,
+            Idempotency::IdempotentWithKey,
+            Idempotency::NonIdempotent,
+        ]
+        .into_iter()
+        .filter(move |level| self.contains(*level))
+    }
+}
+
+/// What the fleet reported about an upstream over the window, as the store
+/// last computed it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct HedgeState {
+    /// First-attempt latencies (successes) counted over the window.
+    pub samples: u64,
+    /// Their median.
+    pub p50: Duration,
+    /// Their hedging quantile: the hedge delay.
+    pub delay: Duration,
+    /// First attempts reported over the window.
+    pub first_attempts: u64,
+    /// Hedges granted over the window, fleet-wide.
+    pub hedges: u64,
+}
+
+/// Whether an upstream may be hedged now, and after how long.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Served {
+    /// Start hedge timers of this length.
+    Hedge(Duration),
+    /// Fewer than `min_samples` latencies over the window.
+    TooFewSamples,
+    /// The p50 is within `uniform_ratio` of the quantile.
+    UniformlySlow,
+}
+
+impl HedgeState {
+    /// What a client is told about hedging this upstream.
+    pub fn served(&self, policy: &HedgePolicy) -> Served {
+        if self.samples < policy.min_samples.max(1) {
+            Served::TooFewSamples
+        } else if self.p50.as_secs_f64() >= policy.uniform_ratio * self.delay.as_secs_f64() {
+            Served::UniformlySlow
+        } else {
+            Served::Hedge(self.delay)
+        }
+    }
+
+    /// Hedges the cap allows over the window.
+    pub fn cap(&self, policy: &HedgePolicy) -> u64 {
+        (policy.max_extra_load * self.first_attempts as f64).floor() as u64
+    }
+}
+
+/// One hedge request: the k-th copy of a call still in flight.
+#[derive(Clone, Copy, Debug)]
+pub struct HedgeFacts {
+    /// Which hedge of the call this is (1 for the first).
+    pub hedge: u32,
+    /// The call's declared idempotency.
+    pub idempotency: Idempotency,
+    /// Time left before the caller's deadline, if it has one.
+    pub deadline_remaining: Option<Duration>,
+    /// The least time an attempt needs (the upstream's
+    /// `min_attempt_budget`).
+    pub min_attempt_budget: Duration,
+    /// The retry budget as looked at: hedges spend from it.
+    pub budget: BudgetView,
+}
+
+/// The numbers a hedge decision was made on, for its explanation, span and
+/// log line.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HedgeNote {
+    /// Which hedge was asked for.
+    pub hedge: u32,
+    /// The hedge delay served (the quantile), zero without a policy.
+    pub delay: Duration,
+    /// The fleet's median.
+    pub p50: Duration,
+    /// The policy's quantile (0 without a policy).
+    pub quantile: f64,
+    /// Hedges granted over the window before this one.
+    pub hedges: u64,
+    /// First attempts reported over the window.
+    pub first_attempts: u64,
+    /// Latencies counted over the window.
+    pub samples: u64,
+}
+
+/// Decides a hedge. `policy` is `None` for an upstream without hedging.
+pub fn decide_hedge(
+    facts: &HedgeFacts,
+    policy: Option<&HedgePolicy>,
+    state: &HedgeState,
+) -> Decision {
+    let note = HedgeNote {
+        hedge: facts.hedge,
+        delay: state.delay,
+        p50: state.p50,
+        quantile: policy.map_or(0.0, |policy| policy.quantile),
+        hedges: state.hedges,
+        first_attempts: state.first_attempts,
+        samples: state.samples,
+    };
+    let answer = |verdict| Decision {
+        verdict,
+        rule: Rule::HEDGE,
+        effective_evidence: Evidence::SentNoResponse,
+        evidence_adjusted: false,
+        unknown_outcome: None,
+        http_status: None,
+        grpc_status: None,
+        hedge: Some(note),
+    };
+    let deny = |reason| answer(Verdict::Deny(reason));
+    if !facts.budget.retries_enabled {
+        return deny(DenyReason::RetriesDisabled);
+    }
+    let Some(policy) = policy else {
+        return deny(DenyReason::HedgingOff);
+    };
+    if !policy.idempotency.contains(facts.idempotency)
+        || facts.idempotency == Idempotency::NonIdempotent
+        || facts.hedge > policy.max_hedges
+    {
+        return deny(DenyReason::HedgingOff);
+    }
+    if let Some(remaining) = facts.deadline_remaining {
+        if remaining < facts.min_attempt_budget {
+            return deny(DenyReason::Deadline);
+        }
+    }
+    match state.served(policy) {
+        // Not learned yet: hedging is not on (the client was told
+        // `enabled = false`), which is no statement about the upstream.
+        Served::TooFewSamples => return deny(DenyReason::HedgingOff),
+        Served::UniformlySlow => return deny(DenyReason::UniformlySlow),
+        Served::Hedge(_) => {}
+    }
+    if state.hedges >= state.cap(policy) {
+        return deny(DenyReason::HedgeCap);
+    }
+    if facts.budget.unavailable {
+        return deny(DenyReason::BudgetUnavailable);
+    }
+    if facts.budget.tokens < 1.0 {
+        return deny(DenyReason::BudgetExhausted);
+    }
+    answer(Verdict::Retry {
+        backoff: Duration::ZERO,
+        refresh_credentials: false,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state() -> HedgeState {
+        HedgeState {
+            samples: 1_000,
+            p50: Duration::from_millis(10),
+            delay: Duration::from_millis(40),
+            first_attempts: 1_000,
+            hedges: 0,
+        }
+    }
+
+    fn facts() -> HedgeFacts {
+        HedgeFacts {
+            hedge: 1,
+            idempotency: Idempotency::Idempotent,
+            deadline_remaining: None,
+            min_attempt_budget: Duration::from_millis(50),
+            budget: BudgetView {
+                tokens: 5.0,
+                retries_enabled: true,
+                unavailable: false,
+            },
+        }
+    }
+
+    fn verdict(facts: HedgeFacts, policy: Option<&HedgePolicy>, state: HedgeState) -> Verdict {
+        decide_hedge(&facts, policy, &state).verdict
+    }
+
+    #[test]
+    fn the_order_of_the_hedge_rule() {
+        let policy = HedgePolicy::default();
+        let deny = Verdict::Deny;
+        let granted = Verdict::Retry {
+            backoff: Duration::ZERO,
+            refresh_credentials: false,
+        };
+        assert_eq!(verdict(facts(), Some(&policy), state()), granted);
+        let off = BudgetView {
+            retries_enabled: false,
+            ..facts().budget
+        };
+        let cases: [(HedgeFacts, Option<&HedgePolicy>, HedgeState, Verdict); 10] = [
+            (
+                HedgeFacts {
+                    budget: off,
+                    ..facts()
+                },
+                Some(&policy),
+                state(),
+                deny(DenyReason::RetriesDisabled),
+            ),
+            (facts(), None, state(), deny(DenyReason::HedgingOff)),
+            (
+                HedgeFacts {
+                    idempotency: Idempotency::NonIdempotent,
+                    ..facts()
+                },
+                Some(&policy),
+                state(),
+                deny(DenyReason::HedgingOff),
+            ),
+            (
+                HedgeFacts {
+                    idempotency: Idempotency::IdempotentWithKey,
+                    ..facts()
+                },
+                Some(&policy),
+                state(),
+                deny(DenyReason::HedgingOff),
+            ),
+            (
+                HedgeFacts {
+                    hedge: 2,
+                    ..facts()
+                },
+                Some(&policy),
+                state(),
+                deny(DenyReason::HedgingOff),
+            ),
+            (
+                HedgeFacts {
+                    deadline_remaining: Some(Duration::from_millis(49)),
+                    ..facts()
+                },
+                Some(&policy),
+                state(),
+                deny(DenyReason::Deadline),
+            ),
+            (
+                facts(),
+                Some(&policy),
+                HedgeState {
+                    samples: 99,
+                    ..state()
+                },
+                deny(DenyReason::HedgingOff),
+            ),
+            (
+                facts(),
+                Some(&policy),
+                HedgeState {
+                    p50: Duration::from_millis(32),
+                    ..state()
+                },
+                deny(DenyReason::UniformlySlow),
+            ),
+            (
+                facts(),
+                Some(&policy),
+                HedgeState {
+                    hedges: 50,
+                    ..state()
+                },
+                deny(DenyReason::HedgeCap),
+            ),
+            (
+                HedgeFacts {
+                    budget: BudgetView {
+                        tokens: 0.5,
+                        ..facts().budget
+                    },
+                    ..facts()
+                },
+                Some(&policy),
+                state(),
+                deny(DenyReason::BudgetExhausted),
+            ),
+        ];
+        for (index, (facts, policy, state, expected)) in cases.into_iter().enumerate() {
+            assert_eq!(verdict(facts, policy, state), expected, "case {index}");
+        }
+        // 49 granted of 1,000 first attempts: the 50th is still in the cap.
+        assert_eq!(
+            verdict(
+                facts(),
+                Some(&policy),
+                HedgeState {
+                    hedges: 49,
+                    ..state()
+                }
+            ),
+            granted
+        );
+    }
+
+    #[test]
+    fn a_hedge_is_never_ambiguous_nor_hides_an_outcome() {
+        let policy = HedgePolicy::default();
+        for idempotency in [
+            Idempotency::Safe,
+            Idempotency::Idempotent,
+            Idempotency::IdempotentWithKey,
+            Idempotency::NonIdempotent,
+        ] {
+            for hedges in [0, 49, 50] {
+                let decision = decide_hedge(
+                    &HedgeFacts {
+                        idempotency,
+                        ..facts()
+                    },
+                    Some(&policy),
+                    &HedgeState { hedges, ..state() },
+                );
+                assert_ne!(decision.verdict, Verdict::Ambiguous);
+                assert_eq!(decision.unknown_outcome, None);
+                assert_eq!(decision.rule, Rule::HEDGE);
+            }
+        }
+    }
+
+    #[test]
+    fn the_explanation_gives_the_numbers() {
+        let policy = HedgePolicy::default();
+        let text = decide_hedge(&facts(), Some(&policy), &state()).explanation();
+        assert!(text.starts_with("hedge 1 now"), "{text}");
+        assert!(text.contains("40ms") && text.contains("p50 10ms"), "{text}");
+        let text = decide_hedge(
+            &facts(),
+            Some(&policy),
+            &HedgeState {
+                hedges: 50,
+                ..state()
+            },
+        )
+        .explanation();
+        assert!(text.contains("50 hedges of 1000 first attempts"), "{text}");
+        let text = decide_hedge(
+            &facts(),
+            Some(&policy),
+            &HedgeState {
+                p50: Duration::from_millis(35),
+                ..state()
+            },
+        )
+        .explanation();
+        assert!(text.contains("uniformly slow"), "{text}");
+    }
+}

@@ -1,0 +1,458 @@
+//! Hedging end to end, through the real gRPC pipeline in this process on
+//! the memory store: reports carrying latency histograms make a hedge
+//! delay appear in the next `ReportTrafficResponse` and in `GetBudget`; a
+//! hedge Decide is granted, spends from the retry budget, and is capped at
+//! 5% of the first attempts; a uniformly slow upstream is not hedged and
+//! says why; bad histograms and hedges reporting a failure are refused by
+//! field and spend nothing.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use retryd::config::Config;
+use retryd::grpc::{self, Reload, Service};
+use retryd::telemetry::{Metrics, Tracer};
+use retryd::transport::Acceptor;
+use retryd_budget::{BudgetStore, MemoryBudgetStore};
+use retryd_engine::latency;
+use retryd_proto as pb;
+use retryd_proto::retry_admin_client::RetryAdminClient;
+use retryd_proto::retry_decider_client::RetryDeciderClient;
+use tonic::transport::Channel;
+
+/// retryd serving `store` with the configuration `toml`, in this process.
+struct InProcess {
+    addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl InProcess {
+    async fn start<S: BudgetStore>(toml: &str, store: S) -> InProcess {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("retryd.toml");
+        std::fs::write(&path, toml).unwrap();
+        let config = Config::load(Some(&path)).unwrap();
+        let acceptor = Acceptor::try_new(config.tls.as_ref(), &config.server_limits).unwrap();
+        let metrics = Arc::new(Metrics::new(config.policies.named().map(|(name, _)| name)));
+        let service = Service::new(
+            store,
+            "hedging",
+            Reload {
+                path: Some(path),
+                startup: config,
+            },
+            metrics,
+            Tracer::disabled(),
+        );
+        let listener = grpc::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(grpc::serve(
+            listener,
+            acceptor,
+            service,
+            async {
+                let _ = stopped.await;
+            },
+            Duration::from_secs(1),
+        ));
+        InProcess {
+            addr,
+            stop: Some(stop),
+            _dir: dir,
+        }
+    }
+
+    async fn decider(&self) -> RetryDeciderClient<Channel> {
+        RetryDeciderClient::connect(format!("http://{}", self.addr))
+            .await
+            .unwrap()
+    }
+
+    async fn admin(&self) -> RetryAdminClient<Channel> {
+        RetryAdminClient::connect(format!("http://{}", self.addr))
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// `fast` (no hedging key but the section: every default), `slow` (the
+/// same policy), and `plain` (no hedging). No initial tokens and no floor:
+/// every token comes from a report.
+const CONFIG: &str = r#"
+[defaults]
+budget = { capacity = 1000.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
+
+[upstreams.fast.hedging]
+quantile = 0.95
+
+[upstreams.slow.hedging]
+quantile = 0.95
+
+[upstreams.plain]
+max_attempts = 3
+"#;
+
+/// A histogram of `count` latencies of `millis` each, per pair.
+fn histogram(latencies: &[(u64, u64)]) -> pb::LatencyHistogram {
+    let mut counts = std::collections::HashMap::new();
+    for &(millis, count) in latencies {
+        *counts.entry(latency::bucket(millis * 1000)).or_insert(0u64) += count;
+    }
+    pb::LatencyHistogram { counts }
+}
+
+fn entry(upstream: &str, requests: u64, latencies: &[(u64, u64)]) -> pb::UpstreamTraffic {
+    pb::UpstreamTraffic {
+        upstream: upstream.into(),
+        requests,
+        latency_successes: Some(histogram(latencies)),
+        ..Default::default()
+    }
+}
+
+async fn report(
+    client: &mut RetryDeciderClient<Channel>,
+    traffic: Vec<pb::UpstreamTraffic>,
+) -> Result<pb::ReportTrafficResponse, tonic::Status> {
+    client
+        .report_traffic(pb::ReportTrafficRequest {
+            traffic,
+            ..Default::default()
+        })
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+fn hedge(upstream: &str, k: u32) -> pb::DecideRequest {
+    pb::DecideRequest {
+        upstream: upstream.into(),
+        idempotency: pb::Idempotency::Idempotent as i32,
+        attempt: k,
+        hedge: k,
+        ..Default::default()
+    }
+}
+
+async fn budget(server: &InProcess, upstream: &str) -> pb::Budget {
+    server
+        .admin()
+        .await
+        .get_budget(pb::GetBudgetRequest {
+            upstream: upstream.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .budget
+        .unwrap()
+}
+
+fn millis(duration: &Option<prost_types::Duration>) -> f64 {
+    let duration = duration.as_ref().expect("a delay");
+    duration.seconds as f64 * 1e3 + f64::from(duration.nanos) / 1e6
+}
+
+#[tokio::test]
+async fn a_reported_tail_is_served_as_a_delay_then_hedged_up_to_the_cap() {
+    let server = InProcess::start(CONFIG, MemoryBudgetStore::new(100)).await;
+    let mut client = server.decider().await;
+
+    // Before any latency: hedging is known, but not on yet.
+    let first = report(&mut client, vec![entry("fast", 0, &[])]).await;
+    // An empty histogram is a valid one (no bucket at all).
+    let first = first.unwrap();
+    assert_eq!(first.hedging.len(), 1);
+    assert!(!first.hedging[0].enabled);
+    let early = client.decide(hedge("fast", 1)).await.unwrap().into_inner();
+    assert_eq!(early.deny_reason(), pb::DenyReason::HedgingOff, "{early:?}");
+    assert!(
+        early.explanation.contains("0 samples"),
+        "{}",
+        early.explanation
+    );
+
+    // 200 first attempts: 180 at 10 ms, 20 at 100 ms. The p95 (rank 190)
+    // is in the 100 ms bucket, the p50 in the 10 ms one.
+    let answer = report(
+        &mut client,
+        vec![
+            entry("fast", 200, &[(10, 180), (100, 20)]),
+            entry("plain", 200, &[(10, 200)]),
+            // The same upstream twice: one entry in the answer.
+            entry("fast", 0, &[]),
+        ],
+    )
+    .await
+    .unwrap();
+    assert_eq!(answer.hedging.len(), 1, "{:?}", answer.hedging);
+    let served = &answer.hedging[0];
+    assert_eq!(served.upstream, "fast");
+    assert!(served.enabled, "{served:?}");
+    let delay = millis(&served.delay);
+    assert!((87.5..=112.5).contains(&delay), "{delay} ms");
+    assert_eq!(served.max_hedges, 1);
+    assert_eq!(
+        served.idempotency,
+        vec![
+            pb::Idempotency::Safe as i32,
+            pb::Idempotency::Idempotent as i32
+        ]
+    );
+    let shown = budget(&server, "fast").await;
+    assert_eq!(shown.hedging.as_ref(), Some(served));
+    assert!(budget(&server, "plain").await.hedging.is_none());
+    // 200 requests at ratio 0.5.
+    assert_eq!(shown.tokens, 100.0);
+
+    // The cap: 5% of 200 first attempts is 10 hedges, each one token of
+    // the retry budget.
+    for granted in 1..=10 {
+        let answer = client.decide(hedge("fast", 1)).await.unwrap().into_inner();
+        assert_eq!(answer.verdict(), pb::Verdict::Retry, "{answer:?}");
+        assert_eq!(answer.backoff, Some(prost_types::Duration::default()));
+        assert_eq!(answer.tokens_remaining, 100.0 - granted as f64);
+        assert!(
+            answer.explanation.starts_with("hedge 1 now"),
+            "{}",
+            answer.explanation
+        );
+    }
+    let capped = client.decide(hedge("fast", 1)).await.unwrap().into_inner();
+    assert_eq!(capped.deny_reason(), pb::DenyReason::HedgeCap, "{capped:?}");
+    assert!(
+        capped
+            .explanation
+            .contains("10 hedges of 200 first attempts"),
+        "{}",
+        capped.explanation
+    );
+    // A denied hedge spent nothing; a retry still has the rest.
+    assert_eq!(budget(&server, "fast").await.tokens, 90.0);
+    // More first attempts raise the cap.
+    report(&mut client, vec![entry("fast", 100, &[(10, 100)])])
+        .await
+        .unwrap();
+    let more = client.decide(hedge("fast", 1)).await.unwrap().into_inner();
+    assert_eq!(more.verdict(), pb::Verdict::Retry, "{more:?}");
+
+    // Beyond max_hedges, a non-idempotent call, an upstream without a
+    // policy: hedging is off for them.
+    for request in [
+        hedge("fast", 2),
+        pb::DecideRequest {
+            idempotency: pb::Idempotency::NonIdempotent as i32,
+            ..hedge("fast", 1)
+        },
+        pb::DecideRequest {
+            idempotency: pb::Idempotency::IdempotentWithKey as i32,
+            ..hedge("fast", 1)
+        },
+        hedge("plain", 1),
+    ] {
+        let answer = client.decide(request.clone()).await.unwrap().into_inner();
+        assert_eq!(
+            answer.deny_reason(),
+            pb::DenyReason::HedgingOff,
+            "{request:?}"
+        );
+        assert_eq!(answer.unknown_outcome(), pb::UnknownOutcome::None);
+    }
+    assert!(
+        client
+            .decide(hedge("plain", 1))
+            .await
+            .unwrap()
+            .into_inner()
+            .explanation
+            .contains("no hedging policy")
+    );
+}
+
+#[tokio::test]
+async fn a_uniformly_slow_upstream_is_not_hedged() {
+    let server = InProcess::start(CONFIG, MemoryBudgetStore::new(100)).await;
+    let mut client = server.decider().await;
+    // Every call takes about 100 ms: the p50 is the p95.
+    let answer = report(
+        &mut client,
+        vec![entry("slow", 500, &[(100, 400), (105, 100)])],
+    )
+    .await
+    .unwrap();
+    assert!(!answer.hedging[0].enabled, "{:?}", answer.hedging);
+    assert_eq!(millis(&answer.hedging[0].delay), 0.0);
+    let denied = client.decide(hedge("slow", 1)).await.unwrap().into_inner();
+    assert_eq!(
+        denied.deny_reason(),
+        pb::DenyReason::UniformlySlow,
+        "{denied:?}"
+    );
+    assert!(
+        denied.explanation.contains("uniformly slow"),
+        "{}",
+        denied.explanation
+    );
+    assert_eq!(budget(&server, "slow").await.tokens, 250.0);
+}
+
+#[tokio::test]
+async fn the_kill_switch_and_an_empty_budget_stop_hedges() {
+    let server = InProcess::start(CONFIG, MemoryBudgetStore::new(100)).await;
+    let mut client = server.decider().await;
+    // Two first attempts but 200 latencies (a caller may report latencies
+    // of attempts counted in an earlier report).
+    report(&mut client, vec![entry("fast", 2, &[(10, 180), (200, 20)])])
+        .await
+        .unwrap();
+    // Two requests: a cap of 0.1 hedge, so none.
+    let capped = client.decide(hedge("fast", 1)).await.unwrap().into_inner();
+    assert_eq!(capped.deny_reason(), pb::DenyReason::HedgeCap, "{capped:?}");
+    report(&mut client, vec![entry("fast", 198, &[])])
+        .await
+        .unwrap();
+    // 200 requests: 100 tokens, all spent on retries.
+    let mut retries = 0;
+    loop {
+        let answer = client
+            .decide(retryd_testkit::retryable("fast"))
+            .await
+            .unwrap()
+            .into_inner();
+        if answer.verdict() != pb::Verdict::Retry {
+            assert_eq!(answer.deny_reason(), pb::DenyReason::BudgetExhausted);
+            break;
+        }
+        retries += 1;
+    }
+    assert_eq!(retries, 100);
+    let empty = client.decide(hedge("fast", 1)).await.unwrap().into_inner();
+    assert_eq!(
+        empty.deny_reason(),
+        pb::DenyReason::BudgetExhausted,
+        "{empty:?}"
+    );
+    assert!(
+        empty.explanation.starts_with("deny hedge 1"),
+        "{}",
+        empty.explanation
+    );
+
+    report(&mut client, vec![entry("fast", 20, &[])])
+        .await
+        .unwrap();
+    server
+        .admin()
+        .await
+        .set_retries_enabled(pb::SetRetriesEnabledRequest {
+            upstream: "fast".into(),
+            enabled: false,
+            reason: "test".into(),
+        })
+        .await
+        .unwrap();
+    let off = client.decide(hedge("fast", 1)).await.unwrap().into_inner();
+    assert_eq!(
+        off.deny_reason(),
+        pb::DenyReason::RetriesDisabled,
+        "{off:?}"
+    );
+    assert_eq!(budget(&server, "fast").await.tokens, 10.0);
+}
+
+#[tokio::test]
+async fn bad_histograms_and_hedges_with_a_failure_are_refused_by_field() {
+    let server = InProcess::start(CONFIG, MemoryBudgetStore::new(100)).await;
+    let mut client = server.decider().await;
+    let bad = |counts: &[(u32, u64)]| pb::UpstreamTraffic {
+        latency_successes: Some(pb::LatencyHistogram {
+            counts: counts.iter().copied().collect(),
+        }),
+        ..entry("fast", 10, &[])
+    };
+    for (traffic, field) in [
+        (
+            vec![entry("fast", 10, &[]), bad(&[(16, 1), (300, 1)])],
+            "traffic[1].latency_successes.counts[300]",
+        ),
+        (
+            vec![bad(&[(20, 0)])],
+            "traffic[0].latency_successes.counts[20]",
+        ),
+        (
+            vec![bad(&[(20, 600_000_000), (21, 600_000_000)])],
+            "traffic[0].latency_successes.counts",
+        ),
+        (
+            vec![pb::UpstreamTraffic {
+                latency_failures: Some(pb::LatencyHistogram {
+                    counts: [(238, 1)].into_iter().collect(),
+                }),
+                ..entry("fast", 10, &[])
+            }],
+            "traffic[0].latency_failures.counts[238]",
+        ),
+    ] {
+        let status = report(&mut client, traffic).await.expect_err(field);
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(
+            status.message().starts_with(&format!("{field}: ")),
+            "{}",
+            status.message()
+        );
+    }
+    // Nothing was deposited, nothing recorded.
+    let shown = budget(&server, "fast").await;
+    assert_eq!(shown.tokens, 0.0);
+    assert!(!shown.hedging.unwrap().enabled);
+
+    for (request, field) in [
+        (
+            pb::DecideRequest {
+                evidence: pb::Evidence::SentNoResponse as i32,
+                ..hedge("fast", 1)
+            },
+            "evidence",
+        ),
+        (
+            pb::DecideRequest {
+                http_status: 503,
+                ..hedge("fast", 1)
+            },
+            "http_status",
+        ),
+        (
+            pb::DecideRequest {
+                failure: pb::FailureKind::Connect as i32,
+                ..hedge("fast", 1)
+            },
+            "failure",
+        ),
+        (
+            pb::DecideRequest {
+                retry_after: "1".into(),
+                ..hedge("fast", 1)
+            },
+            "retry_after",
+        ),
+        (hedge("fast", 17), "hedge"),
+    ] {
+        let status = client.decide(request).await.expect_err(field);
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{field}");
+        assert!(
+            status.message().starts_with(&format!("{field}: ")),
+            "{}",
+            status.message()
+        );
+    }
+}
