@@ -288,3 +288,24 @@ func TestGRPCLocalHedgeWinsAndCancelsTheSlowFirstAttempt(t *testing.T) {
 		t.Fatalf("%+v", latency)
 	}
 }
+
+// newHoldOdd is an HTTP upstream whose odd-numbered requests are held until
+// cancelled (or for hold, then answered "held") and whose even-numbered ones
+// are answered "fast" at once: sequential hedged calls, each a first attempt
+// and its hedge.
+func newHoldOdd(t *testing.T, hold time.Duration, arrivals *atomic.Int64) *httptest.Server {
+	server := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if arrivals.Add(1)%2 == 1 {
+			select {
+			case <-r.Context().Done():
+				return
+			case <-time.After(hold):
+			}
+			io.WriteString(w, "held")
+			return
+		}
+		io.WriteString(w, "fast")
+	}))
+	t.Cleanup(server.Close)
+	return server
+}

@@ -271,7 +271,8 @@ func TestAResentReportCarriesTheSameOutcomes(t *testing.T) {
 	}
 	if got := trafficOf(reports[2].GetTraffic()[0]); reports[2].GetReportId() == reports[0].GetReportId() || got != (Traffic{Requests: 1, Successes: 1}) {
 		t.Fatalf("third %v", reports[2])
-	}	// The first attempt's latency goes with its outcome (a failure: the 503),
+	}
+	// The first attempt's latency goes with its outcome (a failure: the 503),
 	// the retry's nowhere; the re-sent batch (proto.Equal above) carries the
 	// same histograms.
 	first, third := latencyOf(reports[0].GetTraffic()[0]), latencyOf(reports[2].GetTraffic()[0])
