@@ -32,12 +32,13 @@ quantile = 0.95
 `
 
 // seedLatencies reports n first attempts to upstream, 90% at 1ms and 10% at
-// 30ms, so that retryd serves a p95 hedge delay of about 30ms (its p50 is far
-// below it: not uniformly slow), and returns what the client learned.
+// 200ms, so that retryd serves a p95 hedge delay of about 200ms (its p50 is
+// far below it: not uniformly slow), long enough that a fast call on a loaded
+// machine is not hedged, and returns what the client learned.
 func seedLatencies(t *testing.T, client *Client, upstream string, n uint64) Hedging {
 	t.Helper()
 	fast, slow := n*9/10, n-n*9/10
-	counts := map[uint32]uint64{latencyBucketOf(time.Millisecond): fast, latencyBucketOf(30 * time.Millisecond): slow}
+	counts := map[uint32]uint64{latencyBucketOf(time.Millisecond): fast, latencyBucketOf(200 * time.Millisecond): slow}
 	_, err := client.ReportTraffic(context.Background(), &pb.ReportTrafficRequest{Traffic: []*pb.UpstreamTraffic{{
 		Upstream: upstream, Requests: n, Successes: n, LatencySuccesses: &pb.LatencyHistogram{Counts: counts},
 	}}})
@@ -45,7 +46,7 @@ func seedLatencies(t *testing.T, client *Client, upstream string, n uint64) Hedg
 		t.Fatal(err)
 	}
 	h, ok := client.Hedging(upstream)
-	if !ok || !h.Enabled || h.Delay < 20*time.Millisecond || h.Delay > 40*time.Millisecond || h.MaxHedges != 1 {
+	if !ok || !h.Enabled || h.Delay < 150*time.Millisecond || h.Delay > 250*time.Millisecond || h.MaxHedges != 1 {
 		t.Fatalf("retryd served %+v (%v) after %d latencies", h, ok, n)
 	}
 	return h
@@ -173,9 +174,10 @@ func TestRetrydHedgeCapSendsNoCopy(t *testing.T) {
 	// 100 first attempts over the window: the default 5% cap allows 5 hedges.
 	seedLatencies(t, client, "go-hedge-cap", 100)
 	// Odd arrivals (each call's first attempt) are held until cancelled, or
-	// for 300ms and then answered; even ones (the hedges) answered at once.
+	// for 1s (past the ~200ms delay) and then answered; even ones (the
+	// hedges) answered at once.
 	var arrivals atomic.Int64
-	upstream := newHoldOdd(t, 300*time.Millisecond, &arrivals)
+	upstream := newHoldOdd(t, time.Second, &arrivals)
 	httpClient := &http.Client{Transport: &Transport{Client: client, Upstream: "go-hedge-cap"}}
 	ctx := WithIdempotency(context.Background(), pb.Idempotency_IDEMPOTENCY_SAFE)
 	for i := 1; i <= 5; i++ {
