@@ -1,8 +1,6 @@
 package dev.retryd.client;
 
 import java.time.Duration;
-import java.util.HashMap;
-import java.util.Map;
 import retryd.v1.Retryd.LatencyHistogram;
 
 /**
@@ -43,21 +41,42 @@ public final class Latency {
     return bucket(elapsed.toNanos() / 1000);
   }
 
-  /** One upstream's pending first-attempt latencies: at most 238 buckets each. */
+  /**
+   * One upstream's pending first-attempt latencies: a count per bucket, 238 each
+   * at most (1.9 KB a histogram, allocated on its first latency; a flat array, so
+   * that recording allocates nothing: a map boxed every bucket above 127).
+   */
   static final class Histograms {
-    final Map<Integer, Long> successes = new HashMap<>();
-    final Map<Integer, Long> failures = new HashMap<>();
+    long[] successes;
+    long[] failures;
 
     void record(boolean success, long nanos) {
-      (success ? successes : failures).merge(bucket(nanos / 1000), 1L, Long::sum);
+      int b = bucket(nanos / 1000);
+      if (success) {
+        if (successes == null) {
+          successes = new long[MAX_BUCKET + 1];
+        }
+        successes[b]++;
+      } else {
+        if (failures == null) {
+          failures = new long[MAX_BUCKET + 1];
+        }
+        failures[b]++;
+      }
     }
 
-    boolean isEmpty() {
-      return successes.isEmpty() && failures.isEmpty();
-    }
-
-    static LatencyHistogram proto(Map<Integer, Long> counts) {
-      return LatencyHistogram.newBuilder().putAllCounts(counts).build();
+    /** The contract's histogram of {@code counts} (empty buckets left out), or null if it is empty. */
+    static LatencyHistogram proto(long[] counts) {
+      if (counts == null) {
+        return null;
+      }
+      LatencyHistogram.Builder histogram = LatencyHistogram.newBuilder();
+      for (int b = 0; b < counts.length; b++) {
+        if (counts[b] > 0) {
+          histogram.putCounts(b, counts[b]);
+        }
+      }
+      return histogram.getCountsCount() == 0 ? null : histogram.build();
     }
   }
 }

@@ -147,7 +147,7 @@ public final class TrafficReporter implements AutoCloseable {
    * recorded; a first attempt cancelled because its hedge answered first is
    * recorded as a success with the time it had run (see {@code
    * UpstreamTraffic.latency_successes} in retryd.proto). The adapters do this by
-   * default. Costs a map increment under the reporter's lock (BENCHMARKS.md).
+   * default. Costs an array increment under the reporter's lock (BENCHMARKS.md).
    */
   public void recordLatency(String upstream, boolean success, long nanos) {
     synchronized (lock) {
@@ -219,11 +219,15 @@ public final class TrafficReporter implements AutoCloseable {
             .setFailures(count[FAILURES])
             .setRetrySuccesses(count[RETRY_SUCCESSES])
             .setRetryFailures(count[RETRY_FAILURES]);
-    if (latency != null && !latency.successes.isEmpty()) {
-      entry.setLatencySuccesses(Latency.Histograms.proto(latency.successes));
-    }
-    if (latency != null && !latency.failures.isEmpty()) {
-      entry.setLatencyFailures(Latency.Histograms.proto(latency.failures));
+    if (latency != null) {
+      retryd.v1.Retryd.LatencyHistogram successes = Latency.Histograms.proto(latency.successes);
+      retryd.v1.Retryd.LatencyHistogram failures = Latency.Histograms.proto(latency.failures);
+      if (successes != null) {
+        entry.setLatencySuccesses(successes);
+      }
+      if (failures != null) {
+        entry.setLatencyFailures(failures);
+      }
     }
     return entry.build();
   }
