@@ -72,11 +72,22 @@ import retryd.v1.Retryd.Verdict;
  * trailer, and a call that ends in failure after the decision is recorded on
  * the request being served.
  *
- * <p>About 605 lines, one responsibility: a gRPC call under retryd's
- * decisions (the attempt loop, its classification of grpc-java's statuses
- * into evidence, the deadline-after-send rule, each attempt's outcome for the
- * reporter, and a streaming call's single attempt with its lineage), read
- * top to bottom.
+ * <p>Hedging (issue 33): a unary call to an upstream whose hedging retryd
+ * serves ({@link RetrydClient#hedging}) and whose idempotency the policy lists
+ * sends its first attempt with a timer of the served delay; if it fires with the
+ * attempt still running, retryd is asked for a hedge, and on RETRY a copy goes
+ * out. The first copy that ends with a code outside {@link #FAILURE_CODES} wins;
+ * the others are cancelled and recorded nowhere (the first attempt's time, as a
+ * success latency, excepted). When every copy fails, the last one's status goes
+ * to the normal retry path, every copy counted as an attempt.
+ *
+ * <p>About 770 lines, one responsibility: a gRPC call under retryd's
+ * decisions (the attempt loop, its hedged first attempt, its classification
+ * of grpc-java's statuses into evidence, the deadline-after-send rule, each
+ * attempt's outcome for the reporter, and a streaming call's single attempt
+ * with its lineage), read top to bottom. The hedged copies share the call's
+ * recorded events and lock, hence inside it; splitting the call into a state
+ * class of its own is the next step if it grows.
  */
 public final class RetrydClientInterceptor implements ClientInterceptor, AutoCloseable {
   /** Declares a call's idempotency: {@code stub.withOption(IDEMPOTENCY, Idempotency.IDEMPOTENCY_SAFE)}. */
