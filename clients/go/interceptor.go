@@ -56,6 +56,11 @@ const PushbackTrailer = "grpc-retry-pushback-ms"
 // ([FailureCodes] fail, any other ending succeeds, CANCELLED or a cancelled
 // context is neither).
 //
+// A unary call with a protobuf reply to an upstream whose hedging retryd
+// serves is hedged as the [Transport] hedges (see interceptor_hedge.go): a
+// copy after the served delay if retryd allows it, the first ending whose
+// code is not in [FailureCodes] winning, the others cancelled.
+//
 // Switch off grpc-go's own retries on the connection (grpc.WithDisableRetry,
 // and no retryPolicy in the service config): the interceptor would see only
 // their last attempt, and retries would be made that retryd never allowed.

@@ -1,5 +1,6 @@
 // transport.go is the Transport: one http.RoundTripper that retries under
-// retryd's decisions. About 690 lines because the attempt loop, the
+// retryd's decisions (its hedged first attempt is in transport_hedge.go).
+// About 730 lines because the attempt loop, the
 // httptrace evidence and the body handling are read together; the
 // classification of errors is the part a reader checks against the issue.
 
@@ -101,6 +102,13 @@ func callOf(ctx context.Context) Call {
 // when nothing of the request was written, and otherwise refuses the re-send
 // (see refuseHiddenResend), so that every request that reaches the upstream
 // is an attempt retryd allowed.
+//
+// A call to an upstream whose hedging retryd serves (see [Client.Hedging])
+// is hedged when its idempotency is one the policy lists and its body is
+// replayable: after the served delay with the first attempt still running,
+// retryd is asked for a hedge, and on RETRY a copy is sent; the first answer
+// that is not a retryable failure wins and the other copies are aborted
+// (README, Hedging).
 type Transport struct {
 	// Base sends each attempt; nil means http.DefaultTransport.
 	Base http.RoundTripper
