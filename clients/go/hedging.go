@@ -266,6 +266,7 @@ func runHedged[R any](ctx context.Context, plan hedgePlan,
 	timerOn := true
 	inFlight := 1
 	var last *copyResult[R]
+	firstRunning := true
 	for {
 		var fire <-chan time.Time
 		if timerOn {
@@ -274,6 +275,9 @@ func runHedged[R any](ctx context.Context, plan hedgePlan,
 		select {
 		case r := <-results:
 			inFlight--
+			if r.copy == 0 {
+				firstRunning = false
+			}
 			record(r)
 			if r.done {
 				for i, cancel := range cancels {
@@ -281,10 +285,13 @@ func runHedged[R any](ctx context.Context, plan hedgePlan,
 						cancel()
 					}
 				}
-				if r.copy != 0 && inFlight > 0 {
+				if firstRunning {
 					// The first attempt was still running: the time it ran
 					// is a lower bound of its latency (see the proto).
 					cancelledFirst(time.Since(starts[0]))
+				}
+				if last != nil {
+					discard(last.result) // an earlier copy's failure, superseded
 				}
 				drain(results, inFlight, discard)
 				out.copyResult, out.cancel = r, cancels[r.copy]
@@ -292,6 +299,7 @@ func runHedged[R any](ctx context.Context, plan hedgePlan,
 			}
 			if last != nil {
 				discard(last.result)
+				cancels[last.copy]()
 			}
 			last = &r
 			if inFlight == 0 {
@@ -312,6 +320,11 @@ func runHedged[R any](ctx context.Context, plan hedgePlan,
 			out.decisions = append(out.decisions, decision)
 			if !decision.ShouldRetry() {
 				continue // denied: no copy, and no more hedges for this call
+			}
+			if len(results) > 0 {
+				// A copy ended while retryd decided: handle it first rather
+				// than send a copy the call may no longer need.
+				continue
 			}
 			launch(out.sent)
 			out.sent++

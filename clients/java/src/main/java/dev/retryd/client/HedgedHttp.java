@@ -102,7 +102,9 @@ final class HedgedHttp<T> {
           hedging = false;
           Decision decision = retryd.decide(ask.apply(result.sent, result.sent));
           result.lastDecision = decision;
-          if (decision.shouldRetry()) {
+          // A copy that ended while retryd decided is handled first, rather
+          // than a copy sent that the call may no longer need.
+          if (decision.shouldRetry() && done.isEmpty()) {
             copies.add(launch.apply(result.sent));
             result.sent++;
             inFlight++;
