@@ -19,13 +19,11 @@ public final class Latency {
    * The bucket of a latency of {@code micros} microseconds: {@code micros} below
    * 16, otherwise {@code 8*(e-2) + (m-8)} with {@code e = floor(log2 micros)} and
    * {@code m} its top four bits. Integer arithmetic only, so no client rounds a
-   * boundary differently. Negative counts as 0.
+   * boundary differently. {@code micros} is read as unsigned, as the contract's
+   * 64-bit values are (a negative long is above one hour).
    */
   public static int bucket(long micros) {
-    if (micros < 0) {
-      micros = 0;
-    }
-    if (micros > HOUR_MICROS) {
+    if (Long.compareUnsigned(micros, HOUR_MICROS) > 0) {
       micros = HOUR_MICROS;
     }
     if (micros < 16) {
@@ -36,9 +34,9 @@ public final class Latency {
     return 8 * (e - 2) + (int) (m - 8);
   }
 
-  /** The bucket of {@code elapsed}. */
+  /** The bucket of {@code elapsed} (a negative one, from a clock step, counts as 0). */
   public static int bucketOf(Duration elapsed) {
-    return bucket(elapsed.toNanos() / 1000);
+    return bucket(Math.max(0, elapsed.toNanos() / 1000));
   }
 
   /**
@@ -51,7 +49,7 @@ public final class Latency {
     long[] failures;
 
     void record(boolean success, long nanos) {
-      int b = bucket(nanos / 1000);
+      int b = bucket(Math.max(0, nanos / 1000));
       if (success) {
         if (successes == null) {
           successes = new long[MAX_BUCKET + 1];

@@ -47,7 +47,7 @@ class HedgingTest {
     // 1000us is in bucket 63: bucket 63 starts at (8+7)<<6 = 960us, bucket 64 at 1024us.
     long[][] vectors = {
       {0, 0}, {15, 15}, {16, 16}, {17, 16}, {18, 17}, {31, 23}, {32, 24}, {1000, 63}, {1023, 63}, {1024, 64},
-      {3_600_000_000L, 237}, {7_200_000_000L, 237}, {Long.MAX_VALUE, 237}, {-5, 0},
+      {3_600_000_000L, 237}, {7_200_000_000L, 237}, {Long.MAX_VALUE, 237}, {-1, 237}, // -1: 2^64-1 unsigned
     };
     for (long[] v : vectors) {
       assertEquals(v[1], Latency.bucket(v[0]), "bucket(" + v[0] + ")");
