@@ -141,6 +141,27 @@ pub struct DecisionLine {
     /// before the field existed, and when the outcome is not in doubt).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unknown_outcome: Option<String>,
+    /// A hedge decision's numbers (absent for a retry's decision).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hedge: Option<HedgeLine>,
+}
+
+/// What a hedge decision was made on: which hedge, and the fleet's state
+/// over the window as it was read.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HedgeLine {
+    /// Which hedge of the call (1 for the first).
+    pub k: u32,
+    /// The hedge delay, in nanoseconds.
+    pub delay_ns: u64,
+    /// The fleet's median, in nanoseconds.
+    pub p50_ns: u64,
+    /// Latencies counted over the window.
+    pub samples: u64,
+    /// First attempts reported over the window.
+    pub first_attempts: u64,
+    /// Hedges granted over the window before this decision.
+    pub hedges: u64,
 }
 
 /// One deposited entry of a traffic report.
@@ -509,6 +530,8 @@ struct DecisionLineView<'a> {
     shadow: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     unknown_outcome: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    hedge: Option<HedgeLine>,
 }
 
 /// The strings of a [`DecisionRecord`], by index.
@@ -554,6 +577,7 @@ struct DecisionRecord {
     tokens_remaining: f64,
     shadow: bool,
     unknown_outcome: Option<&'static str>,
+    hedge: Option<HedgeLine>,
 }
 
 impl DecisionRecord {
@@ -603,6 +627,14 @@ impl DecisionRecord {
             tokens_remaining: decided.tokens_remaining,
             shadow: decided.shadow,
             unknown_outcome: decision.unknown_outcome.map(|mark| mark.as_str()),
+            hedge: decision.hedge.map(|note| HedgeLine {
+                k: note.hedge,
+                delay_ns: nanos(note.delay),
+                p50_ns: nanos(note.p50),
+                samples: note.samples,
+                first_attempts: note.first_attempts,
+                hedges: note.hedges,
+            }),
         }
     }
 
@@ -646,6 +678,7 @@ impl DecisionRecord {
             tokens_remaining: self.tokens_remaining,
             shadow: self.shadow,
             unknown_outcome: self.unknown_outcome,
+            hedge: self.hedge,
         })
     }
 
@@ -687,6 +720,7 @@ impl DecisionRecord {
             tokens_remaining: self.tokens_remaining,
             shadow: self.shadow,
             unknown_outcome: owned(self.unknown_outcome),
+            hedge: self.hedge,
         }
     }
 }
@@ -694,6 +728,11 @@ impl DecisionRecord {
 /// The attempt of a logged decision and its draw, in the engine's terms,
 /// to decide again. `Err` names the field that does not read.
 pub fn attempt_of(line: &DecisionLine) -> Result<(Attempt<'_>, Draw), &'static str> {
+    // A hedge is decided on the fleet's state of its moment, which a
+    // replay's store does not have: not replayed (yet).
+    if line.hedge.is_some() {
+        return Err("hedge");
+    }
     let nanos = Duration::from_nanos;
     let body = body_of(&line.replayability).ok_or("replayability")?;
     let reported = Facts {
@@ -836,6 +875,14 @@ mod tests {
             tokens_remaining: 9.5,
             shadow: all,
             unknown_outcome: all.then_some("reconcile"),
+            hedge: all.then_some(HedgeLine {
+                k: 1,
+                delay_ns: 40_000_000,
+                p50_ns: 10_000_000,
+                samples: 1_000,
+                first_attempts: 1_000,
+                hedges: 3,
+            }),
         }
     }
 

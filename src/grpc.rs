@@ -239,6 +239,11 @@ impl<S: BudgetStore> Service<S> {
     pub fn sweep(&self) -> usize {
         self.decider().sweep(self.startup().evict_idle_after)
     }
+
+    /// One refresh of the shared hedging windows (a shared store only).
+    pub async fn refresh_hedging(&self) {
+        self.decider().refresh_hedging().await;
+    }
 }
 
 /// The connection a request came on: its address and client certificate.

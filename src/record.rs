@@ -17,8 +17,9 @@ use crate::decide::{Decided, Observe, Refused};
 use crate::decision_log::DecisionLog;
 use crate::engine::{UnknownOutcome, Verdict};
 use crate::telemetry::{
-    Attribute, CandidateSpan, DecisionFields, DecisionSpan, DecisionTexts, Metrics, Refusal,
-    SPAN_DECIDE, SpanStart, StoreOp, Throttle, TraceContext, Tracer, UpstreamLimit, attr, hex,
+    Attribute, CandidateSpan, DecisionFields, DecisionSpan, DecisionTexts, HedgeSpan, Metrics,
+    Refusal, SPAN_DECIDE, SpanStart, StoreOp, Throttle, TraceContext, Tracer, UpstreamLimit, attr,
+    hex,
 };
 
 /// How often at most a full share is logged.
@@ -119,6 +120,9 @@ impl Recorder {
             decided.candidate.as_ref().map(|(decision, _)| decision),
             decided.shadow,
         );
+        if decision.hedge.is_some() {
+            self.metrics.record_hedge(attempt.upstream, decision);
+        }
         let span_trace = recording.span.as_ref().map(SpanStart::trace_id);
         self.metrics.record_decision(
             attempt.upstream,
@@ -326,6 +330,13 @@ impl Recorder {
                 deny_reason,
                 shadow: decided.shadow,
                 candidate,
+                hedge: decision.hedge.map(|note| HedgeSpan {
+                    hedge: note.hedge,
+                    delay_ms: note.delay.as_secs_f64() * 1000.0,
+                    p50_ms: note.p50.as_secs_f64() * 1000.0,
+                    hedges: note.hedges,
+                    first_attempts: note.first_attempts,
+                }),
                 method,
             },
         )

@@ -26,7 +26,7 @@ use crate::config::{LogFormat, TelemetryConfig};
 pub use metrics::{
     BUDGET_GAUGES_INTERVAL, BudgetGauges, Metrics, Refusal, StoreOp, UpstreamLimit, serve_metrics,
 };
-pub use span::{CandidateSpan, DecisionFields, DecisionSpan, DecisionTexts, SpanStart};
+pub use span::{CandidateSpan, DecisionFields, DecisionSpan, DecisionTexts, HedgeSpan, SpanStart};
 pub use trace::{Attribute, TraceContext, Tracer, TracerGuard, hex};
 
 /// The span of one decision.
@@ -99,6 +99,16 @@ pub mod attr {
     pub const CANDIDATE_RULE: &str = "retry.candidate.rule";
     /// Tokens left in the candidate's budget.
     pub const CANDIDATE_TOKENS_REMAINING: &str = "retry.candidate.tokens_remaining";
+    /// Which hedge of a call was asked for (absent on a retry's decision).
+    pub const HEDGE: &str = "retry.hedge";
+    /// The hedge delay the decision was made on, in milliseconds.
+    pub const HEDGE_DELAY_MS: &str = "retry.hedge_delay_ms";
+    /// The fleet's median latency the hedge decision saw, in milliseconds.
+    pub const HEDGE_P50_MS: &str = "retry.hedge_p50_ms";
+    /// Hedges granted over the window before this decision.
+    pub const HEDGES_IN_WINDOW: &str = "retry.hedges_in_window";
+    /// First attempts reported over the window.
+    pub const HEDGE_FIRST_ATTEMPTS: &str = "retry.hedge_first_attempts";
     /// Set when the attempt may have taken effect upstream, whatever the
     /// verdict: `reconcile` or `resend_with_key` (absent otherwise).
     pub const UNKNOWN_OUTCOME: &str = "retry.unknown_outcome";

@@ -17,7 +17,9 @@ use sha2::{Digest, Sha256};
 use super::names::invalid;
 use super::{Decider, Live, Observe, Refused, permit};
 use crate::auth::Principal;
+use crate::budget::hedging::{self, HedgeAdd};
 use crate::budget::{BucketConfig, BudgetStore, Outcomes, ReportClaim};
+use crate::engine::HedgePolicy;
 use crate::engine::latency::Histogram;
 use crate::telemetry::StoreOp;
 
@@ -181,10 +183,7 @@ impl<S: BudgetStore> Decider<S> {
             // policy keeps any (after its deposit, so that a re-sent report
             // records each entry at most once, as it deposits).
             if let Some(hedging) = &live.policies.get(upstream).hedging {
-                let none = Histogram::new();
-                let latencies = entry.latencies.as_deref().unwrap_or(&none);
-                self.hedges
-                    .record(upstream, hedging, latencies, entry.requests);
+                self.record_latencies(upstream, hedging, entry).await;
             }
             if let Some(candidate) = &live.policies.get(upstream).candidate {
                 self.candidates
@@ -192,6 +191,83 @@ impl<S: BudgetStore> Decider<S> {
             }
         }
         Ok(())
+    }
+}
+
+impl<S: BudgetStore> Decider<S> {
+    /// Adds an entry's first attempts and latencies to the upstream's
+    /// window: this process's own, or the shared store's (then read back,
+    /// so that the report's answer serves the fleet's delay with them). A
+    /// shared store that fails loses the entry's latencies (fewer samples,
+    /// never a failed report: its deposit has landed).
+    async fn record_latencies(&self, upstream: &str, policy: &HedgePolicy, entry: &Traffic<'_>) {
+        if !S::SHARES_HEDGING {
+            let none = Histogram::new();
+            let latencies = entry.latencies.as_deref().unwrap_or(&none);
+            self.hedges
+                .record(upstream, policy, latencies, entry.requests);
+            return;
+        }
+        let slot = hedging::wall_slot(policy.window);
+        let add = HedgeAdd {
+            slot,
+            ttl: 2 * policy.window,
+            first_attempts: entry.requests,
+            hedges: 0,
+            latencies: entry.latencies.as_deref(),
+        };
+        let read = match self.store.add_hedging(upstream, &add).await {
+            Ok(()) => self.store.read_hedging(upstream, slot).await,
+            Err(error) => Err(error),
+        };
+        match read {
+            Ok(Some(fleet)) => self.hedges.set_fleet(upstream, policy, &fleet, 0),
+            Ok(None) => {}
+            Err(error) => {
+                tracing::debug!(%error, upstream, "could not add latencies to the shared hedging window");
+            }
+        }
+    }
+
+    /// Flushes the hedges this replica granted to the shared store and
+    /// reads every hedged upstream's window back: the fleet's view, which
+    /// every replica answers from. Run every second by the server, off the
+    /// decision path; does nothing on a store that shares no window.
+    pub async fn refresh_hedging(&self) {
+        if !S::SHARES_HEDGING {
+            return;
+        }
+        let live = self.live_full();
+        for (upstream, policy) in live.policies.named() {
+            let Some(hedging) = &policy.hedging else {
+                continue;
+            };
+            let slot = hedging::wall_slot(hedging.window);
+            let flushed = self.hedges.take_pending(upstream, hedging);
+            if flushed > 0 {
+                let add = HedgeAdd {
+                    slot,
+                    ttl: 2 * hedging.window,
+                    first_attempts: 0,
+                    hedges: flushed,
+                    latencies: None,
+                };
+                if let Err(error) = self.store.add_hedging(upstream, &add).await {
+                    tracing::debug!(%error, upstream, "could not flush granted hedges");
+                    self.hedges.restore(upstream, hedging, flushed);
+                    continue;
+                }
+            }
+            match self.store.read_hedging(upstream, slot).await {
+                Ok(Some(fleet)) => self.hedges.set_fleet(upstream, hedging, &fleet, flushed),
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::debug!(%error, upstream, "could not read the shared hedging window");
+                    // Flushed, but not read back: the next read counts them.
+                    self.hedges.restore(upstream, hedging, 0);
+                }
+            }
+        }
     }
 }
 

@@ -145,8 +145,10 @@ impl<S: BudgetStore> pb::retry_admin_server::RetryAdmin for Service<S> {
                 .timed_admin(self.store().view(upstream, &policy.bucket))
                 .await
                 .map_err(store_status)?;
-            let hedging = self.decider().hedging(&live, upstream);
-            let hedging = hedging.map(|served| super::answer::hedging(upstream, &served));
+            let hedging = self.decider().hedging(&live, upstream).map(|served| {
+                super::report::record_hedging(self.recorder(), upstream, &served);
+                super::answer::hedging(upstream, &served)
+            });
             Ok(budget(snapshot, policy, hedging))
         };
         let describe = |budget: &pb::Budget, _: &Principal| {

@@ -6,8 +6,10 @@ use tonic::{Request, Response, Status};
 
 use super::{Service, peer_addr, trace_context, validate};
 use crate::budget::BudgetStore;
-use crate::decide::Report;
+use crate::decide::{Hedging, Report};
+use crate::engine::Served;
 use crate::pb;
+use crate::record::Recorder;
 use crate::telemetry::{Attribute, SPAN_REPORT_TRAFFIC, attr};
 
 /// The method, as refusals name it in the audit log.
@@ -62,6 +64,7 @@ impl<S: BudgetStore> Service<S> {
                         continue;
                     }
                     if let Some(served) = self.decider().hedging(&live, &entry.upstream) {
+                        record_hedging(recorder, &entry.upstream, &served);
                         hedging.push(super::answer::hedging(&entry.upstream, &served));
                     }
                 }
@@ -79,4 +82,16 @@ impl<S: BudgetStore> Service<S> {
             }
         }
     }
+}
+
+/// The hedging gauges, as of what was just served.
+pub(super) fn record_hedging(recorder: &Recorder, upstream: &str, served: &Hedging) {
+    let (delay, uniformly_slow) = match served.served {
+        Served::Hedge(delay) => (delay, false),
+        Served::TooFewSamples => (std::time::Duration::ZERO, false),
+        Served::UniformlySlow => (std::time::Duration::ZERO, true),
+    };
+    recorder
+        .metrics()
+        .record_hedging(upstream, delay, uniformly_slow);
 }

@@ -15,6 +15,9 @@ use crate::config::ServerLimits;
 use crate::pb;
 use crate::transport::Acceptor;
 
+/// How often `serve` reads the shared hedging windows back.
+const HEDGING_REFRESH: Duration = Duration::from_secs(1);
+
 /// How often `serve` sweeps for idle upstreams: a few times per idle
 /// period, within 1–15 s, so an idle upstream goes within about a quarter
 /// more than the period and a sweep's locks are rare.
@@ -89,6 +92,23 @@ pub async fn serve<S: BudgetStore>(
             }
         }
     });
+    // The fleet's hedging windows, read every second from a shared store
+    // (and this replica's granted hedges flushed to it): never on the
+    // decision path. Nothing to do on the memory store.
+    let hedging = tokio::spawn({
+        let service = service.clone();
+        async move {
+            if !S::SHARES_HEDGING {
+                return;
+            }
+            let mut ticks = tokio::time::interval(HEDGING_REFRESH);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                service.refresh_hedging().await;
+            }
+        }
+    });
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -131,12 +151,14 @@ pub async fn serve<S: BudgetStore>(
         result = &mut server => {
             store_health.abort();
             sweeper.abort();
+            hedging.abort();
             return flatten(result);
         }
         () = shutdown => {}
     }
     store_health.abort();
     sweeper.abort();
+    hedging.abort();
     tracing::info!(grace = ?grace, "shutting down: draining in-flight calls");
     health_reporter
         .set_not_serving::<pb::retry_decider_server::RetryDeciderServer<Service<S>>>()

@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 mod budgets;
+mod hedges;
 mod histogram;
 mod policy_checks;
 mod render;
@@ -33,6 +34,8 @@ mod server;
 mod tests;
 
 pub use self::budgets::{BUDGET_GAUGES_INTERVAL, BudgetGauges};
+use self::hedges::Hedges;
+pub use self::hedges::{METRIC_HEDGE_DELAY, METRIC_HEDGES, METRIC_HEDGING_UNIFORMLY_SLOW};
 use self::histogram::Histogram;
 use self::policy_checks::PolicyChecks;
 pub use self::policy_checks::{METRIC_CANDIDATE_DECISIONS, METRIC_SHADOW_DECISIONS};
@@ -344,6 +347,7 @@ pub struct Metrics {
     reloads: [AtomicU64; 2],
     expired: [AtomicU64; Expiry::VARIANTS.len()],
     policy_checks: PolicyChecks,
+    hedges: Hedges,
     upstream_refusals: [AtomicU64; UpstreamLimit::ALL.len()],
     calls_refused: [AtomicU64; Refusal::ALL.len()],
 }
@@ -399,6 +403,7 @@ impl Metrics {
             upstream_refusals: Default::default(),
             calls_refused: Default::default(),
             policy_checks: PolicyChecks::new(labels_len),
+            hedges: Hedges::new(labels_len),
         }
     }
 
@@ -477,6 +482,18 @@ impl Metrics {
                 .fetch_add(1, Ordering::Relaxed);
         }
         shard.latency.record_traced(elapsed, trace_id);
+    }
+
+    /// Counts a hedge decision (`decision.hedge` is set).
+    pub fn record_hedge(&self, upstream: &str, decision: &Decision) {
+        self.hedges.record(self.row(upstream), decision);
+    }
+
+    /// Sets the hedge delay served for `upstream` (zero while it is not
+    /// hedged) and whether it is uniformly slow.
+    pub fn record_hedging(&self, upstream: &str, delay: Duration, uniformly_slow: bool) {
+        self.hedges
+            .served(self.row(upstream), delay, uniformly_slow);
     }
 
     /// Counts real requests reported for `upstream` (applied in full).

@@ -78,6 +78,21 @@ pub struct CandidateSpan {
     pub deny_reason: Option<&'static str>,
 }
 
+/// A hedge decision's part of its span: fixed-size, like the rest.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HedgeSpan {
+    /// Which hedge of the call.
+    pub hedge: u32,
+    /// The hedge delay decided on, in milliseconds.
+    pub delay_ms: f64,
+    /// The fleet's p50, in milliseconds.
+    pub p50_ms: f64,
+    /// Hedges granted over the window before this one.
+    pub hedges: u64,
+    /// First attempts reported over the window.
+    pub first_attempts: u64,
+}
+
 /// The fixed fields of a decision span (everything but its strings).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DecisionFields {
@@ -115,6 +130,8 @@ pub struct DecisionFields {
     pub shadow: bool,
     /// The candidate's verdict, if the upstream has one.
     pub candidate: Option<CandidateSpan>,
+    /// A hedge's numbers; `None` for a retry.
+    pub hedge: Option<HedgeSpan>,
     /// `Decide` or `DecideStream`.
     pub method: &'static str,
 }
@@ -247,6 +264,14 @@ impl DecisionSpan {
             if let Some(reason) = candidate.deny_reason {
                 f(attr::CANDIDATE_DENY_REASON, Value::Str(reason));
             }
+        }
+        if let Some(hedge) = &fields.hedge {
+            f(attr::HEDGE, Value::Int(i64::from(hedge.hedge)));
+            f(attr::HEDGE_DELAY_MS, Value::Float(hedge.delay_ms));
+            f(attr::HEDGE_P50_MS, Value::Float(hedge.p50_ms));
+            let int = |n: u64| Value::Int(i64::try_from(n).unwrap_or(i64::MAX));
+            f(attr::HEDGES_IN_WINDOW, int(hedge.hedges));
+            f(attr::HEDGE_FIRST_ATTEMPTS, int(hedge.first_attempts));
         }
         f(attr::RPC_METHOD, Value::Str(fields.method));
         f(attr::RPC_SYSTEM, Value::Str("grpc"));

@@ -12,10 +12,16 @@
 //! Only upstreams with a hedging policy are ever recorded: an upstream
 //! without one costs nothing. The quantiles are computed at most once per
 //! slot and write, never per decision.
+//!
+//! On a store that shares the window (Redis, `BudgetStore::SHARES_HEDGING`)
+//! the slots live in the store, numbered by the wall clock so that every
+//! replica means the same slot, and this process keeps the fleet's window
+//! as last read ([`HedgeWindows::set_fleet`]) plus the hedges it granted
+//! since its last flush ([`HedgeWindows::take_pending`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use retryd_engine::latency::Histogram;
 use retryd_engine::{HedgePolicy, HedgeState};
@@ -41,16 +47,78 @@ struct Window {
     /// The latency part of the state, as of `(epoch, writes)`.
     cached: Option<(u64, u64, HedgeState)>,
     writes: u64,
+    /// The fleet's window as last read from a shared store.
+    fleet: Option<HedgeState>,
+    /// Hedges granted here and not yet added to the shared store.
+    pending: u64,
+    /// Hedges taken for a flush whose read-back has not landed yet.
+    flushing: u64,
+}
+
+/// One slot's counts to add to a shared window.
+#[derive(Clone, Copy, Debug)]
+pub struct HedgeAdd<'a> {
+    /// The slot (wall-clock nanoseconds / slot length).
+    pub slot: u64,
+    /// How long the slot is kept: two windows.
+    pub ttl: Duration,
+    /// First attempts reported.
+    pub first_attempts: u64,
+    /// Hedges granted.
+    pub hedges: u64,
+    /// Latencies reported.
+    pub latencies: Option<&'a Histogram>,
+}
+
+/// A shared window, summed over its slots.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FleetWindow {
+    /// The fleet's first-attempt latencies.
+    pub latencies: Histogram,
+    /// First attempts reported.
+    pub first_attempts: u64,
+    /// Hedges granted.
+    pub hedges: u64,
+}
+
+/// The length of one slot of `window`, in nanoseconds.
+pub fn slot_nanos(window: Duration) -> u64 {
+    (window.as_nanos() as u64 / SLOTS as u64).max(1_000_000)
+}
+
+/// The wall-clock slot of `window` now: the same on every replica (up to
+/// their clocks' skew).
+pub fn wall_slot(window: Duration) -> u64 {
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default();
+    now.as_nanos() as u64 / slot_nanos(window)
+}
+
+/// The state a window's sums give, for `policy`.
+pub fn state_of(window: &FleetWindow, policy: &HedgePolicy) -> HedgeState {
+    HedgeState {
+        samples: window.latencies.total(),
+        p50: window.latencies.quantile(0.5).unwrap_or_default(),
+        delay: window
+            .latencies
+            .quantile(policy.quantile)
+            .unwrap_or_default(),
+        first_attempts: window.first_attempts,
+        hedges: window.hedges,
+    }
 }
 
 impl Window {
     fn new(window: Duration) -> Self {
-        let slot_nanos = (window.as_nanos() as u64 / SLOTS as u64).max(1_000_000);
         Window {
-            slot_nanos,
+            slot_nanos: slot_nanos(window),
             slots: (0..SLOTS).map(|_| Slot::default()).collect(),
             cached: None,
             writes: 0,
+            fleet: None,
+            pending: 0,
+            flushing: 0,
         }
     }
 
@@ -76,6 +144,12 @@ impl Window {
     }
 
     fn state(&mut self, now: u64, quantile: f64) -> HedgeState {
+        if let Some(fleet) = self.fleet {
+            return HedgeState {
+                hedges: fleet.hedges + self.pending + self.flushing,
+                ..fleet
+            };
+        }
         let epoch = now / self.slot_nanos;
         let mut state = match self.cached {
             Some((at, writes, state)) if at == epoch && writes == self.writes => state,
@@ -166,6 +240,43 @@ impl<C: Clock> HedgeWindows<C> {
         let window = self.window(upstream, policy);
         let mut window = window.lock().unwrap_or_else(|e| e.into_inner());
         window.slot(now).hedges += 1;
+        window.pending += 1;
+    }
+
+    /// The hedges granted here since the last flush, for a shared store;
+    /// they still count in this replica's state until [`Self::set_fleet`]
+    /// brings the fleet's sum back (or [`Self::restore`] returns them).
+    pub fn take_pending(&self, upstream: &str, policy: &HedgePolicy) -> u64 {
+        let window = self.window(upstream, policy);
+        let mut window = window.lock().unwrap_or_else(|e| e.into_inner());
+        let taken = window.pending;
+        window.pending = 0;
+        window.flushing += taken;
+        taken
+    }
+
+    /// Returns hedges whose flush failed, for the next one.
+    pub fn restore(&self, upstream: &str, policy: &HedgePolicy, hedges: u64) {
+        let window = self.window(upstream, policy);
+        let mut window = window.lock().unwrap_or_else(|e| e.into_inner());
+        window.flushing = window.flushing.saturating_sub(hedges);
+        window.pending += hedges;
+    }
+
+    /// The fleet's window as read from a shared store, after flushing
+    /// `flushed` hedges: from now on the state is the fleet's.
+    pub fn set_fleet(
+        &self,
+        upstream: &str,
+        policy: &HedgePolicy,
+        fleet: &FleetWindow,
+        flushed: u64,
+    ) {
+        let state = state_of(fleet, policy);
+        let window = self.window(upstream, policy);
+        let mut window = window.lock().unwrap_or_else(|e| e.into_inner());
+        window.flushing = window.flushing.saturating_sub(flushed);
+        window.fleet = Some(state);
     }
 
     /// The upstream's state over its window now.

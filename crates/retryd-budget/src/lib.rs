@@ -25,7 +25,7 @@ use std::time::Duration;
 use retryd_engine::BudgetView;
 
 pub use adaptive::Outcomes;
-pub use hedging::HedgeWindows;
+pub use hedging::{FleetWindow, HedgeAdd, HedgeWindows};
 pub use memory::MemoryBudgetStore;
 #[cfg(feature = "redis")]
 pub use redis::{ExactStore, LeasedStore, RedisBudgetStore, RedisConfig, RedisMode, RedisUrl};
@@ -359,6 +359,34 @@ pub trait BudgetStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Vec<BudgetSnapshot>, StoreError>> + Send
     where
         F: Fn(&str) -> BucketConfig + Send;
+
+    /// True for a store whose hedging window is shared by replicas (Redis):
+    /// reports add to it with [`BudgetStore::add_hedging`] and replicas
+    /// read it with [`BudgetStore::read_hedging`]. False: the process's own
+    /// window is the fleet's (the memory store).
+    const SHARES_HEDGING: bool = false;
+
+    /// Adds a report's (or a replica's granted hedges') counts to one slot
+    /// of the upstream's shared window. Never on the decision path.
+    fn add_hedging(
+        &self,
+        upstream: &str,
+        add: &hedging::HedgeAdd<'_>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (upstream, add);
+        std::future::ready(Ok(()))
+    }
+
+    /// The upstream's shared window ending at slot `last_slot`, summed;
+    /// `None` from a store that shares none. Never on the decision path.
+    fn read_hedging(
+        &self,
+        upstream: &str,
+        last_slot: u64,
+    ) -> impl Future<Output = Result<Option<hedging::FleetWindow>, StoreError>> + Send {
+        let _ = (upstream, last_slot);
+        std::future::ready(Ok(None))
+    }
 
     /// False while the store's backend is believed unreachable (for the
     /// health service and a metric). The memory store is always available.

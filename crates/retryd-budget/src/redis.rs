@@ -246,6 +246,30 @@ impl<M: Mode> BudgetStore for RedisBudgetStore<M> {
         self.core.list(config_of)
     }
 
+    const SHARES_HEDGING: bool = true;
+
+    fn add_hedging(
+        &self,
+        upstream: &str,
+        add: &crate::hedging::HedgeAdd<'_>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let core = &self.core;
+        async move { core.add_hedging(upstream, add, core.deadline()).await }
+    }
+
+    fn read_hedging(
+        &self,
+        upstream: &str,
+        last_slot: u64,
+    ) -> impl Future<Output = Result<Option<crate::hedging::FleetWindow>, StoreError>> + Send {
+        let core = &self.core;
+        async move {
+            core.read_hedging(upstream, last_slot, core.deadline())
+                .await
+                .map(Some)
+        }
+    }
+
     fn is_available(&self) -> bool {
         RedisBudgetStore::is_available(self)
     }

@@ -171,6 +171,36 @@ mod tests {
         }
     }
 
+    /// `conformance/latency_buckets.json`, the pairs every client checks
+    /// its own bucket function against, agrees with this one. Read line by
+    /// line (one `[a, b]` pair a line) to keep serde out of the engine.
+    #[test]
+    fn the_conformance_pairs() {
+        let text = include_str!("../../../conformance/latency_buckets.json");
+        let (starts, pairs) = text.split_once("\"pairs\"").expect("a pairs list");
+        let read = |section: &str| -> Vec<(u64, u64)> {
+            section
+                .lines()
+                .filter_map(|line| {
+                    let line = line.trim().trim_end_matches(',');
+                    let inner = line.strip_prefix('[')?.strip_suffix(']')?;
+                    let (a, b) = inner.split_once(',')?;
+                    Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
+                })
+                .collect()
+        };
+        let pairs = read(pairs);
+        assert!(pairs.len() > 600, "{} pairs", pairs.len());
+        for (micros, expected) in pairs {
+            assert_eq!(u64::from(bucket(micros)), expected, "{micros} µs");
+        }
+        let starts = read(starts);
+        assert_eq!(starts.len(), BUCKETS);
+        for (b, start) in starts {
+            assert_eq!(bucket_start(b as u32), start, "start of bucket {b}");
+        }
+    }
+
     #[test]
     fn every_bucket_starts_where_the_last_ended() {
         for b in 0..MAX_BUCKET {

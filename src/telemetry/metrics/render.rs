@@ -413,6 +413,25 @@ impl Metrics {
             "Decisions by live verdict and by what the upstream's candidate policy decided.",
             ints(candidate),
         ));
+        let (hedges, delays, slow) = self.hedges.samples(&self.labels);
+        families.push(counter(
+            METRIC_HEDGES,
+            "Hedge decisions by upstream, outcome (granted, denied) and deny reason.",
+            ints(hedges),
+        ));
+        families.push(gauge(
+            METRIC_HEDGE_DELAY,
+            "The hedge delay served per upstream (0 while it is not hedged).",
+            delays
+                .into_iter()
+                .map(|(labels, seconds)| (labels, Number::Float(seconds)))
+                .collect(),
+        ));
+        families.push(gauge(
+            METRIC_HEDGING_UNIFORMLY_SLOW,
+            "1 while the upstream is uniformly slow (p50 close to the hedging quantile): not hedged.",
+            ints(slow),
+        ));
         // One token per RETRY: the RETRY decisions, not a counter of its own.
         let retries: u64 = (0..self.labels.len())
             .map(|row| self.decisions(row, RETRY_OUTCOME))

@@ -367,6 +367,7 @@ mod tests {
                 tokens_remaining: -0.5,
                 deny_reason: Some("budget_exhausted"),
             }),
+            hedge: None,
             method: "DecideStream",
         }
     }

@@ -40,6 +40,12 @@ impl KeySpace {
         }
     }
 
+    /// `{prefix}:{u:<name>}:hedge:<slot>`: one slot of the upstream's
+    /// hedging window, in the upstream's hash slot.
+    pub(super) fn hedge(&self, upstream: &str, slot: u64) -> String {
+        format!("{}:{}:hedge:{slot}", self.prefix, tag("u", upstream))
+    }
+
     /// `{prefix}:{r:<id>}:report`: a traffic report id's key, escaped as
     /// upstream names are (a tag of its own, so any slot).
     pub(super) fn report(&self, id: &str) -> String {

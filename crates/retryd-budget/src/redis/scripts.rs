@@ -23,6 +23,8 @@ pub(super) struct Scripts {
     pub(super) list: Script,
     pub(super) probe: Script,
     pub(super) claim_report: Script,
+    pub(super) hedge_add: Script,
+    pub(super) hedge_read: Script,
 }
 
 fn bucket_script(body: &str) -> Script {
@@ -44,11 +46,13 @@ impl Scripts {
             list: Script::new(include_str!("list.lua")),
             probe: Script::new(include_str!("probe.lua")),
             claim_report: Script::new(include_str!("claim_report.lua")),
+            hedge_add: Script::new(include_str!("hedge_add.lua")),
+            hedge_read: Script::new(include_str!("hedge_read.lua")),
         }
     }
 
     /// All of them, to load at start-up.
-    pub(super) fn all(&self) -> [&Script; 12] {
+    pub(super) fn all(&self) -> [&Script; 14] {
         [
             &self.view,
             &self.check,
@@ -62,6 +66,8 @@ impl Scripts {
             &self.list,
             &self.probe,
             &self.claim_report,
+            &self.hedge_add,
+            &self.hedge_read,
         ]
     }
 }

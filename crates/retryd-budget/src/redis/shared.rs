@@ -14,6 +14,7 @@
 mod admin;
 mod direct;
 mod fallback;
+mod hedging;
 mod index;
 mod reports;
 mod rounds;
