@@ -18,7 +18,7 @@ func TestLatencyBucketsOfTheConformanceVectors(t *testing.T) {
 		t.Fatal(err)
 	}
 	var vectors struct {
-		MaxBucket uint32          `json:"max_bucket"`
+		MaxBucket uint32           `json:"max_bucket"`
 		Starts    [][2]json.Number `json:"starts"`
 		Pairs     [][2]json.Number `json:"pairs"`
 	}
@@ -30,17 +30,26 @@ func TestLatencyBucketsOfTheConformanceVectors(t *testing.T) {
 	if vectors.MaxBucket != MaxLatencyBucket || len(vectors.Starts) != MaxLatencyBucket+1 || len(vectors.Pairs) == 0 {
 		t.Fatalf("max_bucket %d, %d starts, %d pairs", vectors.MaxBucket, len(vectors.Starts), len(vectors.Pairs))
 	}
-	for _, pair := range append(vectors.Starts, vectors.Pairs...) {
-		micros, err := strconv.ParseUint(pair[0].String(), 10, 64)
+	check := func(micros, bucket json.Number) {
+		v, err := strconv.ParseUint(micros.String(), 10, 64)
 		if err != nil {
 			t.Fatal(err)
 		}
-		bucket, err := strconv.ParseUint(pair[1].String(), 10, 32)
+		b, err := strconv.ParseUint(bucket.String(), 10, 32)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := LatencyBucket(micros); got != uint32(bucket) {
-			t.Errorf("LatencyBucket(%d) = %d, want %d", micros, got, bucket)
+		if got := LatencyBucket(v); got != uint32(b) {
+			t.Errorf("LatencyBucket(%d) = %d, want %d", v, got, b)
 		}
+	}
+	for i, start := range vectors.Starts { // [bucket, its first microsecond]
+		if start[0].String() != strconv.Itoa(i) {
+			t.Fatalf("starts[%d] is bucket %s", i, start[0])
+		}
+		check(start[1], start[0])
+	}
+	for _, pair := range vectors.Pairs { // [microseconds, bucket]
+		check(pair[0], pair[1])
 	}
 }
