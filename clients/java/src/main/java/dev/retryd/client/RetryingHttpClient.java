@@ -223,7 +223,7 @@ public final class RetryingHttpClient implements AutoCloseable {
         final HttpRequest first = current;
         final Duration firstRemaining = remaining;
         HedgedHttp.Result<T> hedged =
-            new HedgedHttp<T>(http, retryd, reporter, options)
+            new HedgedHttp<T>(http, retryd, reporter, options, timer())
                 .run(
                     plan.get(),
                     copy -> oneExchange(first, copy == 0 ? firstRemaining : remainingOf(options, deadlineAt),
