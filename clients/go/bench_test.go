@@ -8,6 +8,9 @@ import (
 	"net/http/httptest"
 	"testing"
 	"time"
+
+	pb "github.com/retryd/retryd/clients/go/retrydv1"
+	"google.golang.org/protobuf/types/known/durationpb"
 )
 
 // The Transport's own cost per successful call, against the bare
@@ -106,5 +109,30 @@ func BenchmarkRecordOutcomeOnly(b *testing.B) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		reporter.RecordOutcome("bench", true, false, 1)
+	}
+}
+
+// A successful call on an upstream whose hedging retryd serves (a delay of
+// 200ms that no call here reaches: the first attempt runs in a goroutine
+// with a hedge timer) against the same call on an upstream without hedging.
+//
+//	go test -run '^$' -bench 'TransportHedg|TransportRetryd' -benchmem -count 5 .
+func BenchmarkTransportHedgedUpstream(b *testing.B) {
+	server := benchmarkServer(b)
+	// The entry outlives three report intervals: an hour here.
+	client, err := New(closedAddr(b), Options{Logger: log.New(io.Discard, "", 0), ReportInterval: time.Hour})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { client.Close() })
+	// As a ReportTraffic response would have served it.
+	client.hedging.update([]*pb.Hedging{{
+		Upstream: "bench-hedged", Enabled: true, Delay: durationpb.New(200 * time.Millisecond), MaxHedges: 1,
+		Idempotency: []pb.Idempotency{pb.Idempotency_IDEMPOTENCY_SAFE},
+	}}, time.Now(), time.Hour)
+	transport := &Transport{Base: &http.Transport{}, Client: client, Upstream: "bench-hedged"}
+	runRequests(b, transport, safe(context.Background()), server.URL)
+	if _, ok := client.Hedging("bench-hedged"); !ok {
+		b.Fatal("the hedging entry went stale during the run")
 	}
 }

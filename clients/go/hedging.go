@@ -230,15 +230,18 @@ type hedged[R any] struct {
 	cancel context.CancelFunc
 }
 
-// runHedged sends the first attempt with send(ctx, 0) and, each time plan's
-// delay passes with no answer, asks decide(k, sent) for the k-th hedge and,
-// on RETRY, sends it. The first copy whose answer ends the call wins; the
-// others are cancelled and their late results given to discard. Every copy
-// that ends before the winner is chosen, the winner included, is given to
-// record (a cancelled loser never is); the
-// first attempt, cancelled because a hedge won, is given to cancelledFirst
-// with the time it had run. When every copy sent has failed, the last
-// failure is returned and the normal retry path decides.
+// runHedged sends the first attempt with send(ctx, 0) on the caller's
+// goroutine, as an unhedged call is (a fast call costs a timer more, no
+// goroutine hop: waiting on a goroutine for it cost ~100us a call on this
+// loaded machine, BenchmarkTransportHedgedUpstream). Each time plan's delay
+// passes with no answer, a timer asks decide(k, sent) for the k-th hedge and,
+// on RETRY, sends it in a goroutine. The first copy whose answer ends the call
+// wins; the others are cancelled (the first attempt by cancelling its context,
+// which makes its send return) and their late results given to discard. Every
+// copy that ends on its own is given to record, the winner included (a
+// cancelled loser never is); the first attempt, cancelled because a hedge won,
+// is given to cancelledFirst with the time it had run. When every copy sent
+// has failed, the last failure is returned and the normal retry path decides.
 func runHedged[R any](ctx context.Context, plan hedgePlan,
 	send func(ctx context.Context, copy int) (R, bool),
 	decide func(k, sent int) (Decision, error),
@@ -246,106 +249,140 @@ func runHedged[R any](ctx context.Context, plan hedgePlan,
 	cancelledFirst func(elapsed time.Duration),
 	discard func(R),
 ) hedged[R] {
-	results := make(chan copyResult[R], plan.max+1)
-	var cancels []context.CancelFunc
-	starts := []time.Time{}
-	launch := func(copy int) {
+	var (
+		mu        sync.Mutex // guards everything below
+		firstDone bool       // the first attempt's send returned: no hedge wins it, none is sent
+		winner    *copyResult[R]
+		lost      = map[int]bool{} // hedges cancelled by us: recorded nowhere
+		cancels   []context.CancelFunc
+		sent      = 1
+		decisions []Decision
+		timer     *time.Timer
+		// Hedges that ended on their own and did not win at once, sent under
+		// mu (so never lost to a cancel racing them); never blocks.
+		ended = make(chan copyResult[R], plan.max)
+	)
+	firstCtx, cancelFirst := context.WithCancel(ctx)
+	cancels = append(cancels, cancelFirst)
+	hedgeEnded := func(r copyResult[R]) {
+		mu.Lock()
+		defer mu.Unlock()
+		if lost[r.copy] {
+			discard(r.result)
+			return
+		}
+		record(r)
+		if r.done && !firstDone && winner == nil {
+			winner = &r
+			cancelFirst() // the first attempt's send returns; the caller takes this one
+			return
+		}
+		ended <- r
+	}
+	var onTimer func()
+	onTimer = func() {
+		mu.Lock()
+		if firstDone || winner != nil || sent-1 >= plan.max || ctx.Err() != nil {
+			mu.Unlock()
+			return
+		}
+		k := sent
+		mu.Unlock()
+		decision, err := decide(k, k) // on the timer's goroutine, never the caller's
+		mu.Lock()
+		defer mu.Unlock()
+		if err != nil {
+			return // an invalid request is a bug: no hedge, the first attempt runs on
+		}
+		decisions = append(decisions, decision)
+		if !decision.ShouldRetry() || firstDone || winner != nil {
+			return // denied: no copy and no more hedges; or no longer needed
+		}
 		copyCtx, cancel := context.WithCancel(ctx)
 		cancels = append(cancels, cancel)
+		copy := sent
+		sent++
+		if sent-1 < plan.max {
+			timer = time.AfterFunc(plan.delay, onTimer)
+		}
 		start := time.Now()
-		starts = append(starts, start)
 		go func() {
 			result, done := send(copyCtx, copy)
-			results <- copyResult[R]{copy: copy, result: result, done: done, elapsed: time.Since(start)}
+			hedgeEnded(copyResult[R]{copy: copy, result: result, done: done, elapsed: time.Since(start)})
 		}()
 	}
-	launch(0)
-	out := hedged[R]{sent: 1}
-	timer := time.NewTimer(plan.delay)
-	defer timer.Stop()
-	timerOn := true
-	inFlight := 1
-	var last *copyResult[R]
-	firstRunning := true
-	for {
-		var fire <-chan time.Time
-		if timerOn {
-			fire = timer.C
-		}
-		select {
-		case r := <-results:
-			inFlight--
-			if r.copy == 0 {
-				firstRunning = false
-			}
-			record(r)
-			if r.done {
-				for i, cancel := range cancels {
-					if i != r.copy {
-						cancel()
-					}
-				}
-				if firstRunning {
-					// The first attempt was still running: the time it ran
-					// is a lower bound of its latency (see the proto).
-					cancelledFirst(time.Since(starts[0]))
-				}
-				if last != nil {
-					discard(last.result) // an earlier copy's failure, superseded
-				}
-				drain(results, inFlight, discard)
-				out.copyResult, out.cancel = r, cancels[r.copy]
-				return out
-			}
-			if last != nil {
-				discard(last.result)
-				cancels[last.copy]()
-			}
-			last = &r
-			if inFlight == 0 {
-				out.copyResult, out.cancel = r, cancels[r.copy]
-				return out
-			}
-		case <-fire:
-			timerOn = false
-			if out.sent-1 >= plan.max || ctx.Err() != nil {
-				continue
-			}
-			decision, err := decide(out.sent, out.sent)
-			if err != nil {
-				// An invalid request is a bug: let the copies in flight
-				// finish, without more hedges, and say nothing more here.
-				continue
-			}
-			out.decisions = append(out.decisions, decision)
-			if !decision.ShouldRetry() {
-				continue // denied: no copy, and no more hedges for this call
-			}
-			if len(results) > 0 {
-				// A copy ended while retryd decided: handle it first rather
-				// than send a copy the call may no longer need.
-				continue
-			}
-			launch(out.sent)
-			out.sent++
-			inFlight++
-			if out.sent-1 < plan.max {
-				timer.Reset(plan.delay)
-				timerOn = true
-			}
-		}
-	}
-}
+	mu.Lock()
+	timer = time.AfterFunc(plan.delay, onTimer)
+	mu.Unlock()
 
-// drain hands the late results of cancelled copies to discard, in the
-// background: a cancelled copy ends promptly, but the winner need not wait.
-func drain[R any](results chan copyResult[R], n int, discard func(R)) {
-	if n == 0 {
-		return
-	}
-	go func() {
-		for i := 0; i < n; i++ {
-			discard((<-results).result)
+	start := time.Now()
+	result, done := send(firstCtx, 0)
+	first := copyResult[R]{copy: 0, result: result, done: done, elapsed: time.Since(start)}
+
+	mu.Lock()
+	firstDone = true
+	timer.Stop()
+	w := winner
+	// loseAll cancels every hedge but keep and hands what they left to
+	// discard; mu is held.
+	loseAll := func(keep int) {
+		for i := 1; i < len(cancels); i++ {
+			if i != keep {
+				lost[i] = true
+				cancels[i]()
+			}
 		}
-	}()
+		for {
+			select {
+			case r := <-ended:
+				if r.copy != keep {
+					discard(r.result)
+				}
+			default:
+				return
+			}
+		}
+	}
+	out := hedged[R]{sent: sent}
+	if w != nil {
+		// A hedge won and cancelled the first attempt: its result is the
+		// cancellation, and the time it ran a lower bound of its latency.
+		discard(first.result)
+		cancelledFirst(first.elapsed)
+		loseAll(w.copy)
+		out.copyResult, out.cancel, out.decisions = *w, cancels[w.copy], decisions
+		mu.Unlock()
+		return out
+	}
+	record(first)
+	if first.done || sent == 1 {
+		loseAll(-1)
+		out.copyResult, out.cancel, out.decisions = first, cancelFirst, decisions
+		mu.Unlock()
+		return out
+	}
+	waiting := sent - 1 // every hedge sent and not lost ends in ended
+	mu.Unlock()
+	// The first attempt failed with hedges sent: the first of them to end
+	// the call wins, else the last failure goes to the retry path.
+	last := first
+	for i := 0; i < waiting; i++ {
+		r := <-ended
+		discard(last.result)
+		cancels[last.copy]()
+		last = r
+		if r.done {
+			mu.Lock()
+			loseAll(r.copy)
+			out.decisions = decisions
+			mu.Unlock()
+			out.copyResult, out.cancel = r, cancels[r.copy]
+			return out
+		}
+	}
+	mu.Lock()
+	out.decisions = decisions
+	mu.Unlock()
+	out.copyResult, out.cancel = last, cancels[last.copy]
+	return out
 }
