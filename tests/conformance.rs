@@ -466,3 +466,82 @@ async fn conformance_vectors_over_one_stream() {
     }
     report(outcomes);
 }
+
+// ------------------------------------------------------------------ hedging
+
+/// A `ReportTrafficRequest` in the proto3 JSON mapping, as far as the
+/// hedging vectors use it: upstream, requests and `latencySuccesses`.
+fn report_request(report: &Value) -> pb::ReportTrafficRequest {
+    let traffic = report["traffic"]
+        .as_array()
+        .expect("\"traffic\" is an array")
+        .iter()
+        .map(|entry| pb::UpstreamTraffic {
+            upstream: entry["upstream"].as_str().expect("upstream").to_string(),
+            requests: entry["requests"].as_u64().expect("requests"),
+            latency_successes: field(entry, "latencySuccesses", "latency_successes").map(
+                |histogram| pb::LatencyHistogram {
+                    counts: histogram["counts"]
+                        .as_object()
+                        .expect("counts is an object")
+                        .iter()
+                        .map(|(bucket, count)| {
+                            (
+                                bucket.parse().expect("a bucket index"),
+                                count.as_u64().expect("a count"),
+                            )
+                        })
+                        .collect(),
+                },
+            ),
+            ..Default::default()
+        })
+        .collect();
+    pb::ReportTrafficRequest {
+        traffic,
+        ..Default::default()
+    }
+}
+
+/// `conformance/hedging.json`: hedge decisions after the reports the file
+/// carries, over unary `Decide`. Run by the server's suite only: the
+/// clients' local fallbacks do not decide hedges (conformance/README.md).
+#[tokio::test]
+async fn hedging_vectors_over_decide() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/conformance/hedging.json");
+    let text = std::fs::read_to_string(path).expect("conformance/hedging.json is readable");
+    let vectors: Value = serde_json::from_str(&text).expect("conformance/hedging.json is JSON");
+    let (server, mut decider) = start_for(&vectors).await;
+    for report in vectors["reports"].as_array().expect("\"reports\"") {
+        decider
+            .report_traffic(report_request(report))
+            .await
+            .expect("a vectors report is accepted");
+    }
+    let cases = vectors["cases"].as_array().expect("\"cases\" is an array");
+    assert!(cases.len() >= 20, "{} hedging cases", cases.len());
+    let mut outcomes = Vec::new();
+    for case in cases {
+        let name = case["name"].as_str().expect("case name").to_string();
+        let request = decide_request(&case["request"]);
+        let problems = match (decider.decide(request).await, case.get("expect_error")) {
+            (Ok(response), None) => check_decision(&case["expect"], response.get_ref()),
+            (Ok(response), Some(_)) => {
+                vec![format!("expected an error, got {:?}", response.get_ref())]
+            }
+            (Err(status), Some(expect_error)) => {
+                check_error(expect_error, status.code(), status.message())
+            }
+            (Err(status), None) => vec![format!(
+                "unexpected error {:?}: {}",
+                status.code(),
+                status.message()
+            )],
+        };
+        outcomes.push((name, problems));
+    }
+    if outcomes.iter().any(|(_, problems)| !problems.is_empty()) {
+        eprintln!("retryd stderr (tail):\n{}", server.stderr_tail());
+    }
+    report(outcomes);
+}

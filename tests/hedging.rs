@@ -322,3 +322,27 @@ async fn bad_histograms_and_hedges_with_a_failure_are_refused_by_field() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_shadow_upstream_answers_hedges_as_not_enforced() {
+    let config =
+        format!("{CONFIG}\n[upstreams.shadowed]\nenforce = false\n[upstreams.shadowed.hedging]\n");
+    let server = InProcess::start(&config, MemoryBudgetStore::new(100)).await;
+    let mut client = server.decider().await;
+    report(
+        &mut client,
+        vec![entry("shadowed", 200, &[(10, 180), (100, 20)])],
+    )
+    .await
+    .unwrap();
+    // As a retry there: decided and spent on the shadow budget, answered
+    // as not enforced.
+    let answer = client
+        .decide(hedge("shadowed", 1))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(answer.verdict(), pb::Verdict::Retry, "{answer:?}");
+    assert!(answer.shadow);
+    assert_eq!(budget(&server, "shadowed").await.tokens, 99.0);
+}

@@ -207,7 +207,8 @@ async fn every_panel_and_alert_evaluates_on_a_real_prometheus_scraping_retryd() 
          [upstreams.pay]\nmax_attempts = 10\n\
          budget = { capacity = 1000.0, initial = 1000.0 }\n\
          [upstreams.tiny]\nbudget = { capacity = 2.0, initial = 2.0, min_per_second = 0.0 }\n\
-         [upstreams.ledger]\n",
+         [upstreams.ledger]\n\
+         [upstreams.hedged.hedging]\n",
     );
     let mut decider = server.decider().await;
     let mut admin = server.admin().await;
@@ -229,6 +230,17 @@ async fn every_panel_and_alert_evaluates_on_a_real_prometheus_scraping_retryd() 
         for _ in 0..3 {
             decider.decide(retryable("tiny")).await.unwrap();
         }
+        // A hedge before any latency is known: denied (hedging_off).
+        decider
+            .decide(pb::DecideRequest {
+                upstream: "hedged".into(),
+                idempotency: pb::Idempotency::Idempotent as i32,
+                attempt: 1,
+                hedge: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
         decider
             .decide(pb::DecideRequest {
                 failure: 0,

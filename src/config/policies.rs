@@ -293,3 +293,141 @@ fn hedging(
     }
     Ok(policy)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::time::Duration;
+
+    use crate::config::tests::{config, error_of};
+    use crate::config::{Config, Settings};
+    use crate::engine::{HedgePolicy, Idempotencies, Idempotency};
+
+    #[test]
+    fn hedging_is_opted_into_per_upstream_with_the_documented_defaults() {
+        let config =
+            config("[upstreams.pay.hedging]\n[upstreams.other]\nmax_attempts = 2\n").unwrap();
+        assert_eq!(
+            config.policies.get("pay").hedging,
+            Some(HedgePolicy::default())
+        );
+        let defaults = HedgePolicy::default();
+        assert_eq!(defaults.quantile, 0.95);
+        assert_eq!(defaults.max_hedges, 1);
+        assert_eq!(defaults.max_extra_load, 0.05);
+        assert_eq!(defaults.window, Duration::from_secs(30));
+        assert_eq!(defaults.min_samples, 100);
+        assert_eq!(defaults.uniform_ratio, 0.8);
+        assert_eq!(defaults.idempotency, Idempotencies::SAFE_AND_IDEMPOTENT);
+        assert_eq!(config.policies.get("other").hedging, None);
+        assert_eq!(config.policies.get("unnamed").hedging, None);
+        let set = crate::config::tests::config(
+            "[upstreams.pay.hedging]\nquantile = 0.99\nmax_hedges = 2\nmax_extra_load = 0.1\n\
+             idempotency = [\"SAFE\", \"idempotent_with_key\"]\nwindow = \"10s\"\nmin_samples = 5\n\
+             uniform_ratio = 0.5\n",
+        )
+        .unwrap();
+        let policy = set.policies.get("pay").hedging.unwrap();
+        assert_eq!(
+            policy,
+            HedgePolicy {
+                quantile: 0.99,
+                max_hedges: 2,
+                max_extra_load: 0.1,
+                idempotency: Idempotencies::default()
+                    .with(Idempotency::Safe)
+                    .with(Idempotency::IdempotentWithKey),
+                window: Duration::from_secs(10),
+                min_samples: 5,
+                uniform_ratio: 0.5,
+            }
+        );
+    }
+
+    #[test]
+    fn hedging_keys_are_refused_by_name() {
+        for (toml, key) in [
+            ("[defaults.hedging]\n", "defaults.hedging"),
+            (
+                "[upstreams.p.hedging]\nquantile = 1.0\n",
+                "upstreams.\"p\".hedging.quantile",
+            ),
+            (
+                "[upstreams.p.hedging]\nquantile = 0.0\n",
+                "upstreams.\"p\".hedging.quantile",
+            ),
+            (
+                "[upstreams.p.hedging]\nmax_hedges = 5\n",
+                "upstreams.\"p\".hedging.max_hedges",
+            ),
+            (
+                "[upstreams.p.hedging]\nmax_hedges = 0\n",
+                "upstreams.\"p\".hedging.max_hedges",
+            ),
+            (
+                "[upstreams.p.hedging]\nmax_extra_load = 0.0\n",
+                "upstreams.\"p\".hedging.max_extra_load",
+            ),
+            (
+                "[upstreams.p.hedging]\nmax_extra_load = 1.5\n",
+                "upstreams.\"p\".hedging.max_extra_load",
+            ),
+            (
+                "[upstreams.p.hedging]\nidempotency = [\"SAFE\", \"NON_IDEMPOTENT\"]\n",
+                "upstreams.\"p\".hedging.idempotency",
+            ),
+            (
+                "[upstreams.p.hedging]\nidempotency = [\"MAYBE\"]\n",
+                "upstreams.\"p\".hedging.idempotency",
+            ),
+            (
+                "[upstreams.p.hedging]\nidempotency = []\n",
+                "upstreams.\"p\".hedging.idempotency",
+            ),
+            (
+                "[upstreams.p.hedging]\nwindow = \"500ms\"\n",
+                "upstreams.\"p\".hedging.window",
+            ),
+            (
+                "[upstreams.p.hedging]\nmin_samples = 0\n",
+                "upstreams.\"p\".hedging.min_samples",
+            ),
+            (
+                "[upstreams.p.hedging]\nuniform_ratio = 0.0\n",
+                "upstreams.\"p\".hedging.uniform_ratio",
+            ),
+            (
+                "[upstreams.p.candidate.hedging]\n",
+                "upstreams.\"p\".candidate.hedging",
+            ),
+        ] {
+            let error = error_of(toml);
+            assert!(error.starts_with(&key.to_string()), "{toml}: {error}");
+        }
+        assert!(
+            error_of("[upstreams.p.hedging]\nidempotency = [\"NON_IDEMPOTENT\"]\n")
+                .contains("never hedged")
+        );
+    }
+
+    #[test]
+    fn hedging_from_the_environment() {
+        let environment = HashMap::from([
+            (
+                "RETRYD__UPSTREAMS__PAY__HEDGING__QUANTILE".to_owned(),
+                "0.9".to_owned(),
+            ),
+            (
+                "RETRYD__UPSTREAMS__PAY__HEDGING__IDEMPOTENCY".to_owned(),
+                "SAFE,IDEMPOTENT_WITH_KEY".to_owned(),
+            ),
+        ]);
+        let settings =
+            Settings::from_sources("[upstreams.pay.hedging]\n", Some(environment)).unwrap();
+        let config = Config::try_from(settings).unwrap();
+        let policy = config.policies.get("pay").hedging.unwrap();
+        assert_eq!(policy.quantile, 0.9);
+        assert!(policy.idempotency.contains(Idempotency::IdempotentWithKey));
+        assert!(!policy.idempotency.contains(Idempotency::Idempotent));
+    }
+}

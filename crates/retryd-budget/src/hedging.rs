@@ -104,6 +104,10 @@ pub fn state_of(window: &FleetWindow, policy: &HedgePolicy) -> HedgeState {
             .latencies
             .quantile(policy.quantile)
             .unwrap_or_default(),
+        tail: window
+            .latencies
+            .quantile(policy.tail_quantile())
+            .unwrap_or_default(),
         first_attempts: window.first_attempts,
         hedges: window.hedges,
     }
@@ -143,7 +147,7 @@ impl Window {
             .filter(move |slot| slot.epoch + (SLOTS as u64) > epoch && slot.epoch <= epoch)
     }
 
-    fn state(&mut self, now: u64, quantile: f64) -> HedgeState {
+    fn state(&mut self, now: u64, policy: &HedgePolicy) -> HedgeState {
         if let Some(fleet) = self.fleet {
             return HedgeState {
                 hedges: fleet.hedges + self.pending + self.flushing,
@@ -161,7 +165,8 @@ impl Window {
                 let state = HedgeState {
                     samples: merged.total(),
                     p50: merged.quantile(0.5).unwrap_or_default(),
-                    delay: merged.quantile(quantile).unwrap_or_default(),
+                    delay: merged.quantile(policy.quantile).unwrap_or_default(),
+                    tail: merged.quantile(policy.tail_quantile()).unwrap_or_default(),
                     ..HedgeState::default()
                 };
                 self.cached = Some((epoch, self.writes, state));
@@ -284,7 +289,7 @@ impl<C: Clock> HedgeWindows<C> {
         let now = self.clock.now_nanos();
         let window = self.window(upstream, policy);
         let mut window = window.lock().unwrap_or_else(|e| e.into_inner());
-        window.state(now, policy.quantile)
+        window.state(now, policy)
     }
 
     /// Forgets every upstream `keep` says no longer has a policy (after a

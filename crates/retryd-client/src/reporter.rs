@@ -24,12 +24,20 @@
 //! together, and a re-sent batch the same counts; beyond the upstream bound
 //! outcomes are dropped with the requests.
 //!
+//! And latencies, for hedging: [`TrafficReporter::record_latency`] once
+//! per finished first attempt (never a retry or a hedge), the successes
+//! apart from the failures, in the contract's `LatencyHistogram` buckets.
+//! retryd merges them fleet-wide and answers each report with the hedging
+//! of its upstreams, kept here for [`TrafficReporter::hedging`]: a fresh
+//! process learns a hedge delay within one report interval.
+//!
 //! It sends through [`crate::Client`]; it makes no decision.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use retryd_engine::latency::Histogram;
 use retryd_proto as pb;
 use tokio::sync::Notify;
 
@@ -146,12 +154,23 @@ struct Shared {
     sending: tokio::sync::Mutex<VecDeque<pb::ReportTrafficRequest>>,
     stop: Notify,
     stopped: std::sync::atomic::AtomicBool,
+    /// The hedging retryd last answered, per upstream.
+    hedging: Mutex<HashMap<String, pb::Hedging>>,
 }
 
 #[derive(Debug, Default)]
 struct Counts {
     pending: HashMap<String, Traffic>,
+    /// First attempts' latencies since the last cut: successes, failures.
+    latencies: HashMap<String, Box<(Histogram, Histogram)>>,
     dropped: u64,
+}
+
+/// A histogram as the contract carries it: its non-empty buckets.
+fn histogram(histogram: &Histogram) -> Option<pb::LatencyHistogram> {
+    (histogram.total() > 0).then(|| pb::LatencyHistogram {
+        counts: histogram.buckets().collect(),
+    })
 }
 
 impl TrafficReporter {
@@ -164,6 +183,7 @@ impl TrafficReporter {
                 sending: tokio::sync::Mutex::new(VecDeque::new()),
                 stop: Notify::new(),
                 stopped: std::sync::atomic::AtomicBool::new(false),
+                hedging: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -202,6 +222,43 @@ impl TrafficReporter {
             (true, false) => &mut traffic.retry_failures,
         } = 1;
         self.add(upstream, traffic);
+    }
+
+    /// Counts how long one first attempt to `upstream` took, from sending
+    /// to its answer, as a success or a failure (as
+    /// [`TrafficReporter::record_outcome`] counts it). Never a retry or a
+    /// hedge. Bounded like the counts: beyond the upstream bound, dropped.
+    pub fn record_latency(&self, upstream: &str, success: bool, latency: Duration) {
+        if upstream.is_empty() {
+            return;
+        }
+        let mut counts = self.shared.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let max = self.shared.options.max_upstreams;
+        if !counts.latencies.contains_key(upstream) && counts.latencies.len() >= max {
+            return;
+        }
+        // The common case, a known upstream, allocates nothing.
+        let histograms = match counts.latencies.get_mut(upstream) {
+            Some(histograms) => histograms,
+            None => counts.latencies.entry(upstream.to_owned()).or_default(),
+        };
+        if success {
+            histograms.0.record(latency);
+        } else {
+            histograms.1.record(latency);
+        }
+    }
+
+    /// The hedging retryd served for `upstream` in its last answer to a
+    /// report naming it; `None` before one (no hedge delay known: do not
+    /// hedge), or for an upstream without a hedging policy.
+    pub fn hedging(&self, upstream: &str) -> Option<pb::Hedging> {
+        self.shared
+            .hedging
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(upstream)
+            .cloned()
     }
 
     fn add(&self, upstream: &str, traffic: Traffic) {
@@ -258,18 +315,29 @@ impl TrafficReporter {
     /// Cuts the pending counts into batches (in upstream order, so a batch
     /// is deterministic) and empties them.
     fn cut(&self) -> VecDeque<pb::ReportTrafficRequest> {
-        let pending = std::mem::take(
-            &mut self
-                .shared
-                .counts
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .pending,
-        );
-        let sorted: BTreeMap<String, Traffic> = pending.into_iter().collect();
+        let (pending, mut latencies) = {
+            let mut counts = self.shared.counts.lock().unwrap_or_else(|e| e.into_inner());
+            (
+                std::mem::take(&mut counts.pending),
+                std::mem::take(&mut counts.latencies),
+            )
+        };
+        let mut sorted: BTreeMap<String, Traffic> = pending.into_iter().collect();
+        // Latencies of an upstream whose requests went in an earlier batch.
+        for upstream in latencies.keys() {
+            sorted.entry(upstream.clone()).or_default();
+        }
         let entries: Vec<pb::UpstreamTraffic> = sorted
             .into_iter()
-            .map(|(upstream, traffic)| traffic.entry(upstream))
+            .map(|(upstream, traffic)| {
+                let histograms = latencies.remove(&upstream);
+                let mut entry = traffic.entry(upstream);
+                if let Some(histograms) = histograms {
+                    entry.latency_successes = histogram(&histograms.0);
+                    entry.latency_failures = histogram(&histograms.1);
+                }
+                entry
+            })
             .collect();
         entries
             .chunks(MAX_TRAFFIC_ENTRIES)
@@ -297,7 +365,16 @@ impl TrafficReporter {
         }
         while let Some(batch) = unsent.front() {
             match client.report_traffic(batch.clone()).await {
-                Ok(_) => {}
+                Ok(answer) => {
+                    let mut hedging = self
+                        .shared
+                        .hedging
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner());
+                    for served in answer.hedging {
+                        hedging.insert(served.upstream.clone(), served);
+                    }
+                }
                 Err(status) if is_permanent(status.code()) => {
                     // retryd answered, with a refusal: not an outage.
                     client.inner.outage.answered();

@@ -213,6 +213,7 @@ impl Middleware for RetryMiddleware {
             attempt += 1;
             lineage::set_baggage(current.headers_mut(), attempt);
             let replay = current.try_clone();
+            let sent = Instant::now();
             let attempted = self
                 .attempt(current, extensions, next.clone(), deadline)
                 .await;
@@ -220,11 +221,14 @@ impl Middleware for RetryMiddleware {
                 // A failure is an attempt retryd (or, past the deadline, the
                 // local rule) is asked about; any other ending is a success.
                 // A dropped future never gets here: neither.
-                self.client.reporter().record_outcome(
-                    &upstream,
-                    matches!(attempted, Attempted::Done(_)),
-                    attempt > 1,
-                );
+                let success = matches!(attempted, Attempted::Done(_));
+                let reporter = self.client.reporter();
+                reporter.record_outcome(&upstream, success, attempt > 1);
+                // First attempts only, until the response's headers (the
+                // middleware sees no further): hedging's latencies.
+                if attempt == 1 {
+                    reporter.record_latency(&upstream, success, sent.elapsed());
+                }
             }
             let failed = match attempted {
                 Attempted::Done(mut response) => {

@@ -366,6 +366,7 @@ where
         };
         let mut attempt_request = http::Request::from_parts(parts.clone(), body);
         lineage::set_baggage(attempt_request.headers_mut(), attempt);
+        let sent = Instant::now();
         let attempted = one_attempt(&mut inner, &config, &mut attempt_request, deadline).await;
         if config.reporting {
             // FAILURE_CODES fail, any other ending succeeds, CANCELLED (and a
@@ -375,10 +376,12 @@ where
                 Attempted::Failed { status, .. } => reporter::attempt_succeeded(status.code()),
             };
             if let Some(success) = success {
-                config
-                    .client
-                    .reporter()
-                    .record_outcome(&upstream, success, attempt > 1);
+                let reporter = config.client.reporter();
+                reporter.record_outcome(&upstream, success, attempt > 1);
+                // First attempts only: hedging's latencies.
+                if attempt == 1 {
+                    reporter.record_latency(&upstream, success, sent.elapsed());
+                }
             }
         }
         let (outcome, status, ended) = match attempted {

@@ -175,6 +175,10 @@ impl Decision {
             push_decimal(text, (note.quantile * 1000.0).round() as u64 / 10);
             text.push_str(", p50 ");
             push_decimal(text, millis(note.p50));
+            text.push_str("ms, p");
+            push_decimal(text, (note.tail_quantile * 1000.0).round() as u64 / 10);
+            text.push(' ');
+            push_decimal(text, millis(note.tail));
             text.push_str("ms over ");
             push_decimal(text, note.samples);
             text.push_str(" samples, ");
@@ -204,7 +208,7 @@ impl Decision {
                     }
                     DenyReason::HedgeCap => "hedges reached the cap on extra load",
                     DenyReason::UniformlySlow => {
-                        "the upstream is uniformly slow (its p50 is close to the hedging quantile): a copy would be as slow"
+                        "the upstream is uniformly slow (its p50 is close to its tail): a copy would be as slow"
                     }
                     DenyReason::BudgetExhausted => "the upstream's retry budget is empty",
                     DenyReason::BudgetUnavailable => {

@@ -30,8 +30,19 @@ pub struct HedgePolicy {
     /// First-attempt latencies needed over the window before any hedge.
     pub min_samples: u64,
     /// The upstream is uniformly slow when its p50 is at least this share
-    /// of the hedging quantile.
+    /// of its tail quantile (see [`HedgePolicy::tail_quantile`]).
     pub uniform_ratio: f64,
+}
+
+impl HedgePolicy {
+    /// The quantile the p50 is compared with to find an upstream uniformly
+    /// slow: the hedging quantile, or p99 when that is lower. A tight body
+    /// with a sparse tail (2% of calls a second late) has its p95 near its
+    /// p50, yet is exactly what hedging is for; what a copy cannot beat is
+    /// a distribution without a tail, where even the p99 is near the p50.
+    pub fn tail_quantile(&self) -> f64 {
+        self.quantile.max(0.99)
+    }
 }
 
 impl Default for HedgePolicy {
@@ -90,6 +101,8 @@ pub struct HedgeState {
     pub p50: Duration,
     /// Their hedging quantile: the hedge delay.
     pub delay: Duration,
+    /// Their tail quantile ([`HedgePolicy::tail_quantile`]).
+    pub tail: Duration,
     /// First attempts reported over the window.
     pub first_attempts: u64,
     /// Hedges granted over the window, fleet-wide.
@@ -103,7 +116,7 @@ pub enum Served {
     Hedge(Duration),
     /// Fewer than `min_samples` latencies over the window.
     TooFewSamples,
-    /// The p50 is within `uniform_ratio` of the quantile.
+    /// The p50 is within `uniform_ratio` of the tail quantile.
     UniformlySlow,
 }
 
@@ -112,7 +125,7 @@ impl HedgeState {
     pub fn served(&self, policy: &HedgePolicy) -> Served {
         if self.samples < policy.min_samples.max(1) {
             Served::TooFewSamples
-        } else if self.p50.as_secs_f64() >= policy.uniform_ratio * self.delay.as_secs_f64() {
+        } else if self.p50.as_secs_f64() >= policy.uniform_ratio * self.tail.as_secs_f64() {
             Served::UniformlySlow
         } else {
             Served::Hedge(self.delay)
@@ -151,8 +164,12 @@ pub struct HedgeNote {
     pub delay: Duration,
     /// The fleet's median.
     pub p50: Duration,
+    /// The fleet's tail quantile.
+    pub tail: Duration,
     /// The policy's quantile (0 without a policy).
     pub quantile: f64,
+    /// The policy's tail quantile (0 without a policy).
+    pub tail_quantile: f64,
     /// Hedges granted over the window before this one.
     pub hedges: u64,
     /// First attempts reported over the window.
@@ -171,7 +188,9 @@ pub fn decide_hedge(
         hedge: facts.hedge,
         delay: state.delay,
         p50: state.p50,
+        tail: state.tail,
         quantile: policy.map_or(0.0, |policy| policy.quantile),
+        tail_quantile: policy.map_or(0.0, HedgePolicy::tail_quantile),
         hedges: state.hedges,
         first_attempts: state.first_attempts,
         samples: state.samples,
@@ -235,6 +254,7 @@ mod tests {
             samples: 1_000,
             p50: Duration::from_millis(10),
             delay: Duration::from_millis(40),
+            tail: Duration::from_millis(200),
             first_attempts: 1_000,
             hedges: 0,
         }
@@ -331,7 +351,7 @@ mod tests {
                 facts(),
                 Some(&policy),
                 HedgeState {
-                    p50: Duration::from_millis(32),
+                    p50: Duration::from_millis(170),
                     ..state()
                 },
                 deny(DenyReason::UniformlySlow),
@@ -375,6 +395,37 @@ mod tests {
         );
     }
 
+    /// A tight body with a 2% tail a second late: the p95 is near the p50,
+    /// but the p99 is not, and the upstream is hedged. Slowed as a whole
+    /// (p99 near p50), it is not.
+    #[test]
+    fn a_sparse_tail_is_hedged_and_a_uniform_slowness_is_not() {
+        let policy = HedgePolicy::default();
+        let tail = HedgeState {
+            p50: Duration::from_millis(10),
+            delay: Duration::from_millis(12),
+            tail: Duration::from_secs(1),
+            ..state()
+        };
+        assert_eq!(
+            tail.served(&policy),
+            Served::Hedge(Duration::from_millis(12))
+        );
+        let slow = HedgeState {
+            p50: Duration::from_millis(500),
+            delay: Duration::from_millis(540),
+            tail: Duration::from_millis(560),
+            ..state()
+        };
+        assert_eq!(slow.served(&policy), Served::UniformlySlow);
+        assert_eq!(policy.tail_quantile(), 0.99);
+        let high = HedgePolicy {
+            quantile: 0.999,
+            ..policy
+        };
+        assert_eq!(high.tail_quantile(), 0.999);
+    }
+
     #[test]
     fn a_hedge_is_never_ambiguous_nor_hides_an_outcome() {
         let policy = HedgePolicy::default();
@@ -405,7 +456,10 @@ mod tests {
         let policy = HedgePolicy::default();
         let text = decide_hedge(&facts(), Some(&policy), &state()).explanation();
         assert!(text.starts_with("hedge 1 now"), "{text}");
-        assert!(text.contains("40ms") && text.contains("p50 10ms"), "{text}");
+        assert!(
+            text.contains("delay 40ms at p95, p50 10ms, p99 200ms over 1000 samples"),
+            "{text}"
+        );
         let text = decide_hedge(
             &facts(),
             Some(&policy),
@@ -420,7 +474,7 @@ mod tests {
             &facts(),
             Some(&policy),
             &HedgeState {
-                p50: Duration::from_millis(35),
+                p50: Duration::from_millis(170),
                 ..state()
             },
         )

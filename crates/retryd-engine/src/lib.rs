@@ -256,7 +256,7 @@ pub enum DenyReason {
     HedgingOff,
     /// A hedge beyond the cap on extra load.
     HedgeCap,
-    /// A hedge of an upstream whose p50 is close to the hedging quantile.
+    /// A hedge of an upstream whose p50 is close to its tail quantile.
     UniformlySlow,
 }
 

@@ -57,10 +57,7 @@ impl Hedges {
 
     /// The decisions counted, the delays (seconds) and the flags, for the
     /// rows that have any.
-    pub(super) fn samples(
-        &self,
-        labels: &[String],
-    ) -> (Series, FloatSeries, Series) {
+    pub(super) fn samples(&self, labels: &[String]) -> (Series, FloatSeries, Series) {
         let mut decisions = Vec::new();
         for (label, columns) in labels.iter().zip(&self.decisions) {
             for (column, count) in columns.iter().enumerate() {

@@ -429,7 +429,7 @@ impl Metrics {
         ));
         families.push(gauge(
             METRIC_HEDGING_UNIFORMLY_SLOW,
-            "1 while the upstream is uniformly slow (p50 close to the hedging quantile): not hedged.",
+            "1 while the upstream is uniformly slow (p50 close to its tail quantile): not hedged.",
             ints(slow),
         ));
         // One token per RETRY: the RETRY decisions, not a counter of its own.
