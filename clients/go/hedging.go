@@ -311,11 +311,10 @@ func runHedged[R any](ctx context.Context, plan hedgePlan,
 			hedgeEnded(copyResult[R]{copy: copy, result: result, done: done, elapsed: time.Since(start)})
 		}()
 	}
+	start := time.Now() // the delay counts from here
 	mu.Lock()
 	timer = time.AfterFunc(plan.delay, onTimer)
 	mu.Unlock()
-
-	start := time.Now()
 	result, done := send(firstCtx, 0)
 	first := copyResult[R]{copy: 0, result: result, done: done, elapsed: time.Since(start)}
 

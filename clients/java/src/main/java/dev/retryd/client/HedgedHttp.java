@@ -107,8 +107,10 @@ final class HedgedHttp<T> {
     synchronized (lock) {
       caller = Thread.currentThread();
     }
-    schedule(plan, request, tracking, ask);
+    // Before the timer: scheduling may start the timer's thread, which on a
+    // loaded machine took longer than some calls (the delay counts from here).
     long start = System.nanoTime();
+    schedule(plan, request, tracking, ask);
     HttpResponse<T> response = null;
     IOException error = null;
     boolean interrupted = false;
