@@ -99,6 +99,9 @@ type Client struct {
 	shadow  *shadowLog
 	outage  *outageLog
 	clock   clock
+	// hedging is learned from the traffic reports' responses.
+	hedging     *hedgingTable
+	localHedges *localHedges
 
 	reporterOnce sync.Once
 	reporter     *TrafficReporter
@@ -149,19 +152,24 @@ func New(target string, opts Options) (*Client, error) {
 		return nil, fmt.Errorf("retryd: dial %s: %w", target, err)
 	}
 	c := &Client{
-		conn:    conn,
-		decider: pb.NewRetryDeciderClient(conn),
-		admin:   pb.NewRetryAdminClient(conn),
-		opts:    opts,
-		policy:  DefaultLocalPolicy,
-		logger:  opts.Logger,
-		clock:   realClock{},
+		conn:        conn,
+		decider:     pb.NewRetryDeciderClient(conn),
+		admin:       pb.NewRetryAdminClient(conn),
+		opts:        opts,
+		policy:      DefaultLocalPolicy,
+		logger:      opts.Logger,
+		clock:       realClock{},
+		hedging:     newHedgingTable(10000),
+		localHedges: &localHedges{tokens: map[string]float64{}, max: 10000},
 	}
 	if opts.LocalPolicy != nil {
 		c.policy = *opts.LocalPolicy
 	}
 	if c.logger == nil {
 		c.logger = log.Default()
+	}
+	if c.policy.HedgeLoad <= 0 {
+		c.policy.HedgeLoad = 0.05
 	}
 	if c.opts.Timeout <= 0 {
 		c.opts.Timeout = DefaultTimeout
@@ -302,7 +310,24 @@ func (c *Client) onError(err error, req *pb.DecideRequest) (Decision, error) {
 		return Decision{}, invalid
 	}
 	c.outage.fallback(fmt.Sprintf("%s: %s", st.Code(), st.Message()))
-	return LocalDecide(c.policy, req, fmt.Sprintf("retryd unreachable (%s)", st.Code())), nil
+	return c.localDecide(req, fmt.Sprintf("retryd unreachable (%s)", st.Code())), nil
+}
+
+// localDecide is the local rule's decision: for a hedge its own rule (see
+// LocalPolicy.HedgeDelay), for a failed attempt LocalDecide.
+func (c *Client) localDecide(req *pb.DecideRequest, reason string) Decision {
+	if req.GetHedge() > 0 {
+		return c.localHedgeDecide(req, reason)
+	}
+	return LocalDecide(c.policy, req, reason)
+}
+
+// firstAttemptSent counts a first attempt toward the local hedge allowance
+// (only used while retryd is unreachable, and only with a HedgeDelay).
+func (c *Client) firstAttemptSent(upstream string) {
+	if c.policy.HedgeDelay > 0 {
+		c.localHedges.earn(upstream, c.policy.HedgeLoad)
+	}
 }
 
 // ReportTraffic sends one batch of first-attempt counts as it is (at most
@@ -317,6 +342,8 @@ func (c *Client) ReportTraffic(ctx context.Context, req *pb.ReportTrafficRequest
 		return nil, callError(err)
 	}
 	c.outage.answered()
+	// Hedge delays come with the reports' answers, off the request path.
+	c.hedging.update(response.GetHedging(), time.Now(), c.hedgingStale())
 	return response, nil
 }
 

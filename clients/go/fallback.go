@@ -53,6 +53,18 @@ type LocalPolicy struct {
 	MinAttemptBudget time.Duration
 	// MaxRetryAfter is the longest Retry-After or pushback honoured.
 	MaxRetryAfter time.Duration
+	// HedgeDelay is the fixed hedge delay while retryd is unreachable (and
+	// has served no hedging for the upstream in the last three report
+	// intervals): a safely idempotent call still running after it is
+	// hedged if the local allowance has a token. 0, the default: no
+	// hedging without retryd.
+	HedgeDelay time.Duration
+	// MaxHedges is the most hedges of one call by the local rule (1 when 0).
+	MaxHedges uint32
+	// HedgeLoad is the share of first attempts the local rule may add as
+	// hedges, per upstream (each first attempt earns that much of a token,
+	// up to 10 saved); 0 means 0.05, retryd's default cap of extra load.
+	HedgeLoad float64
 }
 
 // DefaultLocalPolicy is the local rule's default limits.

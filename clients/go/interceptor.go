@@ -8,7 +8,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
-	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 )
 
@@ -57,6 +56,11 @@ const PushbackTrailer = "grpc-retry-pushback-ms"
 // ([FailureCodes] fail, any other ending succeeds, CANCELLED or a cancelled
 // context is neither).
 //
+// A unary call with a protobuf reply to an upstream whose hedging retryd
+// serves is hedged as the [Transport] hedges (see interceptor_hedge.go): a
+// copy after the served delay if retryd allows it, the first ending whose
+// code is not in [FailureCodes] winning, the others cancelled.
+//
 // Switch off grpc-go's own retries on the connection (grpc.WithDisableRetry,
 // and no retryPolicy in the service config): the interceptor would see only
 // their last attempt, and retries would be made that retryd never allowed.
@@ -81,6 +85,7 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 		if !opts.DisableReporting {
 			c.Reporter().Record(upstream, 1)
 		}
+		c.firstAttemptSent(upstream)
 		lineage := InboundLineage(ctx)
 		var decisions []Decision
 		decided := false
@@ -94,19 +99,35 @@ func (c *Client) UnaryClientInterceptor(opts InterceptorOptions) grpc.UnaryClien
 		var previousBackoff time.Duration
 		authRefreshed := false
 		attemptCtx := ctx
-		for attempt := 1; ; attempt++ {
-			var header, trailer metadata.MD
-			var p peer.Peer
+		send := func(sendCtx context.Context, attempt int, reply interface{}) grpcCopy {
+			var out grpcCopy
 			// The codec first, so that one the caller set (on the call or the
 			// connection) wins; see protoCodec.
 			options := append([]grpc.CallOption{grpc.ForceCodec(protoCodec{})}, callOpts...)
-			options = append(options, grpc.Header(&header), grpc.Trailer(&trailer), grpc.Peer(&p))
-			sendCtx := withOutgoingLineage(attemptCtx, outboundLineage(lineage, c.Layer(), attempt))
-			err := invokeAttempt(sendCtx, opts.AttemptTimeout, method, req, reply, cc, invoker, options)
-			st := status.Convert(err)
-			if !opts.DisableReporting && st.Code() != codes.Canceled {
-				c.recordAttempt(ctx, upstream, attempt, !FailureCodes[st.Code()])
+			options = append(options, grpc.Header(&out.header), grpc.Trailer(&out.trailer), grpc.Peer(&out.peer))
+			sendCtx = withOutgoingLineage(sendCtx, outboundLineage(lineage, c.Layer(), attempt))
+			out.err = invokeAttempt(sendCtx, opts.AttemptTimeout, method, req, reply, cc, invoker, options)
+			return out
+		}
+		for attempt := 1; ; attempt++ {
+			var sent grpcCopy
+			if plan, ok := c.grpcHedgePlan(attempt, upstream, idempotency, reply); ok {
+				first := c.hedgeFirstCall(ctx, plan, send, reply, hedgeCallOf(upstream, operation, idempotency, call.MaxAttempts, lineage), opts.DisableReporting)
+				sent = first.grpcCopy
+				decisions = append(decisions, first.decisions...)
+				if first.sent > 1 {
+					decided = true
+				}
+				attempt = first.sent
+			} else {
+				start := time.Now()
+				sent = send(attemptCtx, attempt, reply)
+				if code := status.Code(sent.err); !opts.DisableReporting && code != codes.Canceled {
+					c.recordAttempt(ctx, upstream, attempt, !FailureCodes[code], time.Since(start))
+				}
 			}
+			err, header, trailer, p := sent.err, sent.header, sent.trailer, sent.peer
+			st := status.Convert(err)
 			if err == nil {
 				return nil
 			}

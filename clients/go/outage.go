@@ -74,3 +74,10 @@ func (o *outageLog) answered() {
 	o.logger.Printf("retryd: answering again after %s unreachable; meanwhile %d decision(s) were made by the local rule and %d traffic batch(es) were not taken (kept, re-sent)",
 		o.now().Sub(o.since).Round(time.Millisecond), o.decisions, o.reports)
 }
+
+// isDown says whether retryd is unreachable now (the last call to it failed).
+func (o *outageLog) isDown() bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.down
+}

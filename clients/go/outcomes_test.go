@@ -272,6 +272,22 @@ func TestAResentReportCarriesTheSameOutcomes(t *testing.T) {
 	if got := trafficOf(reports[2].GetTraffic()[0]); reports[2].GetReportId() == reports[0].GetReportId() || got != (Traffic{Requests: 1, Successes: 1}) {
 		t.Fatalf("third %v", reports[2])
 	}
+	// The first attempt's latency goes with its outcome (a failure: the 503),
+	// the retry's nowhere; the re-sent batch (proto.Equal above) carries the
+	// same histograms.
+	first, third := latencyOf(reports[0].GetTraffic()[0]), latencyOf(reports[2].GetTraffic()[0])
+	if len(first.Successes) != 0 || len(first.Failures) != 1 || len(third.Successes) != 1 || len(third.Failures) != 0 {
+		t.Fatalf("latencies %+v %+v", first, third)
+	}
+	for _, l := range []Latency{first, third} {
+		for _, m := range []map[uint32]uint64{l.Successes, l.Failures} {
+			for b, n := range m {
+				if n != 1 || b > MaxLatencyBucket {
+					t.Fatalf("latencies %+v", l)
+				}
+			}
+		}
+	}
 }
 
 func TestRecordOutcomeWithoutTheAdapters(t *testing.T) {

@@ -44,6 +44,27 @@ func (t *Traffic) add(o Traffic) {
 	t.RetryFailures += o.RetryFailures
 }
 
+// row is what is pending for one upstream: its counts and its latencies.
+type row struct {
+	Traffic
+	latency Latency
+}
+
+func histogramOf(counts map[uint32]uint64) *pb.LatencyHistogram {
+	if len(counts) == 0 {
+		return nil
+	}
+	copied := make(map[uint32]uint64, len(counts))
+	for b, n := range counts {
+		copied[b] = n
+	}
+	return &pb.LatencyHistogram{Counts: copied}
+}
+
+func latencyOf(entry *pb.UpstreamTraffic) Latency {
+	return Latency{Successes: entry.GetLatencySuccesses().GetCounts(), Failures: entry.GetLatencyFailures().GetCounts()}
+}
+
 func trafficOf(entry *pb.UpstreamTraffic) Traffic {
 	return Traffic{
 		Requests: entry.GetRequests(), Successes: entry.GetSuccesses(), Failures: entry.GetFailures(),
@@ -84,7 +105,7 @@ type TrafficReporter struct {
 	logger   *log.Logger
 
 	mu      sync.Mutex
-	pending map[string]*Traffic
+	pending map[string]*row
 	dropped uint64
 
 	sendMu  sync.Mutex                 // one flush at a time
@@ -102,7 +123,7 @@ func NewTrafficReporter(client *Client, opts ReporterOptions) *TrafficReporter {
 		interval: opts.Interval,
 		max:      opts.MaxUpstreams,
 		logger:   opts.Logger,
-		pending:  map[string]*Traffic{},
+		pending:  map[string]*row{},
 		stop:     make(chan struct{}),
 		done:     make(chan struct{}),
 	}
@@ -146,12 +167,44 @@ func (r *TrafficReporter) add(upstream string, t Traffic) {
 		return
 	}
 	r.mu.Lock()
-	if row, ok := r.pending[upstream]; ok {
-		row.add(t)
-	} else if len(r.pending) < r.max {
-		r.pending[upstream] = &t
+	if pending := r.row(upstream); pending != nil {
+		pending.add(t)
 	} else {
 		r.dropped += t.Requests // the outcomes go with them
+	}
+	r.mu.Unlock()
+}
+
+// row is upstream's pending row, made if there is room (nil if not); r.mu
+// is held.
+func (r *TrafficReporter) row(upstream string) *row {
+	if pending, ok := r.pending[upstream]; ok {
+		return pending
+	}
+	if len(r.pending) >= r.max {
+		return nil
+	}
+	pending := &row{}
+	r.pending[upstream] = pending
+	return pending
+}
+
+// RecordLatency counts how long one first attempt to upstream took, from
+// sending it to the end of its response, in the success or the failure
+// histogram (the same classification as RecordOutcome). Retries and hedges
+// must not be recorded; a first attempt cancelled because a hedge answered
+// first is recorded as a success with the time it had run (see
+// UpstreamTraffic.latency_successes in retryd.proto). [Transport] and the
+// unary interceptor do this by default. The cost is a map increment under
+// the reporter's lock (BENCHMARKS.md); a row holds at most 238 buckets per
+// histogram, and upstreams beyond MaxUpstreams are dropped as for counts.
+func (r *TrafficReporter) RecordLatency(upstream string, success bool, d time.Duration) {
+	if upstream == "" {
+		return
+	}
+	r.mu.Lock()
+	if pending := r.row(upstream); pending != nil {
+		pending.latency.record(success, d)
 	}
 	r.mu.Unlock()
 }
@@ -176,7 +229,9 @@ func (r *TrafficReporter) PendingTraffic() map[string]Traffic {
 	defer r.mu.Unlock()
 	counts := make(map[string]Traffic, len(r.pending))
 	for upstream, t := range r.pending {
-		counts[upstream] = *t
+		if t.Traffic != (Traffic{}) {
+			counts[upstream] = t.Traffic
+		}
 	}
 	for _, batch := range r.unsent {
 		for _, entry := range batch.GetTraffic() {
@@ -186,6 +241,33 @@ func (r *TrafficReporter) PendingTraffic() map[string]Traffic {
 		}
 	}
 	return counts
+}
+
+// PendingLatency is [TrafficReporter.PendingTraffic] for the latency
+// histograms: recorded since the last cut plus those of batches not taken.
+func (r *TrafficReporter) PendingLatency() map[string]Latency {
+	r.sendMu.Lock()
+	defer r.sendMu.Unlock()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	latencies := map[string]Latency{}
+	add := func(upstream string, l Latency) {
+		if l.empty() {
+			return
+		}
+		sum := latencies[upstream]
+		sum.add(l)
+		latencies[upstream] = sum
+	}
+	for upstream, t := range r.pending {
+		add(upstream, t.latency)
+	}
+	for _, batch := range r.unsent {
+		for _, entry := range batch.GetTraffic() {
+			add(entry.GetUpstream(), latencyOf(entry))
+		}
+	}
+	return latencies
 }
 
 // Dropped is the number of requests never reported: over MaxUpstreams, or
@@ -215,7 +297,7 @@ func newReportID() string {
 func (r *TrafficReporter) cut() []*pb.ReportTrafficRequest {
 	r.mu.Lock()
 	counts := r.pending
-	r.pending = map[string]*Traffic{}
+	r.pending = map[string]*row{}
 	r.mu.Unlock()
 	upstreams := make([]string, 0, len(counts))
 	for upstream := range counts {
@@ -231,9 +313,11 @@ func (r *TrafficReporter) cut() []*pb.ReportTrafficRequest {
 		batch := &pb.ReportTrafficRequest{ReportId: newReportID()}
 		for _, upstream := range upstreams[start:end] {
 			t := counts[upstream]
+			// A re-sent batch is this very message: the same histograms.
 			batch.Traffic = append(batch.Traffic, &pb.UpstreamTraffic{
 				Upstream: upstream, Requests: t.Requests, Successes: t.Successes, Failures: t.Failures,
 				RetrySuccesses: t.RetrySuccesses, RetryFailures: t.RetryFailures,
+				LatencySuccesses: histogramOf(t.latency.Successes), LatencyFailures: histogramOf(t.latency.Failures),
 			})
 		}
 		batches = append(batches, batch)
@@ -346,10 +430,15 @@ var FailureCodes = map[codes.Code]bool{
 }
 
 // recordAttempt counts one attempt's outcome on the client's reporter,
-// unless the caller cancelled ctx (an abandoned attempt is neither).
-func (c *Client) recordAttempt(ctx context.Context, upstream string, attempt int, success bool) {
+// and a first attempt's latency (elapsed), unless the caller cancelled ctx
+// (an abandoned attempt is neither).
+func (c *Client) recordAttempt(ctx context.Context, upstream string, attempt int, success bool, elapsed time.Duration) {
 	if ctx.Err() == context.Canceled {
 		return
 	}
-	c.Reporter().RecordOutcome(upstream, success, attempt > 1, 1)
+	reporter := c.Reporter()
+	reporter.RecordOutcome(upstream, success, attempt > 1, 1)
+	if attempt == 1 {
+		reporter.RecordLatency(upstream, success, elapsed)
+	}
 }

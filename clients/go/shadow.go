@@ -29,7 +29,7 @@ func (c *Client) actedOn(req *pb.DecideRequest, response *pb.DecideResponse) Dec
 	if !answer.Shadow {
 		return answer
 	}
-	local := LocalDecide(c.policy, req, shadowReason)
+	local := c.localDecide(req, shadowReason)
 	if differ(answer, local) {
 		c.shadow.record(req.GetUpstream(), answer, local)
 	}

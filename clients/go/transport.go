@@ -1,5 +1,6 @@
 // transport.go is the Transport: one http.RoundTripper that retries under
-// retryd's decisions. About 690 lines because the attempt loop, the
+// retryd's decisions (its hedged first attempt is in transport_hedge.go).
+// About 730 lines because the attempt loop, the
 // httptrace evidence and the body handling are read together; the
 // classification of errors is the part a reader checks against the issue.
 
@@ -101,6 +102,13 @@ func callOf(ctx context.Context) Call {
 // when nothing of the request was written, and otherwise refuses the re-send
 // (see refuseHiddenResend), so that every request that reaches the upstream
 // is an attempt retryd allowed.
+//
+// A call to an upstream whose hedging retryd serves (see [Client.Hedging])
+// is hedged when its idempotency is one the policy lists and its body is
+// replayable: after the served delay with the first attempt still running,
+// retryd is asked for a hedge, and on RETRY a copy is sent; the first answer
+// that is not a retryable failure wins and the other copies are aborted
+// (README, Hedging).
 type Transport struct {
 	// Base sends each attempt; nil means http.DefaultTransport.
 	Base http.RoundTripper
@@ -397,12 +405,37 @@ func (t *Transport) RoundTrip(req *http.Request) (resp *http.Response, err error
 		if attempt == 1 && !t.DisableReporting {
 			t.Client.Reporter().Record(upstream, 1)
 		}
-		member := withLineageMember(baggage, outboundLineage(lineage, t.Client.Layer(), attempt))
-		resp, failed, attemptErr := t.attempt(ctx, next, member, errorBodyLimit)
-		if !t.DisableReporting {
-			// A failure is an attempt retryd (or, past the deadline, the
-			// local rule) is asked about; any other ending is a success.
-			t.Client.recordAttempt(ctx, upstream, attempt, attemptErr == nil && failed == nil)
+		if attempt == 1 {
+			t.Client.firstAttemptSent(upstream)
+		}
+		var resp *http.Response
+		var failed *failure
+		var attemptErr error
+		plan, hedge := hedgePlan{}, false
+		if attempt == 1 && (body == nil || req.GetBody != nil) {
+			// A one-shot body cannot be sent twice: never hedged.
+			plan, hedge = t.Client.hedgePlanFor(upstream, idempotency)
+		}
+		if hedge {
+			first := t.hedgeFirst(ctx, decideCtx, req, plan, hedgeCall{
+				upstream: upstream, operation: operation, idempotency: idempotency, body: body,
+				maxAttempts: call.MaxAttempts, lineage: lineage, baggage: baggage, errorBodyLimit: errorBodyLimit,
+			})
+			resp, failed, attemptErr = first.resp, first.failed, first.err
+			decisions = append(decisions, first.decisions...)
+			if first.sent > 1 {
+				decided = true
+			}
+			attempt = first.sent // the next retry, if any, counts every copy sent
+		} else {
+			member := withLineageMember(baggage, outboundLineage(lineage, t.Client.Layer(), attempt))
+			start := time.Now()
+			resp, failed, attemptErr = t.attempt(ctx, next, member, errorBodyLimit)
+			if !t.DisableReporting {
+				// A failure is an attempt retryd (or, past the deadline, the
+				// local rule) is asked about; any other ending is a success.
+				t.Client.recordAttempt(ctx, upstream, attempt, attemptErr == nil && failed == nil, time.Since(start))
+			}
 		}
 		if attemptErr == nil && failed == nil {
 			return withDecisions(resp, decisions), nil

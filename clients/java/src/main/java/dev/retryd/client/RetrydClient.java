@@ -20,6 +20,7 @@ import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
 import java.util.Objects;
+import java.util.Optional;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.Executors;
 import java.util.concurrent.ScheduledExecutorService;
@@ -85,6 +86,9 @@ public final class RetrydClient implements AutoCloseable {
   private final ScheduledExecutorService scheduler;
   private final ShadowDivergences shadowDivergences;
   private final Outage outage = new Outage();
+  // Learned from the traffic reports' responses, off the request path.
+  private final Hedging.Table hedging = new Hedging.Table(10_000);
+  private final Hedging.LocalAllowance localHedges = new Hedging.LocalAllowance(10_000);
   // True from a successful eager connect until the first decision call: that
   // call may wait up to FIRST_CALL_TIMEOUT (still bounded by the request's
   // deadline), since what it pays for beyond retryd's answer is this JVM's
@@ -357,7 +361,7 @@ public final class RetrydClient implements AutoCloseable {
     // and keep retryd's answer beside it.
     Decision retrydAnswer = decision.asShadowAnswer();
     Decision local =
-        LocalRule.decide(fallback != null ? fallback : LocalPolicy.DEFAULT, request,
+        localDecide(fallback != null ? fallback : LocalPolicy.DEFAULT, request,
             "retryd shadow answer, not enforced (upstream in shadow mode)");
     if (ShadowDivergences.differs(retrydAnswer, local)) {
       shadowDivergences.record(request.getUpstream(), retrydAnswer, local);
@@ -424,12 +428,18 @@ public final class RetrydClient implements AutoCloseable {
    * @throws RetrydUnavailableException on any other failure, with its code
    */
   public ReportTrafficResponse reportTraffic(ReportTrafficRequest request) {
+    return reportTraffic(request, Duration.ofSeconds(1));
+  }
+
+  /** {@link #reportTraffic(ReportTrafficRequest)} from a reporter sending every {@code interval}. */
+  ReportTrafficResponse reportTraffic(ReportTrafficRequest request, Duration interval) {
     try {
       ReportTrafficResponse response =
           RetryDeciderGrpc.newBlockingStub(decorated)
               .withDeadlineAfter(slowCallTimeout().toNanos(), TimeUnit.NANOSECONDS)
               .reportTraffic(request);
       outage.answered();
+      hedging.update(response.getHedgingList(), System.nanoTime(), interval.multipliedBy(Hedging.STALE_AFTER_INTERVALS));
       return response;
     } catch (StatusRuntimeException error) {
       throw unavailable(error);
@@ -543,7 +553,48 @@ public final class RetrydClient implements AutoCloseable {
       throw new RetrydUnavailableException("retryd: " + what, status.getCode(), cause);
     }
     outage.fallbackDecision(what);
-    return LocalRule.decide(fallback, request, "retryd unreachable (" + status.getCode() + ")");
+    return localDecide(fallback, request, "retryd unreachable (" + status.getCode() + ")");
+  }
+
+  /** The local rule: its hedge rule for a hedge, {@link LocalRule} for a failed attempt. */
+  private Decision localDecide(LocalPolicy policy, DecideRequest request, String reason) {
+    if (request.getHedge() > 0) {
+      return Hedging.localDecide(policy, localHedges, request, reason);
+    }
+    return LocalRule.decide(policy, request, reason);
+  }
+
+  /**
+   * What this client knows now of {@code upstream}'s hedging, from the latest
+   * traffic report responses; empty when none carried it in the last three
+   * report intervals.
+   */
+  public Optional<Hedging> hedging(String upstream) {
+    return hedging.lookup(upstream, System.nanoTime());
+  }
+
+  /** A first attempt to {@code upstream} was sent: it earns the local hedge allowance (used only with a local hedge delay). */
+  void firstAttemptSent(String upstream) {
+    if (fallback != null && !fallback.hedgeDelay().isZero()) {
+      localHedges.earn(upstream);
+    }
+  }
+
+  /**
+   * The hedge delay and limit of a call, or empty if it is not hedged: as retryd
+   * last served it, or, with no entry while retryd is unreachable, the local
+   * rule's fixed delay (none by default).
+   */
+  Optional<Hedging.Plan> hedgePlan(String upstream, retryd.v1.Retryd.Idempotency level) {
+    Optional<Hedging> served = hedging(upstream);
+    if (served.isPresent()) {
+      return served.get().allows(level) ? Optional.of(new Hedging.Plan(served.get().delay(), served.get().maxHedges())) : Optional.empty();
+    }
+    boolean safe = level == retryd.v1.Retryd.Idempotency.IDEMPOTENCY_SAFE || level == retryd.v1.Retryd.Idempotency.IDEMPOTENCY_IDEMPOTENT;
+    if (fallback != null && !fallback.hedgeDelay().isZero() && safe && outage.isDown()) {
+      return Optional.of(new Hedging.Plan(fallback.hedgeDelay(), 1));
+    }
+    return Optional.empty();
   }
 
   static StatusRuntimeException asStatusError(Throwable error) {

@@ -21,6 +21,8 @@ import java.util.concurrent.ScheduledExecutorService;
 import java.util.concurrent.ScheduledFuture;
 import java.util.concurrent.TimeUnit;
 import java.util.function.Function;
+import retryd.v1.Retryd.Body;
+import retryd.v1.Retryd.BodyKind;
 import retryd.v1.Retryd.DecideRequest;
 import retryd.v1.Retryd.Idempotency;
 import retryd.v1.Retryd.Verdict;
@@ -70,11 +72,22 @@ import retryd.v1.Retryd.Verdict;
  * trailer, and a call that ends in failure after the decision is recorded on
  * the request being served.
  *
- * <p>About 605 lines, one responsibility: a gRPC call under retryd's
- * decisions (the attempt loop, its classification of grpc-java's statuses
- * into evidence, the deadline-after-send rule, each attempt's outcome for the
- * reporter, and a streaming call's single attempt with its lineage), read
- * top to bottom.
+ * <p>Hedging (issue 33): a unary call to an upstream whose hedging retryd
+ * serves ({@link RetrydClient#hedging}) and whose idempotency the policy lists
+ * sends its first attempt with a timer of the served delay; if it fires with the
+ * attempt still running, retryd is asked for a hedge, and on RETRY a copy goes
+ * out. The first copy that ends with a code outside {@link #FAILURE_CODES} wins;
+ * the others are cancelled and recorded nowhere (the first attempt's time, as a
+ * success latency, excepted). When every copy fails, the last one's status goes
+ * to the normal retry path, every copy counted as an attempt.
+ *
+ * <p>About 770 lines, one responsibility: a gRPC call under retryd's
+ * decisions (the attempt loop, its hedged first attempt, its classification
+ * of grpc-java's statuses into evidence, the deadline-after-send rule, each
+ * attempt's outcome for the reporter, and a streaming call's single attempt
+ * with its lineage), read top to bottom. The hedged copies share the call's
+ * recorded events and lock, hence inside it; splitting the call into a state
+ * class of its own is the next step if it grows.
  */
 public final class RetrydClientInterceptor implements ClientInterceptor, AutoCloseable {
   /** Declares a call's idempotency: {@code stub.withOption(IDEMPOTENCY, Idempotency.IDEMPOTENCY_SAFE)}. */
@@ -324,6 +337,13 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
     // The request being served, if any (docs/lineage.md), from the same context.
     private final Lineage.Inbound inbound = Lineage.KEY.get(context);
     private final String inboundLineage = inbound == null ? "" : inbound.lineage();
+    // While the first attempt is hedged (see Hedging): the plan, the copies in
+    // flight, the pending hedge timer. Guarded by lock.
+    private Hedging.Plan plan;
+    private final List<ClientCall<Q, R>> copies = new ArrayList<>();
+    private final List<AttemptListener> copyListeners = new ArrayList<>();
+    private int copiesRunning;
+    private ScheduledFuture<?> hedgeTimer;
 
     RetryingCall(MethodDescriptor<Q, R> method, CallOptions options, Channel next, Idempotency declared) {
       this.method = method;
@@ -366,7 +386,130 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
       if (reporter != null) {
         reporter.record(upstream);
       }
+      retryd.firstAttemptSent(upstream);
+      Optional<Hedging.Plan> hedged = retryd.hedgePlan(upstream, declared);
+      if (hedged.isPresent()) {
+        synchronized (lock) {
+          plan = hedged.get();
+        }
+        startCopy();
+        scheduleHedge();
+        return;
+      }
       startAttempt();
+    }
+
+    /** Sends one more copy of the hedged first attempt (the first attempt itself first). */
+    private void startCopy() {
+      int number;
+      synchronized (lock) {
+        if (done || plan == null) {
+          return;
+        }
+        number = ++attempt;
+      }
+      AttemptTrace trace = new AttemptTrace(Lineage.outbound(inboundLineage, retryd.layer(), number));
+      ClientCall<Q, R> call = next.newCall(method, options.withStreamTracerFactory(trace));
+      AttemptListener copyListener = new AttemptListener(trace, number, true);
+      synchronized (lock) {
+        copies.add(call);
+        copyListeners.add(copyListener);
+        copiesRunning++;
+        current = call;
+      }
+      send(call, copyListener);
+    }
+
+    private void scheduleHedge() {
+      synchronized (lock) {
+        if (done || plan == null || attempt - 1 >= plan.max) {
+          return;
+        }
+        try {
+          hedgeTimer = timer.schedule(() -> context.run(this::askHedge), plan.delay.toNanos(), TimeUnit.NANOSECONDS);
+        } catch (java.util.concurrent.RejectedExecutionException closed) {
+          hedgeTimer = null;
+        }
+      }
+    }
+
+    /** The hedge delay passed with the copies still running: ask retryd for the next hedge. */
+    private void askHedge() {
+      int sent;
+      synchronized (lock) {
+        if (done || plan == null) {
+          return;
+        }
+        sent = attempt;
+      }
+      DecideRequest.Builder ask =
+          DecideRequest.newBuilder()
+              .setUpstream(upstream)
+              .setOperation(method.getFullMethodName())
+              .setIdempotency(declared)
+              .setBody(Body.newBuilder().setKind(BodyKind.BODY_KIND_ENCODED_VALUE))
+              .setAttempt(sent)
+              .setHedge(sent)
+              .setMaxAttempts(maxAttempts)
+              .setLineage(inboundLineage);
+      Duration left = remaining();
+      if (left != null) {
+        ask.setDeadlineRemaining(Durations.toProto(left));
+      }
+      retryd
+          .decideAsync(ask.build())
+          .whenComplete(
+              (decision, error) -> {
+                // Denied (or no answer): no copy, and no more hedges.
+                if (error == null && decision.shouldRetry()) {
+                  context.run(this::startCopy);
+                  scheduleHedge();
+                }
+              });
+    }
+
+    /**
+     * A hedged copy ended. Returns true when the call goes on as unhedged from
+     * here (this copy won, or it was the last one running), false when this
+     * result is dropped (a loser, or a failure while other copies run).
+     */
+    private boolean copyEnded(AttemptListener ended, boolean wins) {
+      List<ClientCall<Q, R>> losers = new ArrayList<>();
+      AttemptListener first = null;
+      synchronized (lock) {
+        if (plan == null || ended.lost) {
+          return false;
+        }
+        copiesRunning--;
+        if (!wins && copiesRunning > 0) {
+          return false;
+        }
+        plan = null; // the hedged phase is over
+        if (hedgeTimer != null) {
+          hedgeTimer.cancel(false);
+          hedgeTimer = null;
+        }
+        for (int i = 0; i < copies.size(); i++) {
+          AttemptListener other = copyListeners.get(i);
+          if (other != ended && !other.closed) {
+            other.lost = true;
+            losers.add(copies.get(i));
+            if (other.number == 1) {
+              first = other;
+            }
+          }
+        }
+        current = copies.get(copyListeners.indexOf(ended));
+      }
+      if (first != null && reporter != null && !cancelledByCaller) {
+        // The first attempt ran this long and was still running: a lower bound
+        // of its latency, counted so that the tail hedging is for stays seen.
+        reporter.recordLatency(upstream, true, System.nanoTime() - first.startNanos);
+      }
+      for (ClientCall<Q, R> loser : losers) {
+        loser.cancel("a hedge of this call answered first", null);
+      }
+      return true;
     }
 
     @Override
@@ -384,8 +527,16 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
           done = true;
         }
       }
+      List<ClientCall<Q, R>> hedgedCopies;
+      synchronized (lock) {
+        hedgedCopies = plan != null ? new ArrayList<>(copies) : List.of();
+      }
       if (waiting) {
         deliver(() -> listener.onClose(Status.CANCELLED.withDescription(reason).withCause(cause), new Metadata()));
+      } else if (!hedgedCopies.isEmpty()) {
+        for (ClientCall<Q, R> copy : hedgedCopies) {
+          copy.cancel(reason, cause); // the last onClose ends the call
+        }
       } else if (running != null) {
         running.cancel(reason, cause); // its onClose ends the call
       }
@@ -406,9 +557,13 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
         current = call;
         pendingRetry = null;
       }
+      send(call, new AttemptListener(trace, number, false));
+    }
+
+    private void send(ClientCall<Q, R> call, AttemptListener attemptListener) {
       Metadata attemptHeaders = new Metadata();
       attemptHeaders.merge(headers);
-      call.start(new AttemptListener(trace), attemptHeaders);
+      call.start(attemptListener, attemptHeaders);
       call.setMessageCompression(compression);
       call.request(2); // the response, and room to see a second one (a protocol error)
       if (message != null) {
@@ -440,9 +595,18 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
       private final AttemptTrace trace;
       private Metadata responseHeaders;
       private final List<R> messages = new ArrayList<>();
+      /** This attempt's number (1 for the first), and whether it is a copy of a hedged first attempt. */
+      final int number;
+      private final boolean hedged;
+      final long startNanos = System.nanoTime();
+      /** Cancelled because another copy won: recorded nowhere. Guarded by lock. */
+      boolean lost;
+      volatile boolean closed;
 
-      AttemptListener(AttemptTrace trace) {
+      AttemptListener(AttemptTrace trace, int number, boolean hedged) {
         this.trace = trace;
+        this.number = number;
+        this.hedged = hedged;
       }
 
       @Override
@@ -457,9 +621,23 @@ public final class RetrydClientInterceptor implements ClientInterceptor, AutoClo
 
       @Override
       public void onClose(Status status, Metadata trailers) {
+        closed = true;
         Boolean succeeded = attemptSucceeded(status.getCode());
+        if (hedged) {
+          synchronized (lock) {
+            if (lost) {
+              return; // a loser: neither a failure nor an outcome
+            }
+          }
+        }
         if (reporter != null && succeeded != null && !cancelledByCaller) {
-          reporter.recordOutcome(upstream, succeeded, attempt > 1);
+          reporter.recordOutcome(upstream, succeeded, number > 1);
+          if (number == 1) {
+            reporter.recordLatency(upstream, succeeded, System.nanoTime() - startNanos);
+          }
+        }
+        if (hedged && !copyEnded(this, cancelledByCaller || Boolean.TRUE.equals(succeeded))) {
+          return;
         }
         if (status.isOk() || cancelledByCaller) {
           finish(status, trailers, null);

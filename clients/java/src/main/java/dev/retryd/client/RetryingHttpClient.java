@@ -209,26 +209,58 @@ public final class RetryingHttpClient implements AutoCloseable {
       }
       Duration remaining = options.deadline == null ? null : Duration.ofNanos(Math.max(0, deadlineAt - System.nanoTime()));
       long bodyDeadline = options.deadline == null ? 0 : deadlineAt;
-      Tracking<T> tracking = new Tracking<>(handler, bodyDeadline, bodyDeadline == 0 ? null : timer());
+      Tracking<T> tracking;
       HttpResponse<T> response = null;
       IOException error = null;
       HttpOutcome outcome;
-      // send(), not sendAsync().get(): the JDK hands sendAsync's result to its
-      // executor, a thread hop that cost ~300us a call here. The request timeout
-      // (cut to the deadline) bounds the wait for the headers, the tracking
-      // subscriber's timer the body.
-      try {
-        response = http.send(oneExchange(current, remaining, Lineage.outbound(inboundLineage, retryd.layer(), attempt)), tracking);
-      } catch (IOException failed) {
-        // The JDK wraps the refusal of its own re-send; the refusal says what happened.
-        error = ResendRefusedException.in(failed).map(IOException.class::cast).orElse(failed);
+      Optional<Hedging.Plan> plan = Optional.empty();
+      if (attempt == 1) {
+        retryd.firstAttemptSent(options.upstream);
+        // A one-shot body cannot be sent twice: never hedged.
+        plan = HedgedHttp.replayable(body) ? retryd.hedgePlan(options.upstream, idempotency) : Optional.empty();
       }
-      // A failure is an attempt retryd (or, past the deadline, the local rule) is
-      // asked about; any other ending is a success. An interrupt is neither.
+      if (plan.isPresent()) {
+        final HttpRequest first = current;
+        final Duration firstRemaining = remaining;
+        HedgedHttp.Result<T> hedged =
+            new HedgedHttp<T>(http, retryd, reporter, options, timer())
+                .run(
+                    plan.get(),
+                    copy -> oneExchange(first, copy == 0 ? firstRemaining : remainingOf(options, deadlineAt),
+                        Lineage.outbound(inboundLineage, retryd.layer(), copy + 1)),
+                    () -> new Tracking<>(handler, bodyDeadline, bodyDeadline == 0 ? null : timer()),
+                    (k, sent) -> hedgeAsk(options, operation, idempotency, body, inboundLineage, deadlineAt, k, sent));
+        response = hedged.response;
+        error = hedged.error;
+        tracking = hedged.tracking;
+        if (hedged.lastDecision != null) {
+          last = hedged.lastDecision;
+        }
+        attempt = hedged.sent; // the next retry, if any, counts every copy sent
+      } else {
+        tracking = new Tracking<>(handler, bodyDeadline, bodyDeadline == 0 ? null : timer());
+        long start = System.nanoTime();
+        // send(), not sendAsync().get(): the JDK hands sendAsync's result to its
+        // executor, a thread hop that cost ~300us a call here. The request timeout
+        // (cut to the deadline) bounds the wait for the headers, the tracking
+        // subscriber's timer the body.
+        try {
+          response = http.send(oneExchange(current, remaining, Lineage.outbound(inboundLineage, retryd.layer(), attempt)), tracking);
+        } catch (IOException failed) {
+          // The JDK wraps the refusal of its own re-send; the refusal says what happened.
+          error = ResendRefusedException.in(failed).map(IOException.class::cast).orElse(failed);
+        }
+        // A failure is an attempt retryd (or, past the deadline, the local rule) is
+        // asked about; any other ending is a success. An interrupt is neither.
+        boolean succeededNow = response != null && !options.retryStatuses.contains(response.statusCode());
+        if (reporter != null && options.reportFirstAttempt) {
+          reporter.recordOutcome(options.upstream, succeededNow, attempt > 1);
+          if (attempt == 1) {
+            reporter.recordLatency(options.upstream, succeededNow, System.nanoTime() - start);
+          }
+        }
+      }
       boolean succeeded = response != null && !options.retryStatuses.contains(response.statusCode());
-      if (reporter != null && options.reportFirstAttempt) {
-        reporter.recordOutcome(options.upstream, succeeded, attempt > 1);
-      }
       if (response != null) {
         if (succeeded) {
           return new RetriedResponse<>(response, attempt, last);
@@ -318,6 +350,31 @@ public final class RetryingHttpClient implements AutoCloseable {
       }
       previousBackoff = decision.backoff();
     }
+  }
+
+  private static Duration remainingOf(RetryOptions options, long deadlineAt) {
+    return options.deadline == null ? null : Duration.ofNanos(Math.max(0, deadlineAt - System.nanoTime()));
+  }
+
+  /** The Decide of hedge {@code k} with {@code sent} attempts sent: nothing failed, so no evidence. */
+  private static DecideRequest hedgeAsk(
+      RetryOptions options, String operation, Idempotency idempotency, Body body, String lineage, long deadlineAt, int k, int sent) {
+    DecideRequest.Builder ask =
+        DecideRequest.newBuilder()
+            .setUpstream(options.upstream)
+            .setOperation(operation)
+            .setIdempotency(idempotency)
+            .setAttempt(sent)
+            .setHedge(k)
+            .setMaxAttempts(options.maxAttempts)
+            .setLineage(lineage);
+    if (body != null) {
+      ask.setBody(body);
+    }
+    if (options.deadline != null) {
+      ask.setDeadlineRemaining(Durations.toProto(remainingOf(options, deadlineAt)));
+    }
+    return ask.build();
   }
 
   /**
@@ -434,7 +491,7 @@ public final class RetryingHttpClient implements AutoCloseable {
     };
   }
 
-  private static void closeBody(Object body) {
+  static void closeBody(Object body) {
     try {
       if (body instanceof AutoCloseable) {
         ((AutoCloseable) body).close();
@@ -482,7 +539,7 @@ public final class RetryingHttpClient implements AutoCloseable {
    * reached the handler's subscriber, and ends a body read the deadline
    * overtakes with an {@link HttpTimeoutException}.
    */
-  private static final class Tracking<T> implements HttpResponse.BodyHandler<T> {
+  static final class Tracking<T> implements HttpResponse.BodyHandler<T> {
     private final HttpResponse.BodyHandler<T> handler;
     private final long deadlineAt;
     private final java.util.concurrent.ScheduledExecutorService timer;

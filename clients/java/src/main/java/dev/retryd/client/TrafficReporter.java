@@ -55,6 +55,9 @@ public final class TrafficReporter implements AutoCloseable {
   private final int maxUpstreams;
   private final Object lock = new Object();
   private Map<String, long[]> pending = new HashMap<>();
+  // First-attempt latencies, by upstream; an upstream here is also in pending
+  // (same bound), so counts and latencies go in the same entry.
+  private Map<String, Latency.Histograms> latencies = new HashMap<>();
   private final Object sendLock = new Object();
   private final ArrayDeque<Batch> outbox = new ArrayDeque<>();
   private final AtomicLong dropped = new AtomicLong();
@@ -137,6 +140,27 @@ public final class TrafficReporter implements AutoCloseable {
     add(upstream, retry ? (success ? RETRY_SUCCESSES : RETRY_FAILURES) : (success ? SUCCESSES : FAILURES), attempts);
   }
 
+  /**
+   * Counts how long one first attempt to {@code upstream} took, from sending it
+   * to the end of its response, in the success or failure histogram (the same
+   * classification as {@link #recordOutcome}). Retries and hedges must not be
+   * recorded; a first attempt cancelled because its hedge answered first is
+   * recorded as a success with the time it had run (see {@code
+   * UpstreamTraffic.latency_successes} in retryd.proto). The adapters do this by
+   * default. Costs an array increment under the reporter's lock (BENCHMARKS.md).
+   */
+  public void recordLatency(String upstream, boolean success, long nanos) {
+    synchronized (lock) {
+      if (!pending.containsKey(upstream)) {
+        if (pending.size() >= maxUpstreams) {
+          return;
+        }
+        pending.put(upstream, new long[5]);
+      }
+      latencies.computeIfAbsent(upstream, u -> new Latency.Histograms()).record(success, nanos);
+    }
+  }
+
   private static final int REQUESTS = 0;
   private static final int SUCCESSES = 1;
   private static final int FAILURES = 2;
@@ -181,20 +205,31 @@ public final class TrafficReporter implements AutoCloseable {
   public Map<String, UpstreamTraffic> pendingTraffic() {
     Map<String, UpstreamTraffic> copy = new LinkedHashMap<>();
     synchronized (lock) {
-      pending.forEach((upstream, count) -> copy.put(upstream, entry(upstream, count)));
+      pending.forEach((upstream, count) -> copy.put(upstream, entry(upstream, count, latencies.get(upstream))));
     }
     return copy;
   }
 
-  private static UpstreamTraffic entry(String upstream, long[] count) {
-    return UpstreamTraffic.newBuilder()
-        .setUpstream(upstream)
-        .setRequests(count[REQUESTS])
-        .setSuccesses(count[SUCCESSES])
-        .setFailures(count[FAILURES])
-        .setRetrySuccesses(count[RETRY_SUCCESSES])
-        .setRetryFailures(count[RETRY_FAILURES])
-        .build();
+  private static UpstreamTraffic entry(String upstream, long[] count, Latency.Histograms latency) {
+    UpstreamTraffic.Builder entry =
+        UpstreamTraffic.newBuilder()
+            .setUpstream(upstream)
+            .setRequests(count[REQUESTS])
+            .setSuccesses(count[SUCCESSES])
+            .setFailures(count[FAILURES])
+            .setRetrySuccesses(count[RETRY_SUCCESSES])
+            .setRetryFailures(count[RETRY_FAILURES]);
+    if (latency != null) {
+      retryd.v1.Retryd.LatencyHistogram successes = Latency.Histograms.proto(latency.successes);
+      retryd.v1.Retryd.LatencyHistogram failures = Latency.Histograms.proto(latency.failures);
+      if (successes != null) {
+        entry.setLatencySuccesses(successes);
+      }
+      if (failures != null) {
+        entry.setLatencyFailures(failures);
+      }
+    }
+    return entry.build();
   }
 
   /** How many batches wait to be (re-)sent. */
@@ -229,12 +264,16 @@ public final class TrafficReporter implements AutoCloseable {
         // New counts become batches only once the earlier ones are through, so
         // that an outage grows one map of counts, not a queue of batches.
         Map<String, long[]> taken;
+        Map<String, Latency.Histograms> takenLatencies;
         synchronized (lock) {
           taken = pending;
+          takenLatencies = latencies;
           pending = new HashMap<>();
+          latencies = new HashMap<>();
         }
+        // A batch is built once: a re-send carries the same histograms.
         List<UpstreamTraffic> entries = new ArrayList<>(taken.size());
-        taken.forEach((upstream, count) -> entries.add(entry(upstream, count)));
+        taken.forEach((upstream, count) -> entries.add(entry(upstream, count, takenLatencies.get(upstream))));
         for (int start = 0; start < entries.size(); start += RetrydClient.MAX_TRAFFIC_ENTRIES) {
           outbox.add(new Batch(entries.subList(start, Math.min(entries.size(), start + RetrydClient.MAX_TRAFFIC_ENTRIES))));
         }
@@ -242,7 +281,7 @@ public final class TrafficReporter implements AutoCloseable {
       while (!outbox.isEmpty()) {
         Batch batch = outbox.peek();
         try {
-          ReportTrafficResponse response = client.reportTraffic(batch.request);
+          ReportTrafficResponse response = client.reportTraffic(batch.request, interval);
           accepted.addAndGet(response.getAccepted());
           alreadyApplied.addAndGet(response.getAlreadyApplied());
           outbox.poll();

@@ -206,9 +206,22 @@ class OutcomesTest {
     assertTrue(reporter.flush()); // then what was counted meanwhile
     assertEquals(3, received.size());
     assertEquals(received.get(0), received.get(1), "the re-send is the same report: id, entries, counts");
-    assertEquals(List.of(entry("java-out-resend", 1, 0, 1, 1, 0)), received.get(0).getTrafficList());
+    UpstreamTraffic first = received.get(0).getTraffic(0);
+    UpstreamTraffic third = received.get(2).getTraffic(0);
+    assertEquals(List.of(entry("java-out-resend", 1, 0, 1, 1, 0)), List.of(withoutLatency(first)));
     assertNotEquals(received.get(0).getReportId(), received.get(2).getReportId());
-    assertEquals(List.of(entry("java-out-resend", 1, 1, 0, 0, 0)), received.get(2).getTrafficList());
+    assertEquals(List.of(entry("java-out-resend", 1, 1, 0, 0, 0)), List.of(withoutLatency(third)));
+    // The first attempt's latency goes with its outcome (the 503: a failure), the
+    // retry's nowhere; the re-send above carried the same histograms.
+    assertFalse(first.hasLatencySuccesses());
+    assertEquals(1, first.getLatencyFailures().getCountsCount());
+    assertEquals(List.of(1L), List.copyOf(first.getLatencyFailures().getCountsMap().values()));
+    assertFalse(third.hasLatencyFailures());
+    assertEquals(List.of(1L), List.copyOf(third.getLatencySuccesses().getCountsMap().values()));
+  }
+
+  private static UpstreamTraffic withoutLatency(UpstreamTraffic entry) {
+    return entry.toBuilder().clearLatencySuccesses().clearLatencyFailures().build();
   }
 
   private static void ok(StreamObserver<EchoReply> reply) {
