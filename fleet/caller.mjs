@@ -2,7 +2,8 @@
 // (same protocol, mix, strategies and counters; read its docstring). It uses
 // the TypeScript client built as its README says (clients/typescript:
 // npm ci && npm run build): RetrydClient and fetchWithRetries, whose
-// reporter counts first attempts by default.
+// reporter counts first attempts by default. The tail scenario's options
+// (`tail`, `local_hedging`) are those of fleet/caller.py.
 //
 //   node fleet/caller.mjs CONFIG.json   prints "ready", waits for "go EPOCH_MS"
 //                                       on stdin, prints "done" at the end
@@ -25,6 +26,8 @@ const durationMs = Number(config.duration_s) * 1000;
 const deadlineMs = Number(config.deadline_s) * 1000;
 const attemptTimeoutMs = Number(config.attempt_timeout_s) * 1000;
 const RETRYABLE = new Set([502, 503, 504]);
+const tailMode = Boolean(config.tail);
+const tailCalls = [];
 
 // A small seeded generator, so a caller's schedule is the same for every
 // strategy of a run.
@@ -106,9 +109,22 @@ class TimedClient extends RetrydClient {
     if (decision.verdict === 'RETRY' && !decision.fallback) add('granted');
     return decision;
   }
+  async decideHedge(input, options) {
+    const decision = await super.decideHedge(input, options);
+    let label = `hedge ${decision.verdict}`;
+    if (decision.verdict === 'DENY') label += ':' + decision.denyReason;
+    if (decision.fallback) label = 'fallback ' + label;
+    tally(label);
+    add('hedge_asked');
+    if (decision.verdict === 'RETRY') add('hedge_granted');
+    return decision;
+  }
 }
 
-const retryd = strategy === 'retryd' ? new TimedClient(config.retryd_target, { timeoutMs: 200 }) : null;
+const localHedging = config.local_hedging
+  ? { delayMs: config.local_hedging.delay_s * 1000, maxHedges: config.local_hedging.max_hedges, maxExtraLoad: config.local_hedging.max_extra_load }
+  : undefined;
+const retryd = strategy === 'retryd' ? new TimedClient(config.retryd_target, { timeoutMs: 200, ...(localHedging ? { localHedging } : {}) }) : null;
 const budget = strategy === 'local' ? new TpsBudget() : null;
 
 // Every attempt that leaves, whichever strategy sends it.
@@ -148,8 +164,9 @@ async function call(k, kind, startedAtMs) {
   let url;
   let init;
   let idempotency;
+  let copy = 0;
   if (kind === 'GET') {
-    url = `${config.upstream_url}/items/${k}`;
+    url = `${config.upstream_url}/items/${tailMode ? `ts-${config.id}-${k}` : k}`;
     init = { method: 'GET' };
     idempotency = 'SAFE';
   } else {
@@ -177,8 +194,10 @@ async function call(k, kind, startedAtMs) {
       });
       await response.arrayBuffer();
       outcome = response.status >= 200 && response.status < 300 ? 'ok' : 'failed';
+      copy = Number(response.headers.get('x-fleet-copy') ?? 0);
     } else {
       outcome = await ownLoop(url, init);
+      copy = 1;
     }
   } catch (error) {
     outcome = error instanceof AmbiguousExecutionError ? 'ambiguous' : 'failed';
@@ -188,7 +207,10 @@ async function call(k, kind, startedAtMs) {
   if (kind === 'GET') add(`get_${outcome}`, startedAtMs);
   // See failed_keys in fleet/caller.py: compared with the upstream's charges.
   if (kind === 'POST' && outcome === 'failed') failedKeys.push(init.headers['Idempotency-Key']);
-  if (outcome === 'ok') callMs.push(performance.now() - started);
+  if (outcome === 'ok') {
+    callMs.push(performance.now() - started);
+    if (tailMode) tailCalls.push([Math.round(startedAtMs - epochMs) / 1000, Math.round((performance.now() - started) * 100) / 100, copy]);
+  }
 }
 
 async function main() {
@@ -211,7 +233,7 @@ async function main() {
       add('shed', epochMs + at);
       continue;
     }
-    const kind = random() < 0.5 ? 'GET' : 'POST';
+    const kind = random() < 0.5 || tailMode ? 'GET' : 'POST';
     if (kind === 'GET') add('get_first', epochMs + at);
     const promise = call(k, kind, epochMs + at).finally(() => inFlight.delete(promise));
     inFlight.add(promise);
@@ -240,6 +262,7 @@ async function main() {
       reporter_dropped: reporterDropped,
       unfinished: 0,
       failed_charge_keys: failedKeys,
+      tail_calls: tailCalls,
     }),
   );
   process.stdout.write('done\n');

@@ -28,6 +28,15 @@ Strategies (``config["strategy"]``):
            over a 10 s window)
   retryd   ``retryd.httpx.arequest_with_retries`` with the client's default
            reporter: retryd decides every retry
+
+The tail scenario (fleet/tail.py) adds two options. ``config["tail"]``: every
+call is a GET of a path of its own (``/items/py-ID-K``, so that the upstream's
+delay mode draws each call's first attempt the same for every strategy), and
+each answered call is recorded as ``[start s, ms, copy]`` (``copy``: the
+upstream's x-fleet-copy, 2 when a hedge won), with retryd's answers to hedge
+requests counted as ``hedge ...`` decisions. ``config["local_hedging"]``
+(``{"delay_s", "max_hedges", "max_extra_load"}``) gives the client its
+fixed-delay ``LocalHedging``, which it uses while retryd is unreachable.
 """
 
 from __future__ import annotations
@@ -119,6 +128,19 @@ class TimedClient(AsyncClient):
             self.counters.add("granted")
         return decision
 
+    async def decide_hedge(self, **kwargs: Any) -> Any:  # type: ignore[override]
+        decision = await super().decide_hedge(**kwargs)
+        label = "hedge " + decision.verdict.name
+        if decision.verdict.name == "DENY":
+            label += ":" + decision.deny_reason.name
+        if decision.fallback:
+            label = "fallback " + label
+        self.counters.decisions[label] += 1
+        self.counters.add("hedge_asked")
+        if decision.verdict.name == "RETRY":
+            self.counters.add("hedge_granted")
+        return decision
+
 
 async def main(config: dict[str, Any]) -> None:
     strategy = config["strategy"]
@@ -131,7 +153,15 @@ async def main(config: dict[str, Any]) -> None:
     # With several replicas the target is "ipv4:A,B": grpcio would send that
     # whole list as the HTTP/2 :authority, which retryd's server refuses
     # (RST_STREAM PROTOCOL_ERROR), so name the authority explicitly.
-    retryd = (TimedClient(config["retryd_target"], timeout=0.2, options=[("grpc.default_authority", "retryd")])
+    tail_mode = bool(config.get("tail"))
+    local = config.get("local_hedging")
+    extra: dict[str, Any] = {}
+    if local:
+        from retryd.hedging import LocalHedging
+
+        extra["local_hedging"] = LocalHedging(delay=float(local["delay_s"]), max_hedges=int(local["max_hedges"]),
+                                              max_extra_load=float(local["max_extra_load"]))
+    retryd = (TimedClient(config["retryd_target"], timeout=0.2, options=[("grpc.default_authority", "retryd")], **extra)
               if strategy == "retryd" else None)
     budget = TpsBudget() if strategy == "local" else None
 
@@ -182,8 +212,10 @@ async def main(config: dict[str, Any]) -> None:
 
     async def call(k: int, kind: str) -> None:
         started = time.monotonic()
+        copy = 0
         if kind == "GET":
-            method, url, headers, content = "GET", f"{base}/items/{k}", {}, None
+            path = f"py-{config['id']}-{k}" if tail_mode else str(k)
+            method, url, headers, content = "GET", f"{base}/items/{path}", {}, None
             idempotency = Idempotency.SAFE
         else:
             # One key per logical payment, the same on every attempt of it.
@@ -202,8 +234,9 @@ async def main(config: dict[str, Any]) -> None:
                     http, retryd, method, url, upstream=config["retryd_upstream"], idempotency=idempotency,
                     deadline=deadline, headers=headers, content=content)
                 outcome = "ok" if 200 <= response.status_code < 300 else "failed"
+                copy = int(response.headers.get("x-fleet-copy", "0"))
             else:
-                outcome = await own_loop(method, url, headers, content)
+                outcome, copy = await own_loop(method, url, headers, content), 1
         except AmbiguousExecutionError:
             outcome = "ambiguous"
         except httpx.HTTPError:
@@ -219,9 +252,12 @@ async def main(config: dict[str, Any]) -> None:
             failed_keys.append(headers["Idempotency-Key"])
         if outcome == "ok":
             counters.call_ms.append((time.monotonic() - started) * 1000)
+            if tail_mode:
+                tail_calls.append([round(started_at[k], 3), round((time.monotonic() - started) * 1000, 2), copy])
 
     started_at: dict[int, float] = {}
     failed_keys: list[str] = []
+    tail_calls: list[list[float]] = []
     offset = rng.uniform(0, 1.0 / rate)
     tasks: set[asyncio.Task[None]] = set()
     mono0 = time.monotonic() - (time.time() - epoch)  # monotonic instant of the epoch
@@ -238,7 +274,7 @@ async def main(config: dict[str, Any]) -> None:
         if len(tasks) >= config["max_in_flight"]:
             counters.add("shed", at=epoch + at)
         else:
-            kind = "GET" if rng.random() < 0.5 else "POST"
+            kind = "GET" if rng.random() < 0.5 or tail_mode else "POST"
             if kind == "GET":
                 counters.add("get_first", at=epoch + at)
             task = asyncio.create_task(call(k, kind))
@@ -268,6 +304,7 @@ async def main(config: dict[str, Any]) -> None:
         "reporter_dropped": reporter_dropped,
         "unfinished": len(tasks),
         "failed_charge_keys": failed_keys,
+        "tail_calls": tail_calls,
     }
     with open(config["out"], "w") as out:
         json.dump(result, out)
