@@ -28,6 +28,7 @@ const attemptTimeoutMs = Number(config.attempt_timeout_s) * 1000;
 const RETRYABLE = new Set([502, 503, 504]);
 const tailMode = Boolean(config.tail);
 const tailCalls = [];
+const explanations = [];
 
 // A small seeded generator, so a caller's schedule is the same for every
 // strategy of a run.
@@ -116,6 +117,8 @@ class TimedClient extends RetrydClient {
     if (decision.fallback) label = 'fallback ' + label;
     tally(label);
     add('hedge_asked');
+    explanations.push(`${((Date.now() - epochMs) / 1000).toFixed(1)}s ${decision.explanation}`);
+    explanations.splice(3, Math.max(0, explanations.length - 6));
     if (decision.verdict === 'RETRY') add('hedge_granted');
     return decision;
   }
@@ -201,6 +204,7 @@ async function call(k, kind, startedAtMs) {
     }
   } catch (error) {
     outcome = error instanceof AmbiguousExecutionError ? 'ambiguous' : 'failed';
+    if (tailMode) tally(`error ${error?.name ?? 'unknown'}`);
   }
   add(outcome, startedAtMs);
   // The idempotent calls apart (issue 32 compares their success).
@@ -214,6 +218,12 @@ async function call(k, kind, startedAtMs) {
 }
 
 async function main() {
+  if (tailMode) {
+    // See the warm-up in fleet/caller.py: warm connections, nothing recorded.
+    for (let round = 0; round < 3; round++) {
+      await Promise.all(Array.from({ length: 20 }, (_, i) => fetch(`${config.upstream_url}/items/warm-ts-${config.id}-${i}`).then((r) => r.arrayBuffer())));
+    }
+  }
   process.stdout.write('ready\n');
   const lines = readline.createInterface({ input: process.stdin });
   const line = await new Promise((resolve) => lines.once('line', resolve));
@@ -263,6 +273,7 @@ async function main() {
       unfinished: 0,
       failed_charge_keys: failedKeys,
       tail_calls: tailCalls,
+      hedge_explanations: explanations,
     }),
   );
   process.stdout.write('done\n');

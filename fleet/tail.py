@@ -235,7 +235,8 @@ def summarise(runner: Any, label: str, upstream: str, hedged_by_retryd: bool, re
         "switched_s": switched, "tail": phase(SETTLE_S, TAIL_S), "slow": phase(TAIL_S, end - 1),
         "slow_first_5s": phase(TAIL_S, TAIL_S + 5), "slow_after_5s": phase(TAIL_S + 5, end - 1),
         "below_1pct_after_s": below, "decisions": decisions, "retryd_hedges": hedges,
-        "gauges": gauges, "load": os.getloadavg()[0],
+        "gauges": gauges, "load": os.getloadavg()[0], "upstream_totals": stats["totals"],
+        "hedge_explanations": {r["id"]: r.get("hedge_explanations", []) for r in results},
         "series": {"t": seconds, "extra_pct": extra_series, "p99_ms": p99_series},
         "cpu_s": {lang: sum(r["cpu_s"] for r in results if r["lang"] == lang) for lang in ("python", "typescript")},
     }
