@@ -38,7 +38,13 @@ import time
 from typing import Any, Optional
 
 RATE = 100.0  # calls/s, the whole fleet
-CALLERS = 4  # 2 Python, 2 TypeScript
+# TypeScript callers only by default: with Python callers in the fleet, the
+# Python client's hedged calls ran into 2.5 s read timeouts once hedges were
+# sent (docs/fleet.md, "Found"), and their latencies, reported as first
+# attempts, made retryd's served delay seconds long for every caller.
+# FLEET_TAIL_LANGS=python,typescript,python,typescript reproduces that.
+LANGS = os.environ.get("FLEET_TAIL_LANGS", "typescript,typescript,typescript,typescript").split(",")
+CALLERS = len(LANGS)
 TAIL_S = 30.0
 SLOW_S = 20.0
 # The tail phase's measured part starts after this: before it retryd has
@@ -110,7 +116,7 @@ def run_one(runner: Any, args: Any, deployment: Any, upstream: str, label: str, 
     dead_target = f"127.0.0.1:{runner.free_port()}"  # nothing listens there
     callers = []
     for index in range(CALLERS):
-        lang = "python" if index % 2 == 0 else "typescript"
+        lang = LANGS[index]
         config = {
             "id": index, "strategy": strategy, "rate": RATE / CALLERS, "duration_s": duration,
             "upstream_url": upstream_url, "retryd_target": dead_target if dead else deployment.target(index),
@@ -315,7 +321,7 @@ def report(runner: Any, rows: list[dict[str, Any]], args: Any, plot_dir: str, na
                           f"{'never' if uniform_at is None else f'{uniform_at:.0f} s'} into the slow phase")
     lines = [f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, `{runner.git_head()}`, "
              f"`scripts/fleet tail`, retryd `{args.retryd_bin_label}` (1 replica, memory store, default budget), "
-             f"{RATE:g} calls/s (GET, SAFE) from {CALLERS} callers (2 Python, 2 TypeScript), per strategy "
+             f"{RATE:g} calls/s (GET, SAFE) from {CALLERS} callers ({', '.join(LANGS)}), per strategy "
              f"{TAIL_S:g} s with 2% of responses held 1 s (the rest 10 ± 2 ms) then {SLOW_S:g} s uniformly slow "
              f"(200 ± 20 ms); load average {os.getloadavg()[0]:.2f} at the end "
              f"(per strategy: {', '.join('%.1f' % row['load'] for row in rows)}).", "",
