@@ -40,7 +40,7 @@ from typing import Any, Optional
 RATE = 100.0  # calls/s, the whole fleet
 # TypeScript callers only by default: with Python callers in the fleet, the
 # Python client's hedged calls ran into 2.5 s read timeouts once hedges were
-# sent (docs/fleet.md, "Found"), and their latencies, reported as first
+# sent (docs/fleet.md, the tail section), and their latencies, reported as first
 # attempts, made retryd's served delay seconds long for every caller.
 # FLEET_TAIL_LANGS=python,typescript,python,typescript reproduces that.
 LANGS = os.environ.get("FLEET_TAIL_LANGS", "typescript,typescript,typescript,typescript").split(",")
