@@ -2,7 +2,8 @@
 // (same protocol, mix, strategies and counters; read its docstring). It uses
 // the TypeScript client built as its README says (clients/typescript:
 // npm ci && npm run build): RetrydClient and fetchWithRetries, whose
-// reporter counts first attempts by default.
+// reporter counts first attempts by default. The tail scenario's options
+// (`tail`, `local_hedging`) are those of fleet/caller.py.
 //
 //   node fleet/caller.mjs CONFIG.json   prints "ready", waits for "go EPOCH_MS"
 //                                       on stdin, prints "done" at the end
@@ -25,6 +26,9 @@ const durationMs = Number(config.duration_s) * 1000;
 const deadlineMs = Number(config.deadline_s) * 1000;
 const attemptTimeoutMs = Number(config.attempt_timeout_s) * 1000;
 const RETRYABLE = new Set([502, 503, 504]);
+const tailMode = Boolean(config.tail);
+const tailCalls = [];
+const explanations = [];
 
 // A small seeded generator, so a caller's schedule is the same for every
 // strategy of a run.
@@ -106,9 +110,24 @@ class TimedClient extends RetrydClient {
     if (decision.verdict === 'RETRY' && !decision.fallback) add('granted');
     return decision;
   }
+  async decideHedge(input, options) {
+    const decision = await super.decideHedge(input, options);
+    let label = `hedge ${decision.verdict}`;
+    if (decision.verdict === 'DENY') label += ':' + decision.denyReason;
+    if (decision.fallback) label = 'fallback ' + label;
+    tally(label);
+    add('hedge_asked');
+    explanations.push(`${((Date.now() - epochMs) / 1000).toFixed(1)}s ${decision.explanation}`);
+    explanations.splice(3, Math.max(0, explanations.length - 6));
+    if (decision.verdict === 'RETRY') add('hedge_granted');
+    return decision;
+  }
 }
 
-const retryd = strategy === 'retryd' ? new TimedClient(config.retryd_target, { timeoutMs: 200 }) : null;
+const localHedging = config.local_hedging
+  ? { delayMs: config.local_hedging.delay_s * 1000, maxHedges: config.local_hedging.max_hedges, maxExtraLoad: config.local_hedging.max_extra_load }
+  : undefined;
+const retryd = strategy === 'retryd' ? new TimedClient(config.retryd_target, { timeoutMs: 200, ...(localHedging ? { localHedging } : {}) }) : null;
 const budget = strategy === 'local' ? new TpsBudget() : null;
 
 // Every attempt that leaves, whichever strategy sends it.
@@ -148,8 +167,9 @@ async function call(k, kind, startedAtMs) {
   let url;
   let init;
   let idempotency;
+  let copy = 0;
   if (kind === 'GET') {
-    url = `${config.upstream_url}/items/${k}`;
+    url = `${config.upstream_url}/items/${tailMode ? `ts-${config.id}-${k}` : k}`;
     init = { method: 'GET' };
     idempotency = 'SAFE';
   } else {
@@ -177,21 +197,33 @@ async function call(k, kind, startedAtMs) {
       });
       await response.arrayBuffer();
       outcome = response.status >= 200 && response.status < 300 ? 'ok' : 'failed';
+      copy = Number(response.headers.get('x-fleet-copy') ?? 0);
     } else {
       outcome = await ownLoop(url, init);
+      copy = 1;
     }
   } catch (error) {
     outcome = error instanceof AmbiguousExecutionError ? 'ambiguous' : 'failed';
+    if (tailMode) tally(`error ${error?.name ?? 'unknown'}`);
   }
   add(outcome, startedAtMs);
   // The idempotent calls apart (issue 32 compares their success).
   if (kind === 'GET') add(`get_${outcome}`, startedAtMs);
   // See failed_keys in fleet/caller.py: compared with the upstream's charges.
   if (kind === 'POST' && outcome === 'failed') failedKeys.push(init.headers['Idempotency-Key']);
-  if (outcome === 'ok') callMs.push(performance.now() - started);
+  if (outcome === 'ok') {
+    callMs.push(performance.now() - started);
+    if (tailMode) tailCalls.push([Math.round(startedAtMs - epochMs) / 1000, Math.round((performance.now() - started) * 100) / 100, copy]);
+  }
 }
 
 async function main() {
+  if (tailMode) {
+    // See the warm-up in fleet/caller.py: warm connections, nothing recorded.
+    for (let round = 0; round < 3; round++) {
+      await Promise.all(Array.from({ length: 20 }, (_, i) => fetch(`${config.upstream_url}/items/warm-ts-${config.id}-${i}`).then((r) => r.arrayBuffer())));
+    }
+  }
   process.stdout.write('ready\n');
   const lines = readline.createInterface({ input: process.stdin });
   const line = await new Promise((resolve) => lines.once('line', resolve));
@@ -211,7 +243,7 @@ async function main() {
       add('shed', epochMs + at);
       continue;
     }
-    const kind = random() < 0.5 ? 'GET' : 'POST';
+    const kind = random() < 0.5 || tailMode ? 'GET' : 'POST';
     if (kind === 'GET') add('get_first', epochMs + at);
     const promise = call(k, kind, epochMs + at).finally(() => inFlight.delete(promise));
     inFlight.add(promise);
@@ -240,6 +272,8 @@ async function main() {
       reporter_dropped: reporterDropped,
       unfinished: 0,
       failed_charge_keys: failedKeys,
+      tail_calls: tailCalls,
+      hedge_explanations: explanations,
     }),
   );
   process.stdout.write('done\n');

@@ -28,6 +28,15 @@ Strategies (``config["strategy"]``):
            over a 10 s window)
   retryd   ``retryd.httpx.arequest_with_retries`` with the client's default
            reporter: retryd decides every retry
+
+The tail scenario (fleet/tail.py) adds two options. ``config["tail"]``: every
+call is a GET of a path of its own (``/items/py-ID-K``, so that the upstream's
+delay mode draws each call's first attempt the same for every strategy), and
+each answered call is recorded as ``[start s, ms, copy]`` (``copy``: the
+upstream's x-fleet-copy, 2 when a hedge won), with retryd's answers to hedge
+requests counted as ``hedge ...`` decisions. ``config["local_hedging"]``
+(``{"delay_s", "max_hedges", "max_extra_load"}``) gives the client its
+fixed-delay ``LocalHedging``, which it uses while retryd is unreachable.
 """
 
 from __future__ import annotations
@@ -89,6 +98,7 @@ class Counters:
         self.decisions: collections.Counter[str] = collections.Counter()
         self.decide_ms: list[float] = []
         self.call_ms: list[float] = []
+        self.explanations: list[str] = []
 
     def bucket(self, at: float | None = None) -> int:
         return int(((time.time() if at is None else at) - self.epoch) // self.bucket_s)
@@ -119,6 +129,22 @@ class TimedClient(AsyncClient):
             self.counters.add("granted")
         return decision
 
+    async def decide_hedge(self, **kwargs: Any) -> Any:  # type: ignore[override]
+        decision = await super().decide_hedge(**kwargs)
+        label = "hedge " + decision.verdict.name
+        if decision.verdict.name == "DENY":
+            label += ":" + decision.deny_reason.name
+        if decision.fallback:
+            label = "fallback " + label
+        self.counters.decisions[label] += 1
+        self.counters.add("hedge_asked")
+        # A few of retryd's explanations (delay, p50, p99, window counts) for the report.
+        self.counters.explanations.append(f"{time.time() - self.counters.epoch:.1f}s {decision.explanation}")
+        del self.counters.explanations[3:-3]
+        if decision.verdict.name == "RETRY":
+            self.counters.add("hedge_granted")
+        return decision
+
 
 async def main(config: dict[str, Any]) -> None:
     strategy = config["strategy"]
@@ -131,20 +157,36 @@ async def main(config: dict[str, Any]) -> None:
     # With several replicas the target is "ipv4:A,B": grpcio would send that
     # whole list as the HTTP/2 :authority, which retryd's server refuses
     # (RST_STREAM PROTOCOL_ERROR), so name the authority explicitly.
-    retryd = (TimedClient(config["retryd_target"], timeout=0.2, options=[("grpc.default_authority", "retryd")])
+    tail_mode = bool(config.get("tail"))
+    local = config.get("local_hedging")
+    extra: dict[str, Any] = {}
+    if local:
+        from retryd.hedging import LocalHedging
+
+        extra["local_hedging"] = LocalHedging(delay=float(local["delay_s"]), max_hedges=int(local["max_hedges"]),
+                                              max_extra_load=float(local["max_extra_load"]))
+    retryd = (TimedClient(config["retryd_target"], timeout=0.2, options=[("grpc.default_authority", "retryd")], **extra)
               if strategy == "retryd" else None)
     budget = TpsBudget() if strategy == "local" else None
 
     counters_box: dict[str, Counters] = {}
 
     async def count_attempt(request: httpx.Request) -> None:
-        counters_box["c"].add("attempts")
+        if "c" in counters_box:  # not the warm-up's requests
+            counters_box["c"].add("attempts")
 
     http = httpx.AsyncClient(
         timeout=httpx.Timeout(attempt_timeout),
         limits=httpx.Limits(max_connections=2000, max_keepalive_connections=200),
         event_hooks={"request": [count_attempt]},
     )
+    if tail_mode:
+        # Connections opened and code paths run before the clock starts, with
+        # plain requests (not through the client: no latency recorded), so
+        # that the first seconds' latencies, which stay in retryd's window for
+        # its whole length, are not those of a cold process.
+        for _ in range(3):
+            await asyncio.gather(*(http.get(f"{base}/items/warm-py-{config['id']}-{i}") for i in range(20)))
     print("ready", flush=True)
     line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     epoch = int(line.split()[1]) / 1000.0
@@ -182,8 +224,10 @@ async def main(config: dict[str, Any]) -> None:
 
     async def call(k: int, kind: str) -> None:
         started = time.monotonic()
+        copy = 0
         if kind == "GET":
-            method, url, headers, content = "GET", f"{base}/items/{k}", {}, None
+            path = f"py-{config['id']}-{k}" if tail_mode else str(k)
+            method, url, headers, content = "GET", f"{base}/items/{path}", {}, None
             idempotency = Idempotency.SAFE
         else:
             # One key per logical payment, the same on every attempt of it.
@@ -202,12 +246,15 @@ async def main(config: dict[str, Any]) -> None:
                     http, retryd, method, url, upstream=config["retryd_upstream"], idempotency=idempotency,
                     deadline=deadline, headers=headers, content=content)
                 outcome = "ok" if 200 <= response.status_code < 300 else "failed"
+                copy = int(response.headers.get("x-fleet-copy", "0"))
             else:
-                outcome = await own_loop(method, url, headers, content)
+                outcome, copy = await own_loop(method, url, headers, content), 1
         except AmbiguousExecutionError:
             outcome = "ambiguous"
-        except httpx.HTTPError:
+        except httpx.HTTPError as error:
             outcome = "failed"
+            if tail_mode:
+                counters.decisions[f"error {type(error).__name__}"] += 1
         counters.add(outcome, at=epoch + started_at[k])
         if kind == "GET":
             # The idempotent calls apart (issue 32 compares their success).
@@ -219,9 +266,12 @@ async def main(config: dict[str, Any]) -> None:
             failed_keys.append(headers["Idempotency-Key"])
         if outcome == "ok":
             counters.call_ms.append((time.monotonic() - started) * 1000)
+            if tail_mode:
+                tail_calls.append([round(started_at[k], 3), round((time.monotonic() - started) * 1000, 2), copy])
 
     started_at: dict[int, float] = {}
     failed_keys: list[str] = []
+    tail_calls: list[list[float]] = []
     offset = rng.uniform(0, 1.0 / rate)
     tasks: set[asyncio.Task[None]] = set()
     mono0 = time.monotonic() - (time.time() - epoch)  # monotonic instant of the epoch
@@ -238,7 +288,7 @@ async def main(config: dict[str, Any]) -> None:
         if len(tasks) >= config["max_in_flight"]:
             counters.add("shed", at=epoch + at)
         else:
-            kind = "GET" if rng.random() < 0.5 else "POST"
+            kind = "GET" if rng.random() < 0.5 or tail_mode else "POST"
             if kind == "GET":
                 counters.add("get_first", at=epoch + at)
             task = asyncio.create_task(call(k, kind))
@@ -268,6 +318,8 @@ async def main(config: dict[str, Any]) -> None:
         "reporter_dropped": reporter_dropped,
         "unfinished": len(tasks),
         "failed_charge_keys": failed_keys,
+        "tail_calls": tail_calls,
+        "hedge_explanations": counters.explanations,
     }
     with open(config["out"], "w") as out:
         json.dump(result, out)

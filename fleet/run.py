@@ -414,12 +414,12 @@ def plan(args: argparse.Namespace) -> list[Phase]:
     }
     if args.scenario == "all":
         names = [name for name in scenarios if name not in ("check", "adaptive")]
-    elif args.scenario == "layers":
-        names = []  # run_layers: its phases are chains of tiers, not fleets of callers
+    elif args.scenario in ("layers", "tail"):
+        names = []  # run_layers, tail.run: phases of their own, not this plan's
     elif args.scenario in scenarios:
         names = [args.scenario]
     else:
-        raise SystemExit(f"fleet: unknown scenario {args.scenario!r}; one of: all, layers, {', '.join(scenarios)}")
+        raise SystemExit(f"fleet: unknown scenario {args.scenario!r}; one of: all, layers, tail, {', '.join(scenarios)}")
     phases = [phase for name in names for phase in scenarios[name]]
     for index, phase in enumerate(phases):
         phase.upstream = f"pay-{index}"
@@ -1296,6 +1296,7 @@ def main() -> int:
     deployments: dict[str, Deployment] = {}
     rows = []
     layer_rows: list[dict[str, Any]] = []
+    tail_rows: list[dict[str, Any]] = []
     try:
         for phase in phases:
             deployment = deployments.get(phase.deployment)
@@ -1323,12 +1324,15 @@ def main() -> int:
         deployments.clear()
         if args.scenario in ("all", "layers", "check"):
             layer_rows = run_layers(args, upstream_url, log_dir, retryd_bin, check_only=short)
+        if args.scenario == "tail":  # issue 33's hedging scenario, in fleet/tail.py
+            import tail as tail_scenario
+            tail_rows = tail_scenario.run(sys.modules[__name__], args, upstream_url, log_dir, retryd_bin)
     finally:
         for deployment in deployments.values():
             deployment.stop()
         upstream.stop()
         with open(os.path.join(log_dir, "results.json"), "w") as file:
-            json.dump(rows + layer_rows, file, indent=1)
+            json.dump(rows + layer_rows + tail_rows, file, indent=1)
 
     plot_dir = os.path.join(REPO, "docs", "fleet") if args.update else log_dir
     os.makedirs(plot_dir, exist_ok=True)
@@ -1343,6 +1347,12 @@ def main() -> int:
         report += "\n" + layers
         if args.update and not short:
             update_doc(layers, "fleet-layers")
+    if tail_rows:
+        import tail as tail_scenario
+        report += tail_scenario.report(sys.modules[__name__], tail_rows, args, plot_dir,
+                                       tail_scenario.plots(sys.modules[__name__], tail_rows, plot_dir))
+        if args.update:
+            update_doc(report, "fleet-tail")
     with open(os.path.join(log_dir, "report.md"), "w") as file:
         file.write(report)
     print(f"fleet: results in {log_dir}/results.json, report {log_dir}/report.md, plots in {plot_dir}", flush=True)

@@ -18,6 +18,17 @@
 //   {"mode": "latency", "delay_ms": D} the charge is applied at once, the
 //                                      response held D ms (beyond the callers'
 //                                      timeouts, so they cannot know it happened)
+//   {"mode": "delay", "base_ms": B, "jitter_ms": J, "tail_p": P, "tail_ms": T, "seed": S}
+//                                      the tail scenario (fleet/tail.py): each
+//                                      response held B +- J ms, or T ms for a
+//                                      fraction P of them. Drawn from a hash of
+//                                      (S, path, arrival index of that path), not
+//                                      from arrival order, so every strategy of a
+//                                      run meets the same slow first attempts
+//                                      while a second copy of a call (a hedge)
+//                                      draws afresh. The response says which
+//                                      arrival it was (x-fleet-copy: 1, 2, ...).
+import { createHash } from 'node:crypto';
 import http from 'node:http';
 
 const BUCKET_MS = 250;
@@ -31,14 +42,23 @@ let totals;
 // its edges start inside the fault window, and every tier forwards the tag).
 let tagged;
 let faultLog = [];
+// The delay mode's arrivals per path (one path per logical call there).
+let arrivals = new Map();
+
+/** Two uniform draws in [0, 1) for the n-th arrival of `path` under `seed`. */
+function draws(seed, path, n) {
+  const digest = createHash('sha256').update(`${seed}:${path}:${n}`).digest();
+  return [digest.readUInt32BE(0) / 4294967296, digest.readUInt32BE(4) / 4294967296];
+}
 
 function reset(newEpochMs) {
   epochMs = newEpochMs;
   buckets = new Map();
   charges = new Map();
-  totals = { requests: 0, get: 0, post: 0, rejected_503: 0, applied: 0, duplicates: 0, replays: 0, missing_key: 0, in_flight_max: 0 };
+  totals = { requests: 0, get: 0, post: 0, rejected_503: 0, applied: 0, duplicates: 0, replays: 0, missing_key: 0, in_flight_max: 0, repeats: 0, held_tail: 0 };
   tagged = {};
   faultLog = [];
+  arrivals = new Map();
 }
 reset(Date.now());
 let inFlight = 0;
@@ -47,7 +67,7 @@ function bucket() {
   const index = Math.floor((Date.now() - epochMs) / BUCKET_MS);
   let counters = buckets.get(index);
   if (!counters) {
-    counters = { requests: 0, get: 0, post: 0, rejected_503: 0, applied: 0, duplicates: 0, replays: 0 };
+    counters = { requests: 0, get: 0, post: 0, rejected_503: 0, applied: 0, duplicates: 0, replays: 0, repeats: 0, held_tail: 0 };
     buckets.set(index, counters);
   }
   return counters;
@@ -67,12 +87,14 @@ function readBody(request) {
   });
 }
 
-function reply(response, status, body) {
+function reply(response, status, body, copy) {
   const text = JSON.stringify(body);
+  const headers = { 'content-type': 'application/json', 'content-length': Buffer.byteLength(text) };
+  if (copy !== undefined) headers['x-fleet-copy'] = String(copy);
   // A response to a caller that gave up (its timeout passed) may fail: that
   // is the point of the latency fault, not an error of the server.
   try {
-    response.writeHead(status, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(text) });
+    response.writeHead(status, headers);
     response.end(text);
   } catch {
     /* the caller is gone */
@@ -141,7 +163,18 @@ async function serve(request, response, keyed) {
     }
   }
   if (current.mode === 'latency') await new Promise((resolve) => setTimeout(resolve, current.delay_ms));
-  reply(response, isPost ? 201 : 200, isPost ? { charged: JSON.parse(body || '{}').amount ?? 0 } : { id: request.url });
+  let copy;
+  if (current.mode === 'delay') {
+    const path = request.url;
+    copy = (arrivals.get(path) ?? 0) + 1;
+    arrivals.set(path, copy);
+    if (copy > 1) count('repeats', counters);
+    const [tail, jitter] = draws(current.seed ?? 0, path, copy);
+    const ms = tail < (current.tail_p ?? 0) ? current.tail_ms : current.base_ms + (2 * jitter - 1) * (current.jitter_ms ?? 0);
+    if (tail < (current.tail_p ?? 0)) count('held_tail', counters);
+    await new Promise((resolve) => setTimeout(resolve, ms));
+  }
+  reply(response, isPost ? 201 : 200, isPost ? { charged: JSON.parse(body || '{}').amount ?? 0 } : { id: request.url }, copy);
 }
 
 const server = http.createServer((request, response) => {
