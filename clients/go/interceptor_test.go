@@ -160,7 +160,9 @@ func TestGRPCPushback(t *testing.T) {
 	})
 	client := newClient(t, shared(t).grpc, Options{NoFallback: true})
 	clock := withFakeClock(client)
-	upstream := dialUpstream(t, addr, client, InterceptorOptions{})
+	// An upstream of its own: the negative pushback below stops the
+	// upstream's retries fleet-wide for a while (pushback_stop_window).
+	upstream := dialUpstream(t, addr, client, InterceptorOptions{Upstream: "go-grpc-pushback"})
 	if err := check(safe(context.Background()), upstream); err != nil || server.calls.Load() != 2 {
 		t.Fatalf("%v after %d calls", err, server.calls.Load())
 	}

@@ -187,7 +187,7 @@ impl<S: BudgetStore> Decider<S> {
             }
             // The level fleet-wide, for GetBudget and the recovery ramp:
             // successes returning after a low level start it.
-            if live.policies.get(upstream).adaptive && entry.outcomes.is_reported() {
+            if live.policies.get(upstream).adaptive && entry.outcomes.moves_the_level() {
                 let noting = Instant::now();
                 let noted = self
                     .store

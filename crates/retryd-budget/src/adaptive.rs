@@ -37,6 +37,15 @@
 /// take deposits away is 1 / K (half the attempts succeeding).
 pub const K: f64 = 2.0;
 
+/// Outcomes one report entry needs to set the upstream's fleet-wide level.
+/// Fewer say little about the upstream: two failed attempts of one call in
+/// an otherwise idle second read as health 0.33, and the next success
+/// started a recovery ramp that denied retries for its 5 s on a
+/// quiet upstream (seen in the clients' suites). An upstream this quiet has
+/// no wave of retries to spread when it recovers. The adaptive funding of
+/// each report is unaffected.
+pub const LEVEL_EVIDENCE: u64 = 10;
+
 /// How the attempts of one report entry ended.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Outcomes {
@@ -57,6 +66,17 @@ impl Outcomes {
             || self.failures != 0
             || self.retry_successes != 0
             || self.retry_failures != 0
+    }
+
+    /// True when the entry holds enough outcomes
+    /// ([`LEVEL_EVIDENCE`]) to move the upstream's fleet-wide level, whose
+    /// return from below one half after a fault starts a recovery ramp.
+    pub fn moves_the_level(&self) -> bool {
+        self.successes
+            .saturating_add(self.failures)
+            .saturating_add(self.retry_successes)
+            .saturating_add(self.retry_failures)
+            >= LEVEL_EVIDENCE
     }
 
     /// The share of the entry's requests that funds retries, 0 to 1: the

@@ -130,7 +130,8 @@ class _MarkingContext:
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
         if self._state.failed_after_decision and code != grpc.StatusCode.OK:
-            trailing_metadata = _signal(self._layer, tuple(trailing_metadata) or self._context.trailing_metadata())
+            # grpc.aio's abort takes a tuple, not a list.
+            trailing_metadata = tuple(_signal(self._layer, tuple(trailing_metadata) or self._context.trailing_metadata()))
         await self._context.abort(code, details, trailing_metadata)
 
 
