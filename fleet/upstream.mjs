@@ -20,7 +20,8 @@
 //                                      timeouts, so they cannot know it happened)
 //   {"mode": "pushback", "retry_after_s": 2}
 //                                      every request 429 with that Retry-After,
-//                                      nothing applied (the pushback scenario)
+//                                      nothing applied (the pushback scenario);
+//                                      with "p503": P, that fraction 503 instead
 // A request with `x-fleet-prev-ms` (the pushback scenario's callers tag each
 // retry with the epoch-relative instant its previous attempt's answer came)
 // is counted as a retry; it is early if it lands before the Retry-After
@@ -153,7 +154,7 @@ async function serve(request, response, keyed) {
       totals.early_ms_max = Math.max(totals.early_ms_max, known - nowMs);
     }
   }
-  if (current.mode === 'pushback') {
+  if (current.mode === 'pushback' && !(Math.random() < (current.p503 ?? 0))) {
     count('rejected_429', counters);
     const servedMs = Date.now() - epochMs;
     const retryAfter = current.retry_after_s ?? 2;
@@ -167,7 +168,7 @@ async function serve(request, response, keyed) {
     }
     return;
   }
-  if (current.mode === 'outage' || (current.mode === 'partial' && Math.random() < current.p)) {
+  if (current.mode === 'outage' || current.mode === 'pushback' || (current.mode === 'partial' && Math.random() < current.p)) {
     // Rejected before any work: the charge is not applied.
     count('rejected_503', counters);
     reply(response, 503, { error: 'unavailable' });
