@@ -202,23 +202,23 @@ def summarise(phase: Phase, results: list[dict[str, Any]], stats: dict[str, Any]
 
 def pushback_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| strategy | early retries (max early by) | retries in the 429 window | peak retries / 250 ms after it began "
-             "| first attempts / s: warm-up, 429 window | backoffs stretched (metric) | calls ok / failed |",
+             "| first attempts / s: warm-up, 429 window | backoffs stretched (metric) | calls ok / failed / ambiguous |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['label']} | {row['early_retries']} ({row['early_ms_max']:.0f} ms) | {row['retries_in_window']} "
                      f"| {row['retries_peak_bucket']} | {row['first_rps_warm']:.1f}, {row['first_rps_window']:.1f} "
-                     f"| {row['stretched']:.0f} | {row['outcomes']['ok']} / {row['outcomes']['failed']} |")
+                     f"| {row['stretched']:.0f} | {row['outcomes']['ok']} / {row['outcomes']['failed']} / {row['outcomes']['ambiguous']} |")
     return "\n".join(lines)
 
 
 def recovery_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| strategy | healthy requests / 250 ms (warm-up) | peak 250 ms bucket in the second after recovery "
-             f"| peak ÷ healthy (target ≤ {PEAK_TARGET}× for retryd) | retries | calls ok / failed |",
+             f"| peak ÷ healthy (target ≤ {PEAK_TARGET}× for retryd) | retries | calls ok / failed / ambiguous |",
              "|---|---|---|---|---|---|"]
     for row in rows:
         met = "" if row["strategy"] != "retryd" else (" ✓" if (row["peak_ratio"] or 0) <= PEAK_TARGET else " ✗")
         lines.append(f"| {row['label']} | {row['steady_bucket']:.1f} | {row['peak_bucket']} | {fleet.fmt(row['peak_ratio'])}×{met} "
-                     f"| {row['retries']} | {row['outcomes']['ok']} / {row['outcomes']['failed']} |")
+                     f"| {row['retries']} | {row['outcomes']['ok']} / {row['outcomes']['failed']} / {row['outcomes']['ambiguous']} |")
     return "\n".join(lines)
 
 
