@@ -90,6 +90,23 @@ def plan(name: str) -> list[Phase]:
     return phases
 
 
+def set_retries(deployment: fleet.Deployment, upstream: str, enabled: bool) -> int:
+    """The kill switch, asked again (at most 5 times, 200 ms apart) when the
+    store answers UNAVAILABLE: a debug retryd on a loaded machine can miss
+    its Redis timeout once. Returns how many attempts it took."""
+    from retryd.errors import RetrydUnavailableError
+
+    for attempt in range(1, 6):
+        try:
+            fleet.set_retries(deployment, upstream, enabled)
+            return attempt
+        except RetrydUnavailableError:
+            if attempt == 5:
+                raise
+            time.sleep(0.2)
+    return 5
+
+
 def run_phase(phase: Phase, deployment: fleet.Deployment, upstream_url: str, args: argparse.Namespace,
               log_dir: str) -> dict[str, Any]:
     pushback = phase.scenario.startswith("pushback")
@@ -133,14 +150,14 @@ def run_phase(phase: Phase, deployment: fleet.Deployment, upstream_url: str, arg
     began = time.time() - epoch
     if phase.kill_switch:
         at(WARM_S + fault_s / 2)
-        fleet.set_retries(deployment, phase.upstream, False)
-        events.append((time.time() - epoch, "retries off"))
+        tries = set_retries(deployment, phase.upstream, False)
+        events.append((time.time() - epoch, "retries off" + (f" ({tries} tries)" if tries > 1 else "")))
     at(WARM_S + fault_s)
     fleet.http_json(f"{upstream_url}/_control", {"fault": {"mode": "ok"}})
     ended = time.time() - epoch
     if phase.kill_switch:
-        fleet.set_retries(deployment, phase.upstream, True)
-        events.append((time.time() - epoch, "retries on"))
+        tries = set_retries(deployment, phase.upstream, True)
+        events.append((time.time() - epoch, "retries on" + (f" ({tries} tries)" if tries > 1 else "")))
     for _, proc in callers:
         proc.expect(lambda line: line == "done", duration + PUSHBACK_DEADLINE_S + 60)
     results = []
