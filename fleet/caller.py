@@ -37,6 +37,14 @@ upstream's x-fleet-copy, 2 when a hedge won), with retryd's answers to hedge
 requests counted as ``hedge ...`` decisions. ``config["local_hedging"]``
 (``{"delay_s", "max_hedges", "max_extra_load"}``) gives the client its
 fixed-delay ``LocalHedging``, which it uses while retryd is unreachable.
+
+Options of the pushback scenario (fleet/pushback.py), off unless set:
+  ``honour_retry_after``  naive also retries a 429, and waits at least its
+                          Retry-After (each caller on its own answer)
+  ``tag_retries``         every attempt after a call's first carries
+                          ``x-fleet-prev-ms``: when the previous attempt's
+                          answer came (ms since the epoch), for the upstream
+                          to count retries and the early ones
 """
 
 from __future__ import annotations
@@ -171,14 +179,34 @@ async def main(config: dict[str, Any]) -> None:
 
     counters_box: dict[str, Counters] = {}
 
+    honour_retry_after = bool(config.get("honour_retry_after"))
+    tag_retries = bool(config.get("tag_retries"))
+    # x-fleet-call -> ms since the epoch of the call's last answer (or, after
+    # a transport error, of its last send).
+    last_event: dict[str, float] = {}
+
+    def epoch_ms() -> float:
+        return (time.time() - counters_box["c"].epoch) * 1000
+
     async def count_attempt(request: httpx.Request) -> None:
         if "c" in counters_box:  # not the warm-up's requests
             counters_box["c"].add("attempts")
+        call_id = request.headers.get("x-fleet-call")
+        if tag_retries and call_id is not None:
+            # The hook runs before the request is sent, so the tag rides on it.
+            if call_id in last_event:
+                request.headers["x-fleet-prev-ms"] = str(int(last_event[call_id]))
+            last_event[call_id] = epoch_ms()
+
+    async def note_answer(response: httpx.Response) -> None:
+        call_id = response.request.headers.get("x-fleet-call")
+        if tag_retries and call_id is not None:
+            last_event[call_id] = epoch_ms()
 
     http = httpx.AsyncClient(
         timeout=httpx.Timeout(attempt_timeout),
         limits=httpx.Limits(max_connections=2000, max_keepalive_connections=200),
-        event_hooks={"request": [count_attempt]},
+        event_hooks={"request": [count_attempt], "response": [note_answer]},
     )
     if tail_mode:
         # Connections opened and code paths run before the clock starts, with
@@ -202,12 +230,20 @@ async def main(config: dict[str, Any]) -> None:
         while True:
             left = end - time.monotonic()
             failed_retryably = False
+            floor = 0.0
             try:
                 response = await http.request(method, url, headers=headers, content=content,
                                               timeout=min(attempt_timeout, max(left, 0.001)))
                 if 200 <= response.status_code < 300:
                     return "ok"
                 failed_retryably = response.status_code in RETRYABLE_STATUSES
+                if honour_retry_after and response.status_code == 429:
+                    # Per caller: this caller's own answer paces only this call.
+                    failed_retryably = True
+                    try:
+                        floor = float(response.headers.get("retry-after", "0"))
+                    except ValueError:
+                        floor = 0.0
             except httpx.TransportError:
                 failed_retryably = True
             if not failed_retryably or attempt >= attempts:
@@ -215,7 +251,7 @@ async def main(config: dict[str, Any]) -> None:
             if budget is not None and not budget.withdraw():
                 counters.decisions["local DENY:BUDGET"] += 1
                 return "failed"
-            backoff = rng.uniform(0, min(1.0, 0.05 * 2 ** (attempt - 1)))
+            backoff = floor + rng.uniform(0, min(1.0, 0.05 * 2 ** (attempt - 1)))
             if backoff + 0.05 > end - time.monotonic():
                 return "failed"
             counters.decisions["local RETRY"] += 1
@@ -238,6 +274,8 @@ async def main(config: dict[str, Any]) -> None:
                 method, url, idempotency = "POST", f"{base}/keyed-charges", Idempotency.IDEMPOTENT_WITH_KEY
             else:
                 method, url, idempotency = "POST", f"{base}/charges", Idempotency.NON_IDEMPOTENT
+        if tag_retries:
+            headers = dict(headers, **{"x-fleet-call": f"{config['id']}-{k}"})
         if budget is not None:
             budget.deposit()
         try:

@@ -1286,6 +1286,8 @@ def main() -> int:
         raise SystemExit(f"fleet: no retryd binary at {retryd_bin} (set RETRYD_BIN or cargo build --release --bin retryd)")
     args.retryd_bin_label = ("release" if "/release/" in retryd_bin else "debug" if "/debug/" in retryd_bin
                              else os.path.basename(os.path.dirname(retryd_bin)) + "/" + os.path.basename(retryd_bin))
+    if args.scenario in ("pushback", "recovery"):
+        return run_pushback(args, retryd_bin)  # issue 32's pushback and recovery: fleet/pushback.py
     phases = plan(args)
     os.makedirs(args.out, exist_ok=True)
     log_dir = tempfile.mkdtemp(prefix=f"run-{time.strftime('%Y%m%d-%H%M%S')}-", dir=args.out)
@@ -1367,6 +1369,25 @@ def main() -> int:
               + "".join(f"; call chains: naive {fmt(layer_rows[0]['amplification']['upstream'])}×, with lineage "
                         f"{fmt(row['amplification']['upstream'])}× ≤ one hop's {fmt(row['hop_bound'])}×"
                         for row in lineage[:1]), flush=True)
+    return 0
+
+
+def run_pushback(args: argparse.Namespace, retryd_bin: str) -> int:
+    import pushback
+
+    os.makedirs(args.out, exist_ok=True)
+    log_dir = tempfile.mkdtemp(prefix=f"run-{time.strftime('%Y%m%d-%H%M%S')}-", dir=args.out)
+    upstream = Proc("upstream", ["node", os.path.join(HERE, "upstream.mjs")], log_dir)
+    try:
+        upstream_url = f"http://127.0.0.1:{json.loads(upstream.expect(lambda l: l.startswith('{'), 30))['port']}"
+        report = pushback.run(args, upstream_url, log_dir, retryd_bin)
+    finally:
+        upstream.stop()
+    with open(os.path.join(log_dir, "report.md"), "w") as file:
+        file.write(report)
+    if args.update:
+        update_doc(report, f"fleet-{args.scenario}-run")
+    print(report, flush=True)
     return 0
 
 

@@ -28,10 +28,23 @@
 //                                      while a second copy of a call (a hedge)
 //                                      draws afresh. The response says which
 //                                      arrival it was (x-fleet-copy: 1, 2, ...).
+//   {"mode": "pushback", "retry_after_s": 2}
+//                                      every request 429 with that Retry-After,
+//                                      nothing applied (the pushback scenario);
+//                                      with "p503": P, that fraction 503 instead
+// A request with `x-fleet-prev-ms` (the pushback scenario's callers tag each
+// retry with the epoch-relative instant its previous attempt's answer came)
+// is counted as a retry; it is early if it lands before the Retry-After
+// deadline of the latest 429 served PUSHBACK_LAG_MS before that instant,
+// which retryd had been told of when it decided the retry.
 import { createHash } from 'node:crypto';
 import http from 'node:http';
 
 const BUCKET_MS = 250;
+// A caller reports its 429 to retryd in its Decide right after the answer;
+// this much slack covers that report reaching retryd before another caller's
+// decision (loopback, a loaded 2-core machine).
+const PUSHBACK_LAG_MS = 100;
 
 let fault = { mode: 'ok' };
 let epochMs = Date.now();
@@ -50,15 +63,18 @@ function draws(seed, path, n) {
   const digest = createHash('sha256').update(`${seed}:${path}:${n}`).digest();
   return [digest.readUInt32BE(0) / 4294967296, digest.readUInt32BE(4) / 4294967296];
 }
+// The pushback fault's 429s: [served at (ms since epoch), deadline], in order.
+let announced = [];
 
 function reset(newEpochMs) {
   epochMs = newEpochMs;
   buckets = new Map();
   charges = new Map();
-  totals = { requests: 0, get: 0, post: 0, rejected_503: 0, applied: 0, duplicates: 0, replays: 0, missing_key: 0, in_flight_max: 0, repeats: 0, held_tail: 0 };
+  totals = { requests: 0, get: 0, post: 0, rejected_503: 0, rejected_429: 0, retries: 0, early_retries: 0, early_ms_max: 0, applied: 0, duplicates: 0, replays: 0, missing_key: 0, in_flight_max: 0, repeats: 0, held_tail: 0 };
   tagged = {};
   faultLog = [];
   arrivals = new Map();
+  announced = [];
 }
 reset(Date.now());
 let inFlight = 0;
@@ -67,7 +83,7 @@ function bucket() {
   const index = Math.floor((Date.now() - epochMs) / BUCKET_MS);
   let counters = buckets.get(index);
   if (!counters) {
-    counters = { requests: 0, get: 0, post: 0, rejected_503: 0, applied: 0, duplicates: 0, replays: 0, repeats: 0, held_tail: 0 };
+    counters = { requests: 0, get: 0, post: 0, rejected_503: 0, applied: 0, duplicates: 0, replays: 0, repeats: 0, held_tail: 0, rejected_429: 0, retries: 0, early_retries: 0 };
     buckets.set(index, counters);
   }
   return counters;
@@ -129,6 +145,18 @@ function stats(response) {
   });
 }
 
+// The deadline of the latest 429 served at or before `atMs`, or null.
+function lastAnnouncedBefore(atMs) {
+  let low = 0;
+  let high = announced.length; // first index served after atMs
+  while (low < high) {
+    const mid = (low + high) >> 1;
+    if (announced[mid][0] <= atMs) low = mid + 1;
+    else high = mid;
+  }
+  return low === 0 ? null : announced[low - 1][1];
+}
+
 async function serve(request, response, keyed) {
   const counters = bucket();
   count('requests', counters);
@@ -138,7 +166,31 @@ async function serve(request, response, keyed) {
   count(isPost ? 'post' : 'get', counters);
   const body = isPost ? await readBody(request) : '';
   const current = fault;
-  if (current.mode === 'outage' || (current.mode === 'partial' && Math.random() < current.p)) {
+  const prev = request.headers['x-fleet-prev-ms'];
+  if (typeof prev === 'string') {
+    count('retries', counters);
+    const nowMs = Date.now() - epochMs;
+    const known = lastAnnouncedBefore(Number(prev) - PUSHBACK_LAG_MS);
+    if (known !== null && nowMs < known) {
+      count('early_retries', counters);
+      totals.early_ms_max = Math.max(totals.early_ms_max, known - nowMs);
+    }
+  }
+  if (current.mode === 'pushback' && !(Math.random() < (current.p503 ?? 0))) {
+    count('rejected_429', counters);
+    const servedMs = Date.now() - epochMs;
+    const retryAfter = current.retry_after_s ?? 2;
+    announced.push([servedMs, servedMs + retryAfter * 1000]);
+    const text = JSON.stringify({ error: 'too many requests' });
+    try {
+      response.writeHead(429, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(text), 'retry-after': String(retryAfter) });
+      response.end(text);
+    } catch {
+      /* the caller is gone */
+    }
+    return;
+  }
+  if (current.mode === 'outage' || current.mode === 'pushback' || (current.mode === 'partial' && Math.random() < current.p)) {
     // Rejected before any work: the charge is not applied.
     count('rejected_503', counters);
     reply(response, 503, { error: 'unavailable' });
