@@ -495,8 +495,11 @@ const (
 	// window would exceed `max_extra_load` of the first attempts reported.
 	DenyReason_DENY_REASON_HEDGE_CAP DenyReason = 15
 	// A hedge for an upstream that is uniformly slow: the fleet's median
-	// latency is close to the hedging quantile, so a second copy would be as
-	// slow as the first and only add load.
+	// latency is close to its tail (at least `hedging.uniform_ratio` of the
+	// larger of the hedging quantile and the p99), so a second copy would be
+	// as slow as the first and only add load. The p99, not the quantile
+	// alone: a tail of 2% of calls held long leaves p50 and p95 close, and
+	// that tail is what hedging is for.
 	DenyReason_DENY_REASON_UNIFORMLY_SLOW DenyReason = 16
 )
 
