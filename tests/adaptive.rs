@@ -6,106 +6,23 @@
 //! fleet-wide bound (retries ≤ initial + ratio × reported + floor ×
 //! elapsed) holds, a property test on a controlled clock.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use retryd::config::Config;
-use retryd::grpc::{self, Reload, Service};
-use retryd::telemetry::{Metrics, Tracer};
-use retryd::transport::Acceptor;
 use retryd_budget::memory::ManualClock;
-use retryd_budget::redis::{Exact, Leased, Mode, RedisAccess, RedisConfig};
-use retryd_budget::{BudgetStore, MemoryBudgetStore, RedisBudgetStore};
+use retryd_budget::redis::{Exact, Leased};
+use retryd_budget::{BudgetStore, MemoryBudgetStore};
 use retryd_proto as pb;
-use retryd_proto::retry_admin_client::RetryAdminClient;
 use retryd_proto::retry_decider_client::RetryDeciderClient;
 use retryd_testkit::redis::{RedisServer, fresh_prefix};
 use retryd_testkit::{HANG_GUARD, retryable};
 use tonic::transport::Channel;
 
-/// retryd serving `store` with the configuration `toml`, in this process.
-struct InProcess {
-    addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    _dir: tempfile::TempDir,
-}
+mod in_process_server;
+use in_process_server::{InProcess, redis_store};
 
-impl InProcess {
-    async fn start<S: BudgetStore>(toml: &str, store: S) -> InProcess {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("retryd.toml");
-        std::fs::write(&path, toml).unwrap();
-        let config = Config::load(Some(&path)).unwrap();
-        let acceptor = Acceptor::try_new(config.tls.as_ref(), &config.server_limits).unwrap();
-        let metrics = Arc::new(Metrics::new(config.policies.named().map(|(name, _)| name)));
-        let service = Service::new(
-            store,
-            "adaptive",
-            Reload {
-                path: Some(path),
-                startup: config,
-            },
-            metrics,
-            Tracer::disabled(),
-        );
-        let listener = grpc::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(grpc::serve(
-            listener,
-            acceptor,
-            service,
-            async {
-                let _ = stopped.await;
-            },
-            Duration::from_secs(1),
-        ));
-        InProcess {
-            addr,
-            stop: Some(stop),
-            _dir: dir,
-        }
-    }
-
-    async fn decider(&self) -> RetryDeciderClient<Channel> {
-        RetryDeciderClient::connect(format!("http://{}", self.addr))
-            .await
-            .unwrap()
-    }
-
-    async fn admin(&self) -> RetryAdminClient<Channel> {
-        RetryAdminClient::connect(format!("http://{}", self.addr))
-            .await
-            .unwrap()
-    }
-}
-
-impl Drop for InProcess {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-    }
-}
-
-async fn redis_store<M: Mode>(server: &RedisServer) -> RedisBudgetStore<M> {
-    let config = RedisConfig {
-        urls: vec![server.url().as_str().into()],
-        mode: M::MODE,
-        // The default store.timeout: these calls are few and the test
-        // waits for the leased mode's flushes, not for latency.
-        timeout: Duration::from_millis(20),
-        lease_tokens: 5.0,
-        max_lease_tokens: 1000.0,
-        lease_ttl: Duration::from_secs(2),
-        key_prefix: fresh_prefix("adaptive"),
-        access: RedisAccess::default(),
-    };
-    RedisBudgetStore::connect(&config, 100)
-        .await
-        .expect("connect to the test Redis")
-}
+/// The default store.timeout: these calls are few and the test waits for
+/// the leased mode's flushes, not for latency.
+const STORE_TIMEOUT: Duration = Duration::from_millis(20);
 
 /// No initial tokens and no floor: every token comes from a report, so
 /// what a report funded is exactly what can be withdrawn, whatever the
@@ -268,8 +185,8 @@ async fn memory_store_funds_by_outcome() {
 async fn redis_exact_funds_by_outcome() {
     let redis = RedisServer::start();
     adaptive_cases(
-        redis_store::<Exact>(&redis).await,
-        redis_store::<Exact>(&redis).await,
+        redis_store::<Exact>(&[redis.url()], &fresh_prefix("adaptive"), STORE_TIMEOUT).await,
+        redis_store::<Exact>(&[redis.url()], &fresh_prefix("adaptive"), STORE_TIMEOUT).await,
     )
     .await;
 }
@@ -278,8 +195,8 @@ async fn redis_exact_funds_by_outcome() {
 async fn redis_leased_funds_by_outcome() {
     let redis = RedisServer::start();
     adaptive_cases(
-        redis_store::<Leased>(&redis).await,
-        redis_store::<Leased>(&redis).await,
+        redis_store::<Leased>(&[redis.url()], &fresh_prefix("adaptive"), STORE_TIMEOUT).await,
+        redis_store::<Leased>(&[redis.url()], &fresh_prefix("adaptive"), STORE_TIMEOUT).await,
     )
     .await;
 }

@@ -7,6 +7,7 @@
 //! field and spend nothing.
 
 mod hedging_common;
+mod in_process_server;
 
 use hedging_common::{InProcess, budget, entry, hedge, millis, report};
 use retryd_budget::MemoryBudgetStore;

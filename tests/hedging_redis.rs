@@ -5,12 +5,13 @@
 //! hedges granted by either count against one cap.
 
 mod hedging_common;
+mod in_process_server;
 
 use std::time::{Duration, Instant};
 
 use hedging_common::{InProcess, budget, entry, hedge, millis, report};
-use retryd_budget::RedisBudgetStore;
-use retryd_budget::redis::{Exact, Leased, Mode, RedisAccess, RedisConfig};
+use in_process_server::redis_store;
+use retryd_budget::redis::{Exact, Leased, Mode};
 use retryd_proto as pb;
 use retryd_proto::retry_decider_client::RetryDeciderClient;
 use retryd_testkit::HANG_GUARD;
@@ -24,26 +25,12 @@ budget = { capacity = 1000.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
 [upstreams.fast.hedging]
 "#;
 
-async fn redis_store<M: Mode>(urls: &[String], prefix: &str) -> RedisBudgetStore<M> {
-    let config = RedisConfig {
-        urls: urls.iter().map(|url| url.as_str().into()).collect(),
-        mode: M::MODE,
-        // The default store.timeout.
-        timeout: Duration::from_millis(20),
-        lease_tokens: 5.0,
-        max_lease_tokens: 1000.0,
-        lease_ttl: Duration::from_secs(2),
-        key_prefix: prefix.to_owned(),
-        access: RedisAccess::default(),
-    };
-    RedisBudgetStore::connect(&config, 100)
-        .await
-        .expect("connect to the test Redis")
-}
-
 /// Polls `probe` every 20 ms until it answers, within the hang guard (the
 /// refresh runs every second: a bound of the product, waited for with a
 /// margin a busy machine keeps).
+/// The default store.timeout.
+const STORE_TIMEOUT: Duration = Duration::from_millis(20);
+
 async fn until<T, F: std::future::Future<Output = Option<T>>>(
     what: &str,
     mut probe: impl FnMut() -> F,
@@ -80,8 +67,8 @@ async fn sees(client: &RetryDeciderClient<Channel>, numbers: &str) {
 
 async fn two_replicas_share_one_window<M: Mode>(urls: &[String]) {
     let prefix = fresh_prefix("hedging");
-    let a = InProcess::start(CONFIG, redis_store::<M>(urls, &prefix).await).await;
-    let b = InProcess::start(CONFIG, redis_store::<M>(urls, &prefix).await).await;
+    let a = InProcess::start(CONFIG, redis_store::<M>(urls, &prefix, STORE_TIMEOUT).await).await;
+    let b = InProcess::start(CONFIG, redis_store::<M>(urls, &prefix, STORE_TIMEOUT).await).await;
     let mut to_a = a.decider().await;
     let mut to_b = b.decider().await;
 

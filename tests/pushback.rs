@@ -10,107 +10,22 @@
 //! negative pushback stops B's retries for `pushback_stop_window` (5 s by
 //! default); GetBudget shows the pushback in force.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use retryd::config::Config;
-use retryd::grpc::{self, Reload, Service};
-use retryd::telemetry::{Metrics, Tracer};
-use retryd::transport::Acceptor;
+use retryd_budget::MemoryBudgetStore;
 use retryd_budget::memory::ManualClock;
-use retryd_budget::redis::{Exact, Leased, Mode, RedisAccess, RedisConfig};
-use retryd_budget::{BudgetStore, MemoryBudgetStore, RedisBudgetStore};
+use retryd_budget::redis::{Exact, Leased, Mode};
 use retryd_proto as pb;
-use retryd_proto::retry_admin_client::RetryAdminClient;
-use retryd_proto::retry_decider_client::RetryDeciderClient;
 use retryd_testkit::millis;
 use retryd_testkit::redis::{RedisServer, fresh_prefix};
-use tonic::transport::Channel;
 
-/// retryd serving `store` with the configuration `toml`, in this process.
-struct InProcess {
-    addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    _dir: tempfile::TempDir,
-}
+mod in_process_server;
+use in_process_server::{InProcess, redis_store};
 
-impl InProcess {
-    async fn start<S: BudgetStore>(toml: &str, store: S) -> InProcess {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("retryd.toml");
-        std::fs::write(&path, toml).unwrap();
-        let config = Config::load(Some(&path)).unwrap();
-        let acceptor = Acceptor::try_new(config.tls.as_ref(), &config.server_limits).unwrap();
-        let metrics = Arc::new(Metrics::new(config.policies.named().map(|(name, _)| name)));
-        let service = Service::new(
-            store,
-            "pushback",
-            Reload {
-                path: Some(path),
-                startup: config,
-            },
-            metrics,
-            Tracer::disabled(),
-        );
-        let listener = grpc::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(grpc::serve(
-            listener,
-            acceptor,
-            service,
-            async {
-                let _ = stopped.await;
-            },
-            Duration::from_secs(1),
-        ));
-        InProcess {
-            addr,
-            stop: Some(stop),
-            _dir: dir,
-        }
-    }
-
-    async fn decider(&self) -> RetryDeciderClient<Channel> {
-        RetryDeciderClient::connect(format!("http://{}", self.addr))
-            .await
-            .unwrap()
-    }
-
-    async fn admin(&self) -> RetryAdminClient<Channel> {
-        RetryAdminClient::connect(format!("http://{}", self.addr))
-            .await
-            .unwrap()
-    }
-}
-
-impl Drop for InProcess {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-    }
-}
-
-async fn redis_store<M: Mode>(server: &RedisServer, prefix: &str) -> RedisBudgetStore<M> {
-    let config = RedisConfig {
-        urls: vec![server.url().as_str().into()],
-        mode: M::MODE,
-        // Above the default 20 ms: what is tested is the pacing, not the
-        // store's timeouts, and on a busy 2-core machine a 20 ms deadline
-        // sends calls to the local fallback (seen: a kill switch refused).
-        timeout: Duration::from_millis(250),
-        lease_tokens: 5.0,
-        max_lease_tokens: 1000.0,
-        lease_ttl: Duration::from_secs(2),
-        key_prefix: prefix.to_owned(),
-        access: RedisAccess::default(),
-    };
-    RedisBudgetStore::connect(&config, 100)
-        .await
-        .expect("connect to the test Redis")
-}
+/// Above the default 20 ms: what is tested is the pacing, not the store's
+/// timeouts, and on a busy 2-core machine a 20 ms deadline sends calls to
+/// the local fallback (seen: a kill switch refused).
+const STORE_TIMEOUT: Duration = Duration::from_millis(250);
 
 /// The defaults, and one upstream whose longest Retry-After is 1 s.
 const CONFIG: &str = "[upstreams.capped]\nmax_retry_after = \"1s\"\n";
@@ -327,8 +242,16 @@ async fn memory_store_paces_every_caller() {
 async fn two_replicas<M: Mode>() {
     let redis = RedisServer::start();
     let prefix = fresh_prefix("pushback");
-    let a = InProcess::start(CONFIG, redis_store::<M>(&redis, &prefix).await).await;
-    let b = InProcess::start(CONFIG, redis_store::<M>(&redis, &prefix).await).await;
+    let a = InProcess::start(
+        CONFIG,
+        redis_store::<M>(&[redis.url()], &prefix, STORE_TIMEOUT).await,
+    )
+    .await;
+    let b = InProcess::start(
+        CONFIG,
+        redis_store::<M>(&[redis.url()], &prefix, STORE_TIMEOUT).await,
+    )
+    .await;
     pushback_cases(&a, &b).await;
     // A later announcement never brings an earlier one forward.
     decide(&a, http("later", 429, "10")).await;

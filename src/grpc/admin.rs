@@ -121,7 +121,6 @@ fn budget(
             1.0
         },
         ramp: crate::budget::pushback::ramp(snapshot.ramp_elapsed, policy.ramp_window).0,
-        ..Default::default()
     }
 }
 

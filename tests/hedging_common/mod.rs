@@ -2,103 +2,12 @@
 //! given store, and the requests they send.
 #![allow(dead_code)]
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::Duration;
-
-use retryd::config::Config;
-use retryd::grpc::{self, Reload, Service};
-use retryd::telemetry::{Metrics, Tracer};
-use retryd::transport::Acceptor;
-use retryd_budget::BudgetStore;
 use retryd_engine::latency;
 use retryd_proto as pb;
-use retryd_proto::retry_admin_client::RetryAdminClient;
 use retryd_proto::retry_decider_client::RetryDeciderClient;
 use tonic::transport::Channel;
 
-/// retryd serving `store` with the configuration `toml`, in this process.
-pub(crate) struct InProcess {
-    addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    flush: Box<dyn Fn() + Send + Sync>,
-    _dir: tempfile::TempDir,
-}
-
-impl InProcess {
-    pub(crate) async fn start<S: BudgetStore>(toml: &str, store: S) -> InProcess {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("retryd.toml");
-        std::fs::write(&path, toml).unwrap();
-        let config = Config::load(Some(&path)).unwrap();
-        let acceptor = Acceptor::try_new(config.tls.as_ref(), &config.server_limits).unwrap();
-        let metrics = Arc::new(Metrics::new(config.policies.named().map(|(name, _)| name)));
-        let log = config.decision_log.as_ref().map(|log| {
-            retryd::decision_log::DecisionLog::open(&log.path, log.queue, log.max_bytes).unwrap()
-        });
-        let service = Service::new(
-            store,
-            "hedging",
-            Reload {
-                path: Some(path),
-                startup: config,
-            },
-            metrics,
-            Tracer::disabled(),
-        );
-        let service = match log {
-            Some(log) => service.with_decision_log(log),
-            None => service,
-        };
-        let flusher = service.clone();
-        let flush: Box<dyn Fn() + Send + Sync> = Box::new(move || {
-            assert!(flusher.flush_decision_log(Duration::from_secs(10)));
-        });
-        let listener = grpc::bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(grpc::serve(
-            listener,
-            acceptor,
-            service,
-            async {
-                let _ = stopped.await;
-            },
-            Duration::from_secs(1),
-        ));
-        InProcess {
-            addr,
-            stop: Some(stop),
-            flush,
-            _dir: dir,
-        }
-    }
-
-    /// Waits until every decision-log line so far is in the file.
-    pub(crate) fn flush_log(&self) {
-        (self.flush)();
-    }
-
-    pub(crate) async fn decider(&self) -> RetryDeciderClient<Channel> {
-        RetryDeciderClient::connect(format!("http://{}", self.addr))
-            .await
-            .unwrap()
-    }
-
-    pub(crate) async fn admin(&self) -> RetryAdminClient<Channel> {
-        RetryAdminClient::connect(format!("http://{}", self.addr))
-            .await
-            .unwrap()
-    }
-}
-
-impl Drop for InProcess {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-    }
-}
+pub(crate) use crate::in_process_server::InProcess;
 
 /// A histogram of `count` latencies of `millis` each, per pair.
 pub(crate) fn histogram(latencies: &[(u64, u64)]) -> pb::LatencyHistogram {
