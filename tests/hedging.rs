@@ -402,3 +402,46 @@ async fn a_logged_hedge_replays_to_the_same_decision() {
     assert_eq!(fast.replayed_denials.get("hedge_cap"), Some(&1));
     assert_eq!(fast.replayed_denials.get("hedging_off"), Some(&1));
 }
+
+/// Another caller's Retry-After sets the upstream's earliest-retry time
+/// fleet-wide: a hedge, sent now or never, is then denied SERVER_PUSHBACK
+/// and spends nothing, while the upstream is otherwise hedged.
+#[tokio::test]
+async fn a_hedge_is_not_sent_while_another_callers_pushback_holds() {
+    let server = InProcess::start(CONFIG, MemoryBudgetStore::new(100)).await;
+    let mut client = server.decider().await;
+    report(
+        &mut client,
+        vec![entry("fast", 200, &[(10, 180), (100, 20)])],
+    )
+    .await
+    .unwrap();
+    let before = budget(&server, "fast").await.tokens;
+    assert!(before >= 2.0, "{before} tokens");
+    let announced = client
+        .decide(pb::DecideRequest {
+            upstream: "fast".into(),
+            idempotency: pb::Idempotency::Safe as i32,
+            attempt: 1,
+            evidence: pb::Evidence::ResponseReceived as i32,
+            http_status: 503,
+            retry_after: "30".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(announced.verdict(), pb::Verdict::Retry, "{announced:?}");
+    let left = budget(&server, "fast").await.tokens;
+    let denied = client.decide(hedge("fast", 1)).await.unwrap().into_inner();
+    assert_eq!(
+        (denied.verdict(), denied.deny_reason()),
+        (pb::Verdict::Deny, pb::DenyReason::ServerPushback),
+        "{denied:?}"
+    );
+    assert_eq!(
+        budget(&server, "fast").await.tokens,
+        left,
+        "a denied hedge spends nothing"
+    );
+}
