@@ -44,8 +44,8 @@ import retryd.v1.Retryd.UpstreamTraffic;
  * grpc-java's netty transport. Thread-safe; share one per process and close it
  * on shutdown.
  *
- * <p>About 645 lines: the calls, the fallback, the eager connect and the
- * reconnect watcher of one client are read together; the local rule, the
+ * <p>About 700 lines: the calls (a hedge's Decide among them), the fallback,
+ * the eager connect and the reconnect watcher of one client are read together; the local rule, the
  * reporter and the outage warnings are classes of their own.
  *
  * <p>Every decision gets a short timeout ({@link Builder#timeout}, 200ms by

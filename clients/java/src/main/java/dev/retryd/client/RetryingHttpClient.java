@@ -33,6 +33,10 @@ import retryd.v1.Retryd.Idempotency;
  *         .deadline(Duration.ofSeconds(2)).build());
  * }</pre>
  *
+ * <p>About 630 lines: the attempt loop, the body handling between attempts and
+ * the hand-off to {@link HedgedHttp} for a hedged first attempt are read
+ * together; classification is {@link HttpOutcome}'s.
+ *
  * <p>A successful attempt costs counter increments on the {@link TrafficReporter}
  * (the first attempt as a request, and every attempt's outcome: a failure when
  * retryd is asked about it, a success otherwise, a 404 included; an interrupted
