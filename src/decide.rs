@@ -97,11 +97,15 @@ pub trait Observe {
     /// which `funded` funded the budget (fewer with the adaptive budget
     /// when the entry's outcomes show failures).
     fn deposited(&self, upstream: &str, requests: u64, funded: u64);
+    /// A traffic report's entry said how many hedged calls a hedge won
+    /// (only for an upstream with a hedging policy).
+    fn hedges_won(&self, upstream: &str, won: u64);
 }
 
 impl Observe for () {
     fn store_call(&self, _: StoreOp, _: Duration, _: bool) {}
     fn deposited(&self, _: &str, _: u64, _: u64) {}
+    fn hedges_won(&self, _: &str, _: u64) {}
 }
 
 /// The pipeline: the budget store, the candidates' budgets, the

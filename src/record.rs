@@ -355,4 +355,8 @@ impl Observe for Recorder {
             log.report(upstream, funded);
         }
     }
+
+    fn hedges_won(&self, upstream: &str, won: u64) {
+        self.metrics.record_hedges_won(upstream, won);
+    }
 }

@@ -445,3 +445,40 @@ async fn a_hedge_is_not_sent_while_another_callers_pushback_holds() {
         "a denied hedge spends nothing"
     );
 }
+
+#[tokio::test]
+async fn hedges_won_as_callers_report_them_are_counted_per_hedged_upstream() {
+    let server = InProcess::start(CONFIG, MemoryBudgetStore::new(100)).await;
+    let mut client = server.decider().await;
+    let won = |upstream: &str, won: u64| pb::UpstreamTraffic {
+        hedges_won: won,
+        ..entry(upstream, 10, &[(10, 10)])
+    };
+    report(&mut client, vec![won("fast", 3), won("plain", 5)])
+        .await
+        .unwrap();
+    report(&mut client, vec![won("fast", 2), won("slow", 0)])
+        .await
+        .unwrap();
+    let page = server.metrics_page();
+    let series: Vec<&str> = page
+        .lines()
+        .filter(|line| line.starts_with("retryd_hedges_won_total{"))
+        .collect();
+    // Only an upstream with a hedging policy counts them; none for 0.
+    assert_eq!(
+        series,
+        vec![r#"retryd_hedges_won_total{upstream="fast"} 5"#],
+        "{page}"
+    );
+    // Bounded like every reported count, naming the field.
+    let refused = report(&mut client, vec![won("fast", 2_000_000_000)])
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused.message().contains("traffic[0].hedges_won"),
+        "{}",
+        refused.message()
+    );
+}

@@ -215,11 +215,20 @@ async fn every_panel_and_alert_evaluates_on_a_real_prometheus_scraping_retryd() 
     let drive = async |decider: &mut pb::retry_decider_client::RetryDeciderClient<_>| {
         decider
             .report_traffic(pb::ReportTrafficRequest {
-                traffic: vec![pb::UpstreamTraffic {
-                    upstream: "pay".into(),
-                    requests: 10,
-                    ..Default::default()
-                }],
+                traffic: vec![
+                    pb::UpstreamTraffic {
+                        upstream: "pay".into(),
+                        requests: 10,
+                        ..Default::default()
+                    },
+                    // A caller's hedges that answered first (the won series).
+                    pb::UpstreamTraffic {
+                        upstream: "hedged".into(),
+                        requests: 10,
+                        hedges_won: 1,
+                        ..Default::default()
+                    },
+                ],
                 ..Default::default()
             })
             .await

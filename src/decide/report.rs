@@ -35,6 +35,9 @@ pub struct Traffic<'a> {
     /// How long the successful first attempts took, if reported (kept
     /// only for an upstream with a hedging policy).
     pub latencies: Option<Box<Histogram>>,
+    /// Hedged calls whose answer came from a hedge (counted only for an
+    /// upstream with a hedging policy).
+    pub hedges_won: u64,
 }
 
 impl<'a> Traffic<'a> {
@@ -45,6 +48,7 @@ impl<'a> Traffic<'a> {
             requests,
             outcomes: Outcomes::default(),
             latencies: None,
+            hedges_won: 0,
         }
     }
 }
@@ -184,6 +188,9 @@ impl<S: BudgetStore> Decider<S> {
             // records each entry at most once, as it deposits).
             if let Some(hedging) = &live.policies.get(upstream).hedging {
                 self.record_latencies(upstream, hedging, entry).await;
+                if entry.hedges_won > 0 {
+                    observe.hedges_won(upstream, entry.hedges_won);
+                }
             }
             // The level fleet-wide, for GetBudget and the recovery ramp:
             // successes returning after a low level start it.

@@ -228,6 +228,7 @@ pub fn traffic_report(
                 ("failures", entry.failures),
                 ("retry_successes", entry.retry_successes),
                 ("retry_failures", entry.retry_failures),
+                ("hedges_won", entry.hedges_won),
             ] {
                 if count > MAX_REPORTED_REQUESTS {
                     return Err(invalid(
@@ -249,6 +250,7 @@ pub fn traffic_report(
             Ok(Traffic {
                 upstream,
                 requests: entry.requests,
+                hedges_won: entry.hedges_won,
                 latencies: latencies.map(Box::new),
                 outcomes: Outcomes {
                     successes: entry.successes,

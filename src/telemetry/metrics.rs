@@ -35,7 +35,9 @@ mod tests;
 
 pub use self::budgets::{BUDGET_GAUGES_INTERVAL, BudgetGauges};
 use self::hedges::Hedges;
-pub use self::hedges::{METRIC_HEDGE_DELAY, METRIC_HEDGES, METRIC_HEDGING_UNIFORMLY_SLOW};
+pub use self::hedges::{
+    METRIC_HEDGE_DELAY, METRIC_HEDGES, METRIC_HEDGES_WON, METRIC_HEDGING_UNIFORMLY_SLOW,
+};
 use self::histogram::Histogram;
 use self::policy_checks::PolicyChecks;
 pub use self::policy_checks::{METRIC_CANDIDATE_DECISIONS, METRIC_SHADOW_DECISIONS};
@@ -506,6 +508,11 @@ impl Metrics {
     /// Counts a hedge decision (`decision.hedge` is set).
     pub fn record_hedge(&self, upstream: &str, decision: &Decision) {
         self.hedges.record(self.row(upstream), decision);
+    }
+
+    /// Counts hedged calls to `upstream` that a hedge won, as reported.
+    pub fn record_hedges_won(&self, upstream: &str, won: u64) {
+        self.hedges.won(self.row(upstream), won);
     }
 
     /// Sets the hedge delay served for `upstream` (zero while it is not

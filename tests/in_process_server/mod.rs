@@ -23,6 +23,7 @@ pub(crate) struct InProcess {
     addr: SocketAddr,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     flush: Box<dyn Fn() + Send + Sync>,
+    metrics: Arc<Metrics>,
     _dir: tempfile::TempDir,
 }
 
@@ -44,7 +45,7 @@ impl InProcess {
                 path: Some(path),
                 startup: config,
             },
-            metrics,
+            metrics.clone(),
             Tracer::disabled(),
         );
         let service = match log {
@@ -71,8 +72,16 @@ impl InProcess {
             addr,
             stop: Some(stop),
             flush,
+            metrics,
             _dir: dir,
         }
+    }
+
+    /// The metrics page, without the store's budgets (what the counters
+    /// and gauges of decisions and reports say).
+    pub(crate) fn metrics_page(&self) -> String {
+        self.metrics
+            .render(&[], 1.0, &retryd_budget::StoreStats::default())
     }
 
     /// Waits until every decision-log line so far is in the file.

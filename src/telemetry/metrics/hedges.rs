@@ -1,8 +1,10 @@
 //! Hedging's metrics, by upstream label: hedge decisions granted and
 //! denied (by reason), the hedge delay served and whether the upstream is
-//! uniformly slow. Bounded like every upstream label; only upstreams that
-//! have had a hedge decision or a served delay show a series. Won and lost
-//! hedges are not counted: no client reports them yet.
+//! uniformly slow, and the hedges that won, as the callers report them
+//! (`UpstreamTraffic.hedges_won`: only a caller knows which copy answered;
+//! granted minus won is the hedges that lost). Bounded like every upstream
+//! label; only upstreams that have had a hedge decision, a served delay or
+//! a won hedge show a series.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -11,6 +13,8 @@ use crate::engine::{Decision, DenyReason, VariantArray, Verdict};
 /// Counter of hedge decisions by upstream, outcome (`granted`, `denied`)
 /// and reason (empty when granted).
 pub const METRIC_HEDGES: &str = "retryd_hedges_total";
+/// Counter of hedged calls a hedge won, by upstream, as callers report.
+pub const METRIC_HEDGES_WON: &str = "retryd_hedges_won_total";
 /// Gauge of the hedge delay served, by upstream (0 while not hedged).
 pub const METRIC_HEDGE_DELAY: &str = "retryd_hedge_delay_seconds";
 /// Gauge, 1 while the upstream is uniformly slow (not hedged), by upstream.
@@ -30,6 +34,17 @@ pub(super) struct Hedges {
     delay_nanos: Vec<AtomicU64>,
     /// By upstream label: 0 or 1, or `UNSET`.
     uniformly_slow: Vec<AtomicU64>,
+    /// By upstream label: hedges won, as reported (0: no series).
+    won: Vec<AtomicU64>,
+}
+
+/// What [`Hedges::samples`] reads: decisions, delays (seconds), the
+/// uniformly-slow flags and the hedges won.
+pub(super) struct HedgeSamples {
+    pub(super) decisions: Series,
+    pub(super) delays: FloatSeries,
+    pub(super) uniformly_slow: Series,
+    pub(super) won: Series,
 }
 
 impl Hedges {
@@ -38,6 +53,7 @@ impl Hedges {
             decisions: (0..rows).map(|_| Default::default()).collect(),
             delay_nanos: (0..rows).map(|_| AtomicU64::new(UNSET)).collect(),
             uniformly_slow: (0..rows).map(|_| AtomicU64::new(UNSET)).collect(),
+            won: (0..rows).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
@@ -49,15 +65,19 @@ impl Hedges {
         self.decisions[row][column].fetch_add(1, Ordering::Relaxed);
     }
 
+    pub(super) fn won(&self, row: usize, won: u64) {
+        self.won[row].fetch_add(won, Ordering::Relaxed);
+    }
+
     pub(super) fn served(&self, row: usize, delay: std::time::Duration, uniformly_slow: bool) {
         let nanos = u64::try_from(delay.as_nanos()).unwrap_or(UNSET - 1);
         self.delay_nanos[row].store(nanos, Ordering::Relaxed);
         self.uniformly_slow[row].store(u64::from(uniformly_slow), Ordering::Relaxed);
     }
 
-    /// The decisions counted, the delays (seconds) and the flags, for the
-    /// rows that have any.
-    pub(super) fn samples(&self, labels: &[String]) -> (Series, FloatSeries, Series) {
+    /// The decisions counted, the delays, the flags and the hedges won, for
+    /// the rows that have any.
+    pub(super) fn samples(&self, labels: &[String]) -> HedgeSamples {
         let mut decisions = Vec::new();
         for (label, columns) in labels.iter().zip(&self.decisions) {
             for (column, count) in columns.iter().enumerate() {
@@ -95,6 +115,18 @@ impl Hedges {
                 slow.push((vec![("upstream", label.clone())], flag));
             }
         }
-        (decisions, delays, slow)
+        let won = labels
+            .iter()
+            .zip(&self.won)
+            .map(|(label, won)| (label, won.load(Ordering::Relaxed)))
+            .filter(|&(_, won)| won > 0)
+            .map(|(label, won)| (vec![("upstream", label.clone())], won))
+            .collect();
+        HedgeSamples {
+            decisions,
+            delays,
+            uniformly_slow: slow,
+            won,
+        }
     }
 }

@@ -438,16 +438,22 @@ impl Metrics {
             "Decisions by live verdict and by what the upstream's candidate policy decided.",
             ints(candidate),
         ));
-        let (hedges, delays, slow) = self.hedges.samples(&self.labels);
+        let hedges = self.hedges.samples(&self.labels);
         families.push(counter(
             METRIC_HEDGES,
             "Hedge decisions by upstream, outcome (granted, denied) and deny reason.",
-            ints(hedges),
+            ints(hedges.decisions),
+        ));
+        families.push(counter(
+            METRIC_HEDGES_WON,
+            "Hedged calls whose answer came from a hedge, by upstream, as callers report.",
+            ints(hedges.won),
         ));
         families.push(gauge(
             METRIC_HEDGE_DELAY,
             "The hedge delay served per upstream (0 while it is not hedged).",
-            delays
+            hedges
+                .delays
                 .into_iter()
                 .map(|(labels, seconds)| (labels, Number::Float(seconds)))
                 .collect(),
@@ -455,7 +461,7 @@ impl Metrics {
         families.push(gauge(
             METRIC_HEDGING_UNIFORMLY_SLOW,
             "1 while the upstream is uniformly slow (p50 close to its tail quantile): not hedged.",
-            ints(slow),
+            ints(hedges.uniformly_slow),
         ));
         // One token per RETRY: the RETRY decisions, not a counter of its own.
         let retries: u64 = (0..self.labels.len())
