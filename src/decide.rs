@@ -34,7 +34,7 @@ use futures::FutureExt;
 use rand::Rng;
 
 use crate::auth::{Auth, Denied, Principal};
-use crate::budget::{BudgetStore, HedgeWindows, StoreError};
+use crate::budget::{Announce, BudgetStore, FleetCall, HedgeWindows, StoreError};
 use crate::engine::{BudgetView, Decision, Facts, HedgeFacts, Verdict};
 use crate::policy::{Policies, UpstreamPolicy};
 use crate::telemetry::StoreOp;
@@ -132,6 +132,8 @@ pub struct Begun<'r> {
     policy: &'r UpstreamPolicy,
     draw: Draw,
     settled: Settled,
+    /// What the store call tells and asks about the fleet's pushback.
+    fleet: FleetCall,
 }
 
 /// A decision made: what was decided, on what, for whom. Everything a
@@ -234,9 +236,10 @@ impl<S: BudgetStore> Decider<S> {
     }
 
     /// Everything before the store call: the upstream authorised for
-    /// `principal`, the decision as if the budget allowed, and (for a hoped
-    /// RETRY of an unconfigured upstream, the only decision that makes the
-    /// store track it) room in the principal's share.
+    /// `principal`, the decision as if the budget allowed, and, for an
+    /// unconfigured upstream the store will track (a hoped RETRY, or a
+    /// Retry-After or pushback to keep for the fleet), room in the
+    /// principal's share.
     pub fn begin<'r>(
         &self,
         live: &'r Live,
@@ -286,8 +289,31 @@ impl<S: BudgetStore> Decider<S> {
         } else {
             Settled::hope(&attempt.facts(BudgetView::OPEN, draw), &policy.engine)
         };
-        if settled.withdraw && !policy.bucket.configured {
-            self.shares.claim(&principal.name, [attempt.upstream])?;
+        // The caller's Retry-After or pushback, for every caller of the
+        // upstream: written by the same store call (`pushback.rs`).
+        let mut fleet = pushback::fleet_call(&attempt.facts(BudgetView::OPEN, draw), policy);
+        if attempt.hedge > 0 {
+            // A hedge cannot wait: while the upstream's fleet-wide pushback
+            // is in force the store withdraws nothing for it, and it is
+            // denied SERVER_PUSHBACK (settle.rs).
+            fleet.patience = Some(Duration::ZERO);
+        }
+        if !policy.bucket.configured {
+            if settled.withdraw {
+                self.shares.claim(&principal.name, [attempt.upstream])?;
+            } else if fleet.announce.is_set()
+                && self
+                    .shares
+                    .claim(&principal.name, [attempt.upstream])
+                    .is_err()
+            {
+                // An announcement makes the store keep state for the name
+                // (a bucket, or its fields in Redis), so it takes a place
+                // in the share as a withdrawal does; past the share it is
+                // not kept, rather than refuse a decision that spends
+                // nothing (the caller's own answer is unchanged).
+                fleet.announce = Announce::Nothing;
+            }
         }
         Ok(Begun {
             principal,
@@ -295,6 +321,7 @@ impl<S: BudgetStore> Decider<S> {
             policy,
             draw,
             settled,
+            fleet,
         })
     }
 
@@ -309,15 +336,7 @@ impl<S: BudgetStore> Decider<S> {
         let upstream = begun.attempt.upstream;
         let withdraw = begun.settled.withdraw;
         let facts = begun.attempt.facts(BudgetView::OPEN, begun.draw);
-        // The caller's Retry-After or pushback, for every caller of the
-        // upstream: written by the same store call (`pushback.rs`).
-        let mut fleet = pushback::fleet_call(&facts, begun.policy);
-        if begun.settled.hedge.is_some() {
-            // A hedge cannot wait: while the upstream's fleet-wide pushback
-            // is in force the store withdraws nothing for it, and it is
-            // denied SERVER_PUSHBACK (settle.rs).
-            fleet.patience = Some(std::time::Duration::ZERO);
-        }
+        let fleet = begun.fleet;
         let checked = if S::ANSWERS_AT_ONCE {
             // Part of the decision's own time: not timed apart.
             self.store

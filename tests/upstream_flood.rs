@@ -233,3 +233,79 @@ async fn redis_exact_one_principals_flood_leaves_the_others_share() {
     )));
     one_principal_floods(&server).await;
 }
+
+/// "Do not retry" from the upstream (gRFC A6's negative pushback): a DENY
+/// that stops the upstream's retries fleet-wide, which the store must keep.
+fn stop(upstream: &str) -> pb::DecideRequest {
+    pb::DecideRequest {
+        upstream: upstream.into(),
+        operation: "/things.Things/Get".into(),
+        idempotency: pb::Idempotency::Idempotent as i32,
+        attempt: 1,
+        evidence: pb::Evidence::ResponseReceived as i32,
+        grpc_status_code: 8,
+        grpc_retry_pushback_ms: Some("-1".into()),
+        ..Default::default()
+    }
+}
+
+/// A DENY that announces a pushback spends nothing, yet makes the store keep
+/// state for the name: it takes a place in the principal's share as a
+/// withdrawal does. One principal announcing for 60 made-up names keeps 20
+/// (each stops that upstream's retries fleet-wide); the rest are answered
+/// (the caller's own DENY is unchanged) but not kept; and the other
+/// principal's new upstreams are still tracked, up to its whole share.
+async fn one_principal_floods_announcements(server: &Server) {
+    let mut decider = server.decider().await;
+    for i in 0..60 {
+        let answer = decider
+            .decide(as_caller(stop(&format!("made-up-{i:03}")), FLOOD_KEY))
+            .await
+            .expect("a decision that spends nothing is answered")
+            .into_inner();
+        assert_eq!(answer.verdict(), pb::Verdict::Deny, "{answer:?}");
+    }
+    // Within the flooder's share: kept, so every caller's retry is stopped.
+    let held = decider
+        .decide(as_caller(retryable("made-up-000"), OTHER_KEY))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        held.deny_reason(),
+        pb::DenyReason::ServerPushback,
+        "{held:?}"
+    );
+    // Past it: not kept, so nothing stops this one.
+    let dropped = decider
+        .decide(as_caller(retryable("made-up-059"), OTHER_KEY))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(dropped.verdict(), pb::Verdict::Retry, "{dropped:?}");
+    // The other principal: the rest of its share, all tracked.
+    for i in 0..SHARE - 2 {
+        let answer = decider
+            .decide(as_caller(retryable(&format!("careful-{i:02}")), OTHER_KEY))
+            .await
+            .expect("another principal's share is its own")
+            .into_inner();
+        assert_eq!(answer.verdict(), pb::Verdict::Retry);
+    }
+}
+
+#[tokio::test]
+async fn memory_store_announcements_take_a_place_in_the_share() {
+    let server = Server::start(&shared_config(""));
+    one_principal_floods_announcements(&server).await;
+}
+
+#[tokio::test]
+async fn redis_exact_announcements_take_a_place_in_the_share() {
+    let redis = RedisServer::start();
+    let server = Server::start(&shared_config(&format!(
+        "[store]\nkind = \"redis\"\nurl = \"{}\"\nmode = \"exact\"\n",
+        redis.url()
+    )));
+    one_principal_floods_announcements(&server).await;
+}
