@@ -19,6 +19,7 @@
 mod attempt;
 mod candidate;
 pub mod names;
+mod paced;
 mod pushback;
 pub mod replay;
 mod report;
@@ -121,6 +122,8 @@ pub struct Decider<S> {
     report_window: Duration,
     /// The hedged upstreams' latencies and hedges over their windows.
     hedges: HedgeWindows,
+    /// Upstreams pacing the fleet, as this replica's decisions saw them.
+    paced: paced::Paced,
 }
 
 /// A decision up to its one store call: authorised, and decided as if the
@@ -192,6 +195,7 @@ impl<S: BudgetStore> Decider<S> {
             live: ArcSwap::from_pointee(live),
             report_window,
             hedges: HedgeWindows::default(),
+            paced: paced::Paced::default(),
         }
     }
 
@@ -356,6 +360,19 @@ impl<S: BudgetStore> Decider<S> {
             observe.store_call(op, asked.elapsed(), checked.is_err());
             checked
         };
+        if let Ok(check) = &checked {
+            // The fleet's pacing as read, or this caller's own announcement.
+            let announced = match fleet.announce {
+                Announce::Wait(wait) => wait,
+                _ => Duration::ZERO,
+            };
+            let read = if check.pushback.stop {
+                Duration::ZERO
+            } else {
+                check.pushback.wait
+            };
+            self.paced.note(upstream, announced.max(read));
+        }
         let (decision, tokens_remaining) =
             begun
                 .settled

@@ -134,6 +134,26 @@ async fn spend_all(server: &InProcess, upstream: &str, expected: f64) -> u64 {
 async fn adaptive_cases<S: BudgetStore, T: BudgetStore>(adaptive: S, fixed: T) {
     let server = InProcess::start(&config(true), adaptive).await;
     let mut client = server.decider().await;
+    // One caller's 429 with Retry-After: the upstream paces the fleet for
+    // 30 s (this decision's own RETRY finds no token: none is funded yet).
+    let paced = client
+        .decide(pb::DecideRequest {
+            upstream: "paced".into(),
+            idempotency: pb::Idempotency::Idempotent as i32,
+            attempt: 1,
+            evidence: pb::Evidence::ResponseReceived as i32,
+            http_status: 429,
+            retry_after: "30".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        paced.deny_reason(),
+        pb::DenyReason::BudgetExhausted,
+        "{paced:?}"
+    );
     report(
         &mut client,
         vec![
@@ -148,9 +168,13 @@ async fn adaptive_cases<S: BudgetStore, T: BudgetStore>(adaptive: S, fixed: T) {
             entry("sticky", 100, [80, 20, 0, 20]),
             // A caller that reports no outcomes funds as before.
             entry("silent", 100, [0, 0, 0, 0]),
+            // Every first attempt failed while the upstream paced: its
+            // announced 429s, not ill health: funded in full.
+            entry("paced", 100, [0, 100, 0, 0]),
         ],
     )
     .await;
+    assert_eq!(spend_all(&server, "paced", 50.0).await, 50);
     assert_eq!(spend_all(&server, "outage", 0.0).await, 0);
     assert_eq!(spend_all(&server, "ten", 50.0).await, 50);
     assert_eq!(spend_all(&server, "thirty", 50.0).await, 50);

@@ -177,7 +177,16 @@ impl<S: BudgetStore> Decider<S> {
             admitting.iter().zip(&entries[skip..]).enumerate()
         {
             let index = skip + offset;
-            let funded_requests = funded(live, entry);
+            let adaptive = live.policies.get(upstream).adaptive;
+            // A pacing upstream's failures are its announced 429s, not ill
+            // health (`paced.rs`): the entry funds in full and the level
+            // stays.
+            let paced = adaptive && entry.outcomes.is_reported() && self.paced.holds(upstream);
+            let funded_requests = if paced {
+                entry.requests
+            } else {
+                funded(live, entry)
+            };
             let depositing = Instant::now();
             let deposited = self.store.deposit(upstream, config, funded_requests).await;
             observe.store_call(StoreOp::Deposit, depositing.elapsed(), deposited.is_err());
@@ -194,7 +203,7 @@ impl<S: BudgetStore> Decider<S> {
             }
             // The level fleet-wide, for GetBudget and the recovery ramp:
             // successes returning after a low level start it.
-            if live.policies.get(upstream).adaptive && entry.outcomes.moves_the_level() {
+            if adaptive && !paced && entry.outcomes.moves_the_level() {
                 let noting = Instant::now();
                 let noted = self
                     .store
