@@ -3,9 +3,10 @@
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // The contract stays at the repository's root, beside the clients of
-    // every language that read it.
-    let protos = ["../../proto/retryd/v1/retryd.proto"];
-    let file_descriptors = protox::compile(protos, ["../../proto"])?;
+    // every language that read it; `proto` here is a link to it, so that
+    // the published crate carries the file (cargo package follows it).
+    let protos = ["proto/retryd/v1/retryd.proto"];
+    let file_descriptors = protox::compile(protos, ["proto"])?;
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     // The descriptor set also feeds server reflection.
     std::fs::write(
