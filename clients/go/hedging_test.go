@@ -185,10 +185,10 @@ func TestLocalHedgeWinsAndCancelsTheSlowFirstAttempt(t *testing.T) {
 		t.Fatalf("%d requests to /slow", n)
 	}
 	// The loser is no failure and no outcome at all; the hedge that won is
-	// an attempt after the first; the first attempt's latency is the time
-	// it ran, as a success.
+	// an attempt after the first, and the call a hedge won; the first
+	// attempt's latency is the time it ran, as a success.
 	traffic := client.Reporter().PendingTraffic()["go-hedge-local"]
-	if traffic != (Traffic{Requests: 26, Successes: 25, RetrySuccesses: 1}) {
+	if traffic != (Traffic{Requests: 26, Successes: 25, RetrySuccesses: 1, HedgesWon: 1}) {
 		t.Fatalf("%+v", traffic)
 	}
 	latency := client.Reporter().PendingLatency()["go-hedge-local"]
@@ -281,7 +281,7 @@ func TestGRPCLocalHedgeWinsAndCancelsTheSlowFirstAttempt(t *testing.T) {
 	if n := upstream.calls.Load(); n != 2 {
 		t.Fatalf("%d calls", n)
 	}
-	if traffic := client.Reporter().PendingTraffic()["go-grpc-hedge"]; traffic != (Traffic{Requests: 1, RetrySuccesses: 1}) {
+	if traffic := client.Reporter().PendingTraffic()["go-grpc-hedge"]; traffic != (Traffic{Requests: 1, RetrySuccesses: 1, HedgesWon: 1}) {
 		t.Fatalf("%+v", traffic)
 	}
 	if latency := client.Reporter().PendingLatency()["go-grpc-hedge"]; len(latency.Successes) != 1 || len(latency.Failures) != 0 {
