@@ -185,11 +185,10 @@ func TestRetrydHedgeCapSendsNoCopy(t *testing.T) {
 	client := newClient(t, server.grpc, Options{ReportInterval: time.Hour})
 	// 100 first attempts over the window: the default 5% cap allows 5 hedges.
 	seedLatencies(t, client, "go-hedge-cap", 100)
-	// Odd arrivals (each call's first attempt) are held until cancelled, or
-	// for 1s (past the ~200ms delay) and then answered; even ones (the
-	// hedges) answered at once.
+	// Each call's first attempt is held until cancelled, or for 1s (past the
+	// ~200ms delay) and then answered; its hedge answered at once.
 	var arrivals atomic.Int64
-	upstream := newHoldOdd(t, time.Second, &arrivals)
+	upstream := newHoldFirst(t, time.Second, &arrivals)
 	httpClient := &http.Client{Transport: &Transport{Client: client, Upstream: "go-hedge-cap"}}
 	ctx := WithIdempotency(context.Background(), pb.Idempotency_IDEMPOTENCY_SAFE)
 	for i := 1; i <= 5; i++ {
