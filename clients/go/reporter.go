@@ -88,7 +88,8 @@ func trafficOf(entry *pb.UpstreamTraffic) Traffic {
 // ask) retryd or its local rule whether to retry it (not sent, no response,
 // a retryable status); every other ending is a success, a 404 included. An
 // attempt the caller cancelled or abandoned is neither. [Transport] and
-// the unary interceptor record every attempt's outcome by default. A batch
+// the unary interceptor record every attempt's outcome by default, and the
+// hedged calls a hedge answered ([TrafficReporter.RecordHedgeWon]). A batch
 // carries each upstream's requests and outcomes together, and a re-sent
 // batch the same counts.
 //

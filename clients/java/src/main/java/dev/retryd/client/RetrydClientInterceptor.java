@@ -31,9 +31,10 @@ import retryd.v1.Retryd.Idempotency;
  * <p>This class is the wiring: the builder, what is shared by every call (the
  * upstream, the reporter, the timer thread), the outcome classification
  * ({@link #FAILURE_CODES}) and the choice made per call. A unary call is a
- * {@link RetryingCall}, the per-call attempt state machine (attempts, the held
- * response, the decisions, the end); its hedged first attempt is a {@link
- * HedgedRound}; each attempt's stream is seen through an {@link AttemptTrace}.
+ * {@code RetryingCall}, the per-call attempt state machine (attempts, the held
+ * response, the decisions, the end); its hedged first attempt is a {@code
+ * HedgedRound}; each attempt's stream is seen through an {@code AttemptTrace}
+ * (all three package-private).
  *
  * <p>Only unary methods are retried; streaming calls pass through, their one
  * attempt carrying the lineage (below) as attempt 1, never decided. The
