@@ -385,3 +385,20 @@ func runHedged[R any](ctx context.Context, plan hedgePlan,
 	out.copyResult, out.cancel = last, cancels[last.copy]
 	return out
 }
+
+// recordHedgeWon counts a hedged call whose answer came from a hedge (won,
+// see copyResult.won) on the client's reporter, unless the caller cancelled
+// ctx (an abandoned call is counted nowhere, as its attempts are not). A
+// call its first attempt answered, or whose every copy failed (the retry
+// path takes the last failure), is not a hedge won: retryd knows the hedges
+// it granted, and granted minus won is the hedges that lost.
+func (c *Client) recordHedgeWon(ctx context.Context, upstream string, won bool) {
+	if !won || ctx.Err() == context.Canceled {
+		return
+	}
+	c.Reporter().RecordHedgeWon(upstream, 1)
+}
+
+// won says whether a hedge (copy 1 or later) answered and its answer ended
+// the call: a success, or a status that is no retryable failure.
+func (r copyResult[R]) won() bool { return r.copy > 0 && r.done }

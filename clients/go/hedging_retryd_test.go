@@ -2,7 +2,9 @@ package retryd
 
 import (
 	"context"
+	"io"
 	"net/http"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -99,8 +101,9 @@ func TestRetrydServedHedgeWinsAndTheLoserIsCancelled(t *testing.T) {
 	if got := tokens(t, client, "go-hedge"); got != 49 {
 		t.Fatalf("tokens %v after one hedge", got)
 	}
-	// The loser is no failure; the first attempt's time is a success.
-	if traffic := client.Reporter().PendingTraffic()["go-hedge"]; traffic != (Traffic{Requests: 2, Successes: 1, RetrySuccesses: 1}) {
+	// The loser is no failure; the first attempt's time is a success; the
+	// call is a hedge won (the fast call, never hedged, is not).
+	if traffic := client.Reporter().PendingTraffic()["go-hedge"]; traffic != (Traffic{Requests: 2, Successes: 1, RetrySuccesses: 1, HedgesWon: 1}) {
 		t.Fatalf("%+v", traffic)
 	}
 	latency := client.Reporter().PendingLatency()["go-hedge"]
@@ -111,9 +114,12 @@ func TestRetrydServedHedgeWinsAndTheLoserIsCancelled(t *testing.T) {
 	if successes != 2 || len(latency.Failures) != 0 {
 		t.Fatalf("%+v", latency)
 	}
-	// retryd takes the histograms.
+	// retryd takes the histograms, and counts the hedge won.
 	if err := client.Reporter().Flush(context.Background()); err != nil {
 		t.Fatal(err)
+	}
+	if got := hedgesWon(t, server, "go-hedge"); got != "1" {
+		t.Fatalf("retryd_hedges_won_total %q after one hedge won", got)
 	}
 }
 
@@ -163,8 +169,14 @@ func TestRetrydServedGRPCHedgeWinsAndTheLoserIsCancelled(t *testing.T) {
 	if n := upstream.calls.Load(); n != 3 || tokens(t, client, "go-hedge-grpc") != 49 {
 		t.Fatalf("%d calls", n)
 	}
-	if traffic := client.Reporter().PendingTraffic()["go-hedge-grpc"]; traffic != (Traffic{Requests: 2, Successes: 1, RetrySuccesses: 1}) {
+	if traffic := client.Reporter().PendingTraffic()["go-hedge-grpc"]; traffic != (Traffic{Requests: 2, Successes: 1, RetrySuccesses: 1, HedgesWon: 1}) {
 		t.Fatalf("%+v", traffic)
+	}
+	if err := client.Reporter().Flush(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := hedgesWon(t, server, "go-hedge-grpc"); got != "1" {
+		t.Fatalf("retryd_hedges_won_total %q after one hedge won", got)
 	}
 }
 
@@ -173,11 +185,10 @@ func TestRetrydHedgeCapSendsNoCopy(t *testing.T) {
 	client := newClient(t, server.grpc, Options{ReportInterval: time.Hour})
 	// 100 first attempts over the window: the default 5% cap allows 5 hedges.
 	seedLatencies(t, client, "go-hedge-cap", 100)
-	// Odd arrivals (each call's first attempt) are held until cancelled, or
-	// for 1s (past the ~200ms delay) and then answered; even ones (the
-	// hedges) answered at once.
+	// Each call's first attempt is held until cancelled, or for 1s (past the
+	// ~200ms delay) and then answered; its hedge answered at once.
 	var arrivals atomic.Int64
-	upstream := newHoldOdd(t, time.Second, &arrivals)
+	upstream := newHoldFirst(t, time.Second, &arrivals)
 	httpClient := &http.Client{Transport: &Transport{Client: client, Upstream: "go-hedge-cap"}}
 	ctx := WithIdempotency(context.Background(), pb.Idempotency_IDEMPOTENCY_SAFE)
 	for i := 1; i <= 5; i++ {
@@ -195,4 +206,38 @@ func TestRetrydHedgeCapSendsNoCopy(t *testing.T) {
 	if n := arrivals.Load() - before; n != 1 {
 		t.Fatalf("%d requests for a call whose hedge was denied", n)
 	}
+	// Five calls a hedge answered; the sixth, its hedge denied, answered by
+	// its first attempt, is no hedge won.
+	if won := client.Reporter().PendingTraffic()["go-hedge-cap"].HedgesWon; won != 5 {
+		t.Fatalf("%d hedges won", won)
+	}
+	if err := client.Reporter().Flush(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := hedgesWon(t, server, "go-hedge-cap"); got != "5" {
+		t.Fatalf("retryd_hedges_won_total %q after five hedges won", got)
+	}
+}
+
+// hedgesWon is the value of retryd_hedges_won_total for upstream on
+// server's /metrics ("" when it has no series), as retryd counts the
+// reported UpstreamTraffic.hedges_won.
+func hedgesWon(t *testing.T, server *retrydServer, upstream string) string {
+	t.Helper()
+	resp, err := http.Get("http://" + server.metrics + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	text, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET /metrics: %d %v", resp.StatusCode, err)
+	}
+	prefix := `retryd_hedges_won_total{upstream="` + upstream + `"} `
+	for _, line := range strings.Split(string(text), "\n") {
+		if strings.HasPrefix(line, prefix) {
+			return strings.TrimPrefix(line, prefix)
+		}
+	}
+	return ""
 }

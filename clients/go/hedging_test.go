@@ -185,10 +185,10 @@ func TestLocalHedgeWinsAndCancelsTheSlowFirstAttempt(t *testing.T) {
 		t.Fatalf("%d requests to /slow", n)
 	}
 	// The loser is no failure and no outcome at all; the hedge that won is
-	// an attempt after the first; the first attempt's latency is the time
-	// it ran, as a success.
+	// an attempt after the first, and the call a hedge won; the first
+	// attempt's latency is the time it ran, as a success.
 	traffic := client.Reporter().PendingTraffic()["go-hedge-local"]
-	if traffic != (Traffic{Requests: 26, Successes: 25, RetrySuccesses: 1}) {
+	if traffic != (Traffic{Requests: 26, Successes: 25, RetrySuccesses: 1, HedgesWon: 1}) {
 		t.Fatalf("%+v", traffic)
 	}
 	latency := client.Reporter().PendingLatency()["go-hedge-local"]
@@ -281,7 +281,7 @@ func TestGRPCLocalHedgeWinsAndCancelsTheSlowFirstAttempt(t *testing.T) {
 	if n := upstream.calls.Load(); n != 2 {
 		t.Fatalf("%d calls", n)
 	}
-	if traffic := client.Reporter().PendingTraffic()["go-grpc-hedge"]; traffic != (Traffic{Requests: 1, RetrySuccesses: 1}) {
+	if traffic := client.Reporter().PendingTraffic()["go-grpc-hedge"]; traffic != (Traffic{Requests: 1, RetrySuccesses: 1, HedgesWon: 1}) {
 		t.Fatalf("%+v", traffic)
 	}
 	if latency := client.Reporter().PendingLatency()["go-grpc-hedge"]; len(latency.Successes) != 1 || len(latency.Failures) != 0 {
@@ -289,13 +289,17 @@ func TestGRPCLocalHedgeWinsAndCancelsTheSlowFirstAttempt(t *testing.T) {
 	}
 }
 
-// newHoldOdd is an HTTP upstream whose odd-numbered requests are held until
-// cancelled (or for hold, then answered "held") and whose even-numbered ones
-// are answered "fast" at once: sequential hedged calls, each a first attempt
-// and its hedge.
-func newHoldOdd(t *testing.T, hold time.Duration, arrivals *atomic.Int64) *httptest.Server {
+// newHoldFirst is an HTTP upstream whose first attempts (their
+// retryd.lineage entry's attempt 1) are held until cancelled (or for hold,
+// then answered "held") and whose hedges (attempt 2) are answered "fast" at
+// once, counting every request in arrivals. Told apart by the lineage, not by
+// arrival order: on a loaded machine a call's first attempt, paying for a new
+// connection, can arrive after its hedge.
+func newHoldFirst(t *testing.T, hold time.Duration, arrivals *atomic.Int64) *httptest.Server {
 	server := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if arrivals.Add(1)%2 == 1 {
+		arrivals.Add(1)
+		lineage := baggageLineage(r.Header.Values("Baggage"))
+		if entries := parseLineage(lineage); len(entries) > 0 && entries[len(entries)-1].attempt == 1 {
 			select {
 			case <-r.Context().Done():
 				return

@@ -87,6 +87,9 @@ func (c *Client) hedgeFirstCall(ctx context.Context, plan hedgePlan, send func(c
 	}
 	out := runHedged(ctx, plan, sendCopy, decide, record, cancelledFirst, func(grpcCopy) {})
 	out.cancel()
+	if !noReporting {
+		c.recordHedgeWon(ctx, call.upstream, out.won())
+	}
 	result := out.result
 	if result.err == nil {
 		into := messageOf(reply)

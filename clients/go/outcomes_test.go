@@ -299,13 +299,14 @@ func TestRecordOutcomeWithoutTheAdapters(t *testing.T) {
 	reporter.RecordOutcome("a", true, true, 1)
 	reporter.RecordOutcome("a", false, true, 4)
 	reporter.RecordOutcome("b", true, true, 1) // a retry whose first attempt was reported earlier
+	reporter.RecordHedgeWon("a", 2)
 	if got := reporter.Pending(); len(got) != 1 || got["a"] != 3 {
 		t.Fatalf("pending %v", got)
 	}
 	if err := reporter.Flush(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	want := map[string]Traffic{"a": {3, 1, 2, 1, 4}, "b": {RetrySuccesses: 1}}
+	want := map[string]Traffic{"a": {Requests: 3, Successes: 1, Failures: 2, RetrySuccesses: 1, RetryFailures: 4, HedgesWon: 2}, "b": {RetrySuccesses: 1}}
 	if got := capture.sent(); !equalTraffic(got, want) {
 		t.Fatalf("sent %+v", got)
 	}

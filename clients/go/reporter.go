@@ -27,13 +27,15 @@ type ReporterOptions struct {
 }
 
 // Traffic is what a report carries for one upstream: the first attempts
-// sent, and how attempts ended (see [TrafficReporter.RecordOutcome]).
+// sent, how attempts ended (see [TrafficReporter.RecordOutcome]), and the
+// hedged calls a hedge answered (see [TrafficReporter.RecordHedgeWon]).
 type Traffic struct {
 	Requests       uint64
 	Successes      uint64
 	Failures       uint64
 	RetrySuccesses uint64
 	RetryFailures  uint64
+	HedgesWon      uint64
 }
 
 func (t *Traffic) add(o Traffic) {
@@ -42,6 +44,7 @@ func (t *Traffic) add(o Traffic) {
 	t.Failures += o.Failures
 	t.RetrySuccesses += o.RetrySuccesses
 	t.RetryFailures += o.RetryFailures
+	t.HedgesWon += o.HedgesWon
 }
 
 // row is what is pending for one upstream: its counts and its latencies.
@@ -69,6 +72,7 @@ func trafficOf(entry *pb.UpstreamTraffic) Traffic {
 	return Traffic{
 		Requests: entry.GetRequests(), Successes: entry.GetSuccesses(), Failures: entry.GetFailures(),
 		RetrySuccesses: entry.GetRetrySuccesses(), RetryFailures: entry.GetRetryFailures(),
+		HedgesWon: entry.GetHedgesWon(),
 	}
 }
 
@@ -84,7 +88,8 @@ func trafficOf(entry *pb.UpstreamTraffic) Traffic {
 // ask) retryd or its local rule whether to retry it (not sent, no response,
 // a retryable status); every other ending is a success, a 404 included. An
 // attempt the caller cancelled or abandoned is neither. [Transport] and
-// the unary interceptor record every attempt's outcome by default. A batch
+// the unary interceptor record every attempt's outcome by default, and the
+// hedged calls a hedge answered ([TrafficReporter.RecordHedgeWon]). A batch
 // carries each upstream's requests and outcomes together, and a re-sent
 // batch the same counts.
 //
@@ -173,6 +178,17 @@ func (r *TrafficReporter) add(upstream string, t Traffic) {
 		r.dropped += t.Requests // the outcomes go with them
 	}
 	r.mu.Unlock()
+}
+
+// RecordHedgeWon counts n hedged calls to upstream whose answer came from a
+// hedge rather than from the first attempt (UpstreamTraffic.hedges_won in
+// retryd.proto): only the caller knows which copy answered, and retryd
+// counts them in retryd_hedges_won_total (granted minus won is the hedges
+// that lost). A call answered by its first attempt is not counted, nor one
+// whose every copy failed. [Transport] and the unary interceptor do this by
+// default.
+func (r *TrafficReporter) RecordHedgeWon(upstream string, n uint64) {
+	r.add(upstream, Traffic{HedgesWon: n})
 }
 
 // row is upstream's pending row, made if there is room (nil if not); r.mu
@@ -316,7 +332,7 @@ func (r *TrafficReporter) cut() []*pb.ReportTrafficRequest {
 			// A re-sent batch is this very message: the same histograms.
 			batch.Traffic = append(batch.Traffic, &pb.UpstreamTraffic{
 				Upstream: upstream, Requests: t.Requests, Successes: t.Successes, Failures: t.Failures,
-				RetrySuccesses: t.RetrySuccesses, RetryFailures: t.RetryFailures,
+				RetrySuccesses: t.RetrySuccesses, RetryFailures: t.RetryFailures, HedgesWon: t.HedgesWon,
 				LatencySuccesses: histogramOf(t.latency.Successes), LatencyFailures: histogramOf(t.latency.Failures),
 			})
 		}

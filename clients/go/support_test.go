@@ -62,8 +62,10 @@ type retrydServer struct {
 	config string
 	dir    string
 	grpc   string
-	cmd    *exec.Cmd
-	done   chan struct{}
+	// metrics is the address of its Prometheus endpoint (GET /metrics).
+	metrics string
+	cmd     *exec.Cmd
+	done    chan struct{}
 }
 
 func retrydBin(t testing.TB) string {
@@ -132,13 +134,13 @@ func (s *retrydServer) start(listen string) {
 	}()
 	select {
 	case line := <-lines:
-		var addresses struct{ GRPC string }
+		var addresses struct{ GRPC, Metrics string }
 		if err := json.Unmarshal([]byte(line), &addresses); err != nil || addresses.GRPC == "" {
 			s.kill()
 			log, _ := os.ReadFile(filepath.Join(s.dir, "retryd.stderr"))
 			s.t.Fatalf("retryd did not start (%q: %v); stderr:\n%s", line, err, log)
 		}
-		s.grpc = addresses.GRPC
+		s.grpc, s.metrics = addresses.GRPC, addresses.Metrics
 	case <-time.After(60 * time.Second):
 		s.kill()
 		s.t.Fatal("retryd did not print its addresses within 60s")

@@ -77,6 +77,9 @@ func (t *Transport) hedgeFirst(ctx, decideCtx context.Context, req *http.Request
 	}
 	discard := func(c httpCopy) { closeResponse(c.resp) }
 	out := runHedged(ctx, plan, send, decide, record, cancelledFirst, discard)
+	if !t.DisableReporting {
+		t.Client.recordHedgeWon(ctx, call.upstream, out.won())
+	}
 	result := out.result
 	if result.resp != nil {
 		result.resp.Body = cancelOnClose{ReadCloser: result.resp.Body, cancel: out.cancel}

@@ -30,8 +30,9 @@ import retryd.v1.Retryd.DecideRequest;
  * the first attempt by interrupting the caller's thread inside {@code send},
  * which aborts its exchange (JDK 16+); either way the upstream sees the stream or
  * connection go. A cancelled loser is recorded nowhere, except the first
- * attempt's latency (the time it ran, as a success). When every copy sent failed,
- * the last failure goes to the normal retry path.
+ * attempt's latency (the time it ran, as a success). A call a hedge answered is
+ * counted in the reporter's {@code hedges_won}. When every copy sent failed, the
+ * last failure goes to the normal retry path.
  *
  * <p>The interrupt is ours only while the caller is inside {@code send}: it is
  * sent under a lock that the caller takes as soon as {@code send} returns, and
@@ -141,6 +142,8 @@ final class HedgedHttp<T> {
         // The first attempt ran this long and was still running: a lower bound
         // of its latency, counted so that the tail hedging is for stays seen.
         reporter.recordLatency(options.upstream, true, elapsed);
+        // And the call's answer came from a hedge (UpstreamTraffic.hedges_won).
+        reporter.recordHedgeWon(options.upstream);
       }
       cancelAllBut(running, winner);
       return result(winnerResponse, null, winner.tracking);
@@ -178,6 +181,9 @@ final class HedgedHttp<T> {
         }
         last = result(hedgeResponse, hedgeError, copy.tracking);
         if (hedgeResponse != null && !options.retryStatuses.contains(hedgeResponse.statusCode())) {
+          if (reporter != null) {
+            reporter.recordHedgeWon(options.upstream); // a hedge answered, after the first attempt failed
+          }
           cancelAllBut(running, copy);
           return last;
         }

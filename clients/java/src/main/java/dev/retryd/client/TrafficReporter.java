@@ -34,7 +34,8 @@ import retryd.v1.Retryd.UpstreamTraffic;
  * a 404 included. An attempt the caller cancelled or abandoned is neither. The
  * adapters ({@link RetryingHttpClient}, {@link RetrydClientInterceptor}) record
  * every attempt's outcome by default. A batch carries each upstream's requests
- * and outcomes together, and a re-sent batch the same counts.
+ * and outcomes together, and a re-sent batch the same counts. They also count
+ * the hedged calls a hedge answered ({@link #recordHedgeWon}, {@code hedges_won}).
  *
  * <p>Every {@link #interval} the pending counts become batches of at most 1024
  * entries, each with a random {@code report_id}. A batch that fails for a reason
@@ -141,6 +142,23 @@ public final class TrafficReporter implements AutoCloseable {
   }
 
   /**
+   * Counts one hedged call to {@code upstream} whose answer came from a hedge
+   * rather than from its first attempt ({@code UpstreamTraffic.hedges_won} in
+   * retryd.proto): only the caller knows which copy answered; retryd counts them
+   * in {@code retryd_hedges_won_total}, and granted minus won is the hedges that
+   * lost. A call its first attempt answered, or whose every copy failed, is not
+   * counted. The adapters do this by default.
+   */
+  public void recordHedgeWon(String upstream) {
+    recordHedgeWon(upstream, 1);
+  }
+
+  /** Counts {@code calls} hedged calls a hedge answered (see {@link #recordHedgeWon(String)}). */
+  public void recordHedgeWon(String upstream, long calls) {
+    add(upstream, HEDGES_WON, calls);
+  }
+
+  /**
    * Counts how long one first attempt to {@code upstream} took, from sending it
    * to the end of its response, in the success or failure histogram (the same
    * classification as {@link #recordOutcome}). Retries and hedges must not be
@@ -155,7 +173,7 @@ public final class TrafficReporter implements AutoCloseable {
         if (pending.size() >= maxUpstreams) {
           return;
         }
-        pending.put(upstream, new long[5]);
+        pending.put(upstream, new long[COUNTS]);
       }
       latencies.computeIfAbsent(upstream, u -> new Latency.Histograms()).record(success, nanos);
     }
@@ -166,6 +184,8 @@ public final class TrafficReporter implements AutoCloseable {
   private static final int FAILURES = 2;
   private static final int RETRY_SUCCESSES = 3;
   private static final int RETRY_FAILURES = 4;
+  private static final int HEDGES_WON = 5;
+  private static final int COUNTS = 6;
 
   private void add(String upstream, int index, long n) {
     if (n <= 0) {
@@ -180,7 +200,7 @@ public final class TrafficReporter implements AutoCloseable {
           }
           return;
         }
-        count = new long[5];
+        count = new long[COUNTS];
         pending.put(upstream, count);
       }
       count[index] += n;
@@ -218,7 +238,8 @@ public final class TrafficReporter implements AutoCloseable {
             .setSuccesses(count[SUCCESSES])
             .setFailures(count[FAILURES])
             .setRetrySuccesses(count[RETRY_SUCCESSES])
-            .setRetryFailures(count[RETRY_FAILURES]);
+            .setRetryFailures(count[RETRY_FAILURES])
+            .setHedgesWon(count[HEDGES_WON]);
     if (latency != null) {
       retryd.v1.Retryd.LatencyHistogram successes = Latency.Histograms.proto(latency.successes);
       retryd.v1.Retryd.LatencyHistogram failures = Latency.Histograms.proto(latency.failures);

@@ -138,7 +138,9 @@ class HedgingRetrydTest {
       assertEquals(1, traffic.getRetrySuccesses());
       assertEquals(3, traffic.getLatencySuccesses().getCountsMap().values().stream().mapToLong(Long::longValue).sum());
       assertFalse(traffic.hasLatencyFailures());
-      assertTrue(reporter.flush()); // retryd takes the histograms
+      assertEquals(1, traffic.getHedgesWon()); // the slow call, a hedge answered; the fast one was never hedged
+      assertTrue(reporter.flush()); // retryd takes the histograms, and counts the hedge won
+      assertEquals("1", hedgesWon("java-hedge"));
     }
   }
 
@@ -191,6 +193,9 @@ class HedgingRetrydTest {
       assertEquals(0, traffic.getFailures());
       assertEquals(1, traffic.getRetrySuccesses());
       assertEquals(0, traffic.getRetryFailures());
+      assertEquals(1, traffic.getHedgesWon());
+      assertTrue(reporter.flush());
+      assertEquals("1", hedgesWon("java-hedge-grpc"));
     } finally {
       channel.shutdownNow();
       upstream.shutdownNow();
@@ -199,15 +204,19 @@ class HedgingRetrydTest {
 
   @Test
   void aHedgeOverTheCapSendsNoCopy() throws Exception {
-    // Odd requests (each call's first attempt) are held until the client aborts
-    // them, or for 1s (past the ~200ms delay) and then answered "held"; even
-    // ones (hedges) at once.
+    // Each call's first attempt (its lineage entry's attempt 1) is held until
+    // the client aborts it, or for 1s (past the ~200ms delay) and then answered
+    // "held"; a hedge (attempt 2) at once. Told apart by the lineage rather than
+    // by arrival order: on a loaded machine the first call's first attempt,
+    // paying for the connection, can arrive after its hedge.
     AtomicInteger arrivals = new AtomicInteger();
+    java.util.regex.Pattern firstAttempt = java.util.regex.Pattern.compile("(?i)baggage:[^\r\n]*retryd\\.lineage=[^,;\r\n]*:1(?![0-9])");
     try (RawServer upstream =
             new RawServer(
                 (socket, raw) -> {
-                  while (raw.readRequest(socket) != null) {
-                    if (arrivals.incrementAndGet() % 2 == 1) {
+                  for (String head; (head = raw.readRequest(socket)) != null; ) {
+                    arrivals.incrementAndGet();
+                    if (firstAttempt.matcher(head).find()) {
                       socket.setSoTimeout(1000);
                       try {
                         if (socket.getInputStream().read() < 0) {
@@ -239,7 +248,24 @@ class HedgingRetrydTest {
       assertEquals(DenyReason.DENY_REASON_HEDGE_CAP, decision.denyReason());
       assertFalse(decision.fallback());
       assertEquals(1, arrivals.get() - before);
+      // Five calls a hedge answered; the sixth, answered by its first attempt, is no hedge won.
+      assertEquals(5, reporter.pendingTraffic().get("java-hedge-cap").getHedgesWon());
+      assertTrue(reporter.flush());
+      assertEquals("5", hedgesWon("java-hedge-cap"));
     }
+  }
+
+  /**
+   * retryd's {@code retryd_hedges_won_total} for {@code upstream}, off its
+   * /metrics ("" without a series): the reported {@code hedges_won}, as retryd
+   * counts it.
+   */
+  private String hedgesWon(String upstream) throws Exception {
+    HttpResponse<String> metrics =
+        HTTP.send(HttpRequest.newBuilder(URI.create("http://" + server.metrics + "/metrics")).build(), HttpResponse.BodyHandlers.ofString());
+    assertEquals(200, metrics.statusCode());
+    String prefix = "retryd_hedges_won_total{upstream=\"" + upstream + "\"} ";
+    return metrics.body().lines().filter(line -> line.startsWith(prefix)).map(line -> line.substring(prefix.length())).findFirst().orElse("");
   }
 
   private static void answer(Socket socket, String body) throws IOException {

@@ -211,6 +211,7 @@ class HedgingTest {
       assertEquals(0, traffic.getFailures());
       assertEquals(1, traffic.getRetrySuccesses());
       assertEquals(0, traffic.getRetryFailures());
+      assertEquals(1, traffic.getHedgesWon()); // the local hedge answered the call
       assertEquals(26, successes(traffic));
       assertFalse(traffic.hasLatencyFailures());
       long slowOnes =
@@ -237,6 +238,7 @@ class HedgingTest {
       UpstreamTraffic traffic = reporter[0].pendingTraffic().get("java-hedge-denied");
       assertEquals(1, traffic.getRequests());
       assertEquals(1, traffic.getSuccesses());
+      assertEquals(0, traffic.getHedgesWon()); // no copy: the first attempt answered
       assertEquals(1, successes(traffic));
     }
   }
@@ -307,6 +309,7 @@ class HedgingTest {
       assertEquals(0, traffic.getFailures());
       assertEquals(1, traffic.getRetrySuccesses());
       assertEquals(0, traffic.getRetryFailures());
+      assertEquals(1, traffic.getHedgesWon());
       assertEquals(1, successes(traffic)); // the cancelled first call's time
       assertFalse(traffic.hasLatencyFailures());
     } finally {

@@ -343,9 +343,12 @@ class OutcomesTest {
     reporter.recordOutcome("a", true, true);
     reporter.recordOutcome("a", false, true, 4);
     reporter.recordOutcome("b", true, true); // a retry whose first attempt was reported earlier
+    reporter.recordHedgeWon("a", 2);
     assertEquals(Map.of("a", 3L), reporter.pending());
     assertTrue(reporter.flush());
-    assertEquals(List.of(entry("a", 3, 1, 2, 1, 4), entry("b", 0, 0, 0, 1, 0)), received.get(0).getTrafficList());
+    assertEquals(
+        List.of(entry("a", 3, 1, 2, 1, 4).toBuilder().setHedgesWon(2).build(), entry("b", 0, 0, 0, 1, 0)),
+        received.get(0).getTrafficList());
 
     TrafficReporter bounded = TrafficReporter.builder(captureClient).maxUpstreams(1).build();
     bounded.recordOutcome("a", true, false);
