@@ -65,7 +65,8 @@ fn decide_on_random_bytes() {
         }
     });
     // The inputs are only worth what they reach: every rule of the decision
-    // order, and each verdict at rule 9.
+    // order, each verdict at rule 9, and hedges (rule 10) both granted and
+    // denied.
     let reached = reached.into_inner();
     for rule in 1..=9 {
         assert!(
@@ -77,6 +78,12 @@ fn decide_on_random_bytes() {
         assert!(
             reached.contains(&(9, verdict)),
             "no {verdict} at rule 9: {reached:?}"
+        );
+    }
+    for verdict in ["retry", "deny"] {
+        assert!(
+            reached.contains(&(10, verdict)),
+            "no hedge {verdict} (rule 10): {reached:?}"
         );
     }
 }

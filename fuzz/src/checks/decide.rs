@@ -10,7 +10,8 @@ use retryd::decide::{Attempt, Draw};
 use retryd::grpc::validate;
 use retryd_engine::{
     self as engine, BudgetView, Decision, DenyReason, EnclosingRetry, Evidence, Facts, FailureKind,
-    Idempotency, Jitter, Policy, Replayability, Verdict,
+    HedgeFacts, HedgePolicy, HedgeState, Idempotencies, Idempotency, Jitter, Policy, Replayability,
+    Verdict,
 };
 use retryd_proto as pb;
 
@@ -28,6 +29,10 @@ pub struct Environment {
     pub jitter: f64,
     /// The upstream's policy.
     pub policy: Policy,
+    /// The upstream's hedging policy, if it has one.
+    pub hedging: Option<HedgePolicy>,
+    /// What the fleet reported about the upstream over the hedging window.
+    pub hedge_state: HedgeState,
 }
 
 impl Environment {
@@ -35,6 +40,9 @@ impl Environment {
         let flags = input.byte();
         let tokens = f64::from(input.byte()) / 32.0;
         let jitter = f64::from(input.u32()) / (f64::from(u32::MAX) + 1.0);
+        // The two high bits, which the policy's choice leaves unread, so
+        // that an older input keeps its meaning (and hedging setup 0).
+        let (hedging, hedge_state) = hedgings()[usize::from(flags >> 6)];
         Environment {
             budget: BudgetView {
                 tokens,
@@ -43,8 +51,47 @@ impl Environment {
             },
             jitter,
             policy: policies()[usize::from(flags >> 4) % 4].clone(),
+            hedging,
+            hedge_state,
         }
     }
+}
+
+/// Hedging as the fleet may have it: a default policy whose upstream can be
+/// hedged (the budget decides), no policy, a policy whose cap is reached
+/// with just enough samples for the delay, and an upstream uniformly slow
+/// under a policy of four hedges that allows keyed idempotency too. (Too few
+/// samples is the engine's table tests' case: here it would hide the rest.)
+fn hedgings() -> [(Option<HedgePolicy>, HedgeState); 4] {
+    let served = HedgeState {
+        samples: 1_000,
+        p50: Duration::from_millis(10),
+        delay: Duration::from_millis(50),
+        tail: Duration::from_millis(100),
+        first_attempts: 1_000,
+        hedges: 0,
+    };
+    let default = HedgePolicy::default();
+    let capped = HedgeState {
+        samples: default.min_samples,
+        hedges: (default.max_extra_load * served.first_attempts as f64) as u64,
+        ..served
+    };
+    let uniform = HedgeState {
+        p50: Duration::from_millis(95),
+        ..served
+    };
+    let wide = HedgePolicy {
+        max_hedges: 4,
+        idempotency: Idempotencies::SAFE_AND_IDEMPOTENT.with(Idempotency::IdempotentWithKey),
+        ..default
+    };
+    [
+        (Some(default), served),
+        (None, served),
+        (Some(default), capped),
+        (Some(wide), uniform),
+    ]
 }
 
 /// The default policy first, then three that stress other branches:
@@ -258,6 +305,29 @@ fn decide_request(input: &mut Input<'_>) -> pb::DecideRequest {
     if input.byte() % 16 == 1 {
         request.retried_below = input.pick(&["middle", "", "mid/dle", "x"]).to_owned();
     }
+    // A hedge, drawn last so that older inputs read the same bytes (and an
+    // exhausted input none). Mostly with the failure fields cleared, as a
+    // hedge reports no failure; now and then with them, which is invalid.
+    if input.byte() % 4 == 1 {
+        request.hedge = match input.byte() % 8 {
+            0 => input.u32(),
+            1 => validate::MAX_HEDGE,
+            2 => validate::MAX_HEDGE + 1,
+            3 => 5,
+            4 => 2,
+            5 => 4,
+            _ => 1, // the default policy's one hedge
+        };
+        if input.byte() % 8 != 0 {
+            request.evidence = 0;
+            request.failure = 0;
+            request.http_status = 0;
+            request.grpc_status_code = 0;
+            request.grpc_retry_pushback_ms = None;
+            request.retry_after.clear();
+            request.retried_below.clear();
+        }
+    }
     request
 }
 
@@ -287,6 +357,9 @@ pub fn check_decide(request: &pb::DecideRequest, environment: &Environment) -> O
         }
     };
     check_valid_decide_request(request, &valid);
+    if valid.hedge > 0 {
+        return Some(check_hedge(&valid, environment));
+    }
     let draw = Draw {
         now: now(),
         jitter: environment.jitter,
@@ -314,7 +387,73 @@ const DECIDE_FIELDS: &[&str] = &[
     "grpc_retry_pushback_ms",
     "lineage",
     "retried_below",
+    "hedge",
 ];
+
+/// Decides a valid hedge request under `environment` and checks it against
+/// the hedge rule's order, restated from the contract (`DecideRequest.hedge`
+/// and the deny reasons): the kill switch, the policy (none, the
+/// idempotency, the number of hedges), the deadline, the fleet's latency
+/// (too few samples, uniformly slow), the cap on extra load, the budget.
+fn check_hedge(valid: &Attempt<'_>, environment: &Environment) -> Decision {
+    let facts = HedgeFacts {
+        hedge: valid.hedge,
+        idempotency: valid.reported.idempotency,
+        deadline_remaining: valid.reported.deadline_remaining,
+        min_attempt_budget: environment.policy.min_attempt_budget,
+        budget: environment.budget,
+    };
+    let state = &environment.hedge_state;
+    let decision = engine::decide_hedge(&facts, environment.hedging.as_ref(), state);
+    let budget = &environment.budget;
+    let expected = if !budget.retries_enabled {
+        Some(DenyReason::RetriesDisabled)
+    } else if let Some(policy) = &environment.hedging {
+        let too_few = state.samples < policy.min_samples.max(1);
+        let uniform = state.p50.as_secs_f64() >= policy.uniform_ratio * state.tail.as_secs_f64();
+        let cap = (policy.max_extra_load * state.first_attempts as f64).floor() as u64;
+        if facts.idempotency == Idempotency::NonIdempotent
+            || !policy.idempotency.contains(facts.idempotency)
+            || facts.hedge > policy.max_hedges
+        {
+            Some(DenyReason::HedgingOff)
+        } else if facts
+            .deadline_remaining
+            .is_some_and(|remaining| remaining < facts.min_attempt_budget)
+        {
+            Some(DenyReason::Deadline)
+        } else if too_few {
+            // Not learned yet: hedging is not on, which says nothing of
+            // the upstream.
+            Some(DenyReason::HedgingOff)
+        } else if uniform {
+            Some(DenyReason::UniformlySlow)
+        } else if state.hedges >= cap {
+            Some(DenyReason::HedgeCap)
+        } else if budget.unavailable {
+            Some(DenyReason::BudgetUnavailable)
+        } else if budget.tokens < 1.0 {
+            Some(DenyReason::BudgetExhausted)
+        } else {
+            None
+        }
+    } else {
+        Some(DenyReason::HedgingOff)
+    };
+    match (expected, decision.verdict) {
+        (Some(reason), Verdict::Deny(got)) => {
+            assert_eq!(got, reason, "{facts:?} {state:?} {decision:?}");
+        }
+        (None, Verdict::Retry { backoff, .. }) => {
+            // A hedge is sent now: its timer already ran.
+            assert_eq!(backoff, Duration::ZERO, "{decision:?}");
+        }
+        (expected, _) => panic!("hedge expected {expected:?}, got {decision:?} for {facts:?}"),
+    }
+    assert_eq!(decision.rule, engine::Rule::HEDGE, "{decision:?}");
+    assert!(decision.unknown_outcome.is_none(), "a hedge in doubt");
+    decision
+}
 
 fn check_duration(what: &str, raw: Option<&prost_types::Duration>, valid: Option<Duration>) {
     match (raw, valid) {
@@ -385,7 +524,7 @@ fn check_valid_decide_request(request: &pb::DecideRequest, valid: &Attempt<'_>) 
         }
         None => assert!(request.retried_below.is_empty()),
     }
-    if valid.reported.claimed_evidence.is_none() {
+    if valid.reported.claimed_evidence.is_none() && valid.hedge == 0 {
         assert!(
             valid.reported.failure.is_some() || status_known,
             "nothing says what happened, yet validation passed"
@@ -425,6 +564,24 @@ fn check_valid_decide_request(request: &pb::DecideRequest, valid: &Attempt<'_>) 
         valid.reported.auth_refresh_attempted,
         request.auth_refresh_attempted
     );
+    // A hedge is carried over within its bound, and reports no failure.
+    assert_eq!(valid.hedge, request.hedge);
+    assert!(
+        valid.hedge <= validate::MAX_HEDGE,
+        "hedge {} passed",
+        valid.hedge
+    );
+    if valid.hedge > 0 {
+        assert!(
+            valid.reported.failure.is_none()
+                && valid.reported.claimed_evidence.is_none()
+                && !status_known
+                && valid.reported.retry_after.is_none()
+                && valid.reported.grpc_pushback.is_none()
+                && valid.reported.retried_below.is_none(),
+            "a hedge with a failure passed: {request:?}"
+        );
+    }
     let mut n_nodes = 0;
     check_valid_body(&valid.body, 1, &mut n_nodes);
     assert!(n_nodes <= validate::MAX_BODY_NODES, "{n_nodes} body nodes");

@@ -127,8 +127,23 @@ pub fn seeds() -> Vec<Seed> {
             "invalid_attempt_zero",
             pb::DecideRequest {
                 attempt: 0,
-                ..retry
+                ..retry.clone()
             },
+        ),
+        // The first hedge of a call still in flight (granted under the
+        // environment's default hedging), and one that also reports a
+        // failure, which validation refuses by name.
+        decide_seed(
+            "hedge_first",
+            pb::DecideRequest {
+                failure: 0,
+                hedge: 1,
+                ..retry.clone()
+            },
+        ),
+        decide_seed(
+            "invalid_hedge_with_failure",
+            pb::DecideRequest { hedge: 1, ..retry },
         ),
     ];
     // The same kinds of request through the structured mode: an odd mode
@@ -168,6 +183,20 @@ pub fn seeds() -> Vec<Seed> {
             vec![entry("payments-api", 1_000_000_001)],
         ),
         ("empty_upstream", vec![entry("search", 5), entry("", 1)]),
+        (
+            "hedges_won",
+            vec![pb::UpstreamTraffic {
+                hedges_won: 3,
+                ..entry("payments-api", 100)
+            }],
+        ),
+        (
+            "too_many_hedges_won",
+            vec![pb::UpstreamTraffic {
+                hedges_won: 1_000_000_001,
+                ..entry("payments-api", 100)
+            }],
+        ),
     ] {
         let mut bytes = vec![0];
         bytes.extend(

@@ -40,6 +40,9 @@ pub fn traffic_report(data: &[u8]) {
                 failures: count(&mut input),
                 retry_successes: count(&mut input),
                 retry_failures: count(&mut input),
+                // Drawn after the outcomes, so that older inputs read the
+                // same counts as before (an exhausted input reads 0).
+                hedges_won: count(&mut input),
                 ..Default::default()
             })
             .collect();
@@ -80,6 +83,7 @@ pub fn check_traffic_report(request: &pb::ReportTrafficRequest) {
                     (outcomes.failures, entry.failures),
                     (outcomes.retry_successes, entry.retry_successes),
                     (outcomes.retry_failures, entry.retry_failures),
+                    (traffic.hedges_won, entry.hedges_won),
                 ] {
                     assert_eq!(kept, sent);
                     assert!(kept <= 1_000_000_000, "{kept} passed");

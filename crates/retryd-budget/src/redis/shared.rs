@@ -9,7 +9,10 @@
 //!
 //! Its impls are here and in the modules it declares (`shared/`), one per
 //! concern; those import this file and the leaf modules below it, never a
-//! mode (`exact.rs`, `leased.rs`) nor `redis.rs`, which import this.
+//! mode (`exact.rs`, `leased.rs`) nor `redis.rs`, which import this. Among
+//! themselves they call one way: `admin` and `direct` use `index` and
+//! `fallback`, `index` uses `fallback`; what all of them need of each other
+//! (the memory of switched-off upstreams) is here.
 
 mod admin;
 mod direct;
@@ -288,6 +291,33 @@ impl<M: Operations> Core<M> {
     /// for the one call that did.
     pub(super) fn close(&self) -> bool {
         !self.closed.swap(true, Ordering::AcqRel)
+    }
+
+    /// Remembers the kill switch a reply showed, for answers during an
+    /// outage (bounded by `max_upstreams`). Here beside `disabled`, not in
+    /// `shared/admin.rs`: every script's reply carries the switch, so the
+    /// direct, index, fallback and leased code all note or read it.
+    pub(super) fn note_switch(&self, upstream: &str, enabled: bool) {
+        let known_off = self.is_known_off(upstream);
+        if known_off == enabled {
+            let mut disabled = self
+                .disabled
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            if enabled {
+                disabled.remove(upstream);
+            } else if disabled.len() < self.max_upstreams {
+                disabled.insert(upstream.into());
+            }
+        }
+    }
+
+    /// True if a reply last showed `upstream`'s retries switched off.
+    pub(super) fn is_known_off(&self, upstream: &str) -> bool {
+        self.disabled
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(upstream)
     }
 
     /// True if the node serving `upstream`'s keys is believed reachable.

@@ -1,10 +1,9 @@
-//! What both stores answer alike, from Redis only: the kill switch (and
-//! this replica's memory of which upstreams are switched off, for outages)
-//! and `list`. Neither has a fallback: while Redis is down they answer
+//! What both stores answer alike, from Redis only: the kill switch and
+//! `list`. Neither has a fallback: while Redis is down they answer
 //! `Unavailable`. Never on the decision path.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, PoisonError};
 
 use futures::StreamExt;
 use tokio::time::Instant;
@@ -20,30 +19,6 @@ use crate::{BucketConfig, BudgetSnapshot, BudgetStore, StoreError, units_to_toke
 const LIST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl<M: Operations> Core<M> {
-    /// Remembers the kill switch a reply showed, for answers during an
-    /// outage (bounded by `max_upstreams`).
-    pub(in crate::redis) fn note_switch(&self, upstream: &str, enabled: bool) {
-        let known_off = self.is_known_off(upstream);
-        if known_off == enabled {
-            let mut disabled = self
-                .disabled
-                .write()
-                .unwrap_or_else(PoisonError::into_inner);
-            if enabled {
-                disabled.remove(upstream);
-            } else if disabled.len() < self.max_upstreams {
-                disabled.insert(upstream.into());
-            }
-        }
-    }
-
-    pub(in crate::redis) fn is_known_off(&self, upstream: &str) -> bool {
-        self.disabled
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .contains(upstream)
-    }
-
     /// [`crate::BudgetStore::set_retries_enabled`], within one deadline.
     pub(in crate::redis) async fn set_retries_enabled(
         self: &Arc<Self>,
