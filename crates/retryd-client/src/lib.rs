@@ -141,6 +141,7 @@ mod adapter;
 mod client;
 mod decision;
 mod fallback;
+mod hedge;
 mod lineage;
 mod outage;
 mod reporter;
@@ -163,12 +164,14 @@ pub use client::{
 };
 pub use decision::{Decision, Source, deny_reason_name};
 pub use fallback::{Fallback, FallbackPolicy, LocalBudget, MAX_LOCAL_UPSTREAMS, UpstreamFallback};
+pub use hedge::{LOCAL_HEDGE_BURST, LocalHedging};
 pub use lineage::{BAGGAGE_KEY, Inbound, RETRIED_HEADER, default_layer, lineage_of_baggage};
 #[cfg(feature = "tower")]
 pub use lineage::{LineageLayer, LineageService};
 pub use outage::OutageCounts;
 pub use reporter::{
-    FAILURE_CODES, ReporterOptions, Traffic, TrafficReporter, attempt_succeeded, new_report_id,
+    FAILURE_CODES, HEDGING_STALE_AFTER, ReporterOptions, Traffic, TrafficReporter,
+    attempt_succeeded, new_report_id,
 };
 pub use request::{InvalidRequest, pb_duration};
 #[cfg(feature = "reqwest")]

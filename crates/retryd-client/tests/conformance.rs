@@ -361,7 +361,11 @@ fn mirrored_policy() -> FallbackPolicy {
     let with = |change: &dyn Fn(&mut Policy)| {
         let mut policy = default_policy.clone();
         change(&mut policy);
-        UpstreamFallback { policy, budget }
+        UpstreamFallback {
+            policy,
+            budget,
+            hedging: None,
+        }
     };
     let upstreams: HashMap<String, UpstreamFallback> = [
         ("conf-max2", with(&|p| p.max_attempts = 2)),
@@ -375,6 +379,7 @@ fn mirrored_policy() -> FallbackPolicy {
                     ratio: 0.1,
                     min_per_second: 0.0,
                 },
+                hedging: None,
             },
         ),
         ("conf-transient500", with(&|p| p.transient_500 = true)),
@@ -437,6 +442,7 @@ fn mirrored_policy() -> FallbackPolicy {
         default: UpstreamFallback {
             policy: default_policy.clone(),
             budget,
+            hedging: None,
         },
         upstreams,
         disabled: ["conf-disabled".to_owned()].into_iter().collect(),
