@@ -555,4 +555,106 @@ mod tests {
         };
         assert!(ended_by_caller(&safe, true).is_none());
     }
+
+    fn hedge(upstream: &str, k: u32) -> pb::DecideRequest {
+        pb::DecideRequest {
+            upstream: upstream.into(),
+            idempotency: pb::Idempotency::Safe as i32,
+            attempt: k,
+            hedge: k,
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_local_rule_hedges_only_with_a_delay_set_and_within_its_allowance() {
+        let decide = |fallback: &Fallback, request: &pb::DecideRequest| {
+            fallback
+                .decide(request, "test", Source::Fallback)
+                .expect("valid")
+        };
+        // Off by default.
+        let off = Fallback::default();
+        off.record_traffic("api", 100);
+        assert_eq!(
+            decide(&off, &hedge("api", 1)).deny_reason(),
+            Some(DenyReason::HedgingOff)
+        );
+        // A large bucket, so that the allowance is what runs out.
+        let fallback = Fallback::new(FallbackPolicy::default().upstream(
+            "api",
+            UpstreamFallback {
+                budget: LocalBudget {
+                    capacity: 1000.0,
+                    initial: 1000.0,
+                    ..LocalBudget::default()
+                },
+                hedging: Some(LocalHedging::after(Duration::from_millis(20))),
+                ..UpstreamFallback::default()
+            },
+        ));
+        // Nothing earned yet: at the cap.
+        assert_eq!(
+            decide(&fallback, &hedge("api", 1)).deny_reason(),
+            Some(DenyReason::HedgeCap)
+        );
+        // 5% of 30 first attempts: one hedge (and a half).
+        fallback.record_traffic("api", 30);
+        let before = fallback.tokens("api");
+        let granted = decide(&fallback, &hedge("api", 1));
+        assert_eq!(granted.backoff(), Duration::ZERO);
+        assert!(granted.should_retry(), "{granted:?}");
+        assert_eq!(granted.rule, 10);
+        assert_eq!(
+            fallback.tokens("api"),
+            before - 1.0,
+            "one retry token spent"
+        );
+        assert_eq!(
+            decide(&fallback, &hedge("api", 1)).deny_reason(),
+            Some(DenyReason::HedgeCap)
+        );
+        fallback.record_traffic("api", 1000);
+        // Never NON_IDEMPOTENT; never past max_hedges (1); never without
+        // room before the deadline.
+        let charge = pb::DecideRequest {
+            idempotency: pb::Idempotency::NonIdempotent as i32,
+            ..hedge("api", 1)
+        };
+        assert_eq!(
+            decide(&fallback, &charge).deny_reason(),
+            Some(DenyReason::HedgingOff)
+        );
+        assert_eq!(
+            decide(&fallback, &hedge("api", 2)).deny_reason(),
+            Some(DenyReason::HedgingOff)
+        );
+        let late = pb::DecideRequest {
+            deadline_remaining: Some(crate::pb_duration(Duration::from_millis(10))),
+            ..hedge("api", 1)
+        };
+        assert_eq!(
+            decide(&fallback, &late).deny_reason(),
+            Some(DenyReason::Deadline)
+        );
+        assert!(decide(&fallback, &hedge("api", 1)).should_retry());
+        // The allowance saves up at most LOCAL_HEDGE_BURST.
+        let granted = (0..50)
+            .filter(|_| decide(&fallback, &hedge("api", 1)).should_retry())
+            .count();
+        assert_eq!(granted as f64, LOCAL_HEDGE_BURST - 1.0);
+    }
+
+    #[test]
+    fn a_hedge_reporting_a_failure_is_refused_naming_the_field() {
+        let fallback = Fallback::default();
+        let mixed = pb::DecideRequest {
+            http_status: 503,
+            ..hedge("api", 1)
+        };
+        let refused = fallback
+            .decide(&mixed, "test", Source::Fallback)
+            .expect_err("a hedge reports no failure");
+        assert_eq!(refused.field, "http_status");
+    }
 }

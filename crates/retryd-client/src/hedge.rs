@@ -231,3 +231,190 @@ where
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The runner on tokio's paused clock: copies are timers standing for
+    //! attempts, decisions are made up, so only the runner's own order is
+    //! under test (the adapters' tests run it against real servers).
+    use std::sync::{Arc, Mutex};
+
+    use retryd_engine::{DenyReason, Evidence, Verdict};
+
+    use super::*;
+    use crate::decision::Source;
+
+    fn decision(verdict: Verdict) -> Decision {
+        Decision {
+            verdict,
+            rule: 10,
+            effective_evidence: Evidence::SentNoResponse,
+            evidence_adjusted: false,
+            unknown_outcome: None,
+            decision_id: String::new(),
+            tokens_remaining: 1.0,
+            explanation: String::new(),
+            source: Source::Retryd,
+            retryd: None,
+        }
+    }
+
+    const GRANT: Verdict = Verdict::Retry {
+        backoff: Duration::ZERO,
+        refresh_credentials: false,
+    };
+
+    /// A copy's result: (copy, answered) after `after`.
+    fn copy(index: u32, after: Duration, answered: bool) -> Task<'static, (u32, bool)> {
+        Box::pin(async move {
+            tokio::time::sleep(after).await;
+            (index, answered)
+        })
+    }
+
+    struct Seen {
+        asked: Vec<(u32, u32, Instant)>,
+        ended: Vec<u32>,
+        cancelled_first: Option<Duration>,
+    }
+
+    /// Runs a first attempt taking `first`, hedges taking `hedges[k - 1]`,
+    /// each Decide answered `verdict`.
+    async fn run_with(
+        plan: Plan,
+        deadline: Option<Instant>,
+        first: (Duration, bool),
+        hedges: Vec<(Duration, bool)>,
+        verdict: Verdict,
+    ) -> (Hedged<(u32, bool)>, Seen) {
+        let seen = Arc::new(Mutex::new(Seen {
+            asked: Vec::new(),
+            ended: Vec::new(),
+            cancelled_first: None,
+        }));
+        let (asked, ended, cancelled) = (seen.clone(), seen.clone(), seen.clone());
+        let hedged = run(
+            plan,
+            deadline,
+            copy(0, first.0, first.1),
+            Copies {
+                send: |k: u32| {
+                    let (after, answered) = hedges[k as usize - 1];
+                    Some(copy(k, after, answered))
+                },
+                decide: move |k, sent| {
+                    asked.lock().unwrap().asked.push((k, sent, Instant::now()));
+                    Box::pin(async move { Ok(decision(verdict)) }) as Task<'_, _>
+                },
+                done: |result: &(u32, bool)| result.1,
+                ended: move |copy, _: &(u32, bool), _| ended.lock().unwrap().ended.push(copy),
+                cancelled_first: move |ran| cancelled.lock().unwrap().cancelled_first = Some(ran),
+                marker: std::marker::PhantomData,
+            },
+        )
+        .await;
+        let seen = Arc::try_unwrap(seen)
+            .ok()
+            .expect("one owner")
+            .into_inner()
+            .unwrap();
+        (hedged, seen)
+    }
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn plan(max: u32) -> Plan {
+        Plan {
+            delay: 10 * MS,
+            max,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fast_first_attempt_asks_nothing() {
+        let (hedged, seen) = run_with(plan(1), None, (5 * MS, true), vec![], GRANT).await;
+        assert_eq!((hedged.copy, hedged.sent), (0, 1));
+        assert!(seen.asked.is_empty());
+        assert_eq!(seen.ended, [0]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_first_attempt_is_hedged_after_the_delay_and_the_hedge_wins() {
+        let started = Instant::now();
+        let (hedged, seen) = run_with(
+            plan(1),
+            None,
+            (1000 * MS, true),
+            vec![(5 * MS, true)],
+            GRANT,
+        )
+        .await;
+        assert_eq!((hedged.copy, hedged.sent), (1, 2));
+        assert_eq!(seen.asked.len(), 1);
+        assert_eq!((seen.asked[0].0, seen.asked[0].1), (1, 1));
+        assert_eq!(seen.asked[0].2, started + 10 * MS);
+        // The first attempt was cancelled: not ended, its 15 ms reported.
+        assert_eq!(seen.ended, [1]);
+        assert_eq!(seen.cancelled_first, Some(15 * MS));
+        assert_eq!(started.elapsed(), 15 * MS);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn hedges_go_out_one_delay_apart_up_to_the_maximum() {
+        let slow = (1000 * MS, true);
+        let (hedged, seen) = run_with(plan(2), None, slow, vec![slow, (5 * MS, true)], GRANT).await;
+        assert_eq!((hedged.copy, hedged.sent), (2, 3));
+        let asked: Vec<_> = seen.asked.iter().map(|(k, sent, _)| (*k, *sent)).collect();
+        assert_eq!(asked, [(1, 1), (2, 2)]);
+        assert_eq!(seen.asked[1].2 - seen.asked[0].2, 10 * MS);
+        // No third hedge with max 2, however slow the rest is.
+        let (_, seen) = run_with(plan(2), None, (100 * MS, true), vec![slow, slow], GRANT).await;
+        assert_eq!(seen.asked.len(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_denied_hedge_sends_no_copy_and_no_more_are_asked() {
+        let started = Instant::now();
+        let deny = Verdict::Deny(DenyReason::HedgeCap);
+        let (hedged, seen) = run_with(plan(3), None, (100 * MS, true), vec![], deny).await;
+        assert_eq!((hedged.copy, hedged.sent), (0, 1));
+        assert_eq!(hedged.decisions.len(), 1);
+        assert_eq!(seen.asked.len(), 1);
+        assert_eq!(started.elapsed(), 100 * MS);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_first_attempt_waits_for_the_hedge_out_and_asks_no_more() {
+        // The first fails at 12 ms, the hedge (sent at 10) answers at 40.
+        let (hedged, seen) = run_with(
+            plan(3),
+            None,
+            (12 * MS, false),
+            vec![(30 * MS, true)],
+            GRANT,
+        )
+        .await;
+        assert_eq!((hedged.copy, hedged.result.1), (1, true));
+        assert_eq!(seen.asked.len(), 1);
+        assert_eq!(seen.ended, [0, 1]);
+        assert_eq!(seen.cancelled_first, None, "it ended on its own");
+        // Both fail: the last failure goes to the retry path.
+        let (hedged, _) = run_with(
+            plan(1),
+            None,
+            (12 * MS, false),
+            vec![(30 * MS, false)],
+            GRANT,
+        )
+        .await;
+        assert_eq!((hedged.copy, hedged.result.1, hedged.sent), (1, false, 2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_timer_fires_past_the_deadline() {
+        let deadline = Some(Instant::now() + 10 * MS);
+        let (hedged, seen) = run_with(plan(1), deadline, (50 * MS, false), vec![], GRANT).await;
+        assert_eq!(hedged.sent, 1);
+        assert!(seen.asked.is_empty());
+    }
+}
