@@ -16,6 +16,8 @@
 //!   `report_id` per batch that a re-send keeps.
 //! - Shadow answers (an upstream with `enforce = false`) are followed by the
 //!   local rule, with retryd's answer beside it ([`Decision::retryd`]).
+//! - Hedging: both adapters hedge slow idempotent calls at the delay retryd
+//!   serves (see [Hedging](#hedging)).
 //!
 //! # Deciding locally
 //!
@@ -129,7 +131,38 @@
 //! in the repository). A task the handler spawns carries the request with
 //! [`Inbound::scope`].
 //!
-//! Not here yet: hedging (issue 33).
+//! # Hedging
+//!
+//! Both adapters hedge a call's first attempt when retryd serves a hedge
+//! delay for its upstream (learned from the traffic reports' answers,
+//! [`TrafficReporter::hedging`]): a SAFE or IDEMPOTENT call (as the policy
+//! lists them; never NON_IDEMPOTENT, never a streaming body) starts a timer
+//! of that delay when it is sent, and only if the timer fires with the
+//! call still running is retryd asked (`Decide` with `hedge = k`). On
+//! RETRY a copy is sent; the first answer wins and the other copies are
+//! dropped (cancelled). A denied hedge sends nothing. With retryd
+//! unreachable, the local rule hedges at a fixed delay if one is set
+//! ([`FallbackPolicy::local_hedge_delay`], [`LocalHedging`]), else not at
+//! all:
+//!
+//! ```
+//! use std::time::Duration;
+//! use retryd_client::{Fallback, FallbackPolicy, Source, pb};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let fallback = Fallback::new(FallbackPolicy::default().local_hedge_delay(Duration::from_millis(50)));
+//! // Each first attempt earns 5% of a hedge: 20 of them, one hedge.
+//! fallback.record_traffic("catalog", 21);
+//! let hedge = pb::DecideRequest {
+//!     upstream: "catalog".into(),
+//!     idempotency: pb::Idempotency::Safe as i32,
+//!     attempt: 1,
+//!     hedge: 1,
+//!     ..Default::default()
+//! };
+//! assert!(fallback.decide(&hedge, "retryd unreachable", Source::Fallback).unwrap().should_retry());
+//! # }
+//! ```
 //!
 //! # Architecture
 //!
