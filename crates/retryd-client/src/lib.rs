@@ -200,7 +200,7 @@ pub use fallback::{Fallback, FallbackPolicy, LocalBudget, MAX_LOCAL_UPSTREAMS, U
 pub use hedge::{LOCAL_HEDGE_BURST, LocalHedging};
 pub use lineage::{BAGGAGE_KEY, Inbound, RETRIED_HEADER, default_layer, lineage_of_baggage};
 #[cfg(feature = "tower")]
-pub use lineage::{LineageLayer, LineageService};
+pub use lineage::{LineageBody, LineageLayer, LineageService};
 pub use outage::OutageCounts;
 pub use reporter::{
     FAILURE_CODES, HEDGING_STALE_AFTER, ReporterOptions, Traffic, TrafficReporter,
