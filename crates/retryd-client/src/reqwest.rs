@@ -11,6 +11,10 @@
 //! PARTIAL_RESPONSE. A streaming body (`try_clone` gives `None`) is
 //! one-shot and never re-sent.
 //!
+//! A first attempt that can be copied, declared hedgeable, to an upstream
+//! whose hedging retryd serves is hedged (hedge_first.rs, crate docs
+//! "Hedging").
+//!
 //! It describes attempts and asks [`Client`]; it decides nothing.
 
 use std::error::Error as _;

@@ -25,6 +25,10 @@
 //! A call that is not attempted again fails with the last attempt's
 //! status, carrying the decision in its metadata ([`outcome_of`]).
 //!
+//! A call kept whole for replays, declared hedgeable, to an upstream whose
+//! hedging retryd serves is hedged (hedge_first.rs, crate docs "Hedging"):
+//! the first copy whose response is not a failure wins.
+//!
 //! It describes attempts and asks [`Client`]; it decides nothing.
 
 use std::future::Future;
