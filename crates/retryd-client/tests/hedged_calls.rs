@@ -23,7 +23,8 @@ use hyper::service::service_fn;
 use reqwest_middleware::ClientBuilder;
 use retryd_client::engine::{DenyReason, Idempotency};
 use retryd_client::{
-    Call, Client, Decisions, FallbackPolicy, RetryMiddleware, RetrydLayer, Source, pb,
+    Call, Client, Decisions, FallbackPolicy, ReporterOptions, RetryMiddleware, RetrydLayer, Source,
+    pb,
 };
 use tokio::net::TcpListener;
 use tokio::time::Instant;
@@ -35,6 +36,9 @@ backoff = { base = "5ms", max = "20ms", jitter = "full" }
 
 [upstreams.tail.hedging]
 "#;
+
+/// The tail of the latencies reported: a hedge delay of about 50 ms.
+const FIFTY_MS: Duration = Duration::from_millis(50);
 
 /// Longer than any test: a held request that is never cancelled fails it.
 const HELD: Duration = Duration::from_secs(30);
@@ -116,22 +120,37 @@ async fn http_tail() -> (SocketAddr, Tail) {
     (addr, tail)
 }
 
-/// Reports `first_attempts` first attempts and a tail of latencies for
-/// `upstream`, and returns the hedge delay retryd served back.
-async fn learn(client: &Client, upstream: &str, first_attempts: u64) -> Duration {
+/// Reports `first_attempts` first attempts and latencies for `upstream`
+/// (180 at 5 ms, 20 at `tail`: the p95, and so the delay, is about
+/// `tail`), and returns the hedge delay retryd served back.
+async fn learn(client: &Client, upstream: &str, first_attempts: u64, tail: Duration) -> Duration {
     let reporter = client.reporter();
     reporter.record(upstream, first_attempts);
     for _ in 0..180 {
         reporter.record_latency(upstream, true, Duration::from_millis(5));
     }
     for _ in 0..20 {
-        reporter.record_latency(upstream, true, Duration::from_millis(50));
+        reporter.record_latency(upstream, true, tail);
     }
     reporter.flush().await.expect("retryd takes the report");
     let served = reporter.hedging(upstream).expect("hedging served");
     assert!(served.enabled, "{served:?}");
     let delay = served.delay.expect("a delay");
     Duration::new(delay.seconds as u64, delay.nanos as u32)
+}
+
+/// A client whose reporter sends only when the test flushes it (the
+/// interval is an hour), so that what is pending can be looked at.
+async fn client(retryd: &support::Retryd) -> Client {
+    Client::builder(format!("http://{}", retryd.grpc))
+        .timeout(Duration::from_secs(5))
+        .reporter(ReporterOptions {
+            interval: Duration::from_secs(3600),
+            ..ReporterOptions::default()
+        })
+        .connect()
+        .await
+        .expect("client")
 }
 
 fn http(client: &Client) -> reqwest_middleware::ClientWithMiddleware {
@@ -158,8 +177,8 @@ fn metric(scrape: &str, name: &str, label: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_http_call_is_hedged_after_the_served_delay_and_the_hedge_wins() {
     let retryd = support::Retryd::start(CONFIG);
-    let client = support::client(&retryd).await;
-    let delay = learn(&client, "tail", 200).await;
+    let client = client(&retryd).await;
+    let delay = learn(&client, "tail", 200, FIFTY_MS).await;
     let (addr, tail) = http_tail().await;
     tail.hold_next(HELD);
     let started = Instant::now();
@@ -240,8 +259,10 @@ async fn a_slow_http_call_is_hedged_after_the_served_delay_and_the_hedge_wins() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fast_call_never_asks_retryd() {
     let retryd = support::Retryd::start(CONFIG);
-    let client = support::client(&retryd).await;
-    learn(&client, "tail", 200).await;
+    let client = client(&retryd).await;
+    // A delay of about a second: no loaded machine makes a loopback call
+    // that slow.
+    learn(&client, "tail", 200, Duration::from_secs(1)).await;
     let (addr, tail) = http_tail().await;
     let http = http(&client);
     for _ in 0..20 {
@@ -265,9 +286,9 @@ async fn a_fast_call_never_asks_retryd() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hedge_denied_sends_no_copy_and_the_first_attempt_answers() {
     let retryd = support::Retryd::start(CONFIG);
-    let client = support::client(&retryd).await;
+    let client = client(&retryd).await;
     // Ten first attempts: a cap of 5% of them is no hedge at all.
-    let delay = learn(&client, "tail", 10).await;
+    let delay = learn(&client, "tail", 10, FIFTY_MS).await;
     let (addr, tail) = http_tail().await;
     // Held past the delay, then answered.
     let hold = delay * 4;
@@ -296,8 +317,8 @@ async fn a_hedge_denied_sends_no_copy_and_the_first_attempt_answers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_undeclared_or_streaming_call_is_never_hedged() {
     let retryd = support::Retryd::start(CONFIG);
-    let client = support::client(&retryd).await;
-    let delay = learn(&client, "tail", 200).await;
+    let client = client(&retryd).await;
+    let delay = learn(&client, "tail", 200, FIFTY_MS).await;
     let (addr, tail) = http_tail().await;
     let http = http(&client);
     // Undeclared: NON_IDEMPOTENT.
@@ -420,8 +441,10 @@ impl pb::retry_decider_server::RetryDecider for GrpcTail {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_unary_grpc_call_is_hedged_and_the_loser_cancelled() {
     let retryd = support::Retryd::start(CONFIG);
-    let client = support::client(&retryd).await;
-    let delay = learn(&client, "tail", 200).await;
+    let client = client(&retryd).await;
+    // About a second: the fast call below (which sets up the connection)
+    // never gets near it.
+    let delay = learn(&client, "tail", 200, Duration::from_secs(1)).await;
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let tail = Tail::default();
