@@ -46,8 +46,9 @@ const HELD: Duration = Duration::from_secs(30);
 /// What a tail server saw.
 #[derive(Clone, Default)]
 struct Tail {
-    /// Held for this long, once: the next request to arrive.
-    slow_next: Arc<Mutex<Option<Duration>>>,
+    /// How the next requests to arrive are answered, in order: held for
+    /// this long, then this status. Empty: 200 at once.
+    script: Arc<Mutex<std::collections::VecDeque<(Duration, u16)>>>,
     arrivals: Arc<Mutex<Vec<Instant>>>,
     /// Handlers dropped before they answered.
     cancelled: Arc<AtomicU32>,
@@ -66,7 +67,12 @@ impl Drop for Unanswered {
 
 impl Tail {
     fn hold_next(&self, hold: Duration) {
-        *self.slow_next.lock().unwrap() = Some(hold);
+        self.then(hold, 200);
+    }
+
+    /// The next unscripted request is held for `hold`, then answered `status`.
+    fn then(&self, hold: Duration, status: u16) {
+        self.script.lock().unwrap().push_back((hold, status));
     }
 
     fn arrivals(&self) -> Vec<Instant> {
@@ -77,15 +83,19 @@ impl Tail {
         self.cancelled.load(Ordering::SeqCst)
     }
 
-    /// One request: held if it is the one marked slow, counted if dropped.
-    async fn handle(&self) {
+    /// One request, as scripted; counted if dropped before answering.
+    async fn handle(&self) -> u16 {
         self.arrivals.lock().unwrap().push(Instant::now());
-        let hold = self.slow_next.lock().unwrap().take();
+        let (hold, status) = self
+            .script
+            .lock()
+            .unwrap()
+            .pop_front()
+            .unwrap_or((Duration::ZERO, 200));
         let mut guard = Unanswered(Some(self.cancelled.clone()));
-        if let Some(hold) = hold {
-            tokio::time::sleep(hold).await;
-        }
+        tokio::time::sleep(hold).await;
         guard.0 = None;
+        status
     }
 }
 
@@ -105,10 +115,13 @@ async fn http_tail() -> (SocketAddr, Tail) {
                     let tail = tail.clone();
                     async move {
                         let _ = request.into_body().collect().await;
-                        tail.handle().await;
-                        Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from_static(
-                            b"answer",
-                        ))))
+                        let status = tail.handle().await;
+                        Ok::<_, Infallible>(
+                            hyper::Response::builder()
+                                .status(status)
+                                .body(Full::new(Bytes::from_static(b"answer")))
+                                .expect("response"),
+                        )
                     }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
@@ -254,6 +267,39 @@ async fn a_slow_http_call_is_hedged_after_the_served_delay_and_the_hedge_wins() 
         "{}",
         answer.explanation
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_every_copy_fails_the_retry_path_decides_counting_every_copy() {
+    let retryd = support::Retryd::start(CONFIG);
+    let client = client(&retryd).await;
+    let delay = learn(&client, "tail", 200, FIFTY_MS).await;
+    let (addr, tail) = http_tail().await;
+    // The first attempt fails after the hedge went out; the hedge fails at
+    // once; the retry (attempt 3 of the default 3) succeeds.
+    tail.then(delay * 4, 503);
+    tail.then(Duration::ZERO, 503);
+    let response = http(&client)
+        .get(format!("http://{addr}/"))
+        .with_extension(safe())
+        .send()
+        .await
+        .expect("the retry answers");
+    assert_eq!(response.status(), 200);
+    let decisions = &response.extensions().get::<Decisions>().expect("decided").0;
+    assert_eq!(decisions.len(), 2, "{decisions:?}");
+    assert!(
+        decisions[0].explanation.contains("hedge 1"),
+        "{decisions:?}"
+    );
+    assert!(decisions[1].should_retry());
+    assert!(!decisions[1].explanation.contains("hedge"), "{decisions:?}");
+    assert_eq!(tail.arrivals().len(), 3);
+    assert_eq!(tail.cancelled(), 0, "every copy ended on its own");
+    let traffic = client.reporter().pending_traffic().await["tail"];
+    assert_eq!((traffic.requests, traffic.failures), (1, 1), "{traffic:?}");
+    assert_eq!((traffic.retry_failures, traffic.retry_successes), (1, 1));
+    assert_eq!(traffic.hedges_won, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -413,7 +459,7 @@ impl pb::retry_decider_server::RetryDecider for GrpcTail {
         &self,
         _request: tonic::Request<pb::DecideRequest>,
     ) -> Result<tonic::Response<pb::DecideResponse>, tonic::Status> {
-        self.0.handle().await;
+        let _ = self.0.handle().await;
         Ok(tonic::Response::new(pb::DecideResponse {
             decision_id: "upstream-ok".into(),
             ..Default::default()
