@@ -11,6 +11,10 @@
 //! bucket's deposit), send. The reporter's background task is off, so no
 //! report is sent during the run; the counting stays on the path.
 //!
+//! A fifth side is a call to a hedged upstream that answers before its hedge
+//! delay (1 s, the local rule's, retryd being away): the hedge timer is armed
+//! and dropped, no Decide is made. It is what hedging costs a fast call.
+//!
 //! Run: `cargo bench -p retryd-client --bench overhead` (`-- --quick` for a
 //! short run). Run by `cargo test --all-targets`, it makes one short round.
 
@@ -21,7 +25,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::service::service_fn;
 use retryd_client::engine::Idempotency;
-use retryd_client::{Call, Client, RetryMiddleware};
+use retryd_client::{Call, Client, FallbackPolicy, RetryMiddleware, pb};
 
 /// The answer to every call: a small JSON document.
 const BODY: &[u8] = b"{\"id\":7,\"name\":\"item\"}";
@@ -85,6 +89,28 @@ fn main() {
         let governed = reqwest_middleware::ClientBuilder::new(plain.clone())
             .with(RetryMiddleware::new(retryd.clone()).upstream("catalog"))
             .build();
+        // Hedged at the local rule's 1 s while retryd is away: one failed
+        // Decide starts the outage, so every call arms a hedge timer.
+        let hedging = Client::builder("http://127.0.0.1:1")
+            .connect_timeout(Duration::from_millis(50))
+            .disable_reporting()
+            .fallback(FallbackPolicy::default().local_hedge_delay(Duration::from_secs(1)))
+            .connect()
+            .await
+            .expect("client");
+        let _ = hedging
+            .decide(&pb::DecideRequest {
+                upstream: "catalog".into(),
+                idempotency: pb::Idempotency::Safe as i32,
+                attempt: 1,
+                failure: pb::FailureKind::Connect as i32,
+                ..Default::default()
+            })
+            .await;
+        assert!(hedging.outage().unreachable);
+        let hedged = reqwest_middleware::ClientBuilder::new(plain.clone())
+            .with(RetryMiddleware::new(hedging.clone()).upstream("catalog"))
+            .build();
         let call = Call::new(Idempotency::Safe).deadline_in(Duration::from_secs(3600));
         // The same call without a deadline: no timer is armed.
         let undated = Call::new(Idempotency::Safe);
@@ -113,7 +139,7 @@ fn main() {
                 started.elapsed()
             }
         };
-        let time_governed = |n: usize, call: &Call| {
+        let time_governed = |n: usize, call: &Call, governed: &reqwest_middleware::ClientWithMiddleware| {
             let governed = governed.clone();
             let url = url.clone();
             let call = call.clone();
@@ -135,29 +161,34 @@ fn main() {
         // Warm-up: connections, pools, caches.
         time_plain(batch).await;
         time_bare(batch).await;
-        time_governed(batch, &call).await;
+        time_governed(batch, &call, &governed).await;
+        time_governed(batch, &call, &hedged).await;
 
         let (mut bare_ratio, mut governed_ratio) = (Vec::new(), Vec::new());
         let mut undated_ratio = Vec::new();
+        let mut hedged_ratio = Vec::new();
         let (mut plain_us, mut governed_us) = (Vec::new(), Vec::new());
         for round in 0..rounds {
             // Alternate the order so that neither side always runs first.
-            let (p, b, g, u) = if round % 2 == 0 {
+            let (p, b, g, u, h) = if round % 2 == 0 {
                 let p = time_plain(batch).await;
                 let b = time_bare(batch).await;
-                let g = time_governed(batch, &call).await;
-                let u = time_governed(batch, &undated).await;
-                (p, b, g, u)
+                let g = time_governed(batch, &call, &governed).await;
+                let u = time_governed(batch, &undated, &governed).await;
+                let h = time_governed(batch, &call, &hedged).await;
+                (p, b, g, u, h)
             } else {
-                let u = time_governed(batch, &undated).await;
-                let g = time_governed(batch, &call).await;
+                let h = time_governed(batch, &call, &hedged).await;
+                let u = time_governed(batch, &undated, &governed).await;
+                let g = time_governed(batch, &call, &governed).await;
                 let b = time_bare(batch).await;
                 let p = time_plain(batch).await;
-                (p, b, g, u)
+                (p, b, g, u, h)
             };
             bare_ratio.push(b.as_secs_f64() / p.as_secs_f64());
             governed_ratio.push(g.as_secs_f64() / p.as_secs_f64());
             undated_ratio.push(u.as_secs_f64() / p.as_secs_f64());
+            hedged_ratio.push(h.as_secs_f64() / p.as_secs_f64());
             plain_us.push(p.as_secs_f64() * 1e6 / batch as f64);
             governed_us.push(g.as_secs_f64() * 1e6 / batch as f64);
         }
@@ -168,14 +199,18 @@ fn main() {
         let bare_ratio = median(&mut bare_ratio);
         let governed_ratio = median(&mut governed_ratio);
         let undated_ratio = median(&mut undated_ratio);
+        let hedged_ratio = median(&mut hedged_ratio);
+        // One Decide (the one that started the outage), no hedge asked.
+        assert_eq!(hedging.outage().decisions, 1, "no hedge was asked");
         println!("| side | µs per call (median of {rounds} rounds × {batch}) | time ÷ plain reqwest (median) |");
         println!("| --- | --- | --- |");
         println!("| plain reqwest | {plain_us:.1} | 1.00 |");
         println!("| reqwest-middleware, no middleware | | {bare_ratio:.3} |");
         println!("| reqwest-middleware + RetryMiddleware | {governed_us:.1} | {governed_ratio:.3} |");
         println!("| the same, the call without a deadline (no timer) | | {undated_ratio:.3} |");
+        println!("| the same, to a hedged upstream (hedge timer armed, not fired) | | {hedged_ratio:.3} |");
         println!(
-            "{{\"bench\":\"retryd-client overhead\",\"plain_us\":{plain_us:.2},\"governed_us\":{governed_us:.2},\"bare_ratio\":{bare_ratio:.4},\"governed_ratio\":{governed_ratio:.4},\"undated_ratio\":{undated_ratio:.4},\"rounds\":{rounds},\"batch\":{batch}}}"
+            "{{\"bench\":\"retryd-client overhead\",\"plain_us\":{plain_us:.2},\"governed_us\":{governed_us:.2},\"bare_ratio\":{bare_ratio:.4},\"governed_ratio\":{governed_ratio:.4},\"undated_ratio\":{undated_ratio:.4},\"hedged_ratio\":{hedged_ratio:.4},\"rounds\":{rounds},\"batch\":{batch}}}"
         );
     });
 }

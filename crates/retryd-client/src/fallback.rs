@@ -19,11 +19,15 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
-use retryd_engine::{Backoff, BudgetView, Facts, Jitter, Lineage, Policy, Verdict};
+use retryd_engine::{
+    Backoff, BudgetView, DenyReason, Facts, HedgeFacts, HedgePolicy, HedgeState, Jitter, Lineage,
+    Policy, Verdict,
+};
 use retryd_proto as pb;
 use tokio::time::Instant;
 
 use crate::decision::{Decision, Source};
+use crate::hedge::{LOCAL_HEDGE_BURST, LocalHedging};
 use crate::request::{self, InvalidRequest};
 
 /// A local token bucket's configuration, as retryd's `budget` section
@@ -61,6 +65,9 @@ pub struct UpstreamFallback {
     pub policy: Policy,
     /// The local bucket.
     pub budget: LocalBudget,
+    /// The local rule's hedging while retryd is unreachable; `None` (the
+    /// default): no hedge without retryd.
+    pub hedging: Option<LocalHedging>,
 }
 
 impl Default for UpstreamFallback {
@@ -82,6 +89,7 @@ impl Default for UpstreamFallback {
                 ..Policy::default()
             },
             budget: LocalBudget::default(),
+            hedging: None,
         }
     }
 }
@@ -100,6 +108,7 @@ impl Default for UpstreamFallback {
 /// let search = UpstreamFallback {
 ///     policy: Policy { max_attempts: 5, ..Policy::default() },
 ///     budget: LocalBudget { capacity: 100.0, initial: 100.0, ..LocalBudget::default() },
+///     hedging: None,
 /// };
 /// let fallback = Fallback::new(FallbackPolicy::default().upstream("search", search));
 /// let third = pb::DecideRequest {
@@ -134,7 +143,17 @@ impl FallbackPolicy {
         self
     }
 
-    fn of(&self, upstream: &str) -> &UpstreamFallback {
+    /// The same policy hedging every upstream not named after a fixed
+    /// `delay` while retryd is unreachable ([`LocalHedging::after`]: one
+    /// hedge, at most 5% more load, SAFE and IDEMPOTENT calls), as the Go
+    /// client's `LocalPolicy.HedgeDelay`. Upstreams named with
+    /// [`FallbackPolicy::upstream`] set their own `hedging`.
+    pub fn local_hedge_delay(mut self, delay: Duration) -> Self {
+        self.default.hedging = Some(LocalHedging::after(delay));
+        self
+    }
+
+    pub(crate) fn of(&self, upstream: &str) -> &UpstreamFallback {
         self.upstreams.get(upstream).unwrap_or(&self.default)
     }
 }
@@ -148,6 +167,8 @@ pub const MAX_LOCAL_UPSTREAMS: usize = 10_000;
 struct Bucket {
     tokens: f64,
     refilled: Instant,
+    /// The local hedge allowance: earned by first attempts, spent by hedges.
+    hedges: f64,
 }
 
 impl Bucket {
@@ -197,6 +218,9 @@ impl Fallback {
         source: Source,
     ) -> Result<Decision, InvalidRequest> {
         let attempt = request::attempt(request)?;
+        if attempt.hedge > 0 {
+            return Ok(self.decide_hedge(&attempt, &request.upstream, reason, source));
+        }
         let fallback = self.policy.of(&request.upstream);
         let retries_enabled = !self.policy.disabled.contains(&request.upstream);
         let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
@@ -243,6 +267,92 @@ impl Fallback {
         if let Some(bucket) = bucket(&mut buckets, upstream, &fallback.budget, Instant::now()) {
             bucket.tokens = (bucket.tokens + requests as f64 * fallback.budget.ratio)
                 .min(fallback.budget.capacity);
+            if let Some(hedging) = &fallback.hedging {
+                bucket.hedges = (bucket.hedges + requests as f64 * hedging.max_extra_load.max(0.0))
+                    .min(LOCAL_HEDGE_BURST);
+            }
+        }
+    }
+
+    /// The local rule for a hedge: the engine's hedge rule
+    /// (`retryd_engine::decide_hedge`, the function retryd calls) on the
+    /// local hedging as the policy, the local hedge allowance as the cap and
+    /// the local bucket as the budget. A RETRY spends one of each.
+    fn decide_hedge(
+        &self,
+        attempt: &request::Attempt,
+        upstream: &str,
+        reason: &str,
+        source: Source,
+    ) -> Decision {
+        let fallback = self.policy.of(upstream);
+        let retries_enabled = !self.policy.disabled.contains(upstream);
+        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        let bucket = bucket(&mut buckets, upstream, &fallback.budget, Instant::now());
+        let (tokens, allowance) = bucket
+            .as_ref()
+            .map_or((0.0, 0.0), |bucket| (bucket.tokens, bucket.hedges));
+        // The local hedging stands for the fleet's view: always learned, never
+        // uniformly slow (a fixed delay knows no latencies), and the cap is
+        // the allowance (a hedge left: under the cap; none: at it).
+        let policy = fallback.hedging.map(|local| HedgePolicy {
+            max_hedges: local.max_hedges,
+            max_extra_load: 1.0,
+            idempotency: local.idempotency,
+            min_samples: 1,
+            uniform_ratio: 1.0,
+            ..HedgePolicy::default()
+        });
+        let delay = fallback.hedging.map_or(Duration::ZERO, |local| local.delay);
+        let state = HedgeState {
+            samples: 1,
+            p50: Duration::ZERO,
+            delay,
+            tail: delay.max(Duration::from_nanos(1)),
+            first_attempts: 1,
+            hedges: u64::from(allowance < 1.0),
+        };
+        let facts = HedgeFacts {
+            hedge: attempt.hedge,
+            idempotency: attempt.idempotency,
+            deadline_remaining: attempt.deadline_remaining,
+            min_attempt_budget: fallback.policy.min_attempt_budget,
+            budget: BudgetView {
+                tokens,
+                retries_enabled,
+                unavailable: false,
+            },
+        };
+        let decision = retryd_engine::decide_hedge(&facts, policy.as_ref(), &state);
+        let mut remaining = tokens;
+        if matches!(decision.verdict, Verdict::Retry { .. }) {
+            if let Some(bucket) = bucket {
+                bucket.tokens -= 1.0;
+                bucket.hedges -= 1.0;
+                remaining = bucket.tokens;
+            }
+        }
+        drop(buckets);
+        let why = match decision.verdict {
+            Verdict::Retry { .. } => format!("hedge {} now, at the local delay", attempt.hedge),
+            Verdict::Deny(DenyReason::HedgingOff) if policy.is_none() => {
+                "no local hedging (UpstreamFallback::hedging is None)".to_owned()
+            }
+            Verdict::Deny(DenyReason::HedgeCap) => "the local hedge allowance is spent".to_owned(),
+            Verdict::Deny(reason) => format!("hedge denied: {}", reason.as_str()),
+            Verdict::Ambiguous => "ambiguous".to_owned(),
+        };
+        Decision {
+            verdict: decision.verdict,
+            rule: decision.rule.number(),
+            effective_evidence: decision.effective_evidence,
+            evidence_adjusted: false,
+            unknown_outcome: None,
+            decision_id: String::new(),
+            tokens_remaining: remaining,
+            explanation: format!("{reason}; local rule: {why}"),
+            source,
+            retryd: None,
         }
     }
 
@@ -272,6 +382,7 @@ fn bucket<'a>(
             Bucket {
                 tokens: budget.initial.min(budget.capacity),
                 refilled: now,
+                hedges: 0.0,
             },
         );
     }
@@ -347,7 +458,6 @@ pub(crate) fn ended_by_caller(request: &pb::DecideRequest, expired: bool) -> Opt
 #[cfg(test)]
 mod tests {
     use super::*;
-    use retryd_engine::DenyReason;
 
     fn refused(upstream: &str) -> pb::DecideRequest {
         pb::DecideRequest {
@@ -444,5 +554,107 @@ mod tests {
             ..charge
         };
         assert!(ended_by_caller(&safe, true).is_none());
+    }
+
+    fn hedge(upstream: &str, k: u32) -> pb::DecideRequest {
+        pb::DecideRequest {
+            upstream: upstream.into(),
+            idempotency: pb::Idempotency::Safe as i32,
+            attempt: k,
+            hedge: k,
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_local_rule_hedges_only_with_a_delay_set_and_within_its_allowance() {
+        let decide = |fallback: &Fallback, request: &pb::DecideRequest| {
+            fallback
+                .decide(request, "test", Source::Fallback)
+                .expect("valid")
+        };
+        // Off by default.
+        let off = Fallback::default();
+        off.record_traffic("api", 100);
+        assert_eq!(
+            decide(&off, &hedge("api", 1)).deny_reason(),
+            Some(DenyReason::HedgingOff)
+        );
+        // A large bucket, so that the allowance is what runs out.
+        let fallback = Fallback::new(FallbackPolicy::default().upstream(
+            "api",
+            UpstreamFallback {
+                budget: LocalBudget {
+                    capacity: 1000.0,
+                    initial: 1000.0,
+                    ..LocalBudget::default()
+                },
+                hedging: Some(LocalHedging::after(Duration::from_millis(20))),
+                ..UpstreamFallback::default()
+            },
+        ));
+        // Nothing earned yet: at the cap.
+        assert_eq!(
+            decide(&fallback, &hedge("api", 1)).deny_reason(),
+            Some(DenyReason::HedgeCap)
+        );
+        // 5% of 30 first attempts: one hedge (and a half).
+        fallback.record_traffic("api", 30);
+        let before = fallback.tokens("api");
+        let granted = decide(&fallback, &hedge("api", 1));
+        assert_eq!(granted.backoff(), Duration::ZERO);
+        assert!(granted.should_retry(), "{granted:?}");
+        assert_eq!(granted.rule, 10);
+        assert_eq!(
+            fallback.tokens("api"),
+            before - 1.0,
+            "one retry token spent"
+        );
+        assert_eq!(
+            decide(&fallback, &hedge("api", 1)).deny_reason(),
+            Some(DenyReason::HedgeCap)
+        );
+        fallback.record_traffic("api", 1000);
+        // Never NON_IDEMPOTENT; never past max_hedges (1); never without
+        // room before the deadline.
+        let charge = pb::DecideRequest {
+            idempotency: pb::Idempotency::NonIdempotent as i32,
+            ..hedge("api", 1)
+        };
+        assert_eq!(
+            decide(&fallback, &charge).deny_reason(),
+            Some(DenyReason::HedgingOff)
+        );
+        assert_eq!(
+            decide(&fallback, &hedge("api", 2)).deny_reason(),
+            Some(DenyReason::HedgingOff)
+        );
+        let late = pb::DecideRequest {
+            deadline_remaining: Some(crate::pb_duration(Duration::from_millis(10))),
+            ..hedge("api", 1)
+        };
+        assert_eq!(
+            decide(&fallback, &late).deny_reason(),
+            Some(DenyReason::Deadline)
+        );
+        assert!(decide(&fallback, &hedge("api", 1)).should_retry());
+        // The allowance saves up at most LOCAL_HEDGE_BURST.
+        let granted = (0..50)
+            .filter(|_| decide(&fallback, &hedge("api", 1)).should_retry())
+            .count();
+        assert_eq!(granted as f64, LOCAL_HEDGE_BURST - 1.0);
+    }
+
+    #[test]
+    fn a_hedge_reporting_a_failure_is_refused_naming_the_field() {
+        let fallback = Fallback::default();
+        let mixed = pb::DecideRequest {
+            http_status: 503,
+            ..hedge("api", 1)
+        };
+        let refused = fallback
+            .decide(&mixed, "test", Source::Fallback)
+            .expect_err("a hedge reports no failure");
+        assert_eq!(refused.field, "http_status");
     }
 }

@@ -16,6 +16,8 @@
 //!   `report_id` per batch that a re-send keeps.
 //! - Shadow answers (an upstream with `enforce = false`) are followed by the
 //!   local rule, with retryd's answer beside it ([`Decision::retryd`]).
+//! - Hedging: both adapters hedge slow idempotent calls at the delay retryd
+//!   serves (see [Hedging](#hedging)).
 //!
 //! # Deciding locally
 //!
@@ -129,7 +131,38 @@
 //! in the repository). A task the handler spawns carries the request with
 //! [`Inbound::scope`].
 //!
-//! Not here yet: hedging (issue 33).
+//! # Hedging
+//!
+//! Both adapters hedge a call's first attempt when retryd serves a hedge
+//! delay for its upstream (learned from the traffic reports' answers,
+//! [`TrafficReporter::hedging`]): a SAFE or IDEMPOTENT call (as the policy
+//! lists them; never NON_IDEMPOTENT, never a streaming body) starts a timer
+//! of that delay when it is sent, and only if the timer fires with the
+//! call still running is retryd asked (`Decide` with `hedge = k`). On
+//! RETRY a copy is sent; the first answer wins and the other copies are
+//! dropped (cancelled). A denied hedge sends nothing. With retryd
+//! unreachable, the local rule hedges at a fixed delay if one is set
+//! ([`FallbackPolicy::local_hedge_delay`], [`LocalHedging`]), else not at
+//! all:
+//!
+//! ```
+//! use std::time::Duration;
+//! use retryd_client::{Fallback, FallbackPolicy, Source, pb};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let fallback = Fallback::new(FallbackPolicy::default().local_hedge_delay(Duration::from_millis(50)));
+//! // Each first attempt earns 5% of a hedge: 20 of them, one hedge.
+//! fallback.record_traffic("catalog", 21);
+//! let hedge = pb::DecideRequest {
+//!     upstream: "catalog".into(),
+//!     idempotency: pb::Idempotency::Safe as i32,
+//!     attempt: 1,
+//!     hedge: 1,
+//!     ..Default::default()
+//! };
+//! assert!(fallback.decide(&hedge, "retryd unreachable", Source::Fallback).unwrap().should_retry());
+//! # }
+//! ```
 //!
 //! # Architecture
 //!
@@ -141,6 +174,7 @@ mod adapter;
 mod client;
 mod decision;
 mod fallback;
+mod hedge;
 mod lineage;
 mod outage;
 mod reporter;
@@ -163,12 +197,14 @@ pub use client::{
 };
 pub use decision::{Decision, Source, deny_reason_name};
 pub use fallback::{Fallback, FallbackPolicy, LocalBudget, MAX_LOCAL_UPSTREAMS, UpstreamFallback};
+pub use hedge::{LOCAL_HEDGE_BURST, LocalHedging};
 pub use lineage::{BAGGAGE_KEY, Inbound, RETRIED_HEADER, default_layer, lineage_of_baggage};
 #[cfg(feature = "tower")]
-pub use lineage::{LineageLayer, LineageService};
+pub use lineage::{LineageBody, LineageLayer, LineageService};
 pub use outage::OutageCounts;
 pub use reporter::{
-    FAILURE_CODES, ReporterOptions, Traffic, TrafficReporter, attempt_succeeded, new_report_id,
+    FAILURE_CODES, HEDGING_STALE_AFTER, ReporterOptions, Traffic, TrafficReporter,
+    attempt_succeeded, new_report_id,
 };
 pub use request::{InvalidRequest, pb_duration};
 #[cfg(feature = "reqwest")]

@@ -244,7 +244,7 @@ pub(crate) fn note_dependency_failed() {
 }
 
 #[cfg(feature = "tower")]
-pub use self::layer::{LineageLayer, LineageService};
+pub use self::layer::{LineageBody, LineageLayer, LineageService};
 
 #[cfg(feature = "tower")]
 mod layer {
@@ -297,9 +297,10 @@ mod layer {
         S: tower_service::Service<http::Request<B>, Response = http::Response<R>>,
         S::Future: Send + 'static,
     {
-        type Response = http::Response<R>;
+        type Response = http::Response<LineageBody<R>>;
         type Error = S::Error;
-        type Future = Pin<Box<dyn Future<Output = Result<http::Response<R>, S::Error>> + Send>>;
+        type Future =
+            Pin<Box<dyn Future<Output = Result<http::Response<LineageBody<R>>, S::Error>> + Send>>;
 
         fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
             self.inner.poll_ready(cx)
@@ -317,8 +318,77 @@ mod layer {
                 if inbound.dependency_failed() {
                     mark(&mut response, &inbound.layer);
                 }
-                Ok(response)
+                // A status already in the headers needs no trailer mark.
+                let trailers = !response.headers().contains_key("grpc-status");
+                Ok(response.map(|inner| LineageBody {
+                    inner,
+                    inbound,
+                    trailers,
+                }))
             })
+        }
+    }
+
+    pin_project_lite::pin_project! {
+        /// The response body of [`LineageService`]: the handler's, polled
+        /// inside the inbound request's scope (so that an outbound call
+        /// made while a streamed response is produced carries its lineage
+        /// too), with the upward mark added to a gRPC failure sent in
+        /// trailers after response messages (a streaming handler's late
+        /// error) when an outbound call of the request failed after
+        /// retryd's decision.
+        #[derive(Debug)]
+        pub struct LineageBody<B> {
+            #[pin]
+            inner: B,
+            inbound: Arc<Inbound>,
+            trailers: bool,
+        }
+    }
+
+    impl<B: http_body::Body> http_body::Body for LineageBody<B> {
+        type Data = B::Data;
+        type Error = B::Error;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<B::Data>, B::Error>>> {
+            let this = self.project();
+            let inbound = Arc::clone(this.inbound);
+            let inner = this.inner;
+            let polled = INBOUND.sync_scope(Arc::clone(&inbound), || inner.poll_frame(cx));
+            if let Poll::Ready(Some(Ok(mut frame))) = polled {
+                if *this.trailers && inbound.dependency_failed() {
+                    if let Some(trailers) = frame.trailers_mut() {
+                        mark_trailers(trailers, &inbound.layer);
+                    }
+                }
+                return Poll::Ready(Some(Ok(frame)));
+            }
+            polled
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.inner.is_end_stream()
+        }
+
+        fn size_hint(&self) -> http_body::SizeHint {
+            self.inner.size_hint()
+        }
+    }
+
+    /// Adds the upward signal to gRPC trailers carrying a failure.
+    pub(super) fn mark_trailers(trailers: &mut HeaderMap, layer: &str) {
+        let failed = trailers
+            .get("grpc-status")
+            .is_some_and(|status| status.as_bytes() != b"0");
+        if !failed {
+            return;
+        }
+        if let Ok(value) = HeaderValue::from_str(layer) {
+            trailers.insert(RETRIED_HEADER, value);
+            trailers.insert("grpc-retry-pushback-ms", HeaderValue::from_static("-1"));
         }
     }
 
@@ -423,6 +493,16 @@ mod tests {
         mark(&mut grpc, "middle");
         assert_eq!(grpc.headers()["grpc-retry-pushback-ms"], "-1");
         assert!(retried_below(unavailable.headers()) == "middle");
+        // A failure in trailers after messages: marked there.
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("14"));
+        super::layer::mark_trailers(&mut trailers, "middle");
+        assert_eq!(trailers[RETRIED_HEADER], "middle");
+        assert_eq!(trailers["grpc-retry-pushback-ms"], "-1");
+        let mut ok_trailers = HeaderMap::new();
+        ok_trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        super::layer::mark_trailers(&mut ok_trailers, "middle");
+        assert!(ok_trailers.get(RETRIED_HEADER).is_none());
         let mut junk = HeaderMap::new();
         junk.insert(RETRIED_HEADER, HeaderValue::from_static("a b"));
         assert_eq!(retried_below(&junk), "");

@@ -40,9 +40,20 @@ use std::time::Duration;
 use retryd_engine::latency::Histogram;
 use retryd_proto as pb;
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use crate::client::{Client, Error, Inner};
 use crate::request::MAX_TRAFFIC_ENTRIES;
+
+/// How many report intervals a served hedging outlives the last answer
+/// that carried it. An answer lists only the upstreams of its own report,
+/// so an upstream idle for an interval is missing from it with its policy
+/// unchanged: forgetting it at once would leave the next calls unhedged.
+/// Three intervals ride out an idle interval or two and a re-sent batch,
+/// while with retryd unreachable (no answers at all) the entry is gone
+/// within seconds and the local rule's hedging applies, not a stale delay
+/// (as the Go client's `hedgingStaleAfter`).
+pub const HEDGING_STALE_AFTER: u32 = 3;
 
 /// How the reporter batches.
 #[derive(Clone, Debug)]
@@ -77,6 +88,9 @@ pub struct Traffic {
     pub retry_successes: u64,
     /// Retries that failed.
     pub retry_failures: u64,
+    /// Hedged calls whose answer came from a hedge rather than from the
+    /// first attempt ([`TrafficReporter::record_hedge_won`]).
+    pub hedges_won: u64,
 }
 
 impl Traffic {
@@ -86,6 +100,7 @@ impl Traffic {
         self.failures += other.failures;
         self.retry_successes += other.retry_successes;
         self.retry_failures += other.retry_failures;
+        self.hedges_won += other.hedges_won;
     }
 
     /// The counts of one report entry.
@@ -96,6 +111,7 @@ impl Traffic {
             failures: entry.failures,
             retry_successes: entry.retry_successes,
             retry_failures: entry.retry_failures,
+            hedges_won: entry.hedges_won,
         }
     }
 
@@ -108,6 +124,7 @@ impl Traffic {
             failures: self.failures,
             retry_successes: self.retry_successes,
             retry_failures: self.retry_failures,
+            hedges_won: self.hedges_won,
             ..Default::default()
         }
     }
@@ -154,8 +171,8 @@ struct Shared {
     sending: tokio::sync::Mutex<VecDeque<pb::ReportTrafficRequest>>,
     stop: Notify,
     stopped: std::sync::atomic::AtomicBool,
-    /// The hedging retryd last answered, per upstream.
-    hedging: Mutex<HashMap<String, pb::Hedging>>,
+    /// The hedging retryd last answered, per upstream, and when.
+    hedging: Mutex<HashMap<String, (pb::Hedging, Instant)>>,
 }
 
 #[derive(Debug, Default)]
@@ -249,16 +266,74 @@ impl TrafficReporter {
         }
     }
 
+    /// Counts one hedged call to `upstream` whose answer came from a hedge
+    /// (`UpstreamTraffic.hedges_won`): only the caller knows which copy
+    /// answered. Both adapters count it when they hedge.
+    pub fn record_hedge_won(&self, upstream: &str) {
+        if upstream.is_empty() {
+            return;
+        }
+        self.add(
+            upstream,
+            Traffic {
+                hedges_won: 1,
+                ..Traffic::default()
+            },
+        );
+    }
+
     /// The hedging retryd served for `upstream` in its last answer to a
-    /// report naming it; `None` before one (no hedge delay known: do not
-    /// hedge), or for an upstream without a hedging policy.
+    /// report naming it, if that answer came in the last
+    /// [`HEDGING_STALE_AFTER`] report intervals; `None` before one (no hedge
+    /// delay known: do not hedge), once it is that old, or for an upstream
+    /// without a hedging policy.
     pub fn hedging(&self, upstream: &str) -> Option<pb::Hedging> {
+        let stale = self.shared.options.interval * HEDGING_STALE_AFTER;
         self.shared
             .hedging
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(upstream)
-            .cloned()
+            .filter(|(_, seen)| seen.elapsed() <= stale)
+            .map(|(hedging, _)| hedging.clone())
+    }
+
+    /// How a call to `upstream` of `idempotency` is hedged by what retryd
+    /// served: `None` when nothing fresh is known (the local rule may
+    /// apply), `Some(None)` when retryd says not to hedge it. Read in place:
+    /// a call to an unhedged upstream allocates nothing.
+    pub(crate) fn served_plan(
+        &self,
+        upstream: &str,
+        idempotency: retryd_engine::Idempotency,
+    ) -> Option<Option<crate::hedge::Plan>> {
+        let stale = self.shared.options.interval * HEDGING_STALE_AFTER;
+        let hedging = self
+            .shared
+            .hedging
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let (served, seen) = hedging.get(upstream)?;
+        if seen.elapsed() > stale {
+            return None;
+        }
+        let delay = served.delay.map_or(Duration::ZERO, |delay| {
+            Duration::new(
+                delay.seconds.max(0) as u64,
+                delay.nanos.clamp(0, 999_999_999) as u32,
+            )
+        });
+        let level = crate::request::pb_idempotency(idempotency) as i32;
+        // Never NON_IDEMPOTENT, whatever was served.
+        let allowed = served.enabled
+            && !delay.is_zero()
+            && served.max_hedges > 0
+            && idempotency != retryd_engine::Idempotency::NonIdempotent
+            && served.idempotency.contains(&level);
+        Some(allowed.then_some(crate::hedge::Plan {
+            delay,
+            max: served.max_hedges,
+        }))
     }
 
     fn add(&self, upstream: &str, traffic: Traffic) {
@@ -371,8 +446,15 @@ impl TrafficReporter {
                         .hedging
                         .lock()
                         .unwrap_or_else(|e| e.into_inner());
+                    let now = Instant::now();
+                    let stale = self.shared.options.interval * HEDGING_STALE_AFTER;
+                    hedging.retain(|_, (_, seen)| now.saturating_duration_since(*seen) <= stale);
+                    let max = self.shared.options.max_upstreams;
                     for served in answer.hedging {
-                        hedging.insert(served.upstream.clone(), served);
+                        if hedging.len() >= max && !hedging.contains_key(&served.upstream) {
+                            continue;
+                        }
+                        hedging.insert(served.upstream.clone(), (served, now));
                     }
                 }
                 Err(status) if is_permanent(status.code()) => {

@@ -75,6 +75,45 @@ pub(crate) struct Attempt {
     /// Validated: parses as a [`Lineage`] (empty at the edge).
     pub(crate) lineage: String,
     pub(crate) retried_below: Option<String>,
+    /// 0 for a retry; k >= 1 for the k-th hedge (no failure fields).
+    pub(crate) hedge: u32,
+}
+
+/// Most hedges of one call a request may ask about (as retryd).
+const MAX_HEDGE: u32 = 16;
+
+/// A hedge reports no failure: each failure field is refused by name, as
+/// retryd's edge refuses it.
+fn hedge_request(request: &pb::DecideRequest) -> Result<(), InvalidRequest> {
+    if request.hedge > MAX_HEDGE {
+        return Err(invalid(
+            "hedge",
+            format!(
+                "at most {MAX_HEDGE} hedges of one call, not {}",
+                request.hedge
+            ),
+        ));
+    }
+    for (field, set) in [
+        ("evidence", request.evidence != 0),
+        ("failure", request.failure != 0),
+        ("http_status", request.http_status != 0),
+        ("grpc_status_code", request.grpc_status_code != 0),
+        (
+            "grpc_retry_pushback_ms",
+            request.grpc_retry_pushback_ms.is_some(),
+        ),
+        ("retry_after", !request.retry_after.is_empty()),
+        ("retried_below", !request.retried_below.is_empty()),
+    ] {
+        if set {
+            return Err(invalid(
+                field,
+                "must be empty with hedge >= 1: a hedge reports no failure",
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn name(field: &str, raw: &str) -> Result<(), InvalidRequest> {
@@ -118,6 +157,9 @@ pub(crate) fn attempt(request: &pb::DecideRequest) -> Result<Attempt, InvalidReq
         Ok(pb::Idempotency::NonIdempotent) => Idempotency::NonIdempotent,
         Err(_) => return Err(unknown_enum("idempotency", request.idempotency)),
     };
+    if request.hedge != 0 {
+        hedge_request(request)?;
+    }
     let body = match &request.body {
         None => Body::None,
         Some(body) => self::body("body", body, 1, &mut 0)?,
@@ -181,7 +223,12 @@ pub(crate) fn attempt(request: &pb::DecideRequest) -> Result<Attempt, InvalidReq
     }
     let claimed_evidence = match pb::Evidence::try_from(request.evidence) {
         Ok(pb::Evidence::Unspecified) => {
-            if failure.is_none() && http_status.is_none() && grpc_status.is_none() {
+            // A hedge reports no failure (`hedge_request`).
+            if failure.is_none()
+                && http_status.is_none()
+                && grpc_status.is_none()
+                && request.hedge == 0
+            {
                 return Err(invalid(
                     "evidence",
                     "required when neither failure, http_status nor grpc_status_code says \
@@ -237,6 +284,7 @@ pub(crate) fn attempt(request: &pb::DecideRequest) -> Result<Attempt, InvalidReq
         )
         .map_err(|error| invalid("retried_below", error.to_string()))?
         .map(str::to_owned),
+        hedge: request.hedge,
     })
 }
 

@@ -11,6 +11,10 @@
 //! PARTIAL_RESPONSE. A streaming body (`try_clone` gives `None`) is
 //! one-shot and never re-sent.
 //!
+//! A first attempt that can be copied, declared hedgeable, to an upstream
+//! whose hedging retryd serves is hedged (hedge_first.rs, crate docs
+//! "Hedging").
+//!
 //! It describes attempts and asks [`Client`]; it decides nothing.
 
 use std::error::Error as _;
@@ -30,8 +34,12 @@ use crate::adapter::{self, AmbiguousError, Call, CallFailed, Decisions, MAX_LOOP
 use crate::client::Client;
 use crate::decision::Decision;
 use crate::fallback;
+use crate::hedge;
 use crate::lineage;
 use crate::request::{MAX_HEADER_BYTES, MAX_NAME_BYTES, pb_idempotency};
+
+mod hedge_first;
+use hedge_first::HedgeCall;
 
 /// The statuses decided by retryd by default; any other response is
 /// returned as it is.
@@ -213,23 +221,55 @@ impl Middleware for RetryMiddleware {
             attempt += 1;
             lineage::set_baggage(current.headers_mut(), attempt);
             let replay = current.try_clone();
-            let sent = Instant::now();
-            let attempted = self
-                .attempt(current, extensions, next.clone(), deadline)
-                .await;
-            if self.reporting {
-                // A failure is an attempt retryd (or, past the deadline, the
-                // local rule) is asked about; any other ending is a success.
-                // A dropped future never gets here: neither.
-                let success = matches!(attempted, Attempted::Done(_));
-                let reporter = self.client.reporter();
-                reporter.record_outcome(&upstream, success, attempt > 1);
-                // First attempts only, until the response's headers (the
-                // middleware sees no further): hedging's latencies.
-                if attempt == 1 {
-                    reporter.record_latency(&upstream, success, sent.elapsed());
+            // Only a first attempt is hedged, and only one that can be
+            // copied (a streaming body is one-shot).
+            let plan = match (&replay, attempt) {
+                (Some(_), 1) => hedge::plan(&self.client, &upstream, idempotency),
+                _ => None,
+            };
+            let attempted = if let (Some(plan), Some(replay)) = (plan, replay.as_ref()) {
+                let call = HedgeCall {
+                    upstream: &upstream,
+                    operation: operation(&url),
+                    idempotency: pb_idempotency(idempotency),
+                    body: body.clone(),
+                    max_attempts: call.max_attempts,
+                };
+                let hedged = self
+                    .hedged_first(
+                        current,
+                        replay,
+                        extensions,
+                        next.clone(),
+                        deadline,
+                        plan,
+                        call,
+                    )
+                    .await;
+                decisions.extend(hedged.decisions);
+                // The next retry, if any, counts every copy sent.
+                attempt = hedged.sent;
+                hedged.result
+            } else {
+                let sent = Instant::now();
+                let attempted = self
+                    .attempt(current, extensions, next.clone(), deadline)
+                    .await;
+                if self.reporting {
+                    // A failure is an attempt retryd (or, past the deadline,
+                    // the local rule) is asked about; any other ending is a
+                    // success. A dropped future never gets here: neither.
+                    let success = matches!(attempted, Attempted::Done(_));
+                    let reporter = self.client.reporter();
+                    reporter.record_outcome(&upstream, success, attempt > 1);
+                    // First attempts only, until the response's headers (the
+                    // middleware sees no further): hedging's latencies.
+                    if attempt == 1 {
+                        reporter.record_latency(&upstream, success, sent.elapsed());
+                    }
                 }
-            }
+                attempted
+            };
             let failed = match attempted {
                 Attempted::Done(mut response) => {
                     if !decisions.is_empty() {

@@ -25,6 +25,10 @@
 //! A call that is not attempted again fails with the last attempt's
 //! status, carrying the decision in its metadata ([`outcome_of`]).
 //!
+//! A call kept whole for replays, declared hedgeable, to an upstream whose
+//! hedging retryd serves is hedged (hedge_first.rs, crate docs "Hedging"):
+//! the first copy whose response is not a failure wins.
+//!
 //! It describes attempts and asks [`Client`]; it decides nothing.
 
 use std::future::Future;
@@ -47,9 +51,13 @@ use crate::adapter::{self, Call, Decisions, MAX_LOOP, Outcome};
 use crate::client::Client;
 use crate::decision::Decision;
 use crate::fallback;
+use crate::hedge;
 use crate::lineage;
 use crate::reporter;
 use crate::request::{MAX_HEADER_BYTES, MAX_NAME_BYTES, pb_idempotency};
+
+mod hedge_first;
+use hedge_first::{HedgeCall, hedged_first};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -366,24 +374,55 @@ where
         };
         let mut attempt_request = http::Request::from_parts(parts.clone(), body);
         lineage::set_baggage(attempt_request.headers_mut(), attempt);
-        let sent = Instant::now();
-        let attempted = one_attempt(&mut inner, &config, &mut attempt_request, deadline).await;
-        if config.reporting {
-            // FAILURE_CODES fail, any other ending succeeds, CANCELLED (and a
-            // dropped future, which never gets here) is neither.
-            let success = match &attempted {
-                Attempted::Done(_) => Some(true),
-                Attempted::Failed { status, .. } => reporter::attempt_succeeded(status.code()),
+        // Only a first attempt is hedged, and only a call kept whole for
+        // replays (a one-shot stream cannot be copied).
+        let plan = match (&replay, attempt) {
+            (Replay::Kept(_), 1) => hedge::plan(&config.client, &upstream, idempotency),
+            _ => None,
+        };
+        let attempted = if let (Some(plan), Replay::Kept(bytes)) = (plan, &replay) {
+            let call = HedgeCall {
+                upstream: &upstream,
+                operation: &operation,
+                idempotency: pb_idempotency(idempotency),
+                max_attempts: call.max_attempts,
             };
-            if let Some(success) = success {
-                let reporter = config.client.reporter();
-                reporter.record_outcome(&upstream, success, attempt > 1);
-                // First attempts only: hedging's latencies.
-                if attempt == 1 {
-                    reporter.record_latency(&upstream, success, sent.elapsed());
+            let hedged = hedged_first(
+                &mut inner,
+                &config,
+                attempt_request,
+                &parts,
+                bytes,
+                deadline,
+                plan,
+                call,
+            )
+            .await;
+            decisions.extend(hedged.decisions);
+            // The next retry, if any, counts every copy sent.
+            attempt = hedged.sent;
+            hedged.result
+        } else {
+            let sent = Instant::now();
+            let attempted = one_attempt(&mut inner, &config, &mut attempt_request, deadline).await;
+            if config.reporting {
+                // FAILURE_CODES fail, any other ending succeeds, CANCELLED
+                // (and a dropped future, which never gets here) is neither.
+                let success = match &attempted {
+                    Attempted::Done(_) => Some(true),
+                    Attempted::Failed { status, .. } => reporter::attempt_succeeded(status.code()),
+                };
+                if let Some(success) = success {
+                    let reporter = config.client.reporter();
+                    reporter.record_outcome(&upstream, success, attempt > 1);
+                    // First attempts only: hedging's latencies.
+                    if attempt == 1 {
+                        reporter.record_latency(&upstream, success, sent.elapsed());
+                    }
                 }
             }
-        }
+            attempted
+        };
         let (outcome, status, ended) = match attempted {
             Attempted::Done(mut response) => {
                 if !decisions.is_empty() {

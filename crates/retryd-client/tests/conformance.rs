@@ -2,7 +2,10 @@
 //! through this crate: over `Client::decide`, over one `DecideStream`, and
 //! through the local fallback once retryd is stopped, which must agree with
 //! what retryd answered on every vector when its policy mirrors retryd's
-//! configuration (it decides with the same engine).
+//! configuration (it decides with the same engine). And the hedge vectors
+//! (`conformance/hedging.json`) over `Client::decide`, after the reports
+//! they name; their invalid cases through the fallback too (a hedge that
+//! reports a failure is refused locally naming the same field).
 
 mod support;
 
@@ -20,11 +23,12 @@ use retryd_client::{
 use serde_json::Value;
 
 fn load_vectors() -> Value {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../conformance/decisions.json"
-    );
-    let text = std::fs::read_to_string(path).expect("conformance/decisions.json is readable");
+    load("decisions.json")
+}
+
+fn load(file: &str) -> Value {
+    let path = format!("{}/../../conformance/{file}", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).expect("the conformance file is readable");
     serde_json::from_str(&text).expect("valid JSON")
 }
 
@@ -361,7 +365,11 @@ fn mirrored_policy() -> FallbackPolicy {
     let with = |change: &dyn Fn(&mut Policy)| {
         let mut policy = default_policy.clone();
         change(&mut policy);
-        UpstreamFallback { policy, budget }
+        UpstreamFallback {
+            policy,
+            budget,
+            hedging: None,
+        }
     };
     let upstreams: HashMap<String, UpstreamFallback> = [
         ("conf-max2", with(&|p| p.max_attempts = 2)),
@@ -375,6 +383,7 @@ fn mirrored_policy() -> FallbackPolicy {
                     ratio: 0.1,
                     min_per_second: 0.0,
                 },
+                hedging: None,
             },
         ),
         ("conf-transient500", with(&|p| p.transient_500 = true)),
@@ -437,6 +446,7 @@ fn mirrored_policy() -> FallbackPolicy {
         default: UpstreamFallback {
             policy: default_policy.clone(),
             budget,
+            hedging: None,
         },
         upstreams,
         disabled: ["conf-disabled".to_owned()].into_iter().collect(),
@@ -497,4 +507,76 @@ async fn the_fallback_agrees_with_retryd_on_every_vector_once_retryd_is_stopped(
         .filter(|case| case.get("expect_error").is_none())
         .count() as u64;
     assert_eq!(outage.decisions, valid);
+}
+
+/// A report of `hedging.json` (proto3 JSON) as the contract's message.
+fn traffic_report(report: &Value) -> pb::ReportTrafficRequest {
+    let histogram = |entry: &Value, name: &str| {
+        entry.get(name).map(|histogram| pb::LatencyHistogram {
+            counts: histogram["counts"]
+                .as_object()
+                .expect("counts")
+                .iter()
+                .map(|(index, count)| {
+                    let count = count.as_u64().or_else(|| count.as_str()?.parse().ok());
+                    (index.parse().expect("bucket"), count.expect("count"))
+                })
+                .collect(),
+        })
+    };
+    let number = |entry: &Value, name: &str| {
+        entry.get(name).map_or(0, |n| {
+            n.as_u64()
+                .or_else(|| n.as_str()?.parse().ok())
+                .expect("count")
+        })
+    };
+    pb::ReportTrafficRequest {
+        traffic: report["traffic"]
+            .as_array()
+            .expect("traffic")
+            .iter()
+            .map(|entry| pb::UpstreamTraffic {
+                upstream: entry["upstream"].as_str().expect("upstream").to_owned(),
+                requests: number(entry, "requests"),
+                successes: number(entry, "successes"),
+                failures: number(entry, "failures"),
+                latency_successes: histogram(entry, "latencySuccesses"),
+                latency_failures: histogram(entry, "latencyFailures"),
+                ..Default::default()
+            })
+            .collect(),
+        report_id: String::new(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_hedging_vector_through_client_decide() {
+    let vectors = load("hedging.json");
+    let (_server, client) = start(&vectors, None).await;
+    for report in vectors["reports"].as_array().expect("reports") {
+        let request = traffic_report(report);
+        let answer = client.report_traffic(request.clone()).await.expect("taken");
+        assert_eq!(answer.accepted as usize, request.traffic.len());
+    }
+    let cases = vectors["cases"].as_array().expect("cases");
+    assert!(cases.len() >= 20, "only {} cases", cases.len());
+    let mut outcomes = Vec::new();
+    let local = retryd_client::Fallback::default();
+    for case in cases {
+        let request = decide_request(&case["request"]);
+        assert!(request.hedge >= 1, "a hedge case");
+        let answer = client.decide(&request).await;
+        let mut problems = check(case, &answer, Source::Retryd);
+        // An invalid hedge is refused locally as retryd refuses it.
+        if let Some(expect_error) = case.get("expect_error") {
+            let want = expect_error["field"].as_str().expect("field");
+            match local.decide(&request, "conformance", Source::Fallback) {
+                Err(invalid) if invalid.to_string().starts_with(want) => {}
+                other => problems.push(format!("locally: {other:?}, not {want}")),
+            }
+        }
+        outcomes.push((case["name"].as_str().expect("name").to_owned(), problems));
+    }
+    report("Client::decide, hedging.json", outcomes);
 }

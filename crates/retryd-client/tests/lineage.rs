@@ -16,7 +16,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
 use retryd_client::engine::{DenyReason, Idempotency};
-use retryd_client::{Client, Decisions, LineageLayer, RetryMiddleware};
+use retryd_client::{Client, Decisions, LineageLayer, RetryMiddleware, pb};
 use tokio::net::TcpListener;
 use tower::ServiceBuilder;
 
@@ -31,16 +31,18 @@ impl Seen {
 }
 
 /// Serves `service` (a tower service of hyper requests) on loopback.
-async fn serve<S>(service: S) -> SocketAddr
+async fn serve<S, B>(service: S) -> SocketAddr
 where
     S: tower::Service<
             hyper::Request<hyper::body::Incoming>,
-            Response = hyper::Response<Full<Bytes>>,
+            Response = hyper::Response<B>,
             Error = Infallible,
         > + Clone
         + Send
         + 'static,
     S::Future: Send + 'static,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
@@ -211,4 +213,104 @@ async fn an_edge_without_lineage_still_sends_its_own_entry_and_keeps_other_bagga
             .map(|n| format!("tenant=acme,retryd.lineage={layer}:{n}"))
             .collect::<Vec<_>>()
     );
+}
+
+/// A gRPC middle wearing LineageLayer: its DecideStream handler GETs a
+/// failing back end (retried to the end), then streams one message and
+/// fails in the trailers, as a streaming handler's late error does.
+#[derive(Clone)]
+struct StreamingMiddle {
+    outbound: ClientWithMiddleware,
+    back: SocketAddr,
+}
+
+#[tonic::async_trait]
+impl pb::retry_decider_server::RetryDecider for StreamingMiddle {
+    async fn decide(
+        &self,
+        _request: tonic::Request<pb::DecideRequest>,
+    ) -> Result<tonic::Response<pb::DecideResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not here"))
+    }
+
+    type DecideStreamStream =
+        futures::stream::BoxStream<'static, Result<pb::DecideResponse, tonic::Status>>;
+
+    async fn decide_stream(
+        &self,
+        _request: tonic::Request<tonic::Streaming<pb::DecideRequest>>,
+    ) -> Result<tonic::Response<Self::DecideStreamStream>, tonic::Status> {
+        let failed = self
+            .outbound
+            .get(format!("http://{}/v1/things", self.back))
+            .with_extension(safe())
+            .send()
+            .await
+            .map_or(true, |response| !response.status().is_success());
+        assert!(failed, "the back end always fails");
+        let items = vec![
+            Ok(pb::DecideResponse {
+                decision_id: "first".into(),
+                ..Default::default()
+            }),
+            Err(tonic::Status::unavailable("the back end failed")),
+        ];
+        Ok(tonic::Response::new(Box::pin(futures::stream::iter(items))))
+    }
+
+    async fn report_traffic(
+        &self,
+        _request: tonic::Request<pb::ReportTrafficRequest>,
+    ) -> Result<tonic::Response<pb::ReportTrafficResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("not here"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_failure_in_trailers_after_messages_is_marked() {
+    let retryd = support::retryd();
+    let client = support::client(&retryd).await;
+    let (back, seen) = failing_back_end().await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let middle = StreamingMiddle {
+        outbound: http(&client, "lineage-back"),
+        back,
+    };
+    tokio::spawn(async move {
+        let _ = tonic::transport::Server::builder()
+            .layer(LineageLayer::new("middle"))
+            .add_service(pb::retry_decider_server::RetryDeciderServer::new(middle))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+            .await;
+    });
+    let mut edge = pb::retry_decider_client::RetryDeciderClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect");
+    let mut responses = edge
+        .decide_stream(futures::stream::iter([pb::DecideRequest::default()]))
+        .await
+        .expect("the stream opens")
+        .into_inner();
+    let first = responses.message().await.expect("a message");
+    assert_eq!(first.expect("one message").decision_id, "first");
+    let status = responses.message().await.expect_err("the late failure");
+    assert_eq!(status.code(), tonic::Code::Unavailable);
+    assert_eq!(
+        status
+            .metadata()
+            .get("retryd-retried")
+            .map(|v| v.to_str().unwrap()),
+        Some("middle"),
+        "{status:?}"
+    );
+    assert_eq!(
+        status
+            .metadata()
+            .get("grpc-retry-pushback-ms")
+            .map(|v| v.to_str().unwrap()),
+        Some("-1")
+    );
+    // The middle's outbound attempts carried its lineage (edge-less: its own).
+    assert_eq!(seen.all().len(), 3, "retried to the end by the middle");
 }

@@ -182,6 +182,7 @@ fn traffic(
         failures,
         retry_successes,
         retry_failures,
+        hedges_won: 0,
     }
 }
 
