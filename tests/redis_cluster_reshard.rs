@@ -9,6 +9,7 @@
 //! upstream on the source master, never moved, is never answered from the
 //! fallback.
 
+use retryd_testkit::HANG_GUARD;
 use retryd_testkit::redis::{RedisCluster, fresh_prefix};
 
 use std::sync::Arc;
@@ -25,7 +26,8 @@ const TOKENS: f64 = 600.0;
 /// spent a token without a RETRY: "exact" is then checked as never more
 /// than the tokens, and never fewer but by the timeouts.
 const TIMEOUT: Duration = Duration::from_millis(20);
-const WITHIN: Duration = Duration::from_secs(30);
+/// Waiting for decisions and the move: a guard against a hang.
+const WITHIN: Duration = HANG_GUARD;
 
 fn bucket(tokens: f64) -> BucketConfig {
     BucketConfig {
