@@ -64,11 +64,31 @@ pub(super) struct Pipeline {
     /// Set once the task was woken for the spans waiting; the task clears it.
     woken: Arc<AtomicBool>,
     wake: Arc<Notify>,
-    metrics: Arc<Metrics>,
+    pub(super) metrics: Arc<Metrics>,
     drops: Throttle,
+    /// Back-pressure (`pace.rs`): a DecideStream waits while this many
+    /// spans or more are queued (half the queue).
+    backlog_at: usize,
+    /// Notified (all waiters) each time the export task makes progress.
+    pub(super) room: Arc<Notify>,
+    /// Set when a wait for room timed out (the export task made no
+    /// progress for `pace::STALL`: a stalled collector), so that streams
+    /// stop waiting and the queue drops and counts; cleared once the task
+    /// makes progress with under half the queue waiting.
+    pub(super) stalled: Arc<AtomicBool>,
+    /// Warns of a stall at most every ten seconds.
+    pub(super) stalls: Throttle,
 }
 
 impl Pipeline {
+    /// Over half the queue is waiting, and the exporter is not stalled: a
+    /// stream should wait for room before its next decision.
+    #[inline]
+    pub(super) fn backlogged(&self) -> bool {
+        self.capacity - self.queue.capacity() >= self.backlog_at
+            && !self.stalled.load(Ordering::Relaxed)
+    }
+
     /// Queues a finished span; drops, counts and warns when the queue is
     /// full.
     pub(super) fn push(&self, finished: Finished) {
@@ -165,6 +185,8 @@ pub(super) fn start(
     let (queue, receiver) = mpsc::channel(capacity);
     let woken = Arc::new(AtomicBool::new(false));
     let wake = Arc::new(Notify::new());
+    let room = Arc::new(Notify::new());
+    let stalled = Arc::new(AtomicBool::new(false));
     let pipeline = Pipeline {
         sampler: sampler(config.sampling),
         queue,
@@ -174,6 +196,10 @@ pub(super) fn start(
         wake: Arc::clone(&wake),
         metrics: Arc::clone(&metrics),
         drops: Throttle::new(WARNING_INTERVAL, 1),
+        backlog_at: (capacity / 2).max(1),
+        room: Arc::clone(&room),
+        stalled: Arc::clone(&stalled),
+        stalls: Throttle::new(WARNING_INTERVAL, 1),
     };
     let (stop, stopped) = oneshot::channel();
     let task = tokio::spawn(run(
@@ -185,7 +211,13 @@ pub(super) fn start(
             last_warning: None,
         },
         receiver,
-        Wakes { woken, wake },
+        Wakes {
+            woken,
+            wake,
+            room,
+            stalled,
+            backlog_at: (capacity / 2).max(1),
+        },
         stopped,
     ));
     Ok(Started {
@@ -466,6 +498,24 @@ impl Exporter {
 struct Wakes {
     woken: Arc<AtomicBool>,
     wake: Arc<Notify>,
+    /// Streams waiting for room are woken here each time the task makes
+    /// progress (a batch on its way, the queue emptied).
+    room: Arc<Notify>,
+    stalled: Arc<AtomicBool>,
+    /// `Pipeline::backlog_at`.
+    backlog_at: usize,
+}
+
+impl Wakes {
+    /// The task made progress: streams waiting for room look again, and
+    /// once under half the queue waits, the exporter is keeping up again
+    /// (streams wait for it again rather than have spans dropped).
+    fn progressed(&self, queue: &mpsc::Receiver<Finished>) {
+        if queue.len() < self.backlog_at {
+            self.stalled.store(false, Ordering::Relaxed);
+        }
+        self.room.notify_waiters();
+    }
 }
 
 /// The export task: waits until a batch is queued or `BATCH_WINDOW`
@@ -505,6 +555,7 @@ async fn run(
                             }
                         }
                         in_flight.push(exporter.send(&mut batch));
+                        wakes.progressed(&queue);
                     }
                 }
                 Err(mpsc::error::TryRecvError::Empty) => break false,
@@ -519,6 +570,7 @@ async fn run(
             }
             in_flight.push(exporter.send(&mut batch));
         }
+        wakes.progressed(&queue);
         if stopping || closed {
             while let Some(done) = in_flight.next().await {
                 exporter.sent(done);

@@ -247,6 +247,13 @@ impl Tracer {
         start_with(&Sampler::AlwaysOn, parent)
     }
 
+    /// `items`, each polled only once the span export queue has room
+    /// (`pace.rs`): a DecideStream's back-pressure from the exporter.
+    /// Tracing off, a pass-through.
+    pub fn paced<S>(&self, items: S) -> super::Paced<S> {
+        super::Paced::new(items, self.pipeline.clone())
+    }
+
     /// Finishes a span and hands it to the exporter's queue (which drops,
     /// and counts, when full). The RPC attributes are added from `name`
     /// unless `attributes` name the method already (a stream's items).

@@ -342,7 +342,7 @@ impl Metrics {
             flips,
         ));
 
-        let scalars: [(&'static str, &'static str, &AtomicU64); 6] = [
+        let scalars: [(&'static str, &'static str, &AtomicU64); 7] = [
             (
                 METRIC_REPORTED_REQUESTS,
                 "Real requests reported through ReportTraffic.",
@@ -367,6 +367,11 @@ impl Metrics {
                 METRIC_SPANS_FAILED,
                 "Spans lost in failed OTLP exports.",
                 &self.spans_failed,
+            ),
+            (
+                METRIC_SPAN_EXPORT_WAITS,
+                "Times a DecideStream waited, before its next item, for the span export queue (over half full) to drain.",
+                &self.span_export_waits,
             ),
             (
                 METRIC_DECISION_LOG_DROPPED,
