@@ -19,7 +19,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -32,7 +32,7 @@ use crate::decide::{Attempt, Decided, Draw, NO_BODY};
 use crate::engine::{
     Body, Evidence, Facts, FailureKind, GrpcCode, Idempotency, Lineage, Verdict, layer_name,
 };
-use crate::telemetry::Metrics;
+use crate::telemetry::{Backlog, Metrics, Room};
 
 mod json;
 
@@ -210,6 +210,35 @@ pub struct DecisionLog {
     /// Set by [`DecisionLog::reopen`]; the writer reopens the file before
     /// its next write.
     reopen: Arc<AtomicBool>,
+    /// What the queue holds, for a DecideStream's back-pressure.
+    backlog: Arc<LogBacklog>,
+}
+
+/// The queue's length as producers and the writer count it (std's channel
+/// does not tell), and the writer's progress: a DecideStream waits for it
+/// while half the queue or more is waiting (`telemetry/pace.rs`).
+#[derive(Debug)]
+struct LogBacklog {
+    queued: AtomicUsize,
+    half: usize,
+    room: Room,
+    drops: Arc<Drops>,
+}
+
+impl Backlog for LogBacklog {
+    fn over_half(&self) -> bool {
+        self.queued.load(Ordering::Relaxed) >= self.half
+    }
+
+    fn room(&self) -> &Room {
+        &self.room
+    }
+
+    fn count_wait(&self) {
+        if let Some(metrics) = self.drops.metrics.get() {
+            metrics.decision_log_waits.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Lines dropped, counted here and, once attached, in `/metrics`.
@@ -256,6 +285,7 @@ struct Writer {
     max_bytes: Option<u64>,
     reopen: Arc<AtomicBool>,
     drops: Arc<Drops>,
+    backlog: Arc<LogBacklog>,
     /// One line, serialized.
     buffer: Vec<u8>,
 }
@@ -292,12 +322,19 @@ impl Writer {
             // Writes what else is queued, then flushes: lines reach the
             // file within a batch.
             let mut ok = self.write(&line);
+            let mut taken = 1;
             while let Ok(line) = receiver.try_recv() {
                 ok &= self.write(&line);
+                taken += 1;
             }
             if !(ok && self.out.flush().is_ok()) {
                 tracing::warn!("cannot write the decision log");
             }
+            // Progress: DecideStreams waiting for room look again.
+            let before = self.backlog.queued.fetch_sub(taken, Ordering::Relaxed);
+            self.backlog
+                .room
+                .progressed(before - taken >= self.backlog.half);
         }
     }
 
@@ -368,6 +405,14 @@ impl DecisionLog {
         let (lines, receiver) = mpsc::sync_channel::<Pending>(queue.max(1));
         let drops = Arc::new(Drops::default());
         let reopen = Arc::new(AtomicBool::new(false));
+        let backlog = Arc::new(LogBacklog {
+            queued: AtomicUsize::new(0),
+            half: (queue.max(1) / 2).max(1),
+            room: Room::new(
+                "the decision log's writer is not keeping up: DecideStreams no longer wait for it, and lines are dropped when its queue is full (retryd_decision_log_dropped_total)",
+            ),
+            drops: Arc::clone(&drops),
+        });
         let writer = Writer {
             path: path.to_owned(),
             out: BufWriter::new(file),
@@ -375,6 +420,7 @@ impl DecisionLog {
             max_bytes,
             reopen: Arc::clone(&reopen),
             drops: Arc::clone(&drops),
+            backlog: Arc::clone(&backlog),
             buffer: Vec::with_capacity(1024),
         };
         std::thread::Builder::new()
@@ -385,7 +431,13 @@ impl DecisionLog {
             opened: Instant::now(),
             drops,
             reopen,
+            backlog,
         })
+    }
+
+    /// The queue, for a DecideStream's back-pressure (`telemetry/pace.rs`).
+    pub fn backlog(&self) -> Arc<dyn Backlog> {
+        Arc::clone(&self.backlog) as Arc<dyn Backlog>
     }
 
     /// Counts drops in `metrics` too.
@@ -404,7 +456,10 @@ impl DecisionLog {
     /// in the queue. Blocking: call it off the runtime's workers.
     pub fn flush(&self, within: Duration) -> bool {
         let (done, flushed) = mpsc::sync_channel(1);
+        // Counted before it is sent: the writer counts it off once taken.
+        self.backlog.queued.fetch_add(1, Ordering::Relaxed);
         if self.lines.send(Pending::Flush(done)).is_err() {
+            self.backlog.queued.fetch_sub(1, Ordering::Relaxed);
             return false;
         }
         flushed.recv_timeout(within).is_ok()
@@ -425,9 +480,13 @@ impl DecisionLog {
     }
 
     fn send(&self, pending: Pending) {
+        // Counted before it is sent, so that the writer, which counts it
+        // off once taken, never counts below zero.
+        self.backlog.queued.fetch_add(1, Ordering::Relaxed);
         match self.lines.try_send(pending) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                self.backlog.queued.fetch_sub(1, Ordering::Relaxed);
                 if self.drops.count(1) {
                     tracing::warn!(
                         "the decision log cannot keep up: dropping lines (counted in retryd_decision_log_dropped_total)"

@@ -87,6 +87,9 @@ pub const METRIC_SPANS_DROPPED: &str = "retryd_spans_dropped_total";
 /// Counter of the times a DecideStream waited for the span export queue
 /// to drain (back-pressure, `telemetry/pace.rs`).
 pub const METRIC_SPAN_EXPORT_WAITS: &str = "retryd_span_export_waits_total";
+/// Counter of the times a DecideStream waited for the decision log's queue
+/// to drain (back-pressure, `telemetry/pace.rs`).
+pub const METRIC_DECISION_LOG_WAITS: &str = "retryd_decision_log_waits_total";
 /// Counter of decision log lines dropped because its queue was full.
 pub const METRIC_DECISION_LOG_DROPPED: &str = "retryd_decision_log_dropped_total";
 /// Counter of spans lost in failed exports.
@@ -366,6 +369,8 @@ pub struct Metrics {
     pub span_export_waits: AtomicU64,
     /// Decision log lines dropped because its queue was full.
     pub decision_log_dropped: AtomicU64,
+    /// Times a DecideStream waited for the decision log's queue to drain.
+    pub decision_log_waits: AtomicU64,
     reloads: [AtomicU64; 2],
     expired: [AtomicU64; Expiry::VARIANTS.len()],
     policy_checks: PolicyChecks,
@@ -422,6 +427,7 @@ impl Metrics {
             spans_failed: AtomicU64::new(0),
             span_export_waits: AtomicU64::new(0),
             decision_log_dropped: AtomicU64::new(0),
+            decision_log_waits: AtomicU64::new(0),
             reloads: Default::default(),
             expired: Default::default(),
             upstream_refusals: Default::default(),

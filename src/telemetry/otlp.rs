@@ -37,6 +37,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_rustls::rustls;
 
+use super::pace::{Backlog, Room};
 use super::span::Finished;
 use super::{Metrics, Throttle};
 use crate::config::{OtlpExport, OtlpProtocol, Sampling, TelemetryConfig};
@@ -64,31 +65,32 @@ pub(super) struct Pipeline {
     /// Set once the task was woken for the spans waiting; the task clears it.
     woken: Arc<AtomicBool>,
     wake: Arc<Notify>,
-    pub(super) metrics: Arc<Metrics>,
+    metrics: Arc<Metrics>,
     drops: Throttle,
     /// Back-pressure (`pace.rs`): a DecideStream waits while this many
     /// spans or more are queued (half the queue).
     backlog_at: usize,
-    /// Notified (all waiters) each time the export task makes progress.
-    pub(super) room: Arc<Notify>,
-    /// Set when a wait for room timed out (the export task made no
-    /// progress for `pace::STALL`: a stalled collector), so that streams
-    /// stop waiting and the queue drops and counts; cleared once the task
-    /// makes progress with under half the queue waiting.
-    pub(super) stalled: Arc<AtomicBool>,
-    /// Warns of a stall at most every ten seconds.
-    pub(super) stalls: Throttle,
+    /// The export task's progress, which streams waiting wait for.
+    room: Arc<Room>,
+}
+
+impl Backlog for Pipeline {
+    fn over_half(&self) -> bool {
+        self.capacity - self.queue.capacity() >= self.backlog_at
+    }
+
+    fn room(&self) -> &Room {
+        &self.room
+    }
+
+    fn count_wait(&self) {
+        self.metrics
+            .span_export_waits
+            .fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 impl Pipeline {
-    /// Over half the queue is waiting, and the exporter is not stalled: a
-    /// stream should wait for room before its next decision.
-    #[inline]
-    pub(super) fn backlogged(&self) -> bool {
-        self.capacity - self.queue.capacity() >= self.backlog_at
-            && !self.stalled.load(Ordering::Relaxed)
-    }
-
     /// Queues a finished span; drops, counts and warns when the queue is
     /// full.
     pub(super) fn push(&self, finished: Finished) {
@@ -185,8 +187,9 @@ pub(super) fn start(
     let (queue, receiver) = mpsc::channel(capacity);
     let woken = Arc::new(AtomicBool::new(false));
     let wake = Arc::new(Notify::new());
-    let room = Arc::new(Notify::new());
-    let stalled = Arc::new(AtomicBool::new(false));
+    let room = Arc::new(Room::new(
+        "the span exporter is not keeping up: DecideStreams no longer wait for it, and spans are dropped when its queue is full (retryd_spans_dropped_total)",
+    ));
     let pipeline = Pipeline {
         sampler: sampler(config.sampling),
         queue,
@@ -198,8 +201,6 @@ pub(super) fn start(
         drops: Throttle::new(WARNING_INTERVAL, 1),
         backlog_at: (capacity / 2).max(1),
         room: Arc::clone(&room),
-        stalled: Arc::clone(&stalled),
-        stalls: Throttle::new(WARNING_INTERVAL, 1),
     };
     let (stop, stopped) = oneshot::channel();
     let task = tokio::spawn(run(
@@ -215,7 +216,6 @@ pub(super) fn start(
             woken,
             wake,
             room,
-            stalled,
             backlog_at: (capacity / 2).max(1),
         },
         stopped,
@@ -500,8 +500,7 @@ struct Wakes {
     wake: Arc<Notify>,
     /// Streams waiting for room are woken here each time the task makes
     /// progress (a batch on its way, the queue emptied).
-    room: Arc<Notify>,
-    stalled: Arc<AtomicBool>,
+    room: Arc<Room>,
     /// `Pipeline::backlog_at`.
     backlog_at: usize,
 }
@@ -511,10 +510,7 @@ impl Wakes {
     /// once under half the queue waits, the exporter is keeping up again
     /// (streams wait for it again rather than have spans dropped).
     fn progressed(&self, queue: &mpsc::Receiver<Finished>) {
-        if queue.len() < self.backlog_at {
-            self.stalled.store(false, Ordering::Relaxed);
-        }
-        self.room.notify_waiters();
+        self.room.progressed(queue.len() >= self.backlog_at);
     }
 }
 

@@ -247,11 +247,12 @@ impl Tracer {
         start_with(&Sampler::AlwaysOn, parent)
     }
 
-    /// `items`, each polled only once the span export queue has room
-    /// (`pace.rs`): a DecideStream's back-pressure from the exporter.
-    /// Tracing off, a pass-through.
-    pub fn paced<S>(&self, items: S) -> super::Paced<S> {
-        super::Paced::new(items, self.pipeline.clone())
+    /// The export queue, for a DecideStream's back-pressure (`pace.rs`);
+    /// `None` when tracing is off.
+    pub fn backlog(&self) -> Option<Arc<dyn super::Backlog>> {
+        self.pipeline
+            .as_ref()
+            .map(|pipeline| Arc::clone(pipeline) as Arc<dyn super::Backlog>)
     }
 
     /// Finishes a span and hands it to the exporter's queue (which drops,

@@ -342,7 +342,7 @@ impl Metrics {
             flips,
         ));
 
-        let scalars: [(&'static str, &'static str, &AtomicU64); 7] = [
+        let scalars: [(&'static str, &'static str, &AtomicU64); 8] = [
             (
                 METRIC_REPORTED_REQUESTS,
                 "Real requests reported through ReportTraffic.",
@@ -377,6 +377,11 @@ impl Metrics {
                 METRIC_DECISION_LOG_DROPPED,
                 "Decision log lines dropped because its queue was full.",
                 &self.decision_log_dropped,
+            ),
+            (
+                METRIC_DECISION_LOG_WAITS,
+                "Times a DecideStream waited, before its next item, for the decision log's queue (over half full) to drain.",
+                &self.decision_log_waits,
             ),
         ];
         for (name, help, value) in scalars {
