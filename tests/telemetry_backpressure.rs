@@ -18,7 +18,6 @@ use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
-use retryd_proto as pb;
 use support::{Server, retryable};
 
 /// A receiver that takes `delay` over each export (or never answers), and

@@ -377,7 +377,7 @@ impl Transport {
 
     /// Sends one encoded request; how many spans the receiver rejected, if
     /// it said so.
-    async fn send(&self, body: Vec<u8>) -> Result<u64, String> {
+    async fn send(&self, body: Bytes) -> Result<u64, String> {
         match self {
             Transport::Grpc {
                 channel,
@@ -389,7 +389,7 @@ impl Transport {
                     grpc.ready()
                         .await
                         .map_err(|err| format!("connection: {err}"))?;
-                    let mut request = tonic::Request::new(Bytes::from(body));
+                    let mut request = tonic::Request::new(body);
                     *request.metadata_mut() = metadata.clone();
                     let response = grpc
                         .unary(
@@ -411,7 +411,7 @@ impl Transport {
                 headers,
                 timeout,
             } => {
-                let mut request = http::Request::new(Bytes::from(body));
+                let mut request = http::Request::new(body);
                 *request.method_mut() = http::Method::POST;
                 *request.uri_mut() = endpoint.clone();
                 *request.headers_mut() = headers.clone();
