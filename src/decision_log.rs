@@ -7,11 +7,14 @@
 //! line, `"kind"` first, fields named as below, version 1. Readers ignore
 //! fields they do not know; a new field is added, never changed.
 //!
-//! Writing never slows a decision: a decision's record (its strings copied
+//! Writing never fails a decision: a decision's record (its strings copied
 //! into one buffer, the rest numbers and static names) goes through a
-//! bounded queue to a thread of their own, which makes it a line, serializes
-//! and writes it; when the queue is full, a line is dropped and counted
-//! (`retryd_decision_log_dropped_total`) and the log says so. The file is
+//! bounded queue to a thread of their own, which writes its line
+//! (`json.rs`); when the queue is full, a line is dropped and counted
+//! (`retryd_decision_log_dropped_total`) and the log says so. Only a
+//! DecideStream ever waits for the writer, between items, while the queue
+//! is over half full, and at most until the writer is seen stalled
+//! (`telemetry/pace.rs`). The file is
 //! created 0600 and never opened when its path is a symbolic link; it is reopened
 //! on SIGHUP (log rotation) and, with `decision_log.max_bytes`, lines that
 //! would pass that size are dropped and counted the same way.
