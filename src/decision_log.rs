@@ -7,11 +7,14 @@
 //! line, `"kind"` first, fields named as below, version 1. Readers ignore
 //! fields they do not know; a new field is added, never changed.
 //!
-//! Writing never slows a decision: a decision's record (its strings copied
+//! Writing never fails a decision: a decision's record (its strings copied
 //! into one buffer, the rest numbers and static names) goes through a
-//! bounded queue to a thread of their own, which makes it a line, serializes
-//! and writes it; when the queue is full, a line is dropped and counted
-//! (`retryd_decision_log_dropped_total`) and the log says so. The file is
+//! bounded queue to a thread of their own, which writes its line
+//! (`json.rs`); when the queue is full, a line is dropped and counted
+//! (`retryd_decision_log_dropped_total`) and the log says so. Only a
+//! DecideStream ever waits for the writer, between items, while the queue
+//! is over half full, and at most until the writer is seen stalled
+//! (`telemetry/pace.rs`). The file is
 //! created 0600 and never opened when its path is a symbolic link; it is reopened
 //! on SIGHUP (log rotation) and, with `decision_log.max_bytes`, lines that
 //! would pass that size are dropped and counted the same way.
@@ -19,7 +22,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -32,7 +35,9 @@ use crate::decide::{Attempt, Decided, Draw, NO_BODY};
 use crate::engine::{
     Body, Evidence, Facts, FailureKind, GrpcCode, Idempotency, Lineage, Verdict, layer_name,
 };
-use crate::telemetry::Metrics;
+use crate::telemetry::{Backlog, Metrics, Room};
+
+mod json;
 
 /// How long the writer naps between batches while lines keep coming: at
 /// the default queue (65,536 lines) a nap holds a few hundred at full rate.
@@ -208,6 +213,35 @@ pub struct DecisionLog {
     /// Set by [`DecisionLog::reopen`]; the writer reopens the file before
     /// its next write.
     reopen: Arc<AtomicBool>,
+    /// What the queue holds, for a DecideStream's back-pressure.
+    backlog: Arc<LogBacklog>,
+}
+
+/// The queue's length as producers and the writer count it (std's channel
+/// does not tell), and the writer's progress: a DecideStream waits for it
+/// while half the queue or more is waiting (`telemetry/pace.rs`).
+#[derive(Debug)]
+struct LogBacklog {
+    queued: AtomicUsize,
+    half: usize,
+    room: Room,
+    drops: Arc<Drops>,
+}
+
+impl Backlog for LogBacklog {
+    fn over_half(&self) -> bool {
+        self.queued.load(Ordering::Relaxed) >= self.half
+    }
+
+    fn room(&self) -> &Room {
+        &self.room
+    }
+
+    fn count_wait(&self) {
+        if let Some(metrics) = self.drops.metrics.get() {
+            metrics.decision_log_waits.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Lines dropped, counted here and, once attached, in `/metrics`.
@@ -254,6 +288,7 @@ struct Writer {
     max_bytes: Option<u64>,
     reopen: Arc<AtomicBool>,
     drops: Arc<Drops>,
+    backlog: Arc<LogBacklog>,
     /// One line, serialized.
     buffer: Vec<u8>,
 }
@@ -290,19 +325,31 @@ impl Writer {
             // Writes what else is queued, then flushes: lines reach the
             // file within a batch.
             let mut ok = self.write(&line);
+            let mut taken = 1;
             while let Ok(line) = receiver.try_recv() {
                 ok &= self.write(&line);
+                taken += 1;
             }
             if !(ok && self.out.flush().is_ok()) {
                 tracing::warn!("cannot write the decision log");
             }
+            // Progress: DecideStreams waiting for room look again.
+            let before = self.backlog.queued.fetch_sub(taken, Ordering::Relaxed);
+            self.backlog
+                .room
+                .progressed(before - taken >= self.backlog.half);
         }
     }
 
     fn write(&mut self, pending: &Pending) -> bool {
         self.buffer.clear();
         let serialized = match pending {
-            Pending::Decision(record) => serde_json::to_writer(&mut self.buffer, &record.view()),
+            // A decision's line by hand (`json.rs`): the same bytes as
+            // serde's, a fraction of the instructions.
+            Pending::Decision(record) => {
+                record.write_json(&mut self.buffer);
+                Ok(())
+            }
             Pending::Line(line) => serde_json::to_writer(&mut self.buffer, line),
             Pending::Flush(done) => {
                 let flushed = self.out.flush().is_ok();
@@ -361,6 +408,14 @@ impl DecisionLog {
         let (lines, receiver) = mpsc::sync_channel::<Pending>(queue.max(1));
         let drops = Arc::new(Drops::default());
         let reopen = Arc::new(AtomicBool::new(false));
+        let backlog = Arc::new(LogBacklog {
+            queued: AtomicUsize::new(0),
+            half: (queue.max(1) / 2).max(1),
+            room: Room::new(
+                "the decision log's writer is not keeping up: DecideStreams no longer wait for it, and lines are dropped when its queue is full (retryd_decision_log_dropped_total)",
+            ),
+            drops: Arc::clone(&drops),
+        });
         let writer = Writer {
             path: path.to_owned(),
             out: BufWriter::new(file),
@@ -368,6 +423,7 @@ impl DecisionLog {
             max_bytes,
             reopen: Arc::clone(&reopen),
             drops: Arc::clone(&drops),
+            backlog: Arc::clone(&backlog),
             buffer: Vec::with_capacity(1024),
         };
         std::thread::Builder::new()
@@ -378,7 +434,13 @@ impl DecisionLog {
             opened: Instant::now(),
             drops,
             reopen,
+            backlog,
         })
+    }
+
+    /// The queue, for a DecideStream's back-pressure (`telemetry/pace.rs`).
+    pub fn backlog(&self) -> Arc<dyn Backlog> {
+        Arc::clone(&self.backlog) as Arc<dyn Backlog>
     }
 
     /// Counts drops in `metrics` too.
@@ -397,7 +459,10 @@ impl DecisionLog {
     /// in the queue. Blocking: call it off the runtime's workers.
     pub fn flush(&self, within: Duration) -> bool {
         let (done, flushed) = mpsc::sync_channel(1);
+        // Counted before it is sent: the writer counts it off once taken.
+        self.backlog.queued.fetch_add(1, Ordering::Relaxed);
         if self.lines.send(Pending::Flush(done)).is_err() {
+            self.backlog.queued.fetch_sub(1, Ordering::Relaxed);
             return false;
         }
         flushed.recv_timeout(within).is_ok()
@@ -418,9 +483,13 @@ impl DecisionLog {
     }
 
     fn send(&self, pending: Pending) {
+        // Counted before it is sent, so that the writer, which counts it
+        // off once taken, never counts below zero.
+        self.backlog.queued.fetch_add(1, Ordering::Relaxed);
         match self.lines.try_send(pending) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                self.backlog.queued.fetch_sub(1, Ordering::Relaxed);
                 if self.drops.count(1) {
                     tracing::warn!(
                         "the decision log cannot keep up: dropping lines (counted in retryd_decision_log_dropped_total)"
@@ -474,15 +543,17 @@ enum Pending {
     Flush(mpsc::SyncSender<()>),
 }
 
-/// A [`DecisionLine`] borrowed from its record, for the writer to
-/// serialize without making every string its own: the same fields in the
-/// same order under the same rules (a test compares the two).
+/// A [`DecisionLine`] borrowed from its record, serialized by serde: the
+/// reference the hand-written line (`json.rs`) is tested against, byte
+/// for byte.
+#[cfg(test)]
 #[derive(Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 enum LineView<'a> {
     Decision(DecisionLineView<'a>),
 }
 
+#[cfg(test)]
 #[derive(Serialize)]
 struct DecisionLineView<'a> {
     v: u32,
@@ -645,7 +716,8 @@ impl DecisionRecord {
         self.texts.get(index)
     }
 
-    /// The line, borrowed from the record: what the writer serializes.
+    /// The line, borrowed from the record, as serde serializes it.
+    #[cfg(test)]
     fn view(&self) -> LineView<'_> {
         LineView::Decision(DecisionLineView {
             v: VERSION,

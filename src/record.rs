@@ -95,6 +95,19 @@ impl Recorder {
         &self.tracer
     }
 
+    /// `items`, each polled only once the span export queue and the
+    /// decision log's have room: a DecideStream's back-pressure
+    /// (`telemetry/pace.rs`). Neither on, a pass-through.
+    pub fn paced<S>(&self, items: S) -> crate::telemetry::Paced<S> {
+        let backlogs = self
+            .tracer
+            .backlog()
+            .into_iter()
+            .chain(self.decision_log.as_ref().map(DecisionLog::backlog))
+            .collect();
+        crate::telemetry::Paced::new(items, backlogs)
+    }
+
     /// Starts the record of a decision under the caller's trace context.
     pub fn start(&self, parent: Option<&TraceContext>, method: &'static str) -> Recording {
         Recording {

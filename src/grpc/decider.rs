@@ -153,7 +153,10 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         // Every item's span is a child of the stream's trace context.
         let parent = trace_context(request.metadata()).map(Arc::new);
         let peer = peer_addr(&request);
-        let items = request.into_inner();
+        // Back-pressure from the span exporter and the decision log
+        // (telemetry/pace.rs): the next item waits while either queue is
+        // over half full.
+        let items = self.recorder().paced(request.into_inner());
         // A bad item is answered in place, so one caller's mistake does not
         // tear down a shared sidecar stream; a transport error ends it.
         let answered = move |service: &Service<S>,

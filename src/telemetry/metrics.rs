@@ -84,6 +84,12 @@ pub const METRIC_STORE_ERRORS: &str = "retryd_store_errors_total";
 pub const METRIC_SPANS_EXPORTED: &str = "retryd_spans_exported_total";
 /// Counter of spans dropped because the export queue was full.
 pub const METRIC_SPANS_DROPPED: &str = "retryd_spans_dropped_total";
+/// Counter of the times a DecideStream waited for the span export queue
+/// to drain (back-pressure, `telemetry/pace.rs`).
+pub const METRIC_SPAN_EXPORT_WAITS: &str = "retryd_span_export_waits_total";
+/// Counter of the times a DecideStream waited for the decision log's queue
+/// to drain (back-pressure, `telemetry/pace.rs`).
+pub const METRIC_DECISION_LOG_WAITS: &str = "retryd_decision_log_waits_total";
 /// Counter of decision log lines dropped because its queue was full.
 pub const METRIC_DECISION_LOG_DROPPED: &str = "retryd_decision_log_dropped_total";
 /// Counter of spans lost in failed exports.
@@ -359,8 +365,12 @@ pub struct Metrics {
     pub spans_dropped: AtomicU64,
     /// Spans lost in failed exports.
     pub spans_failed: AtomicU64,
+    /// Times a DecideStream waited for the span export queue to drain.
+    pub span_export_waits: AtomicU64,
     /// Decision log lines dropped because its queue was full.
     pub decision_log_dropped: AtomicU64,
+    /// Times a DecideStream waited for the decision log's queue to drain.
+    pub decision_log_waits: AtomicU64,
     reloads: [AtomicU64; 2],
     expired: [AtomicU64; Expiry::VARIANTS.len()],
     policy_checks: PolicyChecks,
@@ -415,7 +425,9 @@ impl Metrics {
             spans_exported: AtomicU64::new(0),
             spans_dropped: AtomicU64::new(0),
             spans_failed: AtomicU64::new(0),
+            span_export_waits: AtomicU64::new(0),
             decision_log_dropped: AtomicU64::new(0),
+            decision_log_waits: AtomicU64::new(0),
             reloads: Default::default(),
             expired: Default::default(),
             upstream_refusals: Default::default(),

@@ -37,6 +37,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio_rustls::rustls;
 
+use super::pace::{Backlog, Room};
 use super::span::Finished;
 use super::{Metrics, Throttle};
 use crate::config::{OtlpExport, OtlpProtocol, Sampling, TelemetryConfig};
@@ -66,6 +67,27 @@ pub(super) struct Pipeline {
     wake: Arc<Notify>,
     metrics: Arc<Metrics>,
     drops: Throttle,
+    /// Back-pressure (`pace.rs`): a DecideStream waits while this many
+    /// spans or more are queued (half the queue).
+    backlog_at: usize,
+    /// The export task's progress, which streams waiting wait for.
+    room: Arc<Room>,
+}
+
+impl Backlog for Pipeline {
+    fn over_half(&self) -> bool {
+        self.capacity - self.queue.capacity() >= self.backlog_at
+    }
+
+    fn room(&self) -> &Room {
+        &self.room
+    }
+
+    fn count_wait(&self) {
+        self.metrics
+            .span_export_waits
+            .fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 impl Pipeline {
@@ -165,6 +187,9 @@ pub(super) fn start(
     let (queue, receiver) = mpsc::channel(capacity);
     let woken = Arc::new(AtomicBool::new(false));
     let wake = Arc::new(Notify::new());
+    let room = Arc::new(Room::new(
+        "the span exporter is not keeping up: DecideStreams no longer wait for it, and spans are dropped when its queue is full (retryd_spans_dropped_total)",
+    ));
     let pipeline = Pipeline {
         sampler: sampler(config.sampling),
         queue,
@@ -174,6 +199,8 @@ pub(super) fn start(
         wake: Arc::clone(&wake),
         metrics: Arc::clone(&metrics),
         drops: Throttle::new(WARNING_INTERVAL, 1),
+        backlog_at: (capacity / 2).max(1),
+        room: Arc::clone(&room),
     };
     let (stop, stopped) = oneshot::channel();
     let task = tokio::spawn(run(
@@ -185,7 +212,12 @@ pub(super) fn start(
             last_warning: None,
         },
         receiver,
-        Wakes { woken, wake },
+        Wakes {
+            woken,
+            wake,
+            room,
+            backlog_at: (capacity / 2).max(1),
+        },
         stopped,
     ));
     Ok(Started {
@@ -345,7 +377,7 @@ impl Transport {
 
     /// Sends one encoded request; how many spans the receiver rejected, if
     /// it said so.
-    async fn send(&self, body: Vec<u8>) -> Result<u64, String> {
+    async fn send(&self, body: Bytes) -> Result<u64, String> {
         match self {
             Transport::Grpc {
                 channel,
@@ -357,7 +389,7 @@ impl Transport {
                     grpc.ready()
                         .await
                         .map_err(|err| format!("connection: {err}"))?;
-                    let mut request = tonic::Request::new(Bytes::from(body));
+                    let mut request = tonic::Request::new(body);
                     *request.metadata_mut() = metadata.clone();
                     let response = grpc
                         .unary(
@@ -379,7 +411,7 @@ impl Transport {
                 headers,
                 timeout,
             } => {
-                let mut request = http::Request::new(Bytes::from(body));
+                let mut request = http::Request::new(body);
                 *request.method_mut() = http::Method::POST;
                 *request.uri_mut() = endpoint.clone();
                 *request.headers_mut() = headers.clone();
@@ -466,6 +498,20 @@ impl Exporter {
 struct Wakes {
     woken: Arc<AtomicBool>,
     wake: Arc<Notify>,
+    /// Streams waiting for room are woken here each time the task makes
+    /// progress (a batch on its way, the queue emptied).
+    room: Arc<Room>,
+    /// `Pipeline::backlog_at`.
+    backlog_at: usize,
+}
+
+impl Wakes {
+    /// The task made progress: streams waiting for room look again, and
+    /// once under half the queue waits, the exporter is keeping up again
+    /// (streams wait for it again rather than have spans dropped).
+    fn progressed(&self, queue: &mpsc::Receiver<Finished>) {
+        self.room.progressed(queue.len() >= self.backlog_at);
+    }
 }
 
 /// The export task: waits until a batch is queued or `BATCH_WINDOW`
@@ -505,6 +551,7 @@ async fn run(
                             }
                         }
                         in_flight.push(exporter.send(&mut batch));
+                        wakes.progressed(&queue);
                     }
                 }
                 Err(mpsc::error::TryRecvError::Empty) => break false,
@@ -519,6 +566,7 @@ async fn run(
             }
             in_flight.push(exporter.send(&mut batch));
         }
+        wakes.progressed(&queue);
         if stopping || closed {
             while let Some(done) = in_flight.next().await {
                 exporter.sent(done);

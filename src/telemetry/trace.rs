@@ -247,6 +247,14 @@ impl Tracer {
         start_with(&Sampler::AlwaysOn, parent)
     }
 
+    /// The export queue, for a DecideStream's back-pressure (`pace.rs`);
+    /// `None` when tracing is off.
+    pub fn backlog(&self) -> Option<Arc<dyn super::Backlog>> {
+        self.pipeline
+            .as_ref()
+            .map(|pipeline| Arc::clone(pipeline) as Arc<dyn super::Backlog>)
+    }
+
     /// Finishes a span and hands it to the exporter's queue (which drops,
     /// and counts, when full). The RPC attributes are added from `name`
     /// unless `attributes` name the method already (a stream's items).

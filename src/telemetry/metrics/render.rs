@@ -342,7 +342,7 @@ impl Metrics {
             flips,
         ));
 
-        let scalars: [(&'static str, &'static str, &AtomicU64); 6] = [
+        let scalars: [(&'static str, &'static str, &AtomicU64); 8] = [
             (
                 METRIC_REPORTED_REQUESTS,
                 "Real requests reported through ReportTraffic.",
@@ -369,9 +369,19 @@ impl Metrics {
                 &self.spans_failed,
             ),
             (
+                METRIC_SPAN_EXPORT_WAITS,
+                "Times a DecideStream waited, before its next item, for the span export queue (over half full) to drain.",
+                &self.span_export_waits,
+            ),
+            (
                 METRIC_DECISION_LOG_DROPPED,
                 "Decision log lines dropped because its queue was full.",
                 &self.decision_log_dropped,
+            ),
+            (
+                METRIC_DECISION_LOG_WAITS,
+                "Times a DecideStream waited, before its next item, for the decision log's queue (over half full) to drain.",
+                &self.decision_log_waits,
             ),
         ];
         for (name, help, value) in scalars {

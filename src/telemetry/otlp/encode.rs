@@ -12,6 +12,7 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use bytes::Bytes;
 use opentelemetry_proto::tonic::common::v1::InstrumentationScope as ProtoScope;
 use opentelemetry_proto::tonic::resource::v1::Resource as ProtoResource;
 use opentelemetry_proto::transform::common::tonic::ResourceAttributesWithSchema;
@@ -66,10 +67,10 @@ pub(crate) struct Encoder {
     schema_url: Vec<u8>,
     /// `ScopeSpans.scope`, key and length included.
     scope: Vec<u8>,
-    /// The spans of the batch being encoded, each as `ScopeSpans.spans`.
-    spans: Vec<u8>,
     /// A span whose length is not a two-byte varint, while it is moved.
     span: Vec<u8>,
+    /// The size of the last request, to size the next one's buffer.
+    last_len: usize,
 }
 
 impl Encoder {
@@ -104,57 +105,64 @@ impl Encoder {
             resource: encoded_resource,
             schema_url,
             scope: encoded_scope,
-            spans: Vec::new(),
             span: Vec::new(),
+            last_len: 0,
         }
     }
 
-    /// The `ExportTraceServiceRequest` of `batch`.
-    pub(crate) fn encode(&mut self, batch: &[Finished]) -> Vec<u8> {
-        self.spans.clear();
+    /// The `ExportTraceServiceRequest` of `batch`. The spans are encoded
+    /// into one buffer after room for the request's head (its keys and
+    /// lengths, the resource and the scope), which is written in place once
+    /// their length is known: the batch is never copied (that copy was
+    /// ~660 instructions a span under callgrind), and the request is that
+    /// buffer less the head's unused room.
+    pub(crate) fn encode(&mut self, batch: &[Finished]) -> Bytes {
+        // The head at its longest: two keys, two 10-byte varints.
+        let room = 2 * (1 + 10) + self.resource.len() + self.scope.len();
+        let mut out = Vec::with_capacity(room + self.last_len.max(1024) + self.schema_url.len());
+        out.resize(room, 0);
         for finished in batch {
             // Into place, with two bytes kept for its length: a span is
             // 128 to 16,383 bytes long (~1 KB), whose length is a two-byte
             // varint; one outside that range goes the long way round.
-            encode_key(
-                SCOPE_SPANS_SPANS,
-                WireType::LengthDelimited,
-                &mut self.spans,
-            );
-            let at = self.spans.len();
-            self.spans.extend_from_slice(&[0, 0]);
-            encode_span(finished, &mut self.spans);
-            let len = self.spans.len() - at - 2;
+            encode_key(SCOPE_SPANS_SPANS, WireType::LengthDelimited, &mut out);
+            let at = out.len();
+            out.extend_from_slice(&[0, 0]);
+            encode_span(finished, &mut out);
+            let len = out.len() - at - 2;
             if (128..16_384).contains(&len) {
-                self.spans[at] = len as u8 | 0x80;
-                self.spans[at + 1] = (len >> 7) as u8;
+                out[at] = len as u8 | 0x80;
+                out[at + 1] = (len >> 7) as u8;
             } else {
                 self.span.clear();
-                self.span.extend_from_slice(&self.spans[at + 2..]);
-                self.spans.truncate(at);
-                encode_varint(len as u64, &mut self.spans);
-                self.spans.extend_from_slice(&self.span);
+                self.span.extend_from_slice(&out[at + 2..]);
+                out.truncate(at);
+                encode_varint(len as u64, &mut out);
+                out.extend_from_slice(&self.span);
             }
         }
-        let scope_spans_len = self.scope.len() + self.spans.len();
+        let spans_len = out.len() - room;
+        let scope_spans_len = self.scope.len() + spans_len;
         let resource_spans_len = self.resource.len()
             + field_len(scope_spans_len)
             + scope_spans_len
             + self.schema_url.len();
-        let mut out = Vec::with_capacity(field_len(resource_spans_len) + resource_spans_len);
-        encode_key(REQUEST_RESOURCE_SPANS, WireType::LengthDelimited, &mut out);
-        encode_varint(resource_spans_len as u64, &mut out);
-        out.extend_from_slice(&self.resource);
+        let mut head = Vec::with_capacity(room);
+        encode_key(REQUEST_RESOURCE_SPANS, WireType::LengthDelimited, &mut head);
+        encode_varint(resource_spans_len as u64, &mut head);
+        head.extend_from_slice(&self.resource);
         encode_key(
             RESOURCE_SPANS_SCOPE_SPANS,
             WireType::LengthDelimited,
-            &mut out,
+            &mut head,
         );
-        encode_varint(scope_spans_len as u64, &mut out);
-        out.extend_from_slice(&self.scope);
-        out.extend_from_slice(&self.spans);
+        encode_varint(scope_spans_len as u64, &mut head);
+        head.extend_from_slice(&self.scope);
+        let start = room - head.len();
+        out[start..room].copy_from_slice(&head);
         out.extend_from_slice(&self.schema_url);
-        out
+        self.last_len = out.len() - start;
+        Bytes::from(out).slice(start..)
     }
 }
 
@@ -494,7 +502,7 @@ mod tests {
         let resource = resource();
         let batch = batch();
         let ours = ExportTraceServiceRequest::decode(
-            Encoder::new(&resource, &scope()).encode(&batch).as_slice(),
+            Encoder::new(&resource, &scope()).encode(&batch).as_ref(),
         )
         .unwrap();
         let sdk = ExportTraceServiceRequest {
@@ -580,7 +588,7 @@ mod tests {
         let first = encoder.encode(&batch);
         let single = encoder.encode(&batch[1..2]);
         assert_eq!(encoder.encode(&batch), first);
-        let decoded = ExportTraceServiceRequest::decode(single.as_slice()).unwrap();
+        let decoded = ExportTraceServiceRequest::decode(single.as_ref()).unwrap();
         assert_eq!(decoded.resource_spans.len(), 1);
         assert_eq!(decoded.resource_spans[0].scope_spans.len(), 1);
         assert_eq!(decoded.resource_spans[0].scope_spans[0].spans.len(), 1);

@@ -1,0 +1,160 @@
+//! Back-pressure from the span exporter to DecideStream (issue 34), against
+//! the real binary at its default telemetry settings and a real OTLP/gRPC
+//! receiver in the test: a receiver slower than the stream gets every
+//! span (the stream waits, and the waits are counted), and one that never
+//! answers does not hold the stream: its spans are dropped and counted,
+//! and warned.
+
+use retryd_testkit as support;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use support::{Server, retryable};
+
+/// A receiver that takes `delay` over each export (or never answers), and
+/// counts the spans of those it answered.
+#[derive(Clone)]
+struct Receiver {
+    spans: Arc<AtomicU64>,
+    delay: Option<Duration>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        match self.delay {
+            Some(delay) => tokio::time::sleep(delay).await,
+            None => std::future::pending().await,
+        }
+        let spans: usize = request
+            .get_ref()
+            .resource_spans
+            .iter()
+            .flat_map(|resource| &resource.scope_spans)
+            .map(|scope| scope.spans.len())
+            .sum();
+        self.spans.fetch_add(spans as u64, Ordering::SeqCst);
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+impl Receiver {
+    async fn start(delay: Option<Duration>) -> (SocketAddr, Arc<AtomicU64>) {
+        let spans = Arc::new(AtomicU64::new(0));
+        let receiver = Receiver {
+            spans: Arc::clone(&spans),
+            delay,
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(TraceServiceServer::new(receiver))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        (addr, spans)
+    }
+}
+
+/// The sum of a metric's series.
+fn metric(scrape: &str, name: &str) -> u64 {
+    let mut found = false;
+    let mut total = 0.0;
+    for line in scrape.lines() {
+        let sample = line.split(" # ").next().unwrap_or_default().trim();
+        if sample.starts_with(&format!("{name}{{")) || sample.starts_with(&format!("{name} ")) {
+            found = true;
+            total += sample.rsplit(' ').next().unwrap().parse::<f64>().unwrap();
+        }
+    }
+    assert!(found, "no {name} in\n{scrape}");
+    total as u64
+}
+
+/// Sends `count` items over one DecideStream as fast as the stream takes
+/// them; every one must be answered with a decision.
+async fn stream(server: &Server, count: usize) {
+    let mut client = server.decider().await;
+    let items = tokio_stream::iter((0..count).map(|_| retryable("pay")));
+    let mut responses = client.decide_stream(items).await.unwrap().into_inner();
+    let mut answered = 0;
+    while let Some(response) = responses.message().await.unwrap() {
+        assert_eq!(response.error, None, "item {answered}");
+        answered += 1;
+    }
+    assert_eq!(answered, count);
+}
+
+const BOUNDLESS: &str = "[defaults]\nbudget = { capacity = 1e9, initial = 1e9, ratio = 0.1, min_per_second = 1000.0 }\n";
+
+#[tokio::test]
+async fn a_stream_waits_for_a_slow_receiver_and_every_span_arrives() {
+    // At most 4 exports of 512 spans on their way, each answered after
+    // 400 ms: ~5,000 spans a second, far below what a stream decides, so
+    // the default queue (8,192 spans) would overflow within the stream.
+    let (receiver, received) = Receiver::start(Some(Duration::from_millis(400))).await;
+    let server = Server::start(&format!(
+        "{BOUNDLESS}[telemetry]\notlp_endpoint = \"http://{receiver}\"\n"
+    ));
+    const ITEMS: usize = 30_000;
+    stream(&server, ITEMS).await;
+    support::eventually("every span received", || {
+        (received.load(Ordering::SeqCst) >= ITEMS as u64).then_some(())
+    })
+    .await;
+    let scrape = server.scrape();
+    assert_eq!(metric(&scrape, "retryd_decisions_total"), ITEMS as u64);
+    assert_eq!(received.load(Ordering::SeqCst), ITEMS as u64);
+    assert_eq!(metric(&scrape, "retryd_spans_exported_total"), ITEMS as u64);
+    assert_eq!(metric(&scrape, "retryd_spans_dropped_total"), 0, "{scrape}");
+    assert_eq!(metric(&scrape, "retryd_spans_export_failed_total"), 0);
+    // It held the stream back to get there, and said so.
+    assert!(
+        metric(&scrape, "retryd_span_export_waits_total") > 0,
+        "{scrape}"
+    );
+    assert!(
+        !server.logs().contains("not keeping up"),
+        "{}",
+        server.logs()
+    );
+}
+
+#[tokio::test]
+async fn a_receiver_that_never_answers_does_not_hold_the_stream() {
+    let (receiver, received) = Receiver::start(None).await;
+    let server = Server::start(&format!(
+        "{BOUNDLESS}[telemetry]\notlp_endpoint = \"http://{receiver}\"\n"
+    ));
+    // Four exports of 512 held, the queue's 8,192 waiting: the rest of
+    // the stream's spans have no room, and the stream waits only until
+    // the exporter is taken to be stalled (500 ms without progress).
+    const ITEMS: usize = 30_000;
+    stream(&server, ITEMS).await;
+    let scrape = server.scrape();
+    assert_eq!(metric(&scrape, "retryd_decisions_total"), ITEMS as u64);
+    // Dropped: what neither the queue nor the held exports could take
+    // (how many exactly depends on when the exports time out).
+    let dropped = metric(&scrape, "retryd_spans_dropped_total");
+    assert!(dropped > 0, "{scrape}");
+    assert!(metric(&scrape, "retryd_span_export_waits_total") > 0);
+    assert_eq!(received.load(Ordering::SeqCst), 0);
+    support::eventually("the stall and the drops are warned", || {
+        let logs = server.logs();
+        (logs.contains("not keeping up") && logs.contains("the span export queue is full"))
+            .then_some(())
+    })
+    .await;
+}
