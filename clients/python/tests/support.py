@@ -175,6 +175,12 @@ def handled(server: Server) -> float:
     return total
 
 
+def hedges_won(server: Server, upstream: str) -> float:
+    """retryd_hedges_won_total for one upstream, from retryd's /metrics."""
+    return sum(value for name, value in metrics(server).items()
+               if name.startswith("retryd_hedges_won_total{") and f'upstream="{upstream}"' in name)
+
+
 def stopped(pid: int) -> bool:
     """Whether every thread of ``pid`` is in the stopped state (Linux /proc)."""
     states = []

@@ -442,6 +442,12 @@ class _Policy:
         if not later and elapsed is not None:
             self.record_first_latency(success, elapsed)
 
+    def record_hedge_won(self) -> None:
+        """Counts a call answered by a hedge (``hedges_won``; only the caller knows which copy won)."""
+        record_hedge_won = getattr(self._chosen_reporter(), "record_hedge_won", None)
+        if record_hedge_won is not None:
+            record_hedge_won(self.upstream)
+
     def record_first_latency(self, success: bool, elapsed: float) -> None:
         record_latency = getattr(self._chosen_reporter(), "record_latency", None)
         if record_latency is not None:
@@ -756,6 +762,8 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
                                   on_first_cancelled=lambda elapsed: self._policy.record_first_latency(True, elapsed),
                                   clock=state.clock, remaining=state.remaining)
         state.hedge_decisions.extend(hedged.decisions)
+        if hedged.copy > 0 and final(hedged.result):
+            self._policy.record_hedge_won()
         return hedged.result
 
 

@@ -372,6 +372,12 @@ class _Loop:
         if not retry:
             self.first_latency(success, elapsed)
 
+    def hedge_won(self) -> None:
+        """Counts a call whose final answer came from a hedge (a reporter without the count records none)."""
+        record_hedge_won = getattr(self.reporter, "record_hedge_won", None)
+        if record_hedge_won is not None:
+            record_hedge_won(self.upstream)
+
     def first_latency(self, success: bool, elapsed: float) -> None:
         """Records the first attempt's latency (a reporter without histograms records none)."""
         record_latency = getattr(self.reporter, "record_latency", None)
@@ -715,6 +721,8 @@ async def _ahedged_round(http: httpx.AsyncClient, retryd: AsyncClient, loop: _Lo
                               ask=ask, on_end=on_end, on_first_cancelled=lambda elapsed: loop.first_latency(True, elapsed),
                               clock=loop.clock, remaining=loop.remaining)
     loop.hedge_decisions.extend(hedged.decisions)
+    if hedged.copy > 0 and hedged.result.outcome is None:
+        loop.hedge_won()
     return hedged.result
 
 
