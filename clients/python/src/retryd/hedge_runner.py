@@ -69,8 +69,13 @@ async def run_hedged(
     on_first_cancelled: Callable[[float], None],
     clock: Callable[[], float],
     remaining: Callable[[], Optional[float]],
+    cancel_copy: Callable[[asyncio.Future[Any]], None] = lambda task: task.cancel(),
 ) -> HedgeRound[R]:
-    """Races copies of a call as the module doc describes. ``start_copy(k)`` sends copy k."""
+    """Races copies of a call as the module doc describes. ``start_copy(k)`` sends copy k.
+
+    ``cancel_copy`` cancels a loser (by default ``task.cancel()``); the httpx
+    adapter's defers the cancel to a point where httpcore's pool survives it.
+    """
     running: dict[asyncio.Future[Any], tuple[int, float]] = {}
 
     def launch(copy: int) -> None:
@@ -121,7 +126,7 @@ async def run_hedged(
                 result: R = task.result()
                 on_end(copy, result, clock() - started)
                 if is_final(result):
-                    await _cancel_losers(running, on_first_cancelled, clock)
+                    await _cancel_losers(running, on_first_cancelled, clock, cancel_copy)
                     return HedgeRound(result, copy, sent, decisions)
                 last = (copy, result)
     finally:
@@ -130,7 +135,7 @@ async def run_hedged(
         # Only on an exception (the caller cancelled): no copy outlives the call.
         if running:
             for task in running:
-                task.cancel()
+                cancel_copy(task)
             await asyncio.gather(*running, return_exceptions=True)
     assert last is not None
     return HedgeRound(last[1], last[0], sent, decisions)
@@ -146,10 +151,11 @@ def _answer(asking: asyncio.Future[Decision]) -> Optional[Decision]:
 
 
 async def _cancel_losers(running: dict[asyncio.Future[Any], tuple[int, float]],
-                         on_first_cancelled: Callable[[float], None], clock: Callable[[], float]) -> None:
+                         on_first_cancelled: Callable[[float], None], clock: Callable[[], float],
+                         cancel_copy: Callable[[asyncio.Future[Any]], None]) -> None:
     now = clock()
     for task, (copy, started) in running.items():
-        task.cancel()
+        cancel_copy(task)
         if copy == 0:
             on_first_cancelled(now - started)
     # Awaited so that each copy closes its connection or call before the

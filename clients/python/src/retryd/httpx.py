@@ -675,17 +675,99 @@ class _Copy:
     outcome: Optional[Outcome]
 
 
+#: httpcore's trace events (httpx's ``trace`` extension) that mark where a
+#: copy may be cancelled; see :class:`_CopyGate`.
+_CONNECTING = frozenset({"connection.connect_tcp.started", "connection.connect_unix_socket.started"})
+_STARTED = frozenset({"http11.send_request_headers.started", "http2.send_request_headers.started"})
+_CLOSING = frozenset({"http11.response_closed.started", "http2.response_closed.started"})
+_CLOSED = frozenset({"http11.response_closed.complete", "http11.response_closed.failed",
+                     "http2.response_closed.complete", "http2.response_closed.failed"})
+
+
+class _CopyGate:
+    """Cancels one async attempt only where httpcore's connection pool survives it.
+
+    httpcore 1.0.9 loses a connection for good when a request is cancelled
+    (asyncio's ``task.cancel()``) at one of two moments: after its pool
+    assigned it a connection and before the request started on it
+    (encode/httpcore#1093, open: the connection stays CONNECTING or NEW),
+    and while the connection is being put back after the response was read
+    (its state lock: the connection stays ACTIVE; anyio's shields do not
+    hold off asyncio's own cancel). Such a connection is never used, closed
+    or reaped, and every later request of the pool scans it. A hedge's loser
+    is cancelled at exactly those moments whenever the first attempt answers
+    just after its hedge was sent, which on a busy event loop is most
+    hedges: in the fleet's tail scenario the Python callers' pools filled
+    with them, each call cost more, the loop lagged past the 50 ms hedge
+    delay, every call was hedged, and calls ran into the deadline
+    (ReadTimeout) by the hundred (docs/fleet.md, the tail section).
+
+    So a cancel is immediate before the request enters the pool, while it
+    sends or waits for the response (httpcore's error path closes the
+    connection: the upstream sees the request aborted), and after the
+    connection was put back; in the pool it is raised at the request's next
+    trace event (the connect's or the request's start, inside httpcore's
+    error handling), and during the put-back it waits until that is done.
+    The wait is bounded by the attempt's pool and connect timeouts.
+    """
+
+    def __init__(self, request: httpx.Request) -> None:
+        #: What a cancel cancels: the copy's task, then (inside _within) its send.
+        self.task: Optional[asyncio.Future[Any]] = None
+        #: "before", "pool", "io", "closing", "after": where the request is.
+        self.phase = "before"
+        #: A cancel asked for at a moment that would lose the connection, not yet delivered.
+        self.stop = False
+        self._chained = request.extensions.get("trace")
+        request.extensions = {**request.extensions, "trace": self._trace}
+
+    @property
+    def in_pool(self) -> bool:
+        return self.phase == "pool"
+
+    async def _trace(self, event: str, info: dict[str, Any]) -> None:
+        if self._chained is not None:
+            await self._chained(event, info)
+        if event in _CONNECTING or event in _STARTED:
+            if self.stop:
+                raise asyncio.CancelledError("a hedge of this call answered first")
+            if event in _STARTED:
+                self.phase = "io"
+        elif event in _CLOSING:
+            self.phase = "closing"
+        elif event in _CLOSED:
+            self.phase = "after"
+            if self.stop:
+                self.stop = False
+                self.cancel()
+
+    def enter_pool(self) -> None:
+        self.phase = "pool"
+
+    def cancel(self) -> None:
+        """Cancels the attempt now, or at its next safe moment (see the class doc)."""
+        task = self.task
+        if task is None or task.done():
+            return
+        if self.phase in ("pool", "closing"):
+            self.stop = True
+        else:
+            task.cancel()
+
+
 async def _acopy(http: httpx.AsyncClient, request: httpx.Request, send: dict[str, Any], loop: _Loop,
-                 retry_statuses: frozenset[int]) -> _Copy:
-    """Sends one attempt and reads its response in full; cancelling it aborts the request."""
+                 retry_statuses: frozenset[int], gate: Optional[_CopyGate] = None) -> _Copy:
+    """Sends one attempt and reads its response in full; cancelling it (through ``gate``) aborts the request."""
+    if gate is None:
+        gate = _CopyGate(request)
     response: Optional[httpx.Response] = None
     try:
         try:
-            response = await _within(loop.remaining(), http.send(request, stream=True, **send), request)
+            response = await _within(loop.remaining(), _sending(http, request, send, gate), request, gate)
         except httpx.TransportError as exc:
             return _Copy(None, exc, classify_exception(exc))
         try:
-            await _within(loop.remaining(), response.aread(), request)
+            await _within(loop.remaining(), response.aread(), request, gate)
         except (httpx.TransportError, httpx.DecodingError) as exc:
             await response.aclose()
             return _Copy(response, exc, classify_exception(exc, response=response))
@@ -700,14 +782,29 @@ async def _acopy(http: httpx.AsyncClient, request: httpx.Request, send: dict[str
     return _Copy(response, None, classify_response(response))
 
 
+async def _sending(http: httpx.AsyncClient, request: httpx.Request, send: dict[str, Any],
+                   gate: _CopyGate) -> httpx.Response:
+    # From here until the request starts on a connection, a cancel waits (see _CopyGate).
+    gate.enter_pool()
+    return await http.send(request, stream=True, **send)
+
+
 async def _ahedged_round(http: httpx.AsyncClient, retryd: AsyncClient, loop: _Loop, plan: HedgePlan,
                          method: str, url: Union[httpx.URL, str], build: dict[str, Any],
                          send: dict[str, Any], retry_statuses: frozenset[int]) -> _Copy:
     """The first attempt and its hedges (retryd.hedge_runner); counts every copy that answered."""
+    gates: dict[asyncio.Future[Any], _CopyGate] = {}
 
     def start_copy(copy: int) -> Awaitable[_Copy]:
         request = loop.carry_lineage(http.build_request(method, url, **loop.begin(build, http.timeout)))
-        return _acopy(http, request, send, loop, retry_statuses)
+        gate = _CopyGate(request)
+        task = asyncio.ensure_future(_acopy(http, request, send, loop, retry_statuses, gate))
+        gate.task = task
+        gates[task] = gate
+        return task
+
+    def cancel_copy(task: asyncio.Future[Any]) -> None:
+        gates[task].cancel()
 
     def ask(hedge: int) -> Awaitable[Decision]:
         return retryd.decide_hedge(upstream=loop.upstream, idempotency=loop.idempotency, hedge=hedge,
@@ -719,7 +816,7 @@ async def _ahedged_round(http: httpx.AsyncClient, retryd: AsyncClient, loop: _Lo
 
     hedged = await run_hedged(plan=plan, start_copy=start_copy, is_final=lambda result: result.outcome is None,
                               ask=ask, on_end=on_end, on_first_cancelled=lambda elapsed: loop.first_latency(True, elapsed),
-                              clock=loop.clock, remaining=loop.remaining)
+                              clock=loop.clock, remaining=loop.remaining, cancel_copy=cancel_copy)
     loop.hedge_decisions.extend(hedged.decisions)
     if hedged.copy > 0 and hedged.result.outcome is None:
         loop.hedge_won()
@@ -733,15 +830,43 @@ _CUT_GRACE = 0.05
 _T = TypeVar("_T")
 
 
-async def _within(remaining: Optional[float], awaitable: Awaitable[_T], request: httpx.Request) -> _T:
+async def _within(remaining: Optional[float], awaitable: Awaitable[_T], request: httpx.Request,
+                  gate: Optional[_CopyGate] = None) -> _T:
     if remaining is None:
         return await awaitable
+    if gate is None:
+        try:
+            return await asyncio.wait_for(awaitable, remaining + _CUT_GRACE)
+        except asyncio.TimeoutError:
+            raise _cut(request) from None
+    # Cut through the gate, not by wait_for's cancel: a cancel at the wrong
+    # moment would leave a connection in the pool (see _CopyGate).
+    inner = asyncio.ensure_future(awaitable)
     try:
-        return await asyncio.wait_for(awaitable, remaining + _CUT_GRACE)
-    except asyncio.TimeoutError:
-        # Cut by the caller's deadline: the request may have been written, so
-        # this is a read timeout, never proof of NOT_SENT.
-        raise httpx.ReadTimeout("the call's deadline passed during the attempt", request=request) from None
+        done, _ = await asyncio.wait({inner}, timeout=remaining + _CUT_GRACE)
+    except asyncio.CancelledError:
+        gate.task = inner
+        gate.cancel()
+        await asyncio.gather(inner, return_exceptions=True)
+        if not inner.cancelled() and isinstance(inner.exception() or inner.result(), httpx.Response):
+            # The response came as the copy was cancelled: nobody else will close it.
+            await cast(httpx.Response, inner.result()).aclose()
+        raise
+    if done:
+        return inner.result()
+    gate.task = inner
+    gate.cancel()
+    try:
+        await inner
+    except asyncio.CancelledError:
+        raise _cut(request) from None
+    return inner.result()
+
+
+def _cut(request: httpx.Request) -> httpx.ReadTimeout:
+    # Cut by the caller's deadline: the request may have been written, so
+    # this is a read timeout, never proof of NOT_SENT.
+    return httpx.ReadTimeout("the call's deadline passed during the attempt", request=request)
 
 
 __all__ = [
