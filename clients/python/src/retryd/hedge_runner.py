@@ -69,7 +69,7 @@ async def run_hedged(
     on_first_cancelled: Callable[[float], None],
     clock: Callable[[], float],
     remaining: Callable[[], Optional[float]],
-    cancel_copy: Callable[[asyncio.Future[Any]], None] = lambda task: task.cancel(),
+    cancel_copy: Optional[Callable[[asyncio.Future[Any]], None]] = None,
 ) -> HedgeRound[R]:
     """Races copies of a call as the module doc describes. ``start_copy(k)`` sends copy k.
 
@@ -77,6 +77,7 @@ async def run_hedged(
     adapter's defers the cancel to a point where httpcore's pool survives it.
     """
     running: dict[asyncio.Future[Any], tuple[int, float]] = {}
+    cancel: Callable[[asyncio.Future[Any]], None] = cancel_copy or _cancel_task
 
     def launch(copy: int) -> None:
         running[asyncio.ensure_future(start_copy(copy))] = (copy, clock())
@@ -126,7 +127,7 @@ async def run_hedged(
                 result: R = task.result()
                 on_end(copy, result, clock() - started)
                 if is_final(result):
-                    await _cancel_losers(running, on_first_cancelled, clock, cancel_copy)
+                    await _cancel_losers(running, on_first_cancelled, clock, cancel)
                     return HedgeRound(result, copy, sent, decisions)
                 last = (copy, result)
     finally:
@@ -135,10 +136,14 @@ async def run_hedged(
         # Only on an exception (the caller cancelled): no copy outlives the call.
         if running:
             for task in running:
-                cancel_copy(task)
+                cancel(task)
             await asyncio.gather(*running, return_exceptions=True)
     assert last is not None
     return HedgeRound(last[1], last[0], sent, decisions)
+
+
+def _cancel_task(task: asyncio.Future[Any]) -> None:
+    task.cancel()
 
 
 def _answer(asking: asyncio.Future[Decision]) -> Optional[Decision]:
