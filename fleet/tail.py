@@ -38,11 +38,13 @@ import time
 from typing import Any, Optional
 
 RATE = 100.0  # calls/s, the whole fleet
-# TypeScript callers only by default: with Python callers in the fleet, the
-# Python client's hedged calls ran into 2.5 s read timeouts once hedges were
-# sent (docs/fleet.md, the tail section), and their latencies, reported as first
-# attempts, made retryd's served delay seconds long for every caller.
-# FLEET_TAIL_LANGS=python,typescript,python,typescript reproduces that.
+# TypeScript callers only by default: a Python caller at 25 calls/s falls
+# behind on a loaded 2-core machine (its event loop late past the hedge
+# delay, every call hedged), its calls time out, and their latencies,
+# reported as first attempts, make retryd's served delay long for every
+# caller (docs/fleet.md, the tail section: diagnosed, the httpcore pool leak
+# that fed it fixed in the client, the overload itself measured).
+# FLEET_TAIL_LANGS=python,typescript,python,typescript runs the mixed fleet.
 LANGS = os.environ.get("FLEET_TAIL_LANGS", "typescript,typescript,typescript,typescript").split(",")
 CALLERS = len(LANGS)
 TAIL_S = 30.0

@@ -81,6 +81,9 @@ quantile = 0.95
 [upstreams."py-hedge-cap".hedging]
 quantile = 0.95
 
+[upstreams."py-hedged-sync-grpc".hedging]
+quantile = 0.95
+
 # In shadow mode: retryd's hedge answers are not enforced.
 [upstreams."py-hedge-shadow"]
 enforce = false
@@ -173,6 +176,12 @@ def handled(server: Server) -> float:
         if name.split("{", 1)[0] in ("retryd_decisions_total", "retryd_expired_requests_total"):
             total += value
     return total
+
+
+def hedges_won(server: Server, upstream: str) -> float:
+    """retryd_hedges_won_total for one upstream, from retryd's /metrics."""
+    return sum(value for name, value in metrics(server).items()
+               if name.startswith("retryd_hedges_won_total{") and f'upstream="{upstream}"' in name)
 
 
 def stopped(pid: int) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from scripted_http import ScriptedServer, respond
-from support import REPO, Server, handled
+from support import REPO, Server, handled, hedges_won
 from retryd import AsyncClient, Client, Idempotency
 from retryd.hedging import Hedging, HedgingTable, LocalHedging, hedging_from_pb
 from retryd.httpx import ATTEMPTS_EXTENSION, HEDGES_EXTENSION, arequest_with_retries
@@ -436,8 +436,10 @@ def test_served_delay_hedges_the_slow_first_attempt(server: Server) -> None:
         assert (traffic.retry_successes, traffic.retry_failures) == (1, 0)
         [(index, count)] = traffic.latency_successes
         assert count == 1 and bucket_start(index) >= 0.8 * served.delay * 1e6
-        # retryd accepts the report of it.
+        assert traffic.hedges_won == 1  # the hedge answered: counted once, by default
+        # retryd accepts the report of it, and counts the win.
         assert await client.reporter.flush()
+        assert hedges_won(server, "py-hedged") == 1
         await client.close()
 
     asyncio.run(main())
@@ -466,6 +468,9 @@ def test_served_delay_hedges_a_grpc_call(server: Server) -> None:
         traffic = client.reporter.pending_traffic()["py-hedged-grpc"]
         assert (traffic.requests, traffic.successes, traffic.failures) == (1, 0, 0)
         assert (traffic.retry_successes, traffic.retry_failures) == (1, 0)
+        assert traffic.hedges_won == 1
+        assert await client.reporter.flush()
+        assert hedges_won(server, "py-hedged-grpc") == 1
         await client.close()
 
     asyncio.run(main())

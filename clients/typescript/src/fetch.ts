@@ -445,6 +445,8 @@ export async function fetchWithRetries(
         remaining,
       });
       hedgeDecisions.push(...round.decisions);
+      // Only the caller knows which copy answered: retryd counts hedges won from this.
+      if (round.copy > 0 && round.result.final) reporter?.recordHedgeWon(options.upstream);
       attempt = round.sent;
       attempted = round.result;
     } else {

@@ -440,6 +440,8 @@ export function retryingInterceptor(retryd: RetrydClient, settings: GrpcRetryOpt
           // The first answer that is not a retryable failure wins; when every
           // copy failed, the normal path decides about the last one.
           if (success !== false || running.size === 0) {
+            // Only the caller knows which copy answered: retryd counts hedges won from this.
+            if (copy > 0 && success !== false) reporter?.recordHedgeWon(settings.upstream);
             endRound();
             inFlight = false;
             if (status.code === grpc.status.OK) return finish(status, headers, response);

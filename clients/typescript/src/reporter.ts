@@ -46,6 +46,11 @@
  * first attempt cancelled because its hedge answered first is recorded as a
  * success with the time it had run. The adapters do this by default. A batch
  * carries the histograms beside the counts, and a re-sent batch the same.
+ *
+ * Hedges won: recordHedgeWon(upstream) counts a hedged call whose answer came
+ * from a hedge, not from its first attempt (`hedgesWon`; retryd counts it in
+ * `retryd_hedges_won_total`). Only the caller knows which copy won, so the
+ * hedging adapters count it by default, once per call.
  */
 import { randomUUID } from 'node:crypto';
 import { InvalidRequestError, RetrydError, RetrydUnavailableError } from './errors';
@@ -83,6 +88,8 @@ export interface TrafficEntry {
   /** First-attempt latencies of successes and of failures; absent when none was recorded. */
   latencySuccesses?: LatencyCounts;
   latencyFailures?: LatencyCounts;
+  /** Hedged calls whose answer came from a hedge; absent when none. */
+  hedgesWon?: number;
 }
 
 /** Where a reporter sends its batches (a RetrydClient). */
@@ -91,9 +98,10 @@ export interface TrafficSink {
   sendTrafficReport(traffic: TrafficEntry[], reportId: string): Promise<ReportResult>;
 }
 
-/** A pending row: requests, successes, failures, retrySuccesses, retryFailures. */
-type Counts = [number, number, number, number, number];
+/** A pending row: requests, successes, failures, retrySuccesses, retryFailures, hedgesWon. */
+type Counts = [number, number, number, number, number, number];
 const REQUESTS = 0;
+const HEDGES_WON = 5;
 
 /** One upstream's pending counts and its two latency histograms (bucket -> count). */
 interface Row {
@@ -102,7 +110,7 @@ interface Row {
   latencyFailures: Map<number, number>;
 }
 
-const newRow = (): Row => ({ counts: [0, 0, 0, 0, 0], latencySuccesses: new Map(), latencyFailures: new Map() });
+const newRow = (): Row => ({ counts: [0, 0, 0, 0, 0, 0], latencySuccesses: new Map(), latencyFailures: new Map() });
 
 function addHistogram(into: Map<number, number>, from: LatencyCounts | Map<number, number> | undefined): void {
   if (from === undefined) return;
@@ -116,8 +124,9 @@ function histogramOf(map: Map<number, number>): LatencyCounts | undefined {
 }
 
 function entryOf(upstream: string, row: Row): TrafficEntry {
-  const [requests, successes, failures, retrySuccesses, retryFailures] = row.counts;
+  const [requests, successes, failures, retrySuccesses, retryFailures, hedgesWon] = row.counts;
   const entry: TrafficEntry = { upstream, requests, successes, failures, retrySuccesses, retryFailures };
+  if (hedgesWon > 0) entry.hedgesWon = hedgesWon;
   const latencySuccesses = histogramOf(row.latencySuccesses);
   const latencyFailures = histogramOf(row.latencyFailures);
   if (latencySuccesses !== undefined) entry.latencySuccesses = latencySuccesses;
@@ -126,8 +135,8 @@ function entryOf(upstream: string, row: Row): TrafficEntry {
 }
 
 function addEntry(row: Row, e: TrafficEntry): void {
-  const counts = [e.requests, e.successes, e.failures, e.retrySuccesses, e.retryFailures];
-  for (let i = 0; i < 5; i++) row.counts[i]! += counts[i]!;
+  const counts = [e.requests, e.successes, e.failures, e.retrySuccesses, e.retryFailures, e.hedgesWon ?? 0];
+  for (let i = 0; i < counts.length; i++) row.counts[i]! += counts[i]!;
   addHistogram(row.latencySuccesses, e.latencySuccesses);
   addHistogram(row.latencyFailures, e.latencyFailures);
 }
@@ -208,6 +217,11 @@ export class TrafficReporter {
     const histogram = success ? row.latencySuccesses : row.latencyFailures;
     const index = latencyBucketOfMs(ms);
     histogram.set(index, (histogram.get(index) ?? 0) + 1);
+  }
+
+  /** Counts `count` hedged calls to `upstream` answered by a hedge (see the module doc). */
+  recordHedgeWon(upstream: string, count = 1): void {
+    this.add(upstream, HEDGES_WON, count);
   }
 
   /** A copy of the requests not yet acknowledged by retryd (unsent batches included). */

@@ -5,7 +5,7 @@ import { strict as assert } from 'node:assert';
 import { after, before, describe, test } from 'node:test';
 import * as grpc from '@grpc/grpc-js';
 import { bucketStart, retryingInterceptor, RetrydClient, RetrydError, type Decision } from '../src';
-import { feed } from './hedging-support';
+import { feed, hedgesWon } from './hedging-support';
 import { CLIENT_TEST_CONFIG, closedPort, startRetryd, type Retryd } from './support';
 
 const bytes = { serialize: (value: Buffer) => value, deserialize: (value: Buffer) => value };
@@ -173,6 +173,9 @@ describe('hedged gRPC calls', () => {
       assert.ok(hedge! - first! >= served.delayMs * HALF, `the hedge came ${hedge! - first!} ms after the first call`);
       const traffic = client.reporter!.pendingTraffic()['ts-hedged-grpc']!;
       assert.deepEqual([traffic.requests, traffic.successes, traffic.failures, traffic.retrySuccesses, traffic.retryFailures], [1, 0, 0, 1, 0]);
+      assert.equal(traffic.hedgesWon, 1); // the hedge answered: counted once, by default
+      assert.equal(await client.reporter!.flush(), true);
+      assert.equal(await hedgesWon(retryd, 'ts-hedged-grpc'), 1);
     } finally {
       upstream.close();
       await client.close();

@@ -1,6 +1,7 @@
 /** What the hedging tests share: latencies fed to a real retryd through the client's reporter. */
 import { strict as assert } from 'node:assert';
 import type { RetrydClient } from '../src';
+import type { Retryd } from './support';
 
 /**
  * Reports, through the client's own reporter, first attempts with a tail (90%
@@ -15,3 +16,12 @@ export async function feed(client: RetrydClient, upstream: string, requests = 20
   assert.equal(await reporter.flush(), true);
 }
 
+/** retryd_hedges_won_total for one upstream, scraped from retryd's /metrics. */
+export async function hedgesWon(retryd: Retryd, upstream: string): Promise<number> {
+  const text = await (await fetch(`http://${retryd.metrics}/metrics`)).text();
+  let total = 0;
+  for (const line of text.split('\n')) {
+    if (line.startsWith('retryd_hedges_won_total{') && line.includes(`upstream="${upstream}"`)) total += Number(line.slice(line.lastIndexOf(' ') + 1));
+  }
+  return total;
+}

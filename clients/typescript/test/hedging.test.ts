@@ -19,7 +19,7 @@ import {
   TrafficReporter,
   type TrafficEntry,
 } from '../src';
-import { feed } from './hedging-support';
+import { feed, hedgesWon } from './hedging-support';
 import { CLIENT_TEST_CONFIG, closedPort, REPO, startRetryd, type Retryd } from './support';
 
 // The brief's vectors, with 1000 us in bucket 63: e = 9, m = 1000 >> 6 = 15,
@@ -330,7 +330,9 @@ describe('hedged fetch calls', () => {
       const traffic = client.reporter!.pendingTraffic()['ts-hedged']!;
       assert.deepEqual([traffic.requests, traffic.successes, traffic.failures, traffic.retrySuccesses, traffic.retryFailures], [1, 0, 0, 1, 0]);
       assert.equal(traffic.latencyFailures, undefined);
+      assert.equal(traffic.hedgesWon, 1); // the hedge answered: counted once, by default
       assert.equal(await client.reporter!.flush(), true); // and retryd accepts the report of it
+      assert.equal(await hedgesWon(retryd, 'ts-hedged'), 1);
     } finally {
       await upstream.close();
       await client.close();

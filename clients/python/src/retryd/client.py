@@ -179,7 +179,7 @@ def _upstream_traffic(entry: Union[Traffic, tuple[str, int]]) -> pb.UpstreamTraf
     t = Traffic(*entry)
     message = pb.UpstreamTraffic(upstream=t.upstream, requests=t.requests, successes=t.successes,
                                  failures=t.failures, retry_successes=t.retry_successes,
-                                 retry_failures=t.retry_failures)
+                                 retry_failures=t.retry_failures, hedges_won=t.hedges_won)
     # Absent, not empty, when nothing was recorded: "this caller reports no latency".
     if t.latency_successes:
         message.latency_successes.counts.update(dict(t.latency_successes))

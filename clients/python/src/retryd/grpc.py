@@ -55,8 +55,11 @@ decided locally) raises :class:`AmbiguousRpcError` /
 
 :class:`AsyncRetryInterceptor` also hedges unary calls to an upstream whose
 hedging retryd serves (:mod:`retryd.hedge_runner`: a copy after the served
-delay, granted by retryd; the loser cancelled); the blocking interceptor
-does not. Both record every completed first attempt's latency.
+delay, granted by retryd; the loser cancelled); so does the blocking
+interceptor for ``.future()`` calls (:mod:`retryd.hedge_threads`: the
+copies are grpcio futures, the loser's ``cancel()`` cancels its RPC),
+while a plain blocking call is over before the interceptor sees it and is
+never hedged. Both record every completed first attempt's latency.
 
 Switch off grpcio's own retries for the channels retryd governs: give no
 ``retryPolicy`` in the channel's service config (``grpc.service_config``)
@@ -82,6 +85,7 @@ from ._types import Body, Decision, Evidence, FailureKind, Idempotency, Idempote
 from .client import AsyncClient, Client, Seconds, _seconds
 from .errors import AmbiguousExecutionError, describe_ambiguity
 from .hedge_runner import HedgePlan, run_hedged
+from .hedge_threads import run_hedged_blocking
 from .lineage import (
     RETRIED_HEADER,
     baggage_with_lineage,
@@ -442,6 +446,12 @@ class _Policy:
         if not later and elapsed is not None:
             self.record_first_latency(success, elapsed)
 
+    def record_hedge_won(self) -> None:
+        """Counts a call answered by a hedge (``hedges_won``; only the caller knows which copy won)."""
+        record_hedge_won = getattr(self._chosen_reporter(), "record_hedge_won", None)
+        if record_hedge_won is not None:
+            record_hedge_won(self.upstream)
+
     def record_first_latency(self, success: bool, elapsed: float) -> None:
         record_latency = getattr(self._chosen_reporter(), "record_latency", None)
         if record_latency is not None:
@@ -587,7 +597,12 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
         state = _Call(self._policy, _method_name(client_call_details.method), client_call_details.timeout,
                       self._clock)
         metadata = client_call_details.metadata
-        while True:
+        table = self._retryd.hedging
+        body = self._policy.body
+        plan = (table.plan(self._policy.upstream, state.idempotency)
+                if self._policy.retries and (body is None or body.replayability != Replayability.ONE_SHOT) else None)
+
+        def send() -> Any:
             timeout = state.begin()
             details = _SyncDetails(
                 client_call_details.method,
@@ -597,9 +612,22 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
                 client_call_details.wait_for_ready,
                 getattr(client_call_details, "compression", None),
             )
-            outcome = continuation(details, request)
-            error = outcome.exception()
-            self._policy.record_outcome(state.attempt, error, state.elapsed())
+            return continuation(details, request)
+
+        while True:
+            first = state.attempt == 0
+            if first:
+                table.first_attempt()
+            outcome = send()
+            # A .future() call comes back still running, and can be cancelled:
+            # that is the one a blocking interceptor can hedge (a blocking
+            # call has already ended here).
+            if first and plan is not None and not outcome.done():
+                outcome = self._hedged(state, plan, outcome, send)
+                error = outcome.exception()
+            else:
+                error = outcome.exception()
+                self._policy.record_outcome(state.attempt, error, state.elapsed())
             if error is None or not isinstance(error, grpc.RpcError):
                 return outcome  # a response, or a failure that is no RPC's (passed through)
             classified = classify_rpc_error(error)
@@ -626,6 +654,32 @@ class RetryInterceptor(grpc.UnaryUnaryClientInterceptor):
                 record_failure_after_decision()
                 # An unknown outcome (AMBIGUOUS, or a DENY with a mark) is never the plain failure.
                 return AmbiguousRpcError(decision, error) if decision.is_outcome_unknown else outcome
+
+    def _hedged(self, state: _Call, plan: HedgePlan, first: Any, send: Callable[[], Any]) -> Any:
+        """The first call and its hedges (retryd.hedge_threads), every copy that answered counted."""
+        sent_at = state.sent_at
+
+        def ask(hedge: int) -> Decision:
+            return self._retryd.decide_hedge(upstream=self._policy.upstream, idempotency=state.idempotency,
+                                             hedge=hedge, attempt=state.attempt, operation=state.method,
+                                             deadline_remaining=state.remaining(), body=self._policy.body,
+                                             lineage=state.lineage)
+
+        def final(future: Any) -> bool:
+            error = future.exception()
+            return error is None or attempt_succeeded(error) is not False
+
+        def on_end(copy: int, future: Any, elapsed: float) -> None:
+            self._policy.record_outcome(state.attempt, future.exception(), elapsed, retry=copy > 0)
+
+        hedged = run_hedged_blocking(plan=plan, first=first, start_copy=lambda copy: send(), is_final=final,
+                                     ask=ask, on_end=on_end,
+                                     on_first_cancelled=lambda elapsed: self._policy.record_first_latency(True, elapsed),
+                                     clock=state.clock, remaining=state.remaining, first_sent_at=sent_at)
+        state.hedge_decisions.extend(hedged.decisions)
+        if hedged.copy > 0 and final(hedged.result):
+            self._policy.record_hedge_won()
+        return hedged.result
 
 
 class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
@@ -756,6 +810,8 @@ class AsyncRetryInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
                                   on_first_cancelled=lambda elapsed: self._policy.record_first_latency(True, elapsed),
                                   clock=state.clock, remaining=state.remaining)
         state.hedge_decisions.extend(hedged.decisions)
+        if hedged.copy > 0 and final(hedged.result):
+            self._policy.record_hedge_won()
         return hedged.result
 
 

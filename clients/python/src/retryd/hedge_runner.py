@@ -69,9 +69,15 @@ async def run_hedged(
     on_first_cancelled: Callable[[float], None],
     clock: Callable[[], float],
     remaining: Callable[[], Optional[float]],
+    cancel_copy: Optional[Callable[[asyncio.Future[Any]], None]] = None,
 ) -> HedgeRound[R]:
-    """Races copies of a call as the module doc describes. ``start_copy(k)`` sends copy k."""
+    """Races copies of a call as the module doc describes. ``start_copy(k)`` sends copy k.
+
+    ``cancel_copy`` cancels a loser (by default ``task.cancel()``); the httpx
+    adapter's defers the cancel to a point where httpcore's pool survives it.
+    """
     running: dict[asyncio.Future[Any], tuple[int, float]] = {}
+    cancel: Callable[[asyncio.Future[Any]], None] = cancel_copy or _cancel_task
 
     def launch(copy: int) -> None:
         running[asyncio.ensure_future(start_copy(copy))] = (copy, clock())
@@ -121,7 +127,7 @@ async def run_hedged(
                 result: R = task.result()
                 on_end(copy, result, clock() - started)
                 if is_final(result):
-                    await _cancel_losers(running, on_first_cancelled, clock)
+                    await _cancel_losers(running, on_first_cancelled, clock, cancel)
                     return HedgeRound(result, copy, sent, decisions)
                 last = (copy, result)
     finally:
@@ -130,10 +136,14 @@ async def run_hedged(
         # Only on an exception (the caller cancelled): no copy outlives the call.
         if running:
             for task in running:
-                task.cancel()
+                cancel(task)
             await asyncio.gather(*running, return_exceptions=True)
     assert last is not None
     return HedgeRound(last[1], last[0], sent, decisions)
+
+
+def _cancel_task(task: asyncio.Future[Any]) -> None:
+    task.cancel()
 
 
 def _answer(asking: asyncio.Future[Decision]) -> Optional[Decision]:
@@ -146,10 +156,11 @@ def _answer(asking: asyncio.Future[Decision]) -> Optional[Decision]:
 
 
 async def _cancel_losers(running: dict[asyncio.Future[Any], tuple[int, float]],
-                         on_first_cancelled: Callable[[float], None], clock: Callable[[], float]) -> None:
+                         on_first_cancelled: Callable[[float], None], clock: Callable[[], float],
+                         cancel_copy: Callable[[asyncio.Future[Any]], None]) -> None:
     now = clock()
     for task, (copy, started) in running.items():
-        task.cancel()
+        cancel_copy(task)
         if copy == 0:
             on_first_cancelled(now - started)
     # Awaited so that each copy closes its connection or call before the

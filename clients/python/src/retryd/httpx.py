@@ -1,6 +1,6 @@
 """httpx adapter: honest evidence from httpx outcomes, and retryd-governed retries.
 
-About 750 lines: one responsibility (an httpx call under retryd's decisions),
+About 780 lines: one responsibility (an httpx call under retryd's decisions),
 written twice, for ``httpx.Client`` and ``httpx.AsyncClient``, beside the
 classification they share; the async one's hedged first round describes a
 copy here, and the race itself lives in :mod:`retryd.hedge_runner`.
@@ -50,9 +50,11 @@ call that ends with its outcome unknown (AMBIGUOUS, or a DENY with an
 ``unknown_outcome`` mark) raises :class:`~retryd.errors.AmbiguousExecutionError`.
 
 Hedging: :func:`arequest_with_retries` hedges idempotent calls as retryd
-serves (:mod:`retryd.hedging`, :mod:`retryd.hedge_runner`); the blocking
-loop does not, since a blocking httpx call cannot be cancelled from another
-thread. Every completed first attempt's latency is recorded on the reporter.
+serves (:mod:`retryd.hedging`, :mod:`retryd.hedge_runner`), cancelling a
+loser only where httpcore's pool survives it (:mod:`retryd._copy_gate`); the
+blocking loop does not hedge yet, since a blocking httpx read can only be
+ended by closing its connection, which httpx does not expose for a pooled
+one. Every completed first attempt's latency is recorded on the reporter.
 
 httpx and httpcore send nothing again by themselves once any of a request
 was written: httpcore takes another connection only for a request it has
@@ -77,6 +79,7 @@ import httpx
 from ._types import Body, Decision, Evidence, FailureKind, IdempotencyLike, Replayability
 from .client import AsyncClient, Client, Seconds, _seconds
 from .errors import AmbiguousExecutionError
+from ._copy_gate import CopyGate as _CopyGate
 from .hedge_runner import HedgePlan, run_hedged
 from .lineage import (
     RETRIED_HEADER,
@@ -371,6 +374,12 @@ class _Loop:
             record_outcome(self.upstream, success, retry=retry)
         if not retry:
             self.first_latency(success, elapsed)
+
+    def hedge_won(self) -> None:
+        """Counts a call whose final answer came from a hedge (a reporter without the count records none)."""
+        record_hedge_won = getattr(self.reporter, "record_hedge_won", None)
+        if record_hedge_won is not None:
+            record_hedge_won(self.upstream)
 
     def first_latency(self, success: bool, elapsed: float) -> None:
         """Records the first attempt's latency (a reporter without histograms records none)."""
@@ -670,16 +679,18 @@ class _Copy:
 
 
 async def _acopy(http: httpx.AsyncClient, request: httpx.Request, send: dict[str, Any], loop: _Loop,
-                 retry_statuses: frozenset[int]) -> _Copy:
-    """Sends one attempt and reads its response in full; cancelling it aborts the request."""
+                 retry_statuses: frozenset[int], gate: Optional[_CopyGate] = None) -> _Copy:
+    """Sends one attempt and reads its response in full; cancelling it (through ``gate``) aborts the request."""
+    if gate is None:
+        gate = _CopyGate(request)
     response: Optional[httpx.Response] = None
     try:
         try:
-            response = await _within(loop.remaining(), http.send(request, stream=True, **send), request)
+            response = await _within(loop.remaining(), _sending(http, request, send, gate), request, gate)
         except httpx.TransportError as exc:
             return _Copy(None, exc, classify_exception(exc))
         try:
-            await _within(loop.remaining(), response.aread(), request)
+            await _within(loop.remaining(), response.aread(), request, gate)
         except (httpx.TransportError, httpx.DecodingError) as exc:
             await response.aclose()
             return _Copy(response, exc, classify_exception(exc, response=response))
@@ -694,14 +705,29 @@ async def _acopy(http: httpx.AsyncClient, request: httpx.Request, send: dict[str
     return _Copy(response, None, classify_response(response))
 
 
+async def _sending(http: httpx.AsyncClient, request: httpx.Request, send: dict[str, Any],
+                   gate: _CopyGate) -> httpx.Response:
+    # From here until the request starts on a connection, a cancel waits (see _CopyGate).
+    gate.enter_pool()
+    return await http.send(request, stream=True, **send)
+
+
 async def _ahedged_round(http: httpx.AsyncClient, retryd: AsyncClient, loop: _Loop, plan: HedgePlan,
                          method: str, url: Union[httpx.URL, str], build: dict[str, Any],
                          send: dict[str, Any], retry_statuses: frozenset[int]) -> _Copy:
     """The first attempt and its hedges (retryd.hedge_runner); counts every copy that answered."""
+    gates: dict[asyncio.Future[Any], _CopyGate] = {}
 
     def start_copy(copy: int) -> Awaitable[_Copy]:
         request = loop.carry_lineage(http.build_request(method, url, **loop.begin(build, http.timeout)))
-        return _acopy(http, request, send, loop, retry_statuses)
+        gate = _CopyGate(request)
+        task = asyncio.ensure_future(_acopy(http, request, send, loop, retry_statuses, gate))
+        gate.task = task
+        gates[task] = gate
+        return task
+
+    def cancel_copy(task: asyncio.Future[Any]) -> None:
+        gates[task].cancel()
 
     def ask(hedge: int) -> Awaitable[Decision]:
         return retryd.decide_hedge(upstream=loop.upstream, idempotency=loop.idempotency, hedge=hedge,
@@ -713,8 +739,10 @@ async def _ahedged_round(http: httpx.AsyncClient, retryd: AsyncClient, loop: _Lo
 
     hedged = await run_hedged(plan=plan, start_copy=start_copy, is_final=lambda result: result.outcome is None,
                               ask=ask, on_end=on_end, on_first_cancelled=lambda elapsed: loop.first_latency(True, elapsed),
-                              clock=loop.clock, remaining=loop.remaining)
+                              clock=loop.clock, remaining=loop.remaining, cancel_copy=cancel_copy)
     loop.hedge_decisions.extend(hedged.decisions)
+    if hedged.copy > 0 and hedged.result.outcome is None:
+        loop.hedge_won()
     return hedged.result
 
 
@@ -725,15 +753,43 @@ _CUT_GRACE = 0.05
 _T = TypeVar("_T")
 
 
-async def _within(remaining: Optional[float], awaitable: Awaitable[_T], request: httpx.Request) -> _T:
+async def _within(remaining: Optional[float], awaitable: Awaitable[_T], request: httpx.Request,
+                  gate: Optional[_CopyGate] = None) -> _T:
     if remaining is None:
         return await awaitable
+    if gate is None:
+        try:
+            return await asyncio.wait_for(awaitable, remaining + _CUT_GRACE)
+        except asyncio.TimeoutError:
+            raise _cut(request) from None
+    # Cut through the gate, not by wait_for's cancel: a cancel at the wrong
+    # moment would leave a connection in the pool (see _CopyGate).
+    inner = asyncio.ensure_future(awaitable)
     try:
-        return await asyncio.wait_for(awaitable, remaining + _CUT_GRACE)
-    except asyncio.TimeoutError:
-        # Cut by the caller's deadline: the request may have been written, so
-        # this is a read timeout, never proof of NOT_SENT.
-        raise httpx.ReadTimeout("the call's deadline passed during the attempt", request=request) from None
+        done, _ = await asyncio.wait({inner}, timeout=remaining + _CUT_GRACE)
+    except asyncio.CancelledError:
+        gate.task = inner
+        gate.cancel()
+        await asyncio.gather(inner, return_exceptions=True)
+        if not inner.cancelled() and isinstance(inner.exception() or inner.result(), httpx.Response):
+            # The response came as the copy was cancelled: nobody else will close it.
+            await cast(httpx.Response, inner.result()).aclose()
+        raise
+    if done:
+        return inner.result()
+    gate.task = inner
+    gate.cancel()
+    try:
+        await inner
+    except asyncio.CancelledError:
+        raise _cut(request) from None
+    return inner.result()
+
+
+def _cut(request: httpx.Request) -> httpx.ReadTimeout:
+    # Cut by the caller's deadline: the request may have been written, so
+    # this is a read timeout, never proof of NOT_SENT.
+    return httpx.ReadTimeout("the call's deadline passed during the attempt", request=request)
 
 
 __all__ = [

@@ -48,6 +48,11 @@ recorded; a first attempt cancelled because its hedge answered first is
 recorded as a success with the time it had run. The adapters do this by
 default. A batch carries the histograms beside the counts, and a re-sent
 batch the same histograms.
+
+Hedges won: ``record_hedge_won(upstream)`` counts a hedged call whose answer
+came from a hedge, not from its first attempt (``hedges_won``; retryd
+counts it in ``retryd_hedges_won_total``). Only the caller knows which copy
+won, so the hedging adapters count it by default, once per call.
 """
 
 from __future__ import annotations
@@ -104,11 +109,13 @@ class Traffic(NamedTuple):
     latency_successes: tuple[tuple[int, int], ...] = ()
     #: First-attempt latencies of failures, likewise.
     latency_failures: tuple[tuple[int, int], ...] = ()
+    #: Hedged calls whose answer came from a hedge.
+    hedges_won: int = 0
 
 
 #: Where each count sits in a pending row (the fields of Traffic after ``upstream``).
-_REQUESTS, _SUCCESSES, _FAILURES, _RETRY_SUCCESSES, _RETRY_FAILURES = range(5)
-_COUNTS = 5
+_REQUESTS, _SUCCESSES, _FAILURES, _RETRY_SUCCESSES, _RETRY_FAILURES, _HEDGES_WON = range(6)
+_COUNTS = 6
 
 
 class _Row:
@@ -123,7 +130,7 @@ class _Row:
 
     def add(self, entry: Traffic) -> None:
         for index, n in enumerate((entry.requests, entry.successes, entry.failures, entry.retry_successes,
-                                   entry.retry_failures)):
+                                   entry.retry_failures, entry.hedges_won)):
             self.counts[index] += n
         for histogram, pairs in ((self.latency_successes, entry.latency_successes),
                                  (self.latency_failures, entry.latency_failures)):
@@ -131,10 +138,10 @@ class _Row:
                 histogram[index] = histogram.get(index, 0) + n
 
     def traffic(self, upstream: str) -> Traffic:
-        requests, successes, failures, retry_successes, retry_failures = self.counts
+        requests, successes, failures, retry_successes, retry_failures, hedges_won = self.counts
         return Traffic(upstream, requests, successes, failures, retry_successes, retry_failures,
                        tuple(sorted(self.latency_successes.items())),
-                       tuple(sorted(self.latency_failures.items())))
+                       tuple(sorted(self.latency_failures.items())), hedges_won)
 
 
 class _SendsReports(Protocol):
@@ -329,6 +336,10 @@ class TrafficReporter:
         """Counts one completed first attempt's latency (see the module doc for the rule)."""
         self._book.add_latency(upstream, success, bucket_of_seconds(seconds))
 
+    def record_hedge_won(self, upstream: str, count: int = 1) -> None:
+        """Counts ``count`` hedged calls to ``upstream`` answered by a hedge (see the module doc)."""
+        self._book.add(upstream, _HEDGES_WON, count)
+
     def pending(self) -> dict[str, int]:
         """The requests not yet delivered (unsent batches included), per upstream."""
         with self._send_lock:
@@ -426,6 +437,11 @@ class AsyncTrafficReporter:
     def record_latency(self, upstream: str, success: bool, seconds: float) -> None:
         """See :meth:`TrafficReporter.record_latency`."""
         self._book.add_latency(upstream, success, bucket_of_seconds(seconds))
+        self._start_in_loop()
+
+    def record_hedge_won(self, upstream: str, count: int = 1) -> None:
+        """See :meth:`TrafficReporter.record_hedge_won`."""
+        self._book.add(upstream, _HEDGES_WON, count)
         self._start_in_loop()
 
     def _start_in_loop(self) -> None:
