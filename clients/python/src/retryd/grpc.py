@@ -1,6 +1,6 @@
 """grpcio interceptors: honest evidence from failed gRPC calls, and retryd-governed retries.
 
-About 780 lines: the classification table, the sync interceptor and its
+About 830 lines: the classification table, the sync interceptor and its
 asyncio twin, which mirror each other line for line (grpcio's two APIs);
 the asyncio one's hedged round is its ``_hedged``, the race
 :mod:`retryd.hedge_runner`.

@@ -1,6 +1,6 @@
 """httpx adapter: honest evidence from httpx outcomes, and retryd-governed retries.
 
-About 780 lines: one responsibility (an httpx call under retryd's decisions),
+About 810 lines: one responsibility (an httpx call under retryd's decisions),
 written twice, for ``httpx.Client`` and ``httpx.AsyncClient``, beside the
 classification they share; the async one's hedged first round describes a
 copy here, and the race itself lives in :mod:`retryd.hedge_runner`.

@@ -1,5 +1,9 @@
 """Background reporters that batch real-traffic counts into ReportTraffic.
 
+About 510 lines, one responsibility (counts in, batches out, re-sent with
+their ids until applied): the blocking and asyncio reporters share the
+counters and batching here, and differ only in how they wait and send.
+
 Budgets fill from reported first attempts only ("retries never fund
 retries"), so call ``record`` once per real request, never for a retry. The
 adapters (:mod:`retryd.httpx`, :mod:`retryd.grpc`) do it for you through the
