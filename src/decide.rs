@@ -19,7 +19,7 @@
 mod attempt;
 mod candidate;
 pub mod names;
-mod paced;
+mod pacing;
 mod pushback;
 pub mod replay;
 mod report;
@@ -123,7 +123,7 @@ pub struct Decider<S> {
     /// The hedged upstreams' latencies and hedges over their windows.
     hedges: HedgeWindows,
     /// Upstreams pacing the fleet, as this replica's decisions saw them.
-    paced: paced::Paced,
+    pacing: pacing::PacingUpstreams,
 }
 
 /// A decision up to its one store call: authorised, and decided as if the
@@ -195,7 +195,7 @@ impl<S: BudgetStore> Decider<S> {
             live: ArcSwap::from_pointee(live),
             report_window,
             hedges: HedgeWindows::default(),
-            paced: paced::Paced::default(),
+            pacing: pacing::PacingUpstreams::default(),
         }
     }
 
@@ -267,6 +267,7 @@ impl<S: BudgetStore> Decider<S> {
     ) -> Result<Begun<'r>, Refused> {
         permit(principal, attempt.upstream, "upstream")?;
         let policy = live.policies.get(attempt.upstream);
+        let facts = attempt.facts(BudgetView::OPEN, draw);
         // The budget (rules 2 and 5) can only turn a verdict into a DENY, so
         // only a RETRY here needs a token, and then the store withdraws it
         // in the same call that reads the budget.
@@ -291,11 +292,11 @@ impl<S: BudgetStore> Decider<S> {
                 state,
             })
         } else {
-            Settled::hope(&attempt.facts(BudgetView::OPEN, draw), &policy.engine)
+            Settled::hope(&facts, &policy.engine)
         };
         // The caller's Retry-After or pushback, for every caller of the
         // upstream: written by the same store call (`pushback.rs`).
-        let mut fleet = pushback::fleet_call(&attempt.facts(BudgetView::OPEN, draw), policy);
+        let mut fleet = pushback::fleet_call(&facts, policy);
         if attempt.hedge > 0 {
             // A hedge cannot wait: while the upstream's fleet-wide pushback
             // is in force the store withdraws nothing for it, and it is
@@ -371,7 +372,7 @@ impl<S: BudgetStore> Decider<S> {
             } else {
                 check.pushback.wait
             };
-            self.paced.note(upstream, announced.max(read));
+            self.pacing.note(upstream, announced.max(read));
         }
         let (decision, tokens_remaining) =
             begun

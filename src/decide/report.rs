@@ -179,9 +179,9 @@ impl<S: BudgetStore> Decider<S> {
             let index = skip + offset;
             let adaptive = live.policies.get(upstream).adaptive;
             // A pacing upstream's failures are its announced 429s, not ill
-            // health (`paced.rs`): the entry funds in full and the level
+            // health (`pacing.rs`): the entry funds in full and the level
             // stays.
-            let paced = adaptive && entry.outcomes.is_reported() && self.paced.holds(upstream);
+            let paced = adaptive && entry.outcomes.is_reported() && self.pacing.holds(upstream);
             let funded_requests = if paced {
                 entry.requests
             } else {

@@ -35,11 +35,11 @@ pub(super) const REPORT_GRACE: Duration = Duration::from_secs(2);
 /// with a pushback in force, so they are bounded as the store's upstreams
 /// are; an expired one is removed when next looked at.
 #[derive(Debug, Default)]
-pub(super) struct Paced {
+pub(super) struct PacingUpstreams {
     until: Mutex<HashMap<Box<str>, Instant>>,
 }
 
-impl Paced {
+impl PacingUpstreams {
     /// `upstream` paces for `wait` from now (zero: nothing to note).
     pub(super) fn note(&self, upstream: &str, wait: Duration) {
         if wait.is_zero() {
@@ -73,7 +73,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn an_upstream_paces_until_its_announced_time_and_the_grace() {
-        let paced = Paced::default();
+        let paced = PacingUpstreams::default();
         assert!(!paced.holds("a"));
         paced.note("a", Duration::ZERO);
         assert!(!paced.holds("a"));
