@@ -81,7 +81,7 @@ async fn exact_mode_grants_exactly_the_budget_across_three_replicas() {
     let replicas: Vec<Server> = (0..3).map(|_| Server::start(&config)).collect();
     // 3 replicas × 4 callers × 50 calls = 600 attempts for 300 tokens.
     let retries = hammer(&replicas, 4, 50).await;
-    assert_eq!(retries, 300, "demand above supply gets exactly the budget");
+    assert_exactly_the_budget(&replicas, retries, 300);
 }
 
 #[tokio::test]
@@ -90,7 +90,39 @@ async fn exact_mode_on_a_redis_cluster() {
     let config = replica_config(&cluster.urls(), "exact", "");
     let replicas: Vec<Server> = (0..2).map(|_| Server::start(&config)).collect();
     let retries = hammer(&replicas, 4, 60).await;
-    assert_eq!(retries, 300);
+    assert_exactly_the_budget(&replicas, retries, 300);
+}
+
+/// A fleet short of budget is granted the whole budget and never more,
+/// except for one token per withdrawal whose answer this replica never
+/// heard: Redis applied it (the script was sent), the replica answered
+/// from its fallback, whose local bucket starts empty, and counted that
+/// in `retryd_store_fallbacks_total`. With no fallback the count is exact.
+/// A CI run on a starved machine saw 297 of 300 with three such answers;
+/// a token is never lost without one.
+fn assert_exactly_the_budget(replicas: &[Server], retries: usize, budget: usize) {
+    assert!(retries <= budget, "{retries} granted of {budget}: over-allowed");
+    let fallbacks: f64 = replicas
+        .iter()
+        .map(|replica| store_counter(&replica.scrape(), "retryd_store_fallbacks_total"))
+        .sum();
+    let lost = (budget - retries) as f64;
+    assert!(
+        lost <= fallbacks,
+        "{retries} granted of {budget}, and only {fallbacks} answers from the fallback"
+    );
+    if fallbacks > 0.0 {
+        eprintln!("{retries} granted of {budget}; {fallbacks} answers from the fallback");
+    }
+}
+
+fn store_counter(scrape: &str, series: &str) -> f64 {
+    scrape
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("{series} is not on the metrics page"))
+        .parse()
+        .unwrap()
 }
 
 #[tokio::test]
