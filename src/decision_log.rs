@@ -169,6 +169,16 @@ pub struct HedgeLine {
     pub first_attempts: u64,
     /// Hedges granted over the window before this decision.
     pub hedges: u64,
+    /// Latencies counted over the window's most recent part (absent from
+    /// lines written before it was kept: none).
+    #[serde(default)]
+    pub recent_samples: u64,
+    /// Their median, in nanoseconds.
+    #[serde(default)]
+    pub recent_p50_ns: u64,
+    /// Their tail quantile, in nanoseconds.
+    #[serde(default)]
+    pub recent_tail_ns: u64,
 }
 
 /// One deposited entry of a traffic report.
@@ -708,6 +718,9 @@ impl DecisionRecord {
                 samples: note.samples,
                 first_attempts: note.first_attempts,
                 hedges: note.hedges,
+                recent_samples: note.recent.samples,
+                recent_p50_ns: nanos(note.recent.p50),
+                recent_tail_ns: nanos(note.recent.tail),
             }),
         }
     }
@@ -866,6 +879,11 @@ pub fn hedge_state_of(line: &HedgeLine) -> crate::engine::HedgeState {
         tail: nanos(line.tail_ns),
         first_attempts: line.first_attempts,
         hedges: line.hedges,
+        recent: crate::engine::RecentLatency {
+            samples: line.recent_samples,
+            p50: nanos(line.recent_p50_ns),
+            tail: nanos(line.recent_tail_ns),
+        },
     }
 }
 
@@ -966,6 +984,9 @@ mod tests {
                 samples: 1_000,
                 first_attempts: 1_000,
                 hedges: 3,
+                recent_samples: 150,
+                recent_p50_ns: 11_000_000,
+                recent_tail_ns: 190_000_000,
             }),
         }
     }

@@ -23,6 +23,9 @@ const CONFIG: &str = r#"
 budget = { capacity = 1000.0, initial = 0.0, ratio = 0.5, min_per_second = 0.0 }
 
 [upstreams.fast.hedging]
+
+[upstreams.turning.hedging]
+window = "6s"
 "#;
 
 /// Polls `probe` every 20 ms until it answers, within the hang guard (the
@@ -137,4 +140,60 @@ async fn leased_replicas_share_one_window() {
 async fn cluster_replicas_share_one_window() {
     let cluster = RedisCluster::start(3);
     two_replicas_share_one_window::<Exact>(&cluster.urls()).await;
+}
+
+/// The recent part of the window (its last sixth: 1 s of 6 s) is the
+/// fleet's too: A reports fast calls with a tail, B slow ones 1.3 s later,
+/// and B's answer, read back from Redis, has the whole window's p50 fast
+/// (A's calls) and its recent part slow (B's), so the upstream is not
+/// hedged. Wall time, as in tests/hedging.rs.
+#[tokio::test]
+async fn the_recent_part_of_the_window_is_the_fleets() {
+    let redis = RedisServer::start();
+    let urls = [redis.url()];
+    let prefix = fresh_prefix("hedging-recent");
+    let a = InProcess::start(
+        CONFIG,
+        redis_store::<Exact>(&urls, &prefix, STORE_TIMEOUT).await,
+    )
+    .await;
+    let b = InProcess::start(
+        CONFIG,
+        redis_store::<Exact>(&urls, &prefix, STORE_TIMEOUT).await,
+    )
+    .await;
+    let mut to_a = a.decider().await;
+    let mut to_b = b.decider().await;
+    let fast = report(
+        &mut to_a,
+        vec![entry("turning", 1_000, &[(10, 980), (1_000, 20)])],
+    )
+    .await
+    .unwrap();
+    assert!(fast.hedging[0].enabled, "{:?}", fast.hedging);
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let slow = report(
+        &mut to_b,
+        vec![entry("turning", 200, &[(200, 180), (210, 20)])],
+    )
+    .await
+    .unwrap();
+    assert!(!slow.hedging[0].enabled, "{:?}", slow.hedging);
+    let denied = to_b.decide(hedge("turning", 1)).await.unwrap().into_inner();
+    assert_eq!(
+        denied.deny_reason(),
+        pb::DenyReason::UniformlySlow,
+        "{denied:?}"
+    );
+    for part in [
+        "p50 9ms, p99 1007ms over 1200 samples",
+        "over its most recent sixth: p50 20",
+        "over 200 samples)",
+    ] {
+        assert!(
+            denied.explanation.contains(part),
+            "{part:?} in {}",
+            denied.explanation
+        );
+    }
 }

@@ -101,7 +101,10 @@ async fn exact_mode_on_a_redis_cluster() {
 /// A CI run on a starved machine saw 297 of 300 with three such answers;
 /// a token is never lost without one.
 fn assert_exactly_the_budget(replicas: &[Server], retries: usize, budget: usize) {
-    assert!(retries <= budget, "{retries} granted of {budget}: over-allowed");
+    assert!(
+        retries <= budget,
+        "{retries} granted of {budget}: over-allowed"
+    );
     let fallbacks: f64 = replicas
         .iter()
         .map(|replica| store_counter(&replica.scrape(), "retryd_store_fallbacks_total"))

@@ -176,6 +176,9 @@ fn hedge(hedge: &HedgeLine, out: &mut Vec<u8>) {
     field!(out, "samples", hedge.samples, number);
     field!(out, "first_attempts", hedge.first_attempts, number);
     field!(out, "hedges", hedge.hedges, number);
+    field!(out, "recent_samples", hedge.recent_samples, number);
+    field!(out, "recent_p50_ns", hedge.recent_p50_ns, number);
+    field!(out, "recent_tail_ns", hedge.recent_tail_ns, number);
     out.push(b'}');
 }
 
@@ -305,6 +308,9 @@ mod tests {
                 samples: int(rng),
                 first_attempts: int(rng),
                 hedges: int(rng),
+                recent_samples: int(rng),
+                recent_p50_ns: int(rng),
+                recent_tail_ns: int(rng),
             }),
         }
     }

@@ -24,12 +24,17 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use retryd_engine::latency::Histogram;
-use retryd_engine::{HedgePolicy, HedgeState};
+use retryd_engine::{HedgePolicy, HedgeState, RecentLatency};
 
 use crate::memory::{Clock, MonotonicClock};
 
 /// Slots per window.
 pub const SLOTS: usize = 30;
+/// The window's most recent slots (its last sixth), the current one
+/// included, over which an upstream turned slow as a whole is found
+/// uniformly slow before its slow calls are half the window
+/// (`retryd_engine::RecentLatency`).
+pub const RECENT_SLOTS: usize = SLOTS / 6;
 
 #[derive(Debug, Default)]
 struct Slot {
@@ -75,6 +80,8 @@ pub struct HedgeAdd<'a> {
 pub struct FleetWindow {
     /// The fleet's first-attempt latencies.
     pub latencies: Histogram,
+    /// Those of its [`RECENT_SLOTS`] most recent slots.
+    pub recent: Histogram,
     /// First attempts reported.
     pub first_attempts: u64,
     /// Hedges granted.
@@ -98,18 +105,27 @@ pub fn wall_slot(window: Duration) -> u64 {
 /// The state a window's sums give, for `policy`.
 pub fn state_of(window: &FleetWindow, policy: &HedgePolicy) -> HedgeState {
     HedgeState {
-        samples: window.latencies.total(),
-        p50: window.latencies.quantile(0.5).unwrap_or_default(),
-        delay: window
-            .latencies
-            .quantile(policy.quantile)
-            .unwrap_or_default(),
-        tail: window
-            .latencies
-            .quantile(policy.tail_quantile())
-            .unwrap_or_default(),
         first_attempts: window.first_attempts,
         hedges: window.hedges,
+        ..latency_state(&window.latencies, &window.recent, policy)
+    }
+}
+
+/// The latency part of a state: the quantiles of the whole window and of
+/// its recent part.
+fn latency_state(whole: &Histogram, recent: &Histogram, policy: &HedgePolicy) -> HedgeState {
+    let quantile = |histogram: &Histogram, q| histogram.quantile(q).unwrap_or_default();
+    HedgeState {
+        samples: whole.total(),
+        p50: quantile(whole, 0.5),
+        delay: quantile(whole, policy.quantile),
+        tail: quantile(whole, policy.tail_quantile()),
+        recent: RecentLatency {
+            samples: recent.total(),
+            p50: quantile(recent, 0.5),
+            tail: quantile(recent, policy.tail_quantile()),
+        },
+        ..HedgeState::default()
     }
 }
 
@@ -158,17 +174,14 @@ impl Window {
         let mut state = match self.cached {
             Some((at, writes, state)) if at == epoch && writes == self.writes => state,
             _ => {
-                let mut merged = Histogram::new();
+                let (mut whole, mut recent) = (Histogram::new(), Histogram::new());
                 for slot in self.live(now) {
-                    merged.merge(&slot.latencies);
+                    whole.merge(&slot.latencies);
+                    if slot.epoch + RECENT_SLOTS as u64 > epoch {
+                        recent.merge(&slot.latencies);
+                    }
                 }
-                let state = HedgeState {
-                    samples: merged.total(),
-                    p50: merged.quantile(0.5).unwrap_or_default(),
-                    delay: merged.quantile(policy.quantile).unwrap_or_default(),
-                    tail: merged.quantile(policy.tail_quantile()).unwrap_or_default(),
-                    ..HedgeState::default()
-                };
+                let state = latency_state(&whole, &recent, policy);
                 self.cached = Some((epoch, self.writes, state));
                 state
             }
@@ -317,6 +330,8 @@ impl<C: Clock> HedgeWindows<C> {
 mod tests {
     use std::sync::atomic::{AtomicU64, Ordering};
 
+    use retryd_engine::Served;
+
     use super::*;
 
     #[derive(Clone, Default)]
@@ -374,6 +389,43 @@ mod tests {
         clock.advance(Duration::from_secs(30));
         assert_eq!(windows.state("a", &policy).samples, 0);
         assert_eq!(windows.state("b", &policy), HedgeState::default());
+    }
+
+    /// 26 s fast with a 2% tail, then slow as a whole: one second in, the
+    /// recent part (the last five one-second slots) is still mostly fast;
+    /// five seconds in it is all slow and says so, while the whole window
+    /// still holds its fast past and its tail.
+    #[test]
+    fn the_recent_part_is_the_last_sixth_of_the_window() {
+        let clock = Manual::default();
+        let windows = HedgeWindows::with_clock(clock.clone());
+        let policy = HedgePolicy::default();
+        for second in 0..31 {
+            if second > 0 {
+                clock.advance(Duration::from_secs(1));
+            }
+            let report = if second < 26 {
+                latencies(&[(10, 98), (1_000, 2)])
+            } else {
+                latencies(&[(200, 100)])
+            };
+            windows.record("a", &policy, &report, 100);
+            let state = windows.state("a", &policy);
+            if second == 26 {
+                assert_eq!(state.recent.samples, 500);
+                assert!(state.recent.p50 < Duration::from_millis(11), "{state:?}");
+                assert!(!state.recent.is_uniform(&policy), "{state:?}");
+                assert!(matches!(state.served(&policy), Served::Hedge(_)));
+            }
+        }
+        let state = windows.state("a", &policy);
+        assert_eq!((state.samples, state.recent.samples), (3_000, 500));
+        assert!(state.p50 < Duration::from_millis(11), "{state:?}");
+        assert!(state.tail >= Duration::from_millis(900), "{state:?}");
+        assert!(state.recent.p50 >= Duration::from_millis(190), "{state:?}");
+        assert!(state.recent.tail < Duration::from_millis(230), "{state:?}");
+        assert!(state.recent.is_uniform(&policy), "{state:?}");
+        assert_eq!(state.served(&policy), Served::UniformlySlow);
     }
 
     #[test]

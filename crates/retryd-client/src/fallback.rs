@@ -311,6 +311,8 @@ impl Fallback {
             tail: delay.max(Duration::from_nanos(1)),
             first_attempts: 1,
             hedges: u64::from(allowance < 1.0),
+            // No recent latencies: the local rule has no fleet to watch.
+            recent: Default::default(),
         };
         let facts = HedgeFacts {
             hedge: attempt.hedge,

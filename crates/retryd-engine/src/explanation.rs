@@ -224,7 +224,7 @@ impl Decision {
                     }
                     DenyReason::HedgeCap => "hedges reached the cap on extra load",
                     DenyReason::UniformlySlow => {
-                        "the upstream is uniformly slow (its p50 is close to its tail): a copy would be as slow"
+                        "the upstream is uniformly slow (its p50 is close to its tail, over its window or its most recent sixth): a copy would be as slow"
                     }
                     DenyReason::BudgetExhausted => "the upstream's retry budget is empty",
                     DenyReason::BudgetUnavailable => {
@@ -238,6 +238,18 @@ impl Decision {
                 });
                 text.push_str(" (");
                 numbers(&mut text);
+                let recent = &note.recent;
+                if reason == DenyReason::UniformlySlow && recent.samples > 0 {
+                    text.push_str("; over its most recent sixth: p50 ");
+                    push_decimal(&mut text, millis(recent.p50));
+                    text.push_str("ms, p");
+                    push_decimal(&mut text, (note.tail_quantile * 1000.0).round() as u64 / 10);
+                    text.push(' ');
+                    push_decimal(&mut text, millis(recent.tail));
+                    text.push_str("ms over ");
+                    push_decimal(&mut text, recent.samples);
+                    text.push_str(" samples");
+                }
                 text.push(')');
             }
             Verdict::Ambiguous => text.push_str("ambiguous"),

@@ -107,6 +107,31 @@ pub struct HedgeState {
     pub first_attempts: u64,
     /// Hedges granted over the window, fleet-wide.
     pub hedges: u64,
+    /// The same latencies over the window's most recent part only.
+    pub recent: RecentLatency,
+}
+
+/// The latencies of the most recent part of a window (its last sixth: 5 s
+/// of a 30 s window). An upstream that turns slow as a whole is uniformly
+/// slow there within seconds, while the whole window still holds its fast
+/// past and says so only once the slow calls are half of it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RecentLatency {
+    /// Latencies counted.
+    pub samples: u64,
+    /// Their median.
+    pub p50: Duration,
+    /// Their tail quantile ([`HedgePolicy::tail_quantile`]).
+    pub tail: Duration,
+}
+
+impl RecentLatency {
+    /// Uniformly slow by the recent latencies alone: enough of them, and
+    /// their p50 within `uniform_ratio` of their tail.
+    pub fn is_uniform(&self, policy: &HedgePolicy) -> bool {
+        self.samples >= policy.min_samples.max(1)
+            && self.p50.as_secs_f64() >= policy.uniform_ratio * self.tail.as_secs_f64()
+    }
 }
 
 /// Whether an upstream may be hedged now, and after how long.
@@ -125,7 +150,9 @@ impl HedgeState {
     pub fn served(&self, policy: &HedgePolicy) -> Served {
         if self.samples < policy.min_samples.max(1) {
             Served::TooFewSamples
-        } else if self.p50.as_secs_f64() >= policy.uniform_ratio * self.tail.as_secs_f64() {
+        } else if self.p50.as_secs_f64() >= policy.uniform_ratio * self.tail.as_secs_f64()
+            || self.recent.is_uniform(policy)
+        {
             Served::UniformlySlow
         } else {
             Served::Hedge(self.delay)
@@ -176,6 +203,8 @@ pub struct HedgeNote {
     pub first_attempts: u64,
     /// Latencies counted over the window.
     pub samples: u64,
+    /// The window's most recent part.
+    pub recent: RecentLatency,
 }
 
 /// Decides a hedge. `policy` is `None` for an upstream without hedging.
@@ -194,6 +223,7 @@ pub fn decide_hedge(
         hedges: state.hedges,
         first_attempts: state.first_attempts,
         samples: state.samples,
+        recent: state.recent,
     };
     let answer = |verdict| Decision {
         verdict,
@@ -271,6 +301,7 @@ mod tests {
             tail: Duration::from_millis(200),
             first_attempts: 1_000,
             hedges: 0,
+            recent: RecentLatency::default(),
         }
     }
 
@@ -432,6 +463,33 @@ mod tests {
             ..state()
         };
         assert_eq!(slow.served(&policy), Served::UniformlySlow);
+        // Turned slow a few seconds ago: the window still holds its fast
+        // past (p50 10 ms, p99 a second), its most recent part is slow as
+        // a whole, and a copy would be as slow as the first.
+        let turned = HedgeState {
+            recent: RecentLatency {
+                samples: 400,
+                p50: Duration::from_millis(200),
+                tail: Duration::from_millis(220),
+            },
+            ..tail
+        };
+        assert_eq!(turned.served(&policy), Served::UniformlySlow);
+        // Too few recent latencies say nothing, nor does a recent part
+        // with a tail of its own.
+        for recent in [
+            RecentLatency {
+                samples: 99,
+                ..turned.recent
+            },
+            RecentLatency {
+                tail: Duration::from_secs(1),
+                ..turned.recent
+            },
+        ] {
+            let state = HedgeState { recent, ..tail };
+            assert_eq!(state.served(&policy), tail.served(&policy));
+        }
         assert_eq!(policy.tail_quantile(), 0.99);
         let high = HedgePolicy {
             quantile: 0.999,

@@ -37,7 +37,8 @@ pub use evidence::{Evidence, FailureKind, effective_evidence};
 pub use fleet::{FleetPushback, SPREAD as PUSHBACK_SPREAD};
 pub use grpc::{GrpcCode, GrpcCodes, Pushback, parse_pushback};
 pub use hedge::{
-    HedgeFacts, HedgeNote, HedgePolicy, HedgeState, Idempotencies, Served, decide_hedge,
+    HedgeFacts, HedgeNote, HedgePolicy, HedgeState, Idempotencies, RecentLatency, Served,
+    decide_hedge,
 };
 pub use lineage::{
     Lineage, LineageError, MAX_LAYER_BYTES, MAX_LINEAGE_ATTEMPT, MAX_LINEAGE_BYTES,

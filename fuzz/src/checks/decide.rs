@@ -10,8 +10,8 @@ use retryd::decide::{Attempt, Draw};
 use retryd::grpc::validate;
 use retryd_engine::{
     self as engine, BudgetView, Decision, DenyReason, EnclosingRetry, Evidence, Facts, FailureKind,
-    HedgeFacts, HedgePolicy, HedgeState, Idempotencies, Idempotency, Jitter, Policy, Replayability,
-    Verdict,
+    HedgeFacts, HedgePolicy, HedgeState, Idempotencies, Idempotency, Jitter, Policy, RecentLatency,
+    Replayability, Verdict,
 };
 use retryd_proto as pb;
 
@@ -58,10 +58,13 @@ impl Environment {
 }
 
 /// Hedging as the fleet may have it: a default policy whose upstream can be
-/// hedged (the budget decides), no policy, a policy whose cap is reached
-/// with just enough samples for the delay, and an upstream uniformly slow
-/// under a policy of four hedges that allows keyed idempotency too. (Too few
-/// samples is the engine's table tests' case: here it would hide the rest.)
+/// hedged (the budget decides; its recent latencies have a tail), no policy
+/// (with recent latencies uniformly slow, which must not matter), a policy
+/// whose cap is reached with just enough samples for the delay, and an
+/// upstream whose window is not uniformly slow but whose recent part is,
+/// under a policy of four hedges that allows keyed idempotency too. (Too
+/// few samples, and a whole window uniformly slow, are the engine's table
+/// tests' cases: here they would hide the rest.)
 fn hedgings() -> [(Option<HedgePolicy>, HedgeState); 4] {
     let served = HedgeState {
         samples: 1_000,
@@ -70,6 +73,11 @@ fn hedgings() -> [(Option<HedgePolicy>, HedgeState); 4] {
         tail: Duration::from_millis(100),
         first_attempts: 1_000,
         hedges: 0,
+        recent: RecentLatency {
+            samples: 200,
+            p50: Duration::from_millis(10),
+            tail: Duration::from_millis(100),
+        },
     };
     let default = HedgePolicy::default();
     let capped = HedgeState {
@@ -77,8 +85,12 @@ fn hedgings() -> [(Option<HedgePolicy>, HedgeState); 4] {
         hedges: (default.max_extra_load * served.first_attempts as f64) as u64,
         ..served
     };
-    let uniform = HedgeState {
-        p50: Duration::from_millis(95),
+    let recently_slow = HedgeState {
+        recent: RecentLatency {
+            samples: 200,
+            p50: Duration::from_millis(95),
+            tail: Duration::from_millis(100),
+        },
         ..served
     };
     let wide = HedgePolicy {
@@ -88,9 +100,9 @@ fn hedgings() -> [(Option<HedgePolicy>, HedgeState); 4] {
     };
     [
         (Some(default), served),
-        (None, served),
+        (None, recently_slow),
         (Some(default), capped),
-        (Some(wide), uniform),
+        (Some(wide), recently_slow),
     ]
 }
 
@@ -410,7 +422,12 @@ fn check_hedge(valid: &Attempt<'_>, environment: &Environment) -> Decision {
         Some(DenyReason::RetriesDisabled)
     } else if let Some(policy) = &environment.hedging {
         let too_few = state.samples < policy.min_samples.max(1);
-        let uniform = state.p50.as_secs_f64() >= policy.uniform_ratio * state.tail.as_secs_f64();
+        let near = |p50: Duration, tail: Duration| {
+            p50.as_secs_f64() >= policy.uniform_ratio * tail.as_secs_f64()
+        };
+        let uniform = near(state.p50, state.tail)
+            || (state.recent.samples >= policy.min_samples.max(1)
+                && near(state.recent.p50, state.recent.tail));
         let cap = (policy.max_extra_load * state.first_attempts as f64).floor() as u64;
         if facts.idempotency == Idempotency::NonIdempotent
             || !policy.idempotency.contains(facts.idempotency)

@@ -3,7 +3,8 @@
 //! upstream's hash slot, with the first attempts (`n`), the hedges granted
 //! (`h`) and the latencies per bucket; it expires after two windows. A
 //! report adds its counts (`hedge_add.lua`); the background refresh and a
-//! report read the window's slots summed (`hedge_read.lua`). Never on the
+//! report read the window's slots summed, and its most recent ones apart
+//! (`hedge_read.lua`). Never on the
 //! decision path: a hedge Decide answers from the replica's copy.
 
 use ::redis::Value;
@@ -11,7 +12,7 @@ use tokio::time::Instant;
 
 use super::{Core, Operations};
 use crate::StoreError;
-use crate::hedging::{FleetWindow, HedgeAdd, SLOTS};
+use crate::hedging::{FleetWindow, HedgeAdd, RECENT_SLOTS, SLOTS};
 use crate::redis::error::{Failure, RedisStoreError, unavailable};
 use retryd_engine::latency::{Histogram, MAX_BUCKET};
 
@@ -61,6 +62,7 @@ impl<M: Operations> Core<M> {
         for key in &keys {
             invocation.key(key);
         }
+        invocation.arg(RECENT_SLOTS);
         let first = keys.first().map(String::as_str);
         let reply: Vec<Value> = self
             .call_outside_circuit(first, deadline, self.connection.invoke(first, &invocation))
@@ -68,6 +70,7 @@ impl<M: Operations> Core<M> {
             .map_err(Failure::into_error)?;
         let mut window = FleetWindow {
             latencies: Histogram::new(),
+            recent: Histogram::new(),
             first_attempts: 0,
             hedges: 0,
         };
@@ -88,10 +91,16 @@ impl<M: Operations> Core<M> {
             match field.as_str() {
                 "n" => window.first_attempts = total,
                 "h" => window.hedges = total,
-                bucket => match bucket.parse::<u32>() {
-                    Ok(bucket) if bucket <= MAX_BUCKET => window.latencies.add(bucket, total),
-                    _ => return Err(bad(format!("field {bucket:?}"))),
-                },
+                field => {
+                    let (histogram, bucket) = match field.strip_prefix('r') {
+                        Some(bucket) => (&mut window.recent, bucket),
+                        None => (&mut window.latencies, field),
+                    };
+                    match bucket.parse::<u32>() {
+                        Ok(bucket) if bucket <= MAX_BUCKET => histogram.add(bucket, total),
+                        _ => return Err(bad(format!("field {field:?}"))),
+                    }
+                }
             }
         }
         Ok(window)
