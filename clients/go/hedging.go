@@ -1,8 +1,9 @@
 // hedging.go: what the client knows of each upstream's hedging (learned
 // from the traffic reports' responses), the local rule for hedges while
-// retryd is unreachable, and the runner that sends a call's first attempt
-// and its hedges and keeps the first answer. The Transport and the unary
-// interceptor both run their first attempt through it.
+// retryd is unreachable, DecideHedge (the one hedge decision, public), and
+// the runner that sends a call's first attempt and its hedges and keeps the
+// first answer. The Transport and the unary interceptor both run their first
+// attempt through it and ask every hedge with DecideHedge.
 
 package retryd
 
