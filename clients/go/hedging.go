@@ -1,8 +1,9 @@
 // hedging.go: what the client knows of each upstream's hedging (learned
 // from the traffic reports' responses), the local rule for hedges while
-// retryd is unreachable, and the runner that sends a call's first attempt
-// and its hedges and keeps the first answer. The Transport and the unary
-// interceptor both run their first attempt through it.
+// retryd is unreachable, DecideHedge (the one hedge decision, public), and
+// the runner that sends a call's first attempt and its hedges and keeps the
+// first answer. The Transport and the unary interceptor both run their first
+// attempt through it and ask every hedge with DecideHedge.
 
 package retryd
 
@@ -13,6 +14,7 @@ import (
 	"time"
 
 	pb "github.com/retryd/retryd/clients/go/retrydv1"
+	"google.golang.org/protobuf/types/known/durationpb"
 )
 
 // Hedging is what the client knows of one upstream's hedging, as retryd last
@@ -178,6 +180,76 @@ func (c *Client) localHedgeDecide(req *pb.DecideRequest, reason string) Decision
 		return answer(pb.Verdict_VERDICT_DENY, pb.DenyReason_DENY_REASON_HEDGE_CAP, "the local hedge allowance is spent")
 	}
 	return answer(pb.Verdict_VERDICT_RETRY, pb.DenyReason_DENY_REASON_UNSPECIFIED, "hedge at the local delay")
+}
+
+// HedgeRequest asks whether to send the Hedge-th hedge of a call whose first
+// attempt (and the hedges before this one) are still running. Nothing has
+// failed, so it carries no evidence, failure, status or Retry-After: retryd
+// rejects a hedge that does.
+type HedgeRequest struct {
+	// Upstream and Operation name the call as its Decide would.
+	Upstream  string
+	Operation string
+	// Idempotency is the call's declared level (required).
+	Idempotency pb.Idempotency
+	// Body is the call's body; nil sends none (no body: replayable).
+	Body *pb.Body
+	// Hedge is k >= 1, the k-th hedge of the call (retryd takes 1 to 16).
+	Hedge uint32
+	// Attempt is the copies sent so far: the first attempt and the hedges
+	// granted before this one, so k for the k-th hedge (0 means Hedge).
+	Attempt uint32
+	// MaxAttempts is the call's own lower limit on attempts (0: the policy's).
+	MaxAttempts uint32
+	// Lineage is the call's inbound lineage (docs/lineage.md), "" for none.
+	Lineage string
+	// Deadline is when the call must be over; its remainder is sent as
+	// deadline_remaining (zero: no deadline; past: nothing remains).
+	Deadline time.Time
+}
+
+// decideRequest is the DecideRequest of h: every field as given, the
+// deadline as the time left now.
+func (h HedgeRequest) decideRequest() *pb.DecideRequest {
+	attempt := h.Attempt
+	if attempt == 0 {
+		attempt = h.Hedge
+	}
+	req := &pb.DecideRequest{
+		Upstream: h.Upstream, Operation: h.Operation, Idempotency: h.Idempotency,
+		Body: h.Body, Attempt: attempt, Hedge: h.Hedge,
+		MaxAttempts: h.MaxAttempts, Lineage: h.Lineage,
+	}
+	if !h.Deadline.IsZero() {
+		remaining := time.Until(h.Deadline)
+		if remaining < 0 {
+			remaining = 0
+		}
+		req.DeadlineRemaining = durationpb.New(remaining)
+	}
+	return req
+}
+
+// DecideHedge asks retryd whether to send the hedge h describes: RETRY
+// (backoff 0) sends it now; a DENY (HEDGE_CAP, HEDGING_OFF,
+// UNIFORMLY_SLOW, BUDGET_EXHAUSTED, DEADLINE, ...) sends no copy. A granted
+// hedge spends a token of the upstream's retry budget. The Transport and the
+// unary interceptor ask every hedge through it.
+//
+// Errors and fallback are Decide's: an invalid request (Hedge 0 among them,
+// refused here: a failed attempt is asked with Decide) is an
+// *InvalidRequestError naming the field. When retryd does not answer, the
+// local hedge rule decides (Decision.Fallback: RETRY only with
+// LocalPolicy.HedgeDelay set, for SAFE and IDEMPOTENT calls, within
+// LocalPolicy.MaxHedges, the deadline and the local allowance; DENY
+// otherwise), or, with Options.NoFallback, an *UnavailableError is
+// returned. For an upstream in shadow mode the local hedge rule decides and
+// retryd's answer is in Decision.Retryd.
+func (c *Client) DecideHedge(ctx context.Context, h HedgeRequest) (Decision, error) {
+	if h.Hedge == 0 {
+		return Decision{}, newInvalidRequest("hedge: must be at least 1 (a failed attempt is asked with Decide)")
+	}
+	return c.Decide(ctx, h.decideRequest())
 }
 
 func (p LocalPolicy) localMaxHedges() uint32 {

@@ -30,7 +30,10 @@ type hedgedGRPC struct {
 }
 
 func hedgeCallOf(upstream, operation string, idempotency pb.Idempotency, maxAttempts uint32, lineage string) hedgeCall {
-	return hedgeCall{upstream: upstream, operation: operation, idempotency: idempotency, maxAttempts: maxAttempts, lineage: lineage}
+	return hedgeCall{
+		upstream: upstream, operation: operation, idempotency: idempotency, maxAttempts: maxAttempts, lineage: lineage,
+		body: &pb.Body{Kind: pb.BodyKind_BODY_KIND_ENCODED_VALUE},
+	}
 }
 
 // grpcHedgePlan says whether the first attempt of a unary call is hedged:
@@ -65,13 +68,7 @@ func (c *Client) hedgeFirstCall(ctx context.Context, plan hedgePlan, send func(c
 		return out, grpcDone(out.err)
 	}
 	decide := func(k, sent int) (Decision, error) {
-		decideReq := &pb.DecideRequest{
-			Upstream: call.upstream, Operation: call.operation, Idempotency: call.idempotency,
-			Body: &pb.Body{Kind: pb.BodyKind_BODY_KIND_ENCODED_VALUE}, Attempt: uint32(sent), Hedge: uint32(k),
-			MaxAttempts: call.maxAttempts, Lineage: call.lineage,
-		}
-		setTiming(ctx, decideReq, 0)
-		return c.Decide(ctx, decideReq)
+		return c.DecideHedge(ctx, call.hedgeRequest(ctx, k, sent))
 	}
 	record := func(r copyResult[grpcCopy]) {
 		// As unhedged: a FailureCodes status fails, CANCELLED (the

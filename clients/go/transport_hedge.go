@@ -20,6 +20,17 @@ type hedgeCall struct {
 	errorBodyLimit int64
 }
 
+// hedgeRequest is the DecideHedge of hedge k with sent copies sent, the
+// call's deadline being ctx's.
+func (call hedgeCall) hedgeRequest(ctx context.Context, k, sent int) HedgeRequest {
+	deadline, _ := ctx.Deadline()
+	return HedgeRequest{
+		Upstream: call.upstream, Operation: call.operation, Idempotency: call.idempotency,
+		Body: call.body, Hedge: uint32(k), Attempt: uint32(sent),
+		MaxAttempts: call.maxAttempts, Lineage: call.lineage, Deadline: deadline,
+	}
+}
+
 // httpCopy is how one copy of a request ended (see Transport.attempt).
 type httpCopy struct {
 	resp   *http.Response
@@ -57,13 +68,7 @@ func (t *Transport) hedgeFirst(ctx, decideCtx context.Context, req *http.Request
 		return httpCopy{resp: resp, failed: failed, err: err}, err == nil && failed == nil
 	}
 	decide := func(k, sent int) (Decision, error) {
-		decideReq := &pb.DecideRequest{
-			Upstream: call.upstream, Operation: call.operation, Idempotency: call.idempotency,
-			Body: call.body, Attempt: uint32(sent), Hedge: uint32(k),
-			MaxAttempts: call.maxAttempts, Lineage: call.lineage,
-		}
-		setTiming(ctx, decideReq, 0)
-		return t.Client.Decide(decideCtx, decideReq)
+		return t.Client.DecideHedge(decideCtx, call.hedgeRequest(ctx, k, sent))
 	}
 	record := func(r copyResult[httpCopy]) {
 		if !t.DisableReporting {

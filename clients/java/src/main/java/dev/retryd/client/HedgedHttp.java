@@ -16,7 +16,6 @@ import java.util.concurrent.TimeUnit;
 import java.util.function.BiFunction;
 import java.util.function.IntFunction;
 import java.util.function.Supplier;
-import retryd.v1.Retryd.DecideRequest;
 
 /**
  * The first attempt of a hedged call ({@link RetryingHttpClient}). The first
@@ -24,7 +23,7 @@ import retryd.v1.Retryd.DecideRequest;
  * unhedged call is (a fast call costs a timer more, no thread hop: {@code
  * sendAsync} for it cost ~0.6 ms a call here, HedgedCallBenchmark). A timer of
  * the plan's delay, if it fires with the attempt still running, asks retryd for a
- * hedge ({@code decideAsync}, off the caller's thread) and on RETRY sends a copy
+ * hedge ({@code decideHedgeAsync}, off the caller's thread) and on RETRY sends a copy
  * with {@code sendAsync}. The first copy whose answer is not a retryable failure
  * wins; the others are cancelled: a hedge by {@code cancel(true)} on its future,
  * the first attempt by interrupting the caller's thread inside {@code send},
@@ -102,7 +101,7 @@ final class HedgedHttp<T> {
       Hedging.Plan plan,
       IntFunction<HttpRequest> request,
       Supplier<RetryingHttpClient.Tracking<T>> tracking,
-      BiFunction<Integer, Integer, DecideRequest> ask)
+      BiFunction<Integer, Integer, HedgeRequest> ask)
       throws InterruptedException {
     RetryingHttpClient.Tracking<T> firstTracking = tracking.get();
     synchronized (lock) {
@@ -219,7 +218,7 @@ final class HedgedHttp<T> {
       Hedging.Plan plan,
       IntFunction<HttpRequest> request,
       Supplier<RetryingHttpClient.Tracking<T>> tracking,
-      BiFunction<Integer, Integer, DecideRequest> ask) {
+      BiFunction<Integer, Integer, HedgeRequest> ask) {
     synchronized (lock) {
       if (firstDone || winner != null || sent - 1 >= plan.max) {
         return;
@@ -237,7 +236,7 @@ final class HedgedHttp<T> {
       Hedging.Plan plan,
       IntFunction<HttpRequest> request,
       Supplier<RetryingHttpClient.Tracking<T>> tracking,
-      BiFunction<Integer, Integer, DecideRequest> ask) {
+      BiFunction<Integer, Integer, HedgeRequest> ask) {
     int k;
     synchronized (lock) {
       if (firstDone || winner != null) {
@@ -246,7 +245,7 @@ final class HedgedHttp<T> {
       k = sent;
     }
     retryd
-        .decideAsync(ask.apply(k, k))
+        .decideHedgeAsync(ask.apply(k, k))
         .whenComplete(
             (decision, failed) -> {
               if (failed != null) {

@@ -1,19 +1,17 @@
 package dev.retryd.client;
 
 import io.grpc.ClientCall;
-import java.time.Duration;
 import java.util.ArrayList;
 import java.util.List;
 import java.util.concurrent.ScheduledFuture;
 import java.util.concurrent.TimeUnit;
 import retryd.v1.Retryd.Body;
 import retryd.v1.Retryd.BodyKind;
-import retryd.v1.Retryd.DecideRequest;
 
 /**
  * The hedged first attempt of a {@link RetryingCall} (issue 33). The first
  * attempt goes out with a timer of the plan's delay; if it fires with the copies
- * still running, retryd is asked for a hedge ({@code Decide{hedge: k}}, off the
+ * still running, retryd is asked for a hedge ({@link RetrydClient#decideHedgeAsync}, off the
  * caller's thread), and on RETRY one more copy goes out, up to the plan's
  * maximum; a denial (or no answer) stops the hedging, the copies running go on.
  * Each copy is an attempt of the call (its number, its lineage entry, its
@@ -98,22 +96,17 @@ final class HedgedRound<Q, R> {
       }
       sent = call.attempt;
     }
-    DecideRequest.Builder ask =
-        DecideRequest.newBuilder()
-            .setUpstream(call.upstream)
-            .setOperation(call.method.getFullMethodName())
-            .setIdempotency(call.declared)
-            .setBody(Body.newBuilder().setKind(BodyKind.BODY_KIND_ENCODED_VALUE))
-            .setAttempt(sent)
-            .setHedge(sent)
-            .setMaxAttempts(call.maxAttempts)
-            .setLineage(call.inboundLineage);
-    Duration left = call.remaining();
-    if (left != null) {
-      ask.setDeadlineRemaining(Durations.toProto(left));
-    }
+    HedgeRequest ask =
+        HedgeRequest.builder(call.upstream, call.declared, sent)
+            .operation(call.method.getFullMethodName())
+            .body(Body.newBuilder().setKind(BodyKind.BODY_KIND_ENCODED_VALUE).build())
+            .attempt(sent)
+            .maxAttempts(call.maxAttempts)
+            .lineage(call.inboundLineage)
+            .deadlineRemaining(call.remaining())
+            .build();
     call.retryd
-        .decideAsync(ask.build())
+        .decideHedgeAsync(ask)
         .whenComplete(
             (decision, error) -> {
               // Denied (or no answer): no copy, and no more hedges.

@@ -44,7 +44,7 @@ import retryd.v1.Retryd.UpstreamTraffic;
  * grpc-java's netty transport. Thread-safe; share one per process and close it
  * on shutdown.
  *
- * <p>About 700 lines: the calls (a hedge's Decide among them), the fallback,
+ * <p>About 750 lines: the calls (a hedge's Decide among them), the fallback,
  * the eager connect and the reconnect watcher of one client are read together; the local rule, the
  * reporter and the outage warnings are classes of their own.
  *
@@ -411,6 +411,50 @@ public final class RetrydClient implements AutoCloseable {
               public void onCompleted() {}
             });
     return result;
+  }
+
+  /**
+   * Asks retryd whether to send the hedge {@code hedge} describes: RETRY (no
+   * backoff) sends it now; a DENY (HEDGE_CAP, HEDGING_OFF, UNIFORMLY_SLOW,
+   * BUDGET_EXHAUSTED, DEADLINE, ...) sends no copy. A granted hedge spends a token
+   * of the upstream's retry budget. The HTTP adapter and the gRPC interceptor ask
+   * every hedge through {@link #decideHedgeAsync}.
+   *
+   * <p>When retryd does not answer, the local hedge rule decides ({@link
+   * Decision#fallback()}: RETRY only with {@link LocalPolicy#hedgeDelay()} set, for
+   * a SAFE or IDEMPOTENT call's first hedge, within the deadline and the local
+   * allowance; DENY otherwise), unless the fallback is off. For an upstream in
+   * shadow mode the local hedge rule decides and retryd's answer is beside it.
+   *
+   * @throws InvalidRequestException if retryd (or, for a hedge below 1, this
+   *     client) rejects the request; the message starts with the field
+   * @throws RetrydUnavailableException if retryd cannot answer and the fallback is off
+   */
+  public Decision decideHedge(HedgeRequest hedge) {
+    return decide(checkedHedge(hedge));
+  }
+
+  /**
+   * {@link #decideHedge} without blocking: the future completes with the decision
+   * (or the local hedge rule's), or exceptionally with {@link
+   * InvalidRequestException} / {@link RetrydUnavailableException}.
+   */
+  public CompletableFuture<Decision> decideHedgeAsync(HedgeRequest hedge) {
+    DecideRequest request;
+    try {
+      request = checkedHedge(hedge);
+    } catch (InvalidRequestException invalid) {
+      return CompletableFuture.failedFuture(invalid);
+    }
+    return decideAsync(request);
+  }
+
+  /** A hedge's Decide; a hedge below 1 is a failed attempt's question, asked with {@link #decide}. */
+  private static DecideRequest checkedHedge(HedgeRequest hedge) {
+    if (hedge.hedge() < 1) {
+      throw new InvalidRequestException("hedge: must be at least 1 (a failed attempt is asked with decide)");
+    }
+    return hedge.toDecideRequest();
   }
 
   /**

@@ -360,25 +360,17 @@ public final class RetryingHttpClient implements AutoCloseable {
     return options.deadline == null ? null : Duration.ofNanos(Math.max(0, deadlineAt - System.nanoTime()));
   }
 
-  /** The Decide of hedge {@code k} with {@code sent} attempts sent: nothing failed, so no evidence. */
-  private static DecideRequest hedgeAsk(
+  /** The hedge request of hedge {@code k} with {@code sent} attempts sent: nothing failed, so no evidence. */
+  private static HedgeRequest hedgeAsk(
       RetryOptions options, String operation, Idempotency idempotency, Body body, String lineage, long deadlineAt, int k, int sent) {
-    DecideRequest.Builder ask =
-        DecideRequest.newBuilder()
-            .setUpstream(options.upstream)
-            .setOperation(operation)
-            .setIdempotency(idempotency)
-            .setAttempt(sent)
-            .setHedge(k)
-            .setMaxAttempts(options.maxAttempts)
-            .setLineage(lineage);
-    if (body != null) {
-      ask.setBody(body);
-    }
-    if (options.deadline != null) {
-      ask.setDeadlineRemaining(Durations.toProto(remainingOf(options, deadlineAt)));
-    }
-    return ask.build();
+    return HedgeRequest.builder(options.upstream, idempotency, k)
+        .operation(operation)
+        .body(body)
+        .attempt(sent)
+        .maxAttempts(options.maxAttempts)
+        .lineage(lineage)
+        .deadlineRemaining(options.deadline != null ? remainingOf(options, deadlineAt) : null)
+        .build();
   }
 
   /**

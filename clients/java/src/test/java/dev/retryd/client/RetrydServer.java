@@ -151,9 +151,39 @@ final class RetrydServer implements AutoCloseable {
     }
   }
 
-  /** Freezes retryd (SIGSTOP): connections stay open, nothing answers. */
+  /**
+   * Freezes retryd (SIGSTOP): connections stay open, nothing answers. Returns once
+   * every thread of it is stopped: kill(2) returns when the signal is queued, and
+   * on a loaded machine a worker thread went on to answer the next decision
+   * before the group stop reached it (OutageWarningTest, about 1 run in 4).
+   */
   void freeze() throws IOException, InterruptedException {
     signal("STOP");
+    Path tasks = Paths.get("/proc", Long.toString(process.pid()), "task");
+    long until = System.nanoTime() + TimeUnit.SECONDS.toNanos(10);
+    while (!allStopped(tasks)) {
+      if (System.nanoTime() > until) {
+        throw new IOException("retryd's threads did not all stop within 10s of SIGSTOP");
+      }
+      Thread.sleep(1);
+    }
+  }
+
+  /** Whether every thread under /proc/PID/task is in state T (stopped). */
+  private static boolean allStopped(Path tasks) throws IOException {
+    try (java.util.stream.Stream<Path> threads = Files.list(tasks)) {
+      return threads.allMatch(
+          thread -> {
+            try {
+              String stat = Files.readString(thread.resolve("stat"));
+              // "pid (comm) S ...": the state follows the last ')'.
+              char state = stat.charAt(stat.lastIndexOf(')') + 2);
+              return state == 'T' || state == 't';
+            } catch (IOException gone) {
+              return true; // a thread that exited answers nothing
+            }
+          });
+    }
   }
 
   /** Thaws a frozen retryd (SIGCONT). */
