@@ -317,3 +317,29 @@ def test_many_hedged_calls_leave_the_pool_whole() -> None:
             assert hedged > 0
             assert len(_pool(http).connections) <= 10
             assert http.get(upstream.url).content == b"ok"
+
+
+def test_a_copy_cancelled_while_it_waits_for_the_pool_is_withdrawn_unsent() -> None:
+    """The moment encode/httpcore#1093 is about (a request queued for a
+    connection): the cancel is a flag, raised when the copy gets one, before
+    any of it is sent; the pool keeps serving."""
+    limits = httpx.Limits(max_connections=1)
+    with KeepAliveServer(ok_keep_alive()) as upstream, httpx.Client(limits=limits) as http:
+        holder = http.send(http.build_request("GET", upstream.url), stream=True)  # the one connection, held
+        request = http.build_request("GET", upstream.url + "/copy")
+        gate = _thread_copy.ThreadCopyGate(request, _pool(http))
+        future = _thread_copy.WORKERS.submit(lambda: _copy(http, request, {}, frozenset()))
+        pool = _pool(http)
+        give_up = time.monotonic() + 5
+        while len(pool._requests) < 2 and time.monotonic() < give_up:  # queued behind the holder
+            time.sleep(0.001)
+        assert len(pool._requests) == 2
+        gate.cancel()
+        assert not future.done()  # deferred, not dropped
+        holder.read()
+        holder.close()
+        wait([future], timeout=10)
+        assert isinstance(future.exception(), _thread_copy.Withdrawn)
+        assert [r.split(b" ")[1] for r in upstream.requests] == [b"/"]  # the copy sent nothing
+        assert _stuck(http) == []
+        assert http.get(upstream.url).content == b"ok"

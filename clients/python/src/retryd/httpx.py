@@ -1,9 +1,10 @@
 """httpx adapter: honest evidence from httpx outcomes, and retryd-governed retries.
 
-About 810 lines: one responsibility (an httpx call under retryd's decisions),
+About 950 lines: one responsibility (an httpx call under retryd's decisions),
 written twice, for ``httpx.Client`` and ``httpx.AsyncClient``, beside the
-classification they share; the async one's hedged first round describes a
-copy here, and the race itself lives in :mod:`retryd.hedge_runner`.
+classification they share; each hedged first round describes a copy here,
+and the races themselves live in :mod:`retryd.hedge_runner` (asyncio) and
+:mod:`retryd.hedge_threads` (threads).
 
 Classification (what each httpx outcome proves):
 
@@ -49,12 +50,15 @@ a returned response is in ``response.extensions["retryd.decision"]``. A
 call that ends with its outcome unknown (AMBIGUOUS, or a DENY with an
 ``unknown_outcome`` mark) raises :class:`~retryd.errors.AmbiguousExecutionError`.
 
-Hedging: :func:`arequest_with_retries` hedges idempotent calls as retryd
-serves (:mod:`retryd.hedging`, :mod:`retryd.hedge_runner`), cancelling a
-loser only where httpcore's pool survives it (:mod:`retryd._copy_gate`); the
-blocking loop does not hedge yet, since a blocking httpx read can only be
-ended by closing its connection, which httpx does not expose for a pooled
-one. Every completed first attempt's latency is recorded on the reporter.
+Hedging: both loops hedge idempotent calls as retryd serves
+(:mod:`retryd.hedging`). :func:`arequest_with_retries` races tasks
+(:mod:`retryd.hedge_runner`), cancelling a loser only where httpcore's pool
+survives it (:mod:`retryd._copy_gate`); :func:`request_with_retries` races
+copies on worker threads (:mod:`retryd.hedge_threads`) and ends a loser by
+shutting its connection's socket down, which it finds in httpcore's sync
+pool (:mod:`retryd._thread_copy`; a transport whose copies it could not end
+is not hedged, and counted). Every completed first attempt's latency is
+recorded on the reporter.
 
 httpx and httpcore send nothing again by themselves once any of a request
 was written: httpcore takes another connection only for a request it has
@@ -73,7 +77,7 @@ import ssl
 import time
 from collections.abc import AsyncIterable, Awaitable, Iterable, Mapping
 from dataclasses import dataclass
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, wait as wait_for_all
 from typing import Any, Callable, Optional, Protocol, TypeVar, Union, cast
 
 import httpx
@@ -552,6 +556,13 @@ def request_with_retries(
     ``on_refresh_credentials`` is called before the replay (if it is not
     given, the 401 response is returned).
 
+    For an idempotent call to an upstream whose hedging retryd serves, the
+    first attempt and its hedges run on worker threads, raced as in
+    :func:`arequest_with_retries`; a loser's connection is shut down (the
+    upstream sees it closed) and the loser waited for before this returns.
+    Only httpx's own ``HTTPTransport`` without a proxy or HTTP/2 is hedged;
+    other calls are counted in ``retryd.hedging.not_hedged()``.
+
     ``sleep`` waits the backoffs and ``clock`` (monotonic seconds) measures
     the deadline: replace both to run the loop on a fake clock (tests).
     """
@@ -663,16 +674,21 @@ def _hedged_round(http: httpx.Client, retryd: Client, loop: _Loop, plan: HedgePl
     withdrawn before it was sent) and waited for.
     """
     copies: list[_ThreadCopy] = []
+    # The caller's context (its span, the request it serves) goes with every
+    # copy and hedge decision, each on a thread of its own.
+    caller = contextvars.copy_context()
 
     def start_copy(copy: int) -> _ThreadCopy:
         request = loop.carry_lineage(http.build_request(method, url, **loop.begin(build, http.timeout)))
         gate = _thread_copy.ThreadCopyGate(request, pool)
-        # The caller's context (its span, its lineage) goes with the copy.
-        context = contextvars.copy_context()
+        context = caller.copy()
         started = _ThreadCopy(_thread_copy.WORKERS.submit(
             lambda: context.run(_copy, http, request, send, retry_statuses)), gate)
         copies.append(started)
         return started
+
+    def ask(hedge: int) -> Decision:
+        return caller.copy().run(retryd.decide_hedge, **loop.hedge_kwargs(hedge))
 
     def on_end(copy: int, result: _ThreadCopy, elapsed: float) -> None:
         if result.raised is None:
@@ -682,7 +698,7 @@ def _hedged_round(http: httpx.Client, retryd: Client, loop: _Loop, plan: HedgePl
         first = start_copy(0)
         hedged = run_hedged_blocking(
             plan=plan, first=first, start_copy=start_copy, is_final=_ThreadCopy.is_final,
-            ask=lambda hedge: retryd.decide_hedge(**loop.hedge_kwargs(hedge)), on_end=on_end,
+            ask=ask, on_end=on_end,
             on_first_cancelled=lambda elapsed: loop.first_latency(True, elapsed), clock=loop.clock,
             remaining=loop.remaining, first_sent_at=loop.sent_at,
             may_hedge=lambda: all(copy.gate.cancellable for copy in copies))
@@ -709,7 +725,7 @@ def _settle(copies: list[_ThreadCopy], winner: Optional[_ThreadCopy]) -> None:
             continue
         # Bounded: a cancelled copy's socket is shut (it ends at once) or it
         # was withdrawn at its next event (within its pool and connect timeouts).
-        wait([copy.future])
+        wait_for_all([copy.future])
         if copy.raised is None:
             response = copy.future.result().response
             if response is not None:
