@@ -343,3 +343,71 @@ def test_a_copy_cancelled_while_it_waits_for_the_pool_is_withdrawn_unsent() -> N
         assert [r.split(b" ")[1] for r in upstream.requests] == [b"/"]  # the copy sent nothing
         assert _stuck(http) == []
         assert http.get(upstream.url).content == b"ok"
+
+
+def test_an_https_loser_is_ended_too(tmp_path: Any) -> None:
+    """Over TLS the copy's socket is an SSLSocket, shut down under the
+    worker's read: the server sees the connection closed, and the pool
+    keeps serving over TLS."""
+    import select
+    import ssl
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(cert, key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    cancelled = threading.Event()
+    count = [0]
+    lock = threading.Lock()
+
+    def handle(raw: socket.socket) -> None:
+        try:
+            with served.wrap_socket(raw, server_side=True) as conn:
+                while True:
+                    data = b""
+                    while b"\r\n\r\n" not in data:
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            return
+                        data += chunk
+                    with lock:
+                        count[0] += 1
+                        first = count[0] == 1
+                    if first:
+                        ready, _, _ = select.select([conn], [], [], 5)
+                        if ready and conn.recv(1) == b"":
+                            cancelled.set()
+                        return
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhedge")
+        except (OSError, ssl.SSLError):
+            pass
+
+    def serve() -> None:
+        while True:
+            try:
+                raw, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(raw,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    local = LocalHedging(delay=0.1, max_extra_load=1.0)
+    try:
+        with Client(CLOSED_RETRYD, timeout=0.5, connect_timeout=0.5, local_hedging=local) as client, \
+                httpx.Client(verify=ssl.create_default_context(cafile=str(cert))) as http:
+            _unreachable(client)
+            url = f"https://127.0.0.1:{port}/"
+            response = request_with_retries(http, client, "GET", url, upstream="py-hedge-sync",
+                                            idempotency=Idempotency.SAFE, deadline=5)
+            assert response.content == b"hedge" and response.extensions[ATTEMPTS_EXTENSION] == 2
+            assert cancelled.wait(2), "the losing first attempt's TLS connection was not closed"
+            assert _stuck(http) == []
+            assert http.get(url).content == b"hedge"  # the hedge's pooled TLS connection, reused
+            assert count[0] == 3
+    finally:
+        listener.close()

@@ -178,9 +178,10 @@ class ThreadCopyGate:
             self.stop = True
             if self.phase == "io" and self._socket is not None:
                 try:
-                    # socket.socket's own shutdown, also for an SSLSocket
-                    # (whose override would drop its SSL object under the
-                    # worker's read).
+                    # socket.socket's own shutdown, also for an SSLSocket:
+                    # the descriptor's shutdown is all that ends the read;
+                    # SSLSocket's override also sets its SSL object to None,
+                    # which the worker's thread may be reading through.
                     socket.socket.shutdown(self._socket, socket.SHUT_RDWR)
                 except OSError:
                     pass  # already closed by the upstream or by httpcore
