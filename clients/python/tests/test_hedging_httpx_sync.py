@@ -315,7 +315,9 @@ def test_many_hedged_calls_leave_the_pool_whole() -> None:
                 hedged += bool(response.extensions[HEDGES_EXTENSION])
                 assert _stuck(http) == []
             assert hedged > 0
-            assert len(_pool(http).connections) <= 10
+            # Calls one after another, two copies at most: a loser's connection
+            # is closed with it, so the pool never holds more than two.
+            assert len(_pool(http).connections) <= 2
             assert http.get(upstream.url).content == b"ok"
 
 
