@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from scripted_http import KeepAliveServer, ok_keep_alive
-from support import Server, handled, hedges_won
+from support import Server, handled, hedges_won, wait_for
 from test_hedging import CLOSED_RETRYD, HALF, HeldFirst
 from test_hedging_sync import _feed
 from retryd import Client, DenyReason, Idempotency, RetrydError, Verdict
@@ -413,3 +413,37 @@ def test_an_https_loser_is_ended_too(tmp_path: Any) -> None:
             assert count[0] == 3
     finally:
         listener.close()
+
+
+@pytest.mark.parametrize("lost", ["first", "hedge"])
+def test_a_copy_whose_socket_is_not_found_is_never_raced(lost: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should the pool not show a copy's socket after all (the probe rules it out):
+    with the first attempt's lost, no hedge is asked for while it runs; with the
+    hedge's lost, the hedge is withdrawn before any of it is sent. Either way the
+    first attempt answers, nothing is raced that could not be ended, and it is counted."""
+    real = _thread_copy.socket_of
+    looked: list[int] = []
+
+    def socket_of(pool: Any, request: Any) -> Any:
+        looked.append(1)
+        return None if lost == "first" or len(looked) > 1 else real(pool, request)
+
+    monkeypatch.setattr(_thread_copy, "socket_of", socket_of)
+    local = LocalHedging(delay=0.05, max_extra_load=1.0)
+    with Client(CLOSED_RETRYD, timeout=0.5, connect_timeout=0.5, local_hedging=local) as client:
+        _unreachable(client)
+        with HeldFirst(hold=0.4) as upstream, httpx.Client() as http:
+            response = request_with_retries(http, client, "GET", upstream.server.url, upstream="py-hedge-sync",
+                                            idempotency=Idempotency.SAFE, deadline=5)
+            assert response.content == b"first"
+            # One request read; a withdrawn hedge's connection carried not a byte.
+            wait_for(lambda: len(upstream.server.requests) == (2 if lost == "hedge" else 1), what="the reads")
+            assert [r[:3] for r in upstream.server.requests] == [b"GET"] + ([b""] if lost == "hedge" else [])
+            assert not upstream.cancelled.is_set()
+            asked = response.extensions[HEDGES_EXTENSION]
+            assert len(asked) == (0 if lost == "first" else 1)
+            assert _stuck(http) == []
+        assert client.hedging.not_hedged() == {"socket": 1}
+        traffic = client.reporter.pending_traffic()["py-hedge-sync"]
+        assert (traffic.requests, traffic.successes, traffic.failures) == (1, 1, 0)
+        assert (traffic.retry_successes, traffic.retry_failures, traffic.hedges_won) == (0, 0, 0)

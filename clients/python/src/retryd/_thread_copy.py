@@ -138,8 +138,10 @@ class ThreadCopyGate:
     times; see the module doc for what it does in each phase.
     """
 
-    def __init__(self, request: httpx.Request, pool: Any) -> None:
+    def __init__(self, request: httpx.Request, pool: Any, *, hedge: bool = False) -> None:
         self._pool = pool
+        #: A hedge whose socket is not found is withdrawn unsent; a first attempt goes on.
+        self._hedge = hedge
         self._lock = threading.Lock()
         #: "before" (not yet on a connection), "io" (sending or reading), "closing" (answered).
         self.phase = "before"
@@ -162,12 +164,18 @@ class ThreadCopyGate:
             with self._lock:
                 if self.stop:
                     raise Withdrawn("a hedge of this call answered first")
+                if found is None:
+                    # Never in practice (internals_changed() checked the
+                    # shape); should it happen, no copy is raced that
+                    # could not be ended.
+                    self.cancellable = False
+                    log.warning("retryd: the socket of a hedged httpx attempt was not found; %s",
+                                "the hedge is withdrawn unsent" if self._hedge else
+                                "no hedge is sent while it runs")
+                    if self._hedge:
+                        raise Withdrawn("its socket was not found: it could not be ended")
                 self._socket = found
                 self.phase = "io"
-                if found is None:
-                    self.cancellable = False
-                    log.warning("retryd: the socket of a hedged httpx attempt was not found; "
-                                "no hedge is sent while it runs")
         elif event in _CLOSING:
             with self._lock:
                 self.phase = "closing"

@@ -181,7 +181,8 @@ class HedgingTable:
         ``"transport"`` (not httpx's own ``HTTPTransport`` over a plain pool: a
         proxy, a mount, a transport of your own), ``"http2"`` (``http2=True``:
         a connection carries other calls), ``"httpcore"`` (httpcore's internals
-        are not those the adapter reads).
+        are not those the adapter reads), ``"socket"`` (a copy's socket was not
+        found in the pool even so: a hedge was withdrawn unsent, or none sent).
         """
         with self._lock:
             return dict(self._not_hedged)

@@ -660,8 +660,16 @@ class _ThreadCopy:
     def raised(self) -> Optional[BaseException]:
         return self.future.exception()
 
+    @property
+    def withdrawn(self) -> bool:
+        """Ended before any of it was sent (cancelled, or a hedge whose socket was not found)."""
+        return isinstance(self.raised, _thread_copy.Withdrawn)
+
     def is_final(self) -> bool:
-        return self.raised is not None or self.future.result().outcome is None
+        raised = self.raised
+        if raised is not None:
+            return not isinstance(raised, _thread_copy.Withdrawn)
+        return self.future.result().outcome is None
 
 
 def _hedged_round(http: httpx.Client, retryd: Client, loop: _Loop, plan: HedgePlan, pool: Any, method: str,
@@ -680,7 +688,7 @@ def _hedged_round(http: httpx.Client, retryd: Client, loop: _Loop, plan: HedgePl
 
     def start_copy(copy: int) -> _ThreadCopy:
         request = loop.carry_lineage(http.build_request(method, url, **loop.begin(build, http.timeout)))
-        gate = _thread_copy.ThreadCopyGate(request, pool)
+        gate = _thread_copy.ThreadCopyGate(request, pool, hedge=copy > 0)
         context = caller.copy()
         started = _ThreadCopy(_thread_copy.WORKERS.submit(
             lambda: context.run(_copy, http, request, send, retry_statuses)), gate)
@@ -709,7 +717,13 @@ def _hedged_round(http: httpx.Client, retryd: Client, loop: _Loop, plan: HedgePl
         _settle(copies, None)
         raise
     winner = hedged.result
+    if winner.withdrawn:
+        # Every copy failed and the last to end was a hedge withdrawn unsent:
+        # the first attempt's failure is the one the retry path decides about.
+        winner = copies[0]
     _settle(copies, winner)
+    if not all(copy.gate.cancellable for copy in copies):
+        retryd.hedging.count_not_hedged("socket")
     raised = winner.raised
     if raised is not None:
         raise raised
