@@ -84,6 +84,9 @@ quantile = 0.95
 [upstreams."py-hedged-sync-grpc".hedging]
 quantile = 0.95
 
+[upstreams."py-hedged-sync-http".hedging]
+quantile = 0.95
+
 # In shadow mode: retryd's hedge answers are not enforced.
 [upstreams."py-hedge-shadow"]
 enforce = false

@@ -10,7 +10,11 @@ wins and the others are cancelled (``cancel``) before the call returns;
 when every copy failed, the last failure is returned for the normal retry
 path. A copy is anything with ``add_done_callback(fn)`` and ``cancel()``:
 grpcio's ``.future()`` calls, whose ``cancel()`` cancels the RPC (the
-server sees CANCELLED).
+server sees CANCELLED), and the blocking httpx adapter's copies on worker
+threads, whose ``cancel()`` shuts the copy's socket down
+(:mod:`retryd._thread_copy`). ``may_hedge()``, if given, is asked when the
+timer fires: False ends the hedging of the call without asking retryd (a
+copy that could not be cancelled is never raced).
 
 What is recorded stays honest, as in the asyncio runner: a copy that
 answered is reported with its elapsed time (``on_end``); a cancelled loser
@@ -52,6 +56,7 @@ def run_hedged_blocking(
     clock: Callable[[], float],
     remaining: Callable[[], Optional[float]],
     first_sent_at: float,
+    may_hedge: Optional[Callable[[], bool]] = None,
 ) -> HedgeRound[F]:
     """Races copies of a call as the module doc describes; ``first`` is copy 0, already sent."""
     events: queue.Queue[tuple[str, int, Any]] = queue.Queue()
@@ -75,7 +80,7 @@ def run_hedged_blocking(
         except queue.Empty:
             # The timer fired with every copy still running: only now is retryd asked.
             left = remaining()
-            if left is not None and left <= 0:
+            if (left is not None and left <= 0) or (may_hedge is not None and not may_hedge()):
                 hedging = False
             else:
                 asking = True

@@ -120,6 +120,7 @@ class HedgingTable:
         self._bucket = _LocalBucket(local) if local is not None else None
         #: True from a failed report or hedge decision until the next answered report.
         self.unreachable = False
+        self._not_hedged: dict[str, int] = {}
 
     def update(self, served: Iterable[Hedging]) -> None:
         """Takes the entries of one report response; drops the entries too old to trust."""
@@ -156,6 +157,35 @@ class HedgingTable:
         if local is not None and self.unreachable and int(idempotency) in (Idempotency.SAFE, Idempotency.IDEMPOTENT):
             return HedgePlan(local.delay, local.max_hedges, local=True)
         return None
+
+    def count_not_hedged(self, reason: str) -> None:
+        """Counts a call that would have been hedged but could not be (``reason``: why).
+
+        The blocking httpx adapter hedges only where it can end a loser
+        (:mod:`retryd._thread_copy`); the first call of each reason logs one
+        warning on the ``retryd`` logger.
+        """
+        with self._lock:
+            first = reason not in self._not_hedged
+            self._not_hedged[reason] = self._not_hedged.get(reason, 0) + 1
+        if first:
+            import logging
+
+            logging.getLogger("retryd").warning(
+                "retryd: a blocking httpx call was not hedged (%s): its copies could not be ended; "
+                "counted in client.hedging.not_hedged()", reason)
+
+    def not_hedged(self) -> dict[str, int]:
+        """Calls not hedged because their copies could not have been ended, by reason.
+
+        ``"transport"`` (not httpx's own ``HTTPTransport`` over a plain pool: a
+        proxy, a mount, a transport of your own), ``"http2"`` (``http2=True``:
+        a connection carries other calls), ``"httpcore"`` (httpcore's internals
+        are not those the adapter reads), ``"socket"`` (a copy's socket was not
+        found in the pool even so: a hedge was withdrawn unsent, or none sent).
+        """
+        with self._lock:
+            return dict(self._not_hedged)
 
     def first_attempt(self) -> None:
         """Counts a first attempt toward the local fallback's hedge tokens."""

@@ -1,9 +1,10 @@
 """httpx adapter: honest evidence from httpx outcomes, and retryd-governed retries.
 
-About 810 lines: one responsibility (an httpx call under retryd's decisions),
+About 950 lines: one responsibility (an httpx call under retryd's decisions),
 written twice, for ``httpx.Client`` and ``httpx.AsyncClient``, beside the
-classification they share; the async one's hedged first round describes a
-copy here, and the race itself lives in :mod:`retryd.hedge_runner`.
+classification they share; each hedged first round describes a copy here,
+and the races themselves live in :mod:`retryd.hedge_runner` (asyncio) and
+:mod:`retryd.hedge_threads` (threads).
 
 Classification (what each httpx outcome proves):
 
@@ -49,12 +50,15 @@ a returned response is in ``response.extensions["retryd.decision"]``. A
 call that ends with its outcome unknown (AMBIGUOUS, or a DENY with an
 ``unknown_outcome`` mark) raises :class:`~retryd.errors.AmbiguousExecutionError`.
 
-Hedging: :func:`arequest_with_retries` hedges idempotent calls as retryd
-serves (:mod:`retryd.hedging`, :mod:`retryd.hedge_runner`), cancelling a
-loser only where httpcore's pool survives it (:mod:`retryd._copy_gate`); the
-blocking loop does not hedge yet, since a blocking httpx read can only be
-ended by closing its connection, which httpx does not expose for a pooled
-one. Every completed first attempt's latency is recorded on the reporter.
+Hedging: both loops hedge idempotent calls as retryd serves
+(:mod:`retryd.hedging`). :func:`arequest_with_retries` races tasks
+(:mod:`retryd.hedge_runner`), cancelling a loser only where httpcore's pool
+survives it (:mod:`retryd._copy_gate`); :func:`request_with_retries` races
+copies on worker threads (:mod:`retryd.hedge_threads`) and ends a loser by
+shutting its connection's socket down, which it finds in httpcore's sync
+pool (:mod:`retryd._thread_copy`; a transport whose copies it could not end
+is not hedged, and counted). Every completed first attempt's latency is
+recorded on the reporter.
 
 httpx and httpcore send nothing again by themselves once any of a request
 was written: httpcore takes another connection only for a request it has
@@ -66,12 +70,14 @@ connects. tests/test_issue38.py counts reads at the server to show it.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import socket
 import ssl
 import time
 from collections.abc import AsyncIterable, Awaitable, Iterable, Mapping
 from dataclasses import dataclass
+from concurrent.futures import Future, wait as wait_for_all
 from typing import Any, Callable, Optional, Protocol, TypeVar, Union, cast
 
 import httpx
@@ -80,7 +86,10 @@ from ._types import Body, Decision, Evidence, FailureKind, IdempotencyLike, Repl
 from .client import AsyncClient, Client, Seconds, _seconds
 from .errors import AmbiguousExecutionError
 from ._copy_gate import CopyGate as _CopyGate
-from .hedge_runner import HedgePlan, run_hedged
+from .hedge_runner import HedgePlan, HedgeRound, run_hedged
+from .hedge_threads import run_hedged_blocking
+from .hedging import HedgingTable
+from . import _thread_copy
 from .lineage import (
     RETRIED_HEADER,
     baggage_with_lineage,
@@ -381,6 +390,28 @@ class _Loop:
         if record_hedge_won is not None:
             record_hedge_won(self.upstream)
 
+    def hedge_plan(self, table: HedgingTable) -> Optional[HedgePlan]:
+        """How to hedge this call's first attempt (None: do not); one-shot bodies never are."""
+        if self.body is not None and self.body.replayability == Replayability.ONE_SHOT:
+            return None
+        return table.plan(self.upstream, self.idempotency)
+
+    def hedge_kwargs(self, hedge: int) -> dict[str, Any]:
+        """The keyword arguments of ``decide_hedge`` asking for the ``hedge``-th hedge."""
+        return dict(upstream=self.upstream, idempotency=self.idempotency, hedge=hedge, attempt=self.attempt,
+                    operation=self.operation, deadline_remaining=self.remaining(), body=self.body,
+                    lineage=self.lineage)
+
+    def copy_answered(self, copy: int, result: _Copy, elapsed: float) -> None:
+        """Counts a copy of a hedged round that answered (its outcome; a hedge is never a first attempt)."""
+        self.copy_ended(result.outcome is None, retry=copy > 0, elapsed=elapsed)
+
+    def round_ended(self, hedged: HedgeRound[Any], result: _Copy) -> None:
+        """Keeps the round's hedge decisions and counts a win by a hedge."""
+        self.hedge_decisions.extend(hedged.decisions)
+        if hedged.copy > 0 and result.outcome is None:
+            self.hedge_won()
+
     def first_latency(self, success: bool, elapsed: float) -> None:
         """Records the first attempt's latency (a reporter without histograms records none)."""
         record_latency = getattr(self.reporter, "record_latency", None)
@@ -525,6 +556,13 @@ def request_with_retries(
     ``on_refresh_credentials`` is called before the replay (if it is not
     given, the 401 response is returned).
 
+    For an idempotent call to an upstream whose hedging retryd serves, the
+    first attempt and its hedges run on worker threads, raced as in
+    :func:`arequest_with_retries`; a loser's connection is shut down (the
+    upstream sees it closed) and the loser waited for before this returns.
+    Only httpx's own ``HTTPTransport`` without a proxy or HTTP/2 is hedged;
+    other calls are counted in ``retryd.hedging.not_hedged()``.
+
     ``sleep`` waits the backoffs and ``clock`` (monotonic seconds) measures
     the deadline: replace both to run the loop on a fake clock (tests).
     """
@@ -540,26 +578,27 @@ def request_with_retries(
         clock=clock,
         layer=retryd.layer,
     )
+    table = retryd.hedging
+    plan = loop.hedge_plan(table)
+    pool: Any = None
+    if plan is not None:
+        pool = _thread_copy.pool_of(http, url)
+        if isinstance(pool, str):
+            table.count_not_hedged(pool)
+            plan = None
     while True:
-        request = loop.carry_lineage(http.build_request(method, url, **loop.begin(build, http.timeout)))
-        response: Optional[httpx.Response] = None
-        error: Optional[BaseException] = None
-        try:
-            response = http.send(request, stream=True, **send)
-        except httpx.TransportError as exc:
-            error, outcome = exc, classify_exception(exc)
+        if loop.attempt == 0:
+            table.first_attempt()
+        if loop.attempt == 0 and plan is not None:
+            copy = _hedged_round(http, retryd, loop, plan, pool, method, url, build, send, retry_statuses)
         else:
-            try:
-                response.read()
-            except (httpx.TransportError, httpx.DecodingError) as exc:
-                response.close()
-                error, outcome = exc, classify_exception(exc, response=response)
-            else:
-                if response.status_code not in retry_statuses:
-                    loop.ended(True)
-                    return loop.finish(response, None)
-                outcome = classify_response(response)
-        loop.ended(False)
+            request = loop.carry_lineage(http.build_request(method, url, **loop.begin(build, http.timeout)))
+            copy = _copy(http, request, send, retry_statuses)
+            loop.ended(copy.outcome is None)
+        response, error, outcome = copy.response, copy.error, copy.outcome
+        if outcome is None:
+            assert response is not None
+            return loop.finish(response, None)
 
         decision = (retryd.decide_past_deadline(**loop.decide_kwargs(outcome)) if loop.out_of_time()
                     else retryd.decide(**loop.decide_kwargs(outcome)))
@@ -579,6 +618,132 @@ def request_with_retries(
             retry = not loop.out_of_time()
         if not retry:
             return loop.end(decision, response, error)
+
+
+def _copy(http: httpx.Client, request: httpx.Request, send: dict[str, Any],
+          retry_statuses: frozenset[int]) -> _Copy:
+    """Sends one blocking attempt and reads its response in full."""
+    try:
+        response = http.send(request, stream=True, **send)
+    except httpx.TransportError as exc:
+        return _Copy(None, exc, classify_exception(exc))
+    try:
+        response.read()
+    except (httpx.TransportError, httpx.DecodingError) as exc:
+        response.close()
+        return _Copy(response, exc, classify_exception(exc, response=response))
+    if response.status_code not in retry_statuses:
+        return _Copy(response, None, None)
+    return _Copy(response, None, classify_response(response))
+
+
+class _ThreadCopy:
+    """One copy of a blocking hedged round, on a worker thread: a ``hedge_threads`` copy.
+
+    ``cancel()`` ends it through its gate (:mod:`retryd._thread_copy`).
+    An exception other than a transport error (a bad URL, an event hook's)
+    is final: it ends the round and is raised to the caller.
+    """
+
+    def __init__(self, future: Future[_Copy], gate: _thread_copy.ThreadCopyGate) -> None:
+        self.future = future
+        self.gate = gate
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        self.future.add_done_callback(lambda _: fn(self))
+
+    def cancel(self) -> bool:
+        self.gate.cancel()
+        return True
+
+    @property
+    def raised(self) -> Optional[BaseException]:
+        return self.future.exception()
+
+    @property
+    def withdrawn(self) -> bool:
+        """Ended before any of it was sent (cancelled, or a hedge whose socket was not found)."""
+        return isinstance(self.raised, _thread_copy.Withdrawn)
+
+    def is_final(self) -> bool:
+        raised = self.raised
+        if raised is not None:
+            return not isinstance(raised, _thread_copy.Withdrawn)
+        return self.future.result().outcome is None
+
+
+def _hedged_round(http: httpx.Client, retryd: Client, loop: _Loop, plan: HedgePlan, pool: Any, method: str,
+                  url: Union[httpx.URL, str], build: dict[str, Any], send: dict[str, Any],
+                  retry_statuses: frozenset[int]) -> _Copy:
+    """The blocking first attempt and its hedges, each on a worker thread (retryd.hedge_threads).
+
+    Every copy has ended, its connection closed or back in the pool,
+    before this returns: a loser is cancelled (its socket shut down, or
+    withdrawn before it was sent) and waited for.
+    """
+    copies: list[_ThreadCopy] = []
+    # The caller's context (its span, the request it serves) goes with every
+    # copy and hedge decision, each on a thread of its own.
+    caller = contextvars.copy_context()
+
+    def start_copy(copy: int) -> _ThreadCopy:
+        request = loop.carry_lineage(http.build_request(method, url, **loop.begin(build, http.timeout)))
+        gate = _thread_copy.ThreadCopyGate(request, pool, hedge=copy > 0)
+        context = caller.copy()
+        started = _ThreadCopy(_thread_copy.WORKERS.submit(
+            lambda: context.run(_copy, http, request, send, retry_statuses)), gate)
+        copies.append(started)
+        return started
+
+    def ask(hedge: int) -> Decision:
+        return caller.copy().run(retryd.decide_hedge, **loop.hedge_kwargs(hedge))
+
+    def on_end(copy: int, result: _ThreadCopy, elapsed: float) -> None:
+        if result.raised is None:
+            loop.copy_answered(copy, result.future.result(), elapsed)
+
+    try:
+        first = start_copy(0)
+        hedged = run_hedged_blocking(
+            plan=plan, first=first, start_copy=start_copy, is_final=_ThreadCopy.is_final,
+            ask=ask, on_end=on_end,
+            on_first_cancelled=lambda elapsed: loop.first_latency(True, elapsed), clock=loop.clock,
+            remaining=loop.remaining, first_sent_at=loop.sent_at,
+            may_hedge=lambda: all(copy.gate.cancellable for copy in copies))
+    except BaseException:
+        # The caller's thread was interrupted: no copy outlives the call.
+        for copy in copies:
+            copy.cancel()
+        _settle(copies, None)
+        raise
+    winner = hedged.result
+    if winner.withdrawn:
+        # Every copy failed and the last to end was a hedge withdrawn unsent:
+        # the first attempt's failure is the one the retry path decides about.
+        winner = copies[0]
+    _settle(copies, winner)
+    if not all(copy.gate.cancellable for copy in copies):
+        retryd.hedging.count_not_hedged("socket")
+    raised = winner.raised
+    if raised is not None:
+        raise raised
+    result = winner.future.result()
+    loop.round_ended(hedged, result)
+    return result
+
+
+def _settle(copies: list[_ThreadCopy], winner: Optional[_ThreadCopy]) -> None:
+    """Waits for every copy but ``winner`` to end and closes what it left open."""
+    for copy in copies:
+        if copy is winner:
+            continue
+        # Bounded: a cancelled copy's socket is shut (it ends at once) or it
+        # was withdrawn at its next event (within its pool and connect timeouts).
+        wait_for_all([copy.future])
+        if copy.raised is None:
+            response = copy.future.result().response
+            if response is not None:
+                response.close()
 
 
 async def arequest_with_retries(
@@ -631,8 +796,7 @@ async def arequest_with_retries(
     )
     table = retryd.hedging
     # One-shot bodies and streamed content are never hedged: a copy could not be sent.
-    plan = (table.plan(upstream, idempotency)
-            if loop.body is None or loop.body.replayability != Replayability.ONE_SHOT else None)
+    plan = loop.hedge_plan(table)
     while True:
         if loop.attempt == 0:
             table.first_attempt()
@@ -729,20 +893,12 @@ async def _ahedged_round(http: httpx.AsyncClient, retryd: AsyncClient, loop: _Lo
     def cancel_copy(task: asyncio.Future[Any]) -> None:
         gates[task].cancel()
 
-    def ask(hedge: int) -> Awaitable[Decision]:
-        return retryd.decide_hedge(upstream=loop.upstream, idempotency=loop.idempotency, hedge=hedge,
-                                   attempt=loop.attempt, operation=loop.operation,
-                                   deadline_remaining=loop.remaining(), body=loop.body, lineage=loop.lineage)
-
-    def on_end(copy: int, result: _Copy, elapsed: float) -> None:
-        loop.copy_ended(result.outcome is None, retry=copy > 0, elapsed=elapsed)
-
     hedged = await run_hedged(plan=plan, start_copy=start_copy, is_final=lambda result: result.outcome is None,
-                              ask=ask, on_end=on_end, on_first_cancelled=lambda elapsed: loop.first_latency(True, elapsed),
+                              ask=lambda hedge: retryd.decide_hedge(**loop.hedge_kwargs(hedge)),
+                              on_end=loop.copy_answered,
+                              on_first_cancelled=lambda elapsed: loop.first_latency(True, elapsed),
                               clock=loop.clock, remaining=loop.remaining, cancel_copy=cancel_copy)
-    loop.hedge_decisions.extend(hedged.decisions)
-    if hedged.copy > 0 and hedged.result.outcome is None:
-        loop.hedge_won()
+    loop.round_ended(hedged, hedged.result)
     return hedged.result
 
 
