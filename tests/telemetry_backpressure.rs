@@ -1,9 +1,11 @@
-//! Back-pressure from the span exporter to DecideStream (issue 34), against
-//! the real binary at its default telemetry settings and a real OTLP/gRPC
-//! receiver in the test: a receiver slower than the stream gets every
-//! span (the stream waits, and the waits are counted), and one that never
-//! answers does not hold the stream: its spans are dropped and counted,
-//! and warned.
+//! Back-pressure from the span exporter and the decision log's writer to
+//! DecideStream (issue 34), against the real binary at its default
+//! telemetry settings and a real OTLP/gRPC receiver in the test: a
+//! receiver slower than the stream gets every span (the stream waits, and
+//! the waits are counted), and one that never answers does not hold the
+//! stream: its spans are dropped and counted, and warned. The same for the
+//! decision log written to a FIFO that the test reads slowly, as a slow
+//! disk would take it.
 
 use retryd_testkit as support;
 
@@ -101,8 +103,8 @@ const BOUNDLESS: &str = "[defaults]\nbudget = { capacity = 1e9, initial = 1e9, r
 
 #[tokio::test]
 async fn a_stream_waits_for_a_slow_receiver_and_every_span_arrives() {
-    // At most 4 exports of 512 spans on their way, each answered after
-    // 400 ms: ~5,000 spans a second, far below what a stream decides, so
+    // At most 16 exports of 512 spans on their way, each answered after
+    // 400 ms: ~20,000 spans a second, far below what a stream decides, so
     // the default queue (8,192 spans) would overflow within the stream.
     let (receiver, received) = Receiver::start(Some(Duration::from_millis(400))).await;
     let server = Server::start(&format!(
@@ -138,7 +140,7 @@ async fn a_receiver_that_never_answers_does_not_hold_the_stream() {
     let server = Server::start(&format!(
         "{BOUNDLESS}[telemetry]\notlp_endpoint = \"http://{receiver}\"\n"
     ));
-    // Four exports of 512 held, the queue's 8,192 waiting: the rest of
+    // Sixteen exports of 512 held, the queue's 8,192 waiting: the rest of
     // the stream's spans have no room, and the stream waits only until
     // the exporter is taken to be stalled (500 ms without progress).
     const ITEMS: usize = 30_000;
@@ -157,4 +159,83 @@ async fn a_receiver_that_never_answers_does_not_hold_the_stream() {
             .then_some(())
     })
     .await;
+}
+
+/// A decision log slower than the stream: written to a FIFO the test reads
+/// at ~1.6 MB/s (8 KiB every 5 ms, a few thousand lines a second, below
+/// what a stream decides even on a busy machine), with a queue of 512
+/// lines, so that the stream outruns the writer within its first second.
+/// (The queue is smaller than the default 65,536 only so that the test is
+/// short: a smaller queue needs the back-pressure sooner, it relaxes
+/// nothing. A batch the writer takes, 512 lines at most, ~300 KB, drains
+/// in ~0.2 s, within the 500 ms after which a writer is taken to be
+/// stalled.) Every line arrives, none is dropped, and the waits are
+/// counted.
+#[tokio::test]
+async fn a_stream_waits_for_a_slow_decision_log_and_every_line_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("decisions.jsonl");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let read = Arc::new(AtomicU64::new(0));
+    let reader = {
+        let (fifo, read) = (fifo.clone(), Arc::clone(&read));
+        std::thread::spawn(move || {
+            use std::io::Read as _;
+            // Opening blocks until retryd opens the log for writing.
+            let mut file = std::fs::File::open(&fifo).unwrap();
+            let mut all = Vec::new();
+            let mut chunk = vec![0; 8 * 1024];
+            loop {
+                match file.read(&mut chunk).unwrap() {
+                    0 => break all,
+                    n => {
+                        all.extend_from_slice(&chunk[..n]);
+                        let lines = all
+                            .split(|byte| *byte == b'\n')
+                            .filter(|line| line.starts_with(br#"{"kind":"decision""#))
+                            .count();
+                        read.store(lines as u64, Ordering::SeqCst);
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                }
+            }
+        })
+    };
+    let mut server = Server::start(&format!(
+        "{BOUNDLESS}[decision_log]\npath = \"{}\"\nqueue = 512\n",
+        fifo.display()
+    ));
+    const ITEMS: usize = 5_000;
+    stream(&server, ITEMS).await;
+    support::eventually("every line read", || {
+        (read.load(Ordering::SeqCst) >= ITEMS as u64).then_some(())
+    })
+    .await;
+    let scrape = server.scrape();
+    assert_eq!(metric(&scrape, "retryd_decisions_total"), ITEMS as u64);
+    assert_eq!(
+        metric(&scrape, "retryd_decision_log_dropped_total"),
+        0,
+        "{scrape}"
+    );
+    assert!(
+        metric(&scrape, "retryd_decision_log_waits_total") > 0,
+        "{scrape}"
+    );
+    assert!(
+        !server.logs().contains("not keeping up"),
+        "{}",
+        server.logs()
+    );
+    server.terminate(support::HANG_GUARD);
+    let all = reader.join().unwrap();
+    let lines = all
+        .split(|byte| *byte == b'\n')
+        .filter(|line| line.starts_with(br#"{"kind":"decision""#))
+        .count();
+    assert_eq!(lines, ITEMS);
 }

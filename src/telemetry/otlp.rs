@@ -14,7 +14,7 @@
 //! channel, `try_send` only: the decision path never waits, and it wakes
 //! the export task only once a batch is queued (or the batch window
 //! passes), not per span. A full queue drops, counts and warns (at most
-//! every ten seconds). Up to four exports are on their way at once, each
+//! every ten seconds). Up to sixteen exports are on their way at once, each
 //! with the exporter's timeout; a failed export is logged (at most every ten seconds) and
 //! counted, and its spans are lost, never retried: the audit trail is best
 //! effort, the decisions are not.
@@ -46,8 +46,11 @@ use crate::config::{OtlpExport, OtlpProtocol, Sampling, TelemetryConfig};
 const MAX_BATCH: usize = 512;
 /// How long a span may wait for its batch to fill.
 const BATCH_WINDOW: Duration = Duration::from_millis(200);
-/// Export requests on their way at once, at most.
-const MAX_IN_FLIGHT: usize = 4;
+/// Export requests on their way at once, at most: 8,192 spans, ~6 MB of
+/// requests. With four, the exporter drained at most 2,048 spans per
+/// receiver round trip, and a traced DecideStream left the two cores idle
+/// half the time waiting for it (BENCHMARKS.md, issue 34, 2026-12-04).
+const MAX_IN_FLIGHT: usize = 16;
 /// How often at most a full queue or a failed export is warned about.
 const WARNING_INTERVAL: Duration = Duration::from_secs(10);
 /// The OTLP/gRPC method.

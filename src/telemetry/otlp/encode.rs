@@ -193,8 +193,15 @@ fn encode_varint(mut value: u64, out: &mut Vec<u8>) {
 
 #[inline(always)]
 fn encoded_len_varint(value: u64) -> usize {
-    // 1 byte per 7 bits, at least one.
-    (64 - (value | 1).leading_zeros() as usize).div_ceil(7)
+    // Nearly every length in a span is under 128: one byte, with no
+    // arithmetic (the division below was 3% of a traced server's samples
+    // under perf).
+    if value < 0x80 {
+        1
+    } else {
+        // 1 byte per 7 bits.
+        (64 - value.leading_zeros() as usize).div_ceil(7)
+    }
 }
 
 /// The key and length of a length-delimited field of `len` bytes (its
