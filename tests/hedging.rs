@@ -9,7 +9,7 @@
 mod hedging_common;
 mod in_process_server;
 
-use hedging_common::{InProcess, budget, entry, hedge, millis, report};
+use hedging_common::{InProcess, budget, entry, hedge, millis, report, turns_slow};
 use retryd_budget::MemoryBudgetStore;
 use retryd_proto as pb;
 
@@ -179,52 +179,12 @@ async fn a_uniformly_slow_upstream_is_not_hedged() {
 /// An upstream that turns slow as a whole is not hedged within its
 /// window's last sixth (1 s of a 6 s window), although its window still
 /// holds the fast calls and their tail from before: a copy would be as
-/// slow as the first attempt. Wall time on purpose (the store's clock is
-/// the process's): the fast report must be out of the recent part (1.3 s
-/// later) and in the window (under 6 s), and the hedge asked within a
-/// second of the slow report.
+/// slow as the first attempt (`hedging_common::turns_slow`).
 #[tokio::test]
 async fn an_upstream_turned_slow_is_not_hedged_within_a_sixth_of_its_window() {
     let server = InProcess::start(CONFIG, MemoryBudgetStore::new(100)).await;
     let mut client = server.decider().await;
-    let fast = report(
-        &mut client,
-        vec![entry("turning", 1_000, &[(10, 980), (1_000, 20)])],
-    )
-    .await
-    .unwrap();
-    assert!(fast.hedging[0].enabled, "{:?}", fast.hedging);
-    tokio::time::sleep(std::time::Duration::from_millis(1_300)).await;
-    let slow = report(
-        &mut client,
-        vec![entry("turning", 200, &[(200, 180), (210, 20)])],
-    )
-    .await
-    .unwrap();
-    assert!(!slow.hedging[0].enabled, "{:?}", slow.hedging);
-    let denied = client
-        .decide(hedge("turning", 1))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(
-        denied.deny_reason(),
-        pb::DenyReason::UniformlySlow,
-        "{denied:?}"
-    );
-    // The whole window's p50 is still the fast calls'; its recent part is
-    // what is slow, and the explanation gives both.
-    for part in [
-        "p50 9ms, p99 1007ms over 1200 samples",
-        "over its most recent sixth: p50 20",
-        "over 200 samples)",
-    ] {
-        assert!(
-            denied.explanation.contains(part),
-            "{part:?} in {}",
-            denied.explanation
-        );
-    }
+    turns_slow("turning", &mut client.clone(), &mut client).await;
 }
 
 #[tokio::test]

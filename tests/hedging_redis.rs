@@ -9,7 +9,7 @@ mod in_process_server;
 
 use std::time::{Duration, Instant};
 
-use hedging_common::{InProcess, budget, entry, hedge, millis, report};
+use hedging_common::{InProcess, budget, entry, hedge, millis, report, turns_slow};
 use in_process_server::redis_store;
 use retryd_budget::redis::{Exact, Leased, Mode};
 use retryd_proto as pb;
@@ -146,7 +146,7 @@ async fn cluster_replicas_share_one_window() {
 /// fleet's too: A reports fast calls with a tail, B slow ones 1.3 s later,
 /// and B's answer, read back from Redis, has the whole window's p50 fast
 /// (A's calls) and its recent part slow (B's), so the upstream is not
-/// hedged. Wall time, as in tests/hedging.rs.
+/// hedged (`hedging_common::turns_slow`).
 #[tokio::test]
 async fn the_recent_part_of_the_window_is_the_fleets() {
     let redis = RedisServer::start();
@@ -162,38 +162,5 @@ async fn the_recent_part_of_the_window_is_the_fleets() {
         redis_store::<Exact>(&urls, &prefix, STORE_TIMEOUT).await,
     )
     .await;
-    let mut to_a = a.decider().await;
-    let mut to_b = b.decider().await;
-    let fast = report(
-        &mut to_a,
-        vec![entry("turning", 1_000, &[(10, 980), (1_000, 20)])],
-    )
-    .await
-    .unwrap();
-    assert!(fast.hedging[0].enabled, "{:?}", fast.hedging);
-    tokio::time::sleep(Duration::from_millis(1_300)).await;
-    let slow = report(
-        &mut to_b,
-        vec![entry("turning", 200, &[(200, 180), (210, 20)])],
-    )
-    .await
-    .unwrap();
-    assert!(!slow.hedging[0].enabled, "{:?}", slow.hedging);
-    let denied = to_b.decide(hedge("turning", 1)).await.unwrap().into_inner();
-    assert_eq!(
-        denied.deny_reason(),
-        pb::DenyReason::UniformlySlow,
-        "{denied:?}"
-    );
-    for part in [
-        "p50 9ms, p99 1007ms over 1200 samples",
-        "over its most recent sixth: p50 20",
-        "over 200 samples)",
-    ] {
-        assert!(
-            denied.explanation.contains(part),
-            "{part:?} in {}",
-            denied.explanation
-        );
-    }
+    turns_slow("turning", &mut a.decider().await, &mut b.decider().await).await;
 }

@@ -72,3 +72,50 @@ pub(crate) fn millis(duration: &Option<prost_types::Duration>) -> f64 {
     let duration = duration.as_ref().expect("a delay");
     duration.seconds as f64 * 1e3 + f64::from(duration.nanos) / 1e6
 }
+
+/// An upstream with `window = "6s"` turns slow as a whole: fast calls with
+/// a 2% tail reported through `first`, slow ones through `second` 1.3 s
+/// later (out of the window's recent sixth, 1 s, and still in the window).
+/// `second`'s answer and its hedge decision say uniformly slow, with the
+/// whole window's p50 still fast and its recent part slow. Wall time on
+/// purpose (the store's clock is the process's): the hedge is asked within
+/// a second of the slow report.
+pub(crate) async fn turns_slow(
+    upstream: &str,
+    first: &mut RetryDeciderClient<Channel>,
+    second: &mut RetryDeciderClient<Channel>,
+) {
+    let fast = report(
+        first,
+        vec![entry(upstream, 1_000, &[(10, 980), (1_000, 20)])],
+    )
+    .await
+    .unwrap();
+    assert!(fast.hedging[0].enabled, "{:?}", fast.hedging);
+    tokio::time::sleep(std::time::Duration::from_millis(1_300)).await;
+    let slow = report(second, vec![entry(upstream, 200, &[(200, 180), (210, 20)])])
+        .await
+        .unwrap();
+    assert!(!slow.hedging[0].enabled, "{:?}", slow.hedging);
+    let denied = second
+        .decide(hedge(upstream, 1))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        denied.deny_reason(),
+        pb::DenyReason::UniformlySlow,
+        "{denied:?}"
+    );
+    for part in [
+        "p50 9ms, p99 1007ms over 1200 samples",
+        "over its most recent sixth: p50 20",
+        "over 200 samples)",
+    ] {
+        assert!(
+            denied.explanation.contains(part),
+            "{part:?} in {}",
+            denied.explanation
+        );
+    }
+}
