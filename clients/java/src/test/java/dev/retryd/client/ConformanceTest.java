@@ -186,6 +186,14 @@ class ConformanceTest {
     if (expect.has("refresh_credentials")) {
       assertEquals(expect.get("refresh_credentials").getAsBoolean(), decision.refreshCredentials(), "refresh_credentials");
     }
+    assertBackoffAndId(expect, verdict, decision);
+  }
+
+  /**
+   * The backoff within the case's bounds for a RETRY, none otherwise, and a decision id:
+   * the checks every conformance runner of this client ends with.
+   */
+  static void assertBackoffAndId(JsonObject expect, String verdict, Decision decision) {
     long backoffNanos = decision.backoff().toNanos();
     if (verdict.equals("VERDICT_RETRY")) {
       if (expect.has("backoff_min_ms")) {

@@ -198,18 +198,7 @@ class HedgingConformanceTest {
     if (expect.has("refresh_credentials")) {
       assertEquals(expect.get("refresh_credentials").getAsBoolean(), decision.refreshCredentials(), "refresh_credentials");
     }
-    long backoffNanos = decision.backoff().toNanos();
-    if (verdict.equals("VERDICT_RETRY")) {
-      if (expect.has("backoff_min_ms")) {
-        assertTrue(backoffNanos >= expect.get("backoff_min_ms").getAsLong() * 1_000_000L, "backoff below min: " + decision);
-      }
-      if (expect.has("backoff_max_ms")) {
-        assertTrue(backoffNanos <= expect.get("backoff_max_ms").getAsLong() * 1_000_000L, "backoff above max: " + decision);
-      }
-    } else {
-      assertEquals(0, backoffNanos, "a verdict other than RETRY has no backoff");
-    }
-    assertFalse(decision.decisionId().isEmpty(), "decision_id");
+    ConformanceTest.assertBackoffAndId(expect, verdict, decision);
   }
 
   @Test
