@@ -5,8 +5,12 @@
 //!
 //! The order: the kill switch, the policy (none, the idempotency, the
 //! number of hedges), the deadline, the fleet's latency (too few samples,
-//! uniformly slow), the cap on extra load, then the shared retry budget. A
-//! hedge is never AMBIGUOUS: nothing has failed and nothing is in doubt.
+//! uniformly slow, over the window or its recent part), the cap on extra
+//! load, then the shared retry budget. A hedge is never AMBIGUOUS: nothing
+//! has failed and nothing is in doubt.
+//!
+//! About 560 lines, half of them the rule's table tests: the policy, the
+//! fleet's state and the rule are one reading.
 
 use std::time::Duration;
 
