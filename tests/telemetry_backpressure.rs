@@ -116,7 +116,13 @@ async fn a_stream_waits_for_a_slow_receiver_and_every_span_arrives() {
         (received.load(Ordering::SeqCst) >= ITEMS as u64).then_some(())
     })
     .await;
-    let scrape = server.scrape();
+    // The receiver counts a request's spans before it answers; the
+    // exporter counts them once the answer is back, a round trip later.
+    let scrape = support::eventually("every span counted as exported", || {
+        let scrape = server.scrape();
+        (metric(&scrape, "retryd_spans_exported_total") >= ITEMS as u64).then_some(scrape)
+    })
+    .await;
     assert_eq!(metric(&scrape, "retryd_decisions_total"), ITEMS as u64);
     assert_eq!(received.load(Ordering::SeqCst), ITEMS as u64);
     assert_eq!(metric(&scrape, "retryd_spans_exported_total"), ITEMS as u64);
