@@ -184,20 +184,27 @@ impl Decision {
     fn explain_hedge(&self, note: &HedgeNote) -> String {
         let mut text = String::with_capacity(200);
         let millis = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        // "p50 9ms, p99 1007ms over 1200 samples", of the window or of its
+        // recent part.
+        let latencies = |text: &mut String, p50, tail, samples| {
+            text.push_str("p50 ");
+            push_decimal(text, millis(p50));
+            text.push_str("ms, p");
+            push_decimal(text, (note.tail_quantile * 1000.0).round() as u64 / 10);
+            text.push(' ');
+            push_decimal(text, millis(tail));
+            text.push_str("ms over ");
+            push_decimal(text, samples);
+            text.push_str(" samples");
+        };
         let numbers = |text: &mut String| {
             text.push_str("delay ");
             push_decimal(text, millis(note.delay));
             text.push_str("ms at p");
             push_decimal(text, (note.quantile * 1000.0).round() as u64 / 10);
-            text.push_str(", p50 ");
-            push_decimal(text, millis(note.p50));
-            text.push_str("ms, p");
-            push_decimal(text, (note.tail_quantile * 1000.0).round() as u64 / 10);
-            text.push(' ');
-            push_decimal(text, millis(note.tail));
-            text.push_str("ms over ");
-            push_decimal(text, note.samples);
-            text.push_str(" samples, ");
+            text.push_str(", ");
+            latencies(text, note.p50, note.tail, note.samples);
+            text.push_str(", ");
             push_decimal(text, note.hedges);
             text.push_str(" hedges of ");
             push_decimal(text, note.first_attempts);
@@ -240,15 +247,8 @@ impl Decision {
                 numbers(&mut text);
                 let recent = &note.recent;
                 if reason == DenyReason::UniformlySlow && recent.samples > 0 {
-                    text.push_str("; over its most recent sixth: p50 ");
-                    push_decimal(&mut text, millis(recent.p50));
-                    text.push_str("ms, p");
-                    push_decimal(&mut text, (note.tail_quantile * 1000.0).round() as u64 / 10);
-                    text.push(' ');
-                    push_decimal(&mut text, millis(recent.tail));
-                    text.push_str("ms over ");
-                    push_decimal(&mut text, recent.samples);
-                    text.push_str(" samples");
+                    text.push_str("; over its most recent sixth: ");
+                    latencies(&mut text, recent.p50, recent.tail, recent.samples);
                 }
                 text.push(')');
             }

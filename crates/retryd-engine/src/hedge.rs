@@ -47,6 +47,12 @@ impl HedgePolicy {
     pub fn tail_quantile(&self) -> f64 {
         self.quantile.max(0.99)
     }
+
+    /// A p50 within `uniform_ratio` of the tail quantile: no tail a copy
+    /// could beat.
+    pub fn is_uniform(&self, p50: Duration, tail: Duration) -> bool {
+        p50.as_secs_f64() >= self.uniform_ratio * tail.as_secs_f64()
+    }
 }
 
 impl Default for HedgePolicy {
@@ -133,8 +139,7 @@ impl RecentLatency {
     /// Uniformly slow by the recent latencies alone: enough of them, and
     /// their p50 within `uniform_ratio` of their tail.
     pub fn is_uniform(&self, policy: &HedgePolicy) -> bool {
-        self.samples >= policy.min_samples.max(1)
-            && self.p50.as_secs_f64() >= policy.uniform_ratio * self.tail.as_secs_f64()
+        self.samples >= policy.min_samples.max(1) && policy.is_uniform(self.p50, self.tail)
     }
 }
 
@@ -154,9 +159,7 @@ impl HedgeState {
     pub fn served(&self, policy: &HedgePolicy) -> Served {
         if self.samples < policy.min_samples.max(1) {
             Served::TooFewSamples
-        } else if self.p50.as_secs_f64() >= policy.uniform_ratio * self.tail.as_secs_f64()
-            || self.recent.is_uniform(policy)
-        {
+        } else if policy.is_uniform(self.p50, self.tail) || self.recent.is_uniform(policy) {
             Served::UniformlySlow
         } else {
             Served::Hedge(self.delay)

@@ -1,6 +1,9 @@
 //! Exact mode: every operation is one script on the upstream's keys
 //! (after its admission to the index), so withdrawals are atomic across the
-//! fleet and a fleet short of budget grants exactly the budget. The mode
+//! fleet and a fleet short of budget grants exactly the budget, less one
+//! token per withdrawal whose answer came past the store timeout (Redis
+//! applied it; the replica answered from its fallback and counted that in
+//! `retryd_store_fallbacks_total`). The mode
 //! holds nothing of its own, per store or per upstream. Its operations
 //! are the core's direct ones (`shared/direct.rs`).
 
