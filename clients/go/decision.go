@@ -107,15 +107,21 @@ var nan = math.NaN()
 // report both alike.
 func setTiming(ctx context.Context, req *pb.DecideRequest, previousBackoff time.Duration) {
 	if deadline, ok := ctx.Deadline(); ok {
-		remaining := time.Until(deadline)
-		if remaining < 0 {
-			remaining = 0
-		}
-		req.DeadlineRemaining = durationpb.New(remaining)
+		req.DeadlineRemaining = remainingUntil(deadline)
 	}
 	if previousBackoff > 0 {
 		req.PreviousBackoff = durationpb.New(previousBackoff)
 	}
+}
+
+// remainingUntil is the time left before deadline, as deadline_remaining
+// (zero once it has passed).
+func remainingUntil(deadline time.Time) *durationpb.Duration {
+	remaining := time.Until(deadline)
+	if remaining < 0 {
+		remaining = 0
+	}
+	return durationpb.New(remaining)
 }
 
 // endedByCaller is the decision for a failed attempt when the caller's own

@@ -14,7 +14,6 @@ import (
 	"time"
 
 	pb "github.com/retryd/retryd/clients/go/retrydv1"
-	"google.golang.org/protobuf/types/known/durationpb"
 )
 
 // Hedging is what the client knows of one upstream's hedging, as retryd last
@@ -221,11 +220,7 @@ func (h HedgeRequest) decideRequest() *pb.DecideRequest {
 		MaxAttempts: h.MaxAttempts, Lineage: h.Lineage,
 	}
 	if !h.Deadline.IsZero() {
-		remaining := time.Until(h.Deadline)
-		if remaining < 0 {
-			remaining = 0
-		}
-		req.DeadlineRemaining = durationpb.New(remaining)
+		req.DeadlineRemaining = remainingUntil(h.Deadline)
 	}
 	return req
 }
