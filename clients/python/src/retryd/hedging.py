@@ -19,6 +19,7 @@ unreachable and the local fallback (``LocalHedging``) is configured.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -169,8 +170,6 @@ class HedgingTable:
             first = reason not in self._not_hedged
             self._not_hedged[reason] = self._not_hedged.get(reason, 0) + 1
         if first:
-            import logging
-
             logging.getLogger("retryd").warning(
                 "retryd: a blocking httpx call was not hedged (%s): its copies could not be ended; "
                 "counted in client.hedging.not_hedged()", reason)

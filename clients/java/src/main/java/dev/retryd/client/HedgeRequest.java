@@ -14,26 +14,11 @@ import retryd.v1.Retryd.Idempotency;
  * #builder}.
  */
 public final class HedgeRequest {
-  private final String upstream;
-  private final String operation;
-  private final Idempotency idempotency;
-  private final Body body;
-  private final int hedge;
-  private final int attempt;
-  private final int maxAttempts;
-  private final String lineage;
-  private final Duration deadlineRemaining;
+  /** The Decide this hedge is asked with, built once: the request is its fields. */
+  private final DecideRequest request;
 
-  private HedgeRequest(Builder builder) {
-    this.upstream = builder.upstream;
-    this.operation = builder.operation;
-    this.idempotency = builder.idempotency;
-    this.body = builder.body;
-    this.hedge = builder.hedge;
-    this.attempt = builder.attempt != 0 ? builder.attempt : builder.hedge;
-    this.maxAttempts = builder.maxAttempts;
-    this.lineage = builder.lineage;
-    this.deadlineRemaining = builder.deadlineRemaining;
+  private HedgeRequest(DecideRequest request) {
+    this.request = request;
   }
 
   /**
@@ -46,42 +31,27 @@ public final class HedgeRequest {
 
   /** The upstream. */
   public String upstream() {
-    return upstream;
+    return request.getUpstream();
   }
 
   /** k: this is the k-th hedge of the call. */
   public int hedge() {
-    return hedge;
+    return request.getHedge();
   }
 
   /** The copies sent so far (the first attempt and the hedges granted before this one). */
   public int attempt() {
-    return attempt;
+    return request.getAttempt();
   }
 
   /** The {@code Decide} this hedge is asked with: every field as given. */
   DecideRequest toDecideRequest() {
-    DecideRequest.Builder ask =
-        DecideRequest.newBuilder()
-            .setUpstream(upstream)
-            .setOperation(operation)
-            .setIdempotency(idempotency)
-            .setAttempt(attempt)
-            .setHedge(hedge)
-            .setMaxAttempts(maxAttempts)
-            .setLineage(lineage);
-    if (body != null) {
-      ask.setBody(body);
-    }
-    if (deadlineRemaining != null) {
-      ask.setDeadlineRemaining(Durations.toProto(deadlineRemaining));
-    }
-    return ask.build();
+    return request;
   }
 
   @Override
   public String toString() {
-    return "HedgeRequest{" + toDecideRequest().toString().replace('\n', ' ').trim() + "}";
+    return "HedgeRequest{" + request.toString().replace('\n', ' ').trim() + "}";
   }
 
   /** Builds a {@link HedgeRequest}. */
@@ -140,7 +110,22 @@ public final class HedgeRequest {
 
     /** The request. */
     public HedgeRequest build() {
-      return new HedgeRequest(this);
+      DecideRequest.Builder ask =
+          DecideRequest.newBuilder()
+              .setUpstream(upstream)
+              .setOperation(operation)
+              .setIdempotency(idempotency)
+              .setAttempt(attempt != 0 ? attempt : hedge)
+              .setHedge(hedge)
+              .setMaxAttempts(maxAttempts)
+              .setLineage(lineage);
+      if (body != null) {
+        ask.setBody(body);
+      }
+      if (deadlineRemaining != null) {
+        ask.setDeadlineRemaining(Durations.toProto(deadlineRemaining));
+      }
+      return new HedgeRequest(ask.build());
     }
   }
 }
