@@ -42,6 +42,8 @@ mod json;
 /// How long the writer naps between batches while lines keep coming: at
 /// the default queue (65,536 lines) a nap holds a few hundred at full rate.
 const BUSY_NAP: Duration = Duration::from_millis(2);
+/// The writer's buffer: one write per batch at full rate.
+const WRITE_BUFFER: usize = 1 << 20;
 
 /// The format's version, on every line.
 pub const VERSION: u32 = 1;
@@ -396,7 +398,7 @@ impl Writer {
         match open_file(&self.path) {
             Ok(file) => {
                 self.written = file.metadata().map_or(0, |meta| meta.len());
-                self.out = BufWriter::new(file);
+                self.out = BufWriter::with_capacity(WRITE_BUFFER, file);
                 tracing::info!(path = %self.path.display(), "decision log reopened");
             }
             Err(error) => tracing::warn!(
@@ -428,7 +430,7 @@ impl DecisionLog {
         });
         let writer = Writer {
             path: path.to_owned(),
-            out: BufWriter::new(file),
+            out: BufWriter::with_capacity(WRITE_BUFFER, file),
             written,
             max_bytes,
             reopen: Arc::clone(&reopen),

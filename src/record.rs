@@ -137,12 +137,13 @@ impl Recorder {
             self.metrics.record_hedge(attempt.upstream, decision);
         }
         let span_trace = recording.span.as_ref().map(SpanStart::trace_id);
+        let took = recording.started.elapsed();
         self.metrics.record_decision(
             attempt.upstream,
             &decided.principal.name,
             decision,
             attempt.reported.lineage.depth(),
-            recording.started.elapsed(),
+            took,
             span_trace,
         );
         let (deny_reason, backoff_ms) = match decision.verdict {
@@ -172,7 +173,7 @@ impl Recorder {
         );
         if let Some(span) = recording.span {
             let record = self.decision_span(decided, recording.method);
-            self.tracer.finish_decision(span, record);
+            self.tracer.finish_decision(span, record, took);
         }
         if let Some(log) = &self.decision_log {
             log.decision(decided);

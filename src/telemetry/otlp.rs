@@ -10,19 +10,21 @@
 //! for its own shutdown log line, and retryd's operators alert on
 //! `retryd_spans_dropped_total`; the exporter's generic transform (grouping
 //! by resource and scope, converting every `KeyValue`) was most of a
-//! traced decision's cost (issue 34). The queue here is tokio's bounded
-//! channel, `try_send` only: the decision path never waits, and it wakes
-//! the export task only once a batch is queued (or the batch window
-//! passes), not per span. A full queue drops, counts and warns (at most
-//! every ten seconds). Up to sixteen exports are on their way at once, each
+//! traced decision's cost (issue 34). The queue here is a vector under a
+//! lock that a decision holds for one `push` and never waits for beyond
+//! that (tokio's bounded channel, used before, took a semaphore permit per
+//! span on each side, the receiver's under a lock of its own); the export
+//! task takes everything queued in one swap. A decision wakes the task
+//! only once a batch is queued (or the batch window passes), not per span.
+//! A full queue drops, counts and warns (at most every ten seconds). Up to sixteen exports are on their way at once, each
 //! with the exporter's timeout; a failed export is logged (at most every ten seconds) and
 //! counted, and its spans are lost, never retried: the audit trail is best
 //! effort, the decisions are not.
 
 mod encode;
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -33,7 +35,7 @@ use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::Sampler;
 use prost::Message as _;
 use rand::Rng;
-use tokio::sync::{Notify, mpsc, oneshot};
+use tokio::sync::{Notify, oneshot};
 use tokio::task::JoinHandle;
 use tokio_rustls::rustls;
 
@@ -56,13 +58,65 @@ const WARNING_INTERVAL: Duration = Duration::from_secs(10);
 /// The OTLP/gRPC method.
 const GRPC_EXPORT: &str = "/opentelemetry.proto.collector.trace.v1.TraceService/Export";
 
+/// Finished spans waiting for the export task, at most `capacity`.
+#[derive(Debug)]
+struct Queue {
+    spans: Mutex<Vec<Finished>>,
+    /// `spans.len()`, read without the lock: a DecideStream's
+    /// back-pressure reads it before every item.
+    waiting: AtomicUsize,
+    capacity: usize,
+    /// Every tracer is gone: the export task sends what is left and ends.
+    closed: AtomicBool,
+}
+
+impl Queue {
+    fn new(capacity: usize) -> Queue {
+        Queue {
+            // Room for a few batches from the start: growing under the
+            // lock is a copy of every span waiting.
+            spans: Mutex::new(Vec::with_capacity(capacity.min(4 * MAX_BATCH))),
+            waiting: AtomicUsize::new(0),
+            capacity,
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    /// Queues `span` and says how many now wait, or `None` (the span
+    /// dropped) when the queue is full.
+    fn push(&self, span: Finished) -> Option<usize> {
+        // A panic cannot leave the vector half pushed: poisoning is ignored.
+        let mut spans = self.spans.lock().unwrap_or_else(PoisonError::into_inner);
+        if spans.len() >= self.capacity {
+            // The span's strings are freed after the lock is let go.
+            drop(spans);
+            return None;
+        }
+        spans.push(span);
+        let waiting = spans.len();
+        self.waiting.store(waiting, Ordering::Relaxed);
+        Some(waiting)
+    }
+
+    /// Moves every span waiting into `into`, which must be empty; the
+    /// queue keeps `into`'s allocation for the next spans.
+    fn take(&self, into: &mut Vec<Finished>) {
+        debug_assert!(into.is_empty());
+        let mut spans = self.spans.lock().unwrap_or_else(PoisonError::into_inner);
+        std::mem::swap(&mut *spans, into);
+        self.waiting.store(0, Ordering::Relaxed);
+    }
+
+    fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
+    }
+}
+
 /// What the tracer holds: the sampler and the producer side of the queue.
 #[derive(Debug)]
 pub(super) struct Pipeline {
     pub(super) sampler: Sampler,
-    queue: mpsc::Sender<Finished>,
-    /// Capacity of `queue`.
-    capacity: usize,
+    queue: Arc<Queue>,
     /// Wake the export task once this many spans wait.
     wake_at: usize,
     /// Set once the task was woken for the spans waiting; the task clears it.
@@ -79,7 +133,7 @@ pub(super) struct Pipeline {
 
 impl Backlog for Pipeline {
     fn over_half(&self) -> bool {
-        self.capacity - self.queue.capacity() >= self.backlog_at
+        self.queue.waiting() >= self.backlog_at
     }
 
     fn room(&self) -> &Room {
@@ -97,14 +151,13 @@ impl Pipeline {
     /// Queues a finished span; drops, counts and warns when the queue is
     /// full.
     pub(super) fn push(&self, finished: Finished) {
-        match self.queue.try_send(finished) {
-            Ok(()) => {
-                let waiting = self.capacity - self.queue.capacity();
+        match self.queue.push(finished) {
+            Some(waiting) => {
                 if waiting >= self.wake_at && !self.woken.swap(true, Ordering::AcqRel) {
                     self.wake.notify_one();
                 }
             }
-            Err(_) => {
+            None => {
                 self.metrics.spans_dropped.fetch_add(1, Ordering::Relaxed);
                 self.drops.log(|suppressed| {
                     tracing::warn!(
@@ -114,6 +167,13 @@ impl Pipeline {
                 });
             }
         }
+    }
+}
+
+impl Drop for Pipeline {
+    fn drop(&mut self) {
+        self.queue.closed.store(true, Ordering::Release);
+        self.wake.notify_one();
     }
 }
 
@@ -187,7 +247,7 @@ pub(super) fn start(
     let encoder = encode::Encoder::new(&resource, &scope);
     let transport = Transport::new(export)?;
     let capacity = config.export_queue.max(1);
-    let (queue, receiver) = mpsc::channel(capacity);
+    let queue = Arc::new(Queue::new(capacity));
     let woken = Arc::new(AtomicBool::new(false));
     let wake = Arc::new(Notify::new());
     let room = Arc::new(Room::new(
@@ -195,8 +255,7 @@ pub(super) fn start(
     ));
     let pipeline = Pipeline {
         sampler: sampler(config.sampling),
-        queue,
-        capacity,
+        queue: Arc::clone(&queue),
         wake_at: MAX_BATCH.min(capacity / 2).max(1),
         woken: Arc::clone(&woken),
         wake: Arc::clone(&wake),
@@ -214,7 +273,7 @@ pub(super) fn start(
             metrics,
             last_warning: None,
         },
-        receiver,
+        queue,
         Wakes {
             woken,
             wake,
@@ -453,11 +512,10 @@ struct Exporter {
 type Sending = std::pin::Pin<Box<dyn Future<Output = (u64, Result<u64, String>)> + Send>>;
 
 impl Exporter {
-    /// Encodes `batch` (emptying it) into a request on its way.
-    fn send(&mut self, batch: &mut Vec<Finished>) -> Sending {
+    /// Encodes `batch` into a request on its way.
+    fn send(&mut self, batch: &[Finished]) -> Sending {
         let count = batch.len() as u64;
         let body = self.encoder.encode(batch);
-        batch.clear();
         let transport = Arc::clone(&self.transport);
         Box::pin(async move { (count, transport.send(body).await) })
     }
@@ -512,25 +570,25 @@ impl Wakes {
     /// The task made progress: streams waiting for room look again, and
     /// once under half the queue waits, the exporter is keeping up again
     /// (streams wait for it again rather than have spans dropped).
-    fn progressed(&self, queue: &mpsc::Receiver<Finished>) {
-        self.room.progressed(queue.len() >= self.backlog_at);
+    fn progressed(&self, queue: &Queue) {
+        self.room.progressed(queue.waiting() >= self.backlog_at);
     }
 }
 
 /// The export task: waits until a batch is queued or `BATCH_WINDOW`
-/// passes, then sends what is queued in batches of up to `MAX_BATCH`, up
-/// to `MAX_IN_FLIGHT` at once, so that a receiver's round trip (on a busy
-/// machine, tens of milliseconds before it is scheduled) does not stop the
-/// queue from draining; on stop, what is queued and in flight, then
-/// returns.
+/// passes, takes what is queued and sends it in batches of up to
+/// `MAX_BATCH`, up to `MAX_IN_FLIGHT` at once, so that a receiver's round
+/// trip (on a busy machine, tens of milliseconds before it is scheduled)
+/// does not stop the queue from draining; on stop, or once every tracer is
+/// gone, what is queued and in flight, then returns.
 async fn run(
     mut exporter: Exporter,
-    mut queue: mpsc::Receiver<Finished>,
+    queue: Arc<Queue>,
     wakes: Wakes,
     mut stop: oneshot::Receiver<()>,
 ) {
     use futures::StreamExt as _;
-    let mut batch = Vec::with_capacity(MAX_BATCH);
+    let mut taken = Vec::with_capacity(queue.capacity.min(4 * MAX_BATCH));
     let mut in_flight = futures::stream::FuturesUnordered::<Sending>::new();
     loop {
         let stopping = tokio::select! {
@@ -543,32 +601,22 @@ async fn run(
             _ = &mut stop => true,
         };
         wakes.woken.store(false, Ordering::Release);
-        let closed = loop {
-            match queue.try_recv() {
-                Ok(span) => {
-                    batch.push(span);
-                    if batch.len() == MAX_BATCH {
-                        while in_flight.len() >= MAX_IN_FLIGHT {
-                            if let Some(done) = in_flight.next().await {
-                                exporter.sent(done);
-                            }
-                        }
-                        in_flight.push(exporter.send(&mut batch));
-                        wakes.progressed(&queue);
-                    }
-                }
-                Err(mpsc::error::TryRecvError::Empty) => break false,
-                Err(mpsc::error::TryRecvError::Disconnected) => break true,
-            }
-        };
-        if !batch.is_empty() {
+        // Read before the take: a span queued after the last tracer went
+        // is impossible, so nothing is left behind.
+        let closed = queue.closed.load(Ordering::Acquire);
+        queue.take(&mut taken);
+        for batch in taken.chunks(MAX_BATCH) {
+            // While this waits, the queue fills again: at most one queue's
+            // worth is held here besides it.
             while in_flight.len() >= MAX_IN_FLIGHT {
                 if let Some(done) = in_flight.next().await {
                     exporter.sent(done);
                 }
             }
-            in_flight.push(exporter.send(&mut batch));
+            in_flight.push(exporter.send(batch));
+            wakes.progressed(&queue);
         }
+        taken.clear();
         wakes.progressed(&queue);
         if stopping || closed {
             while let Some(done) = in_flight.next().await {
