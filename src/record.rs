@@ -18,8 +18,8 @@ use crate::decision_log::DecisionLog;
 use crate::engine::{UnknownOutcome, Verdict};
 use crate::telemetry::{
     Attribute, CandidateSpan, DecisionFields, DecisionSpan, DecisionTexts, HedgeSpan, Metrics,
-    Refusal, SPAN_DECIDE, SpanStart, StoreOp, Throttle, TraceContext, Tracer, UpstreamLimit, attr,
-    hex,
+    Refusal, SPAN_DECIDE, SpanBatch, SpanStart, StoreOp, Throttle, TraceContext, Tracer,
+    UpstreamLimit, attr, hex,
 };
 
 /// How often at most a full share is logged.
@@ -48,6 +48,8 @@ pub struct Recording {
     started: Instant,
     /// `rpc.method` of the span: `Decide` or `DecideStream`.
     method: &'static str,
+    /// A DecideStream's span batch, where its span goes.
+    batch: Option<Arc<SpanBatch>>,
 }
 
 impl Recorder {
@@ -95,25 +97,44 @@ impl Recorder {
         &self.tracer
     }
 
+    /// A DecideStream's span batch (`telemetry::SpanBatch`), for
+    /// [`Recorder::paced`] and [`Recorder::start`]; `None` when tracing is
+    /// off.
+    pub(crate) fn stream_batch(&self) -> Option<Arc<SpanBatch>> {
+        self.tracer.stream_batch()
+    }
+
     /// `items`, each polled only once the span export queue and the
     /// decision log's have room: a DecideStream's back-pressure
-    /// (`telemetry/pace.rs`). Neither on, a pass-through.
-    pub fn paced<S>(&self, items: S) -> crate::telemetry::Paced<S> {
+    /// (`telemetry/pace.rs`); its span `batch` is queued whenever no item
+    /// is ready. Neither on, a pass-through.
+    pub(crate) fn paced<S>(
+        &self,
+        items: S,
+        batch: Option<Arc<SpanBatch>>,
+    ) -> crate::telemetry::Paced<S> {
         let backlogs = self
             .tracer
             .backlog()
             .into_iter()
             .chain(self.decision_log.as_ref().map(DecisionLog::backlog))
             .collect();
-        crate::telemetry::Paced::new(items, backlogs)
+        crate::telemetry::Paced::new(items, backlogs, batch)
     }
 
-    /// Starts the record of a decision under the caller's trace context.
-    pub fn start(&self, parent: Option<&TraceContext>, method: &'static str) -> Recording {
+    /// Starts the record of a decision under the caller's trace context;
+    /// a stream's item's span goes to the stream's `batch`.
+    pub(crate) fn start(
+        &self,
+        parent: Option<&TraceContext>,
+        method: &'static str,
+        batch: Option<&Arc<SpanBatch>>,
+    ) -> Recording {
         Recording {
             span: self.tracer.start(parent),
             started: Instant::now(),
             method,
+            batch: batch.cloned(),
         }
     }
 
@@ -173,7 +194,8 @@ impl Recorder {
         );
         if let Some(span) = recording.span {
             let record = self.decision_span(decided, recording.method);
-            self.tracer.finish_decision(span, record, took);
+            self.tracer
+                .finish_decision(span, record, took, recording.batch.as_deref());
         }
         if let Some(log) = &self.decision_log {
             log.decision(decided);

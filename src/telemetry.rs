@@ -27,6 +27,7 @@ use crate::config::{LogFormat, TelemetryConfig};
 pub use metrics::{
     BUDGET_GAUGES_INTERVAL, BudgetGauges, Metrics, Refusal, StoreOp, UpstreamLimit, serve_metrics,
 };
+pub(crate) use otlp::SpanBatch;
 pub use pace::{Backlog, Paced, Room};
 pub use span::{CandidateSpan, DecisionFields, DecisionSpan, DecisionTexts, HedgeSpan, SpanStart};
 pub use trace::{Attribute, TraceContext, Tracer, TracerGuard, hex};

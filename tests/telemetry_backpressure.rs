@@ -245,3 +245,75 @@ async fn a_stream_waits_for_a_slow_decision_log_and_every_line_is_written() {
         .count();
     assert_eq!(lines, ITEMS);
 }
+
+/// A DecideStream's spans go to the export queue a batch at a time
+/// (`otlp::SpanBatch`): a stream that stays open after its last item,
+/// answered, has every item's span exported all the same.
+#[tokio::test]
+async fn an_open_stream_has_every_span_exported_before_it_ends() {
+    let (receiver, received) = Receiver::start(Some(Duration::ZERO)).await;
+    let server = Server::start(&format!(
+        "{BOUNDLESS}[telemetry]\notlp_endpoint = \"http://{receiver}\"\n"
+    ));
+    let mut client = server.decider().await;
+    let (items, requests) = tokio::sync::mpsc::channel(16);
+    let mut responses = client
+        .decide_stream(tokio_stream::wrappers::ReceiverStream::new(requests))
+        .await
+        .unwrap()
+        .into_inner();
+    // Fewer than a batch, each answered before the next is sent.
+    const ITEMS: u64 = 10;
+    for item in 0..ITEMS {
+        items.send(retryable("pay")).await.unwrap();
+        let response = responses.message().await.unwrap().unwrap();
+        assert_eq!(response.error, None, "item {item}");
+    }
+    support::eventually("every span of the open stream received", || {
+        (received.load(Ordering::SeqCst) == ITEMS).then_some(())
+    })
+    .await;
+    drop(items);
+    assert!(responses.message().await.unwrap().is_none());
+}
+
+/// A caller that sends items and stops reading the answers: the server
+/// stops deciding once the stream's flow-control windows are full, with
+/// some spans in the stream's batch; the export task takes them at its
+/// next batch window, so the spans of every decision made arrive while the
+/// stream is still open and unread.
+#[tokio::test]
+async fn a_stream_whose_answers_are_not_read_holds_no_span_back() {
+    let (receiver, received) = Receiver::start(Some(Duration::ZERO)).await;
+    let server = Server::start(&format!(
+        "{BOUNDLESS}[telemetry]\notlp_endpoint = \"http://{receiver}\"\n"
+    ));
+    let mut client = server.decider().await;
+    // Far more items than the windows hold answers for (~40 bytes each).
+    let items = tokio_stream::iter((0..200_000).map(|_| retryable("pay")));
+    let responses = client.decide_stream(items).await.unwrap().into_inner();
+    // Deciding stops once the answers back up: the count holds still.
+    let decided = support::eventually("the stream stops deciding", {
+        let server = &server;
+        let mut last = (0, std::time::Instant::now());
+        move || {
+            let decided = metric(&server.scrape(), "retryd_decisions_total");
+            if decided != last.0 {
+                last = (decided, std::time::Instant::now());
+                None
+            } else {
+                (decided > 0 && last.1.elapsed() > Duration::from_secs(1)).then_some(decided)
+            }
+        }
+    })
+    .await;
+    assert!(
+        decided < 200_000,
+        "every item was decided: nothing backed up"
+    );
+    support::eventually("a span for every decision made", || {
+        (received.load(Ordering::SeqCst) == decided).then_some(())
+    })
+    .await;
+    drop(responses);
+}

@@ -17,7 +17,7 @@ use crate::auth::Principal;
 use crate::budget::BudgetStore;
 use crate::decide::Draw;
 use crate::pb;
-use crate::telemetry::TraceContext;
+use crate::telemetry::{SpanBatch, TraceContext};
 use crate::transport::{Arrival, ReceivedAt};
 
 /// How many stream items may be in flight at once. Responses still leave
@@ -39,9 +39,10 @@ impl<S: BudgetStore> Service<S> {
         request: &pb::DecideRequest,
         parent: Option<&TraceContext>,
         method: &'static str,
+        batch: Option<&Arc<SpanBatch>>,
     ) -> Result<pb::DecideResponse, Status> {
         let recorder = self.recorder();
-        let recording = recorder.start(parent, method);
+        let recording = recorder.start(parent, method, batch);
         let decided = match validate::decide_request(request) {
             Err(invalid) => Err(Status::from(invalid)),
             Ok(attempt) => {
@@ -76,9 +77,10 @@ impl<S: BudgetStore> Service<S> {
         request: &pb::DecideRequest,
         parent: Option<&TraceContext>,
         method: &'static str,
+        batch: Option<&Arc<SpanBatch>>,
     ) -> Result<pb::DecideResponse, Status> {
         crate::decide::at_once(
-            self.decide_one(live, principal, request, parent, method),
+            self.decide_one(live, principal, request, parent, method, batch),
             || Err(super::status::not_answered_at_once()),
         )
     }
@@ -124,9 +126,9 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         let parent = trace_context(request.metadata());
         let (message, parent) = (request.get_ref(), parent.as_ref());
         let answer = if S::ANSWERS_AT_ONCE {
-            self.decide_one_now(&live, principal, message, parent, "Decide")
+            self.decide_one_now(&live, principal, message, parent, "Decide", None)
         } else {
-            self.decide_one(&live, principal, message, parent, "Decide")
+            self.decide_one(&live, principal, message, parent, "Decide", None)
                 .await
         };
         if let Err(status) = &answer {
@@ -156,7 +158,9 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
         // Back-pressure from the span exporter and the decision log
         // (telemetry/pace.rs): the next item waits while either queue is
         // over half full.
-        let items = self.recorder().paced(request.into_inner());
+        // Its items' spans go to the export queue a batch at a time.
+        let batch = self.recorder().stream_batch();
+        let items = self.recorder().paced(request.into_inner(), batch.clone());
         // A bad item is answered in place, so one caller's mistake does not
         // tear down a shared sidecar stream; a transport error ends it.
         let answered = move |service: &Service<S>,
@@ -192,6 +196,7 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
                             &request,
                             parent.as_deref(),
                             "DecideStream",
+                            batch.as_ref(),
                         )
                     });
                     answered(&service, &principal, answer)
@@ -203,6 +208,7 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
                     .map(move |item| {
                         let service = service.clone();
                         let parent = parent.clone();
+                        let batch = batch.clone();
                         let principal = Arc::clone(&principal);
                         async move {
                             let request = item?;
@@ -216,6 +222,7 @@ impl<S: BudgetStore> pb::retry_decider_server::RetryDecider for Service<S> {
                                             &request,
                                             parent.as_deref(),
                                             "DecideStream",
+                                            batch.as_ref(),
                                         )
                                         .await
                                 }

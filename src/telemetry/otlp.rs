@@ -46,6 +46,9 @@ use crate::config::{OtlpExport, OtlpProtocol, Sampling, TelemetryConfig};
 
 /// Spans per export request, at most.
 const MAX_BATCH: usize = 512;
+/// A DecideStream's spans go to the queue this many at a time, at most
+/// (`SpanBatch`).
+const STREAM_BATCH: usize = 64;
 /// How long a span may wait for its batch to fill.
 const BATCH_WINDOW: Duration = Duration::from_millis(200);
 /// Export requests on their way at once, at most: 8,192 spans, ~6 MB of
@@ -98,6 +101,21 @@ impl Queue {
         Some(waiting)
     }
 
+    /// Queues as many of `spans` as there is room for, emptying it; how
+    /// many now wait, and how many were dropped.
+    fn push_all(&self, spans: &mut Vec<Finished>) -> (usize, usize) {
+        let mut queued = self.spans.lock().unwrap_or_else(PoisonError::into_inner);
+        let room = self.capacity.saturating_sub(queued.len());
+        let dropped = spans.len().saturating_sub(room);
+        queued.extend(spans.drain(..spans.len() - dropped));
+        let waiting = queued.len();
+        self.waiting.store(waiting, Ordering::Relaxed);
+        drop(queued);
+        // Dropped ones are freed after the lock is let go.
+        spans.clear();
+        (waiting, dropped)
+    }
+
     /// Moves every span waiting into `into`, which must be empty; the
     /// queue keeps `into`'s allocation for the next spans.
     fn take(&self, into: &mut Vec<Finished>) {
@@ -129,7 +147,13 @@ pub(super) struct Pipeline {
     backlog_at: usize,
     /// The export task's progress, which streams waiting wait for.
     room: Arc<Room>,
+    /// The DecideStreams' batches, which the export task empties at every
+    /// batch window.
+    batches: Arc<Batches>,
 }
+
+/// The live `SpanBatch`es.
+type Batches = Mutex<Vec<std::sync::Weak<SpanBatch>>>;
 
 impl Backlog for Pipeline {
     fn over_half(&self) -> bool {
@@ -152,21 +176,93 @@ impl Pipeline {
     /// full.
     pub(super) fn push(&self, finished: Finished) {
         match self.queue.push(finished) {
-            Some(waiting) => {
-                if waiting >= self.wake_at && !self.woken.swap(true, Ordering::AcqRel) {
-                    self.wake.notify_one();
-                }
-            }
-            None => {
-                self.metrics.spans_dropped.fetch_add(1, Ordering::Relaxed);
-                self.drops.log(|suppressed| {
-                    tracing::warn!(
-                        suppressed,
-                        "the span export queue is full (telemetry.export_queue): spans dropped, counted in retryd_spans_dropped_total"
-                    );
-                });
-            }
+            Some(waiting) => self.queued(waiting),
+            None => self.dropped(1),
         }
+    }
+
+    /// Queues `spans` (emptying it), as [`Pipeline::push`] does each.
+    fn push_all(&self, spans: &mut Vec<Finished>) {
+        let (waiting, dropped) = self.queue.push_all(spans);
+        self.queued(waiting);
+        if dropped > 0 {
+            self.dropped(dropped as u64);
+        }
+    }
+
+    /// Wakes the export task once a batch waits.
+    fn queued(&self, waiting: usize) {
+        if waiting >= self.wake_at && !self.woken.swap(true, Ordering::AcqRel) {
+            self.wake.notify_one();
+        }
+    }
+
+    fn dropped(&self, spans: u64) {
+        self.metrics
+            .spans_dropped
+            .fetch_add(spans, Ordering::Relaxed);
+        self.drops.log(|suppressed| {
+            tracing::warn!(
+                suppressed,
+                "the span export queue is full (telemetry.export_queue): spans dropped, counted in retryd_spans_dropped_total"
+            );
+        });
+    }
+}
+
+/// One DecideStream's finished spans on their way to the queue. A stream
+/// decides an item after the other on one task, each item's span pushed
+/// under this batch's own lock, which no other core touches; the shared
+/// queue's lock, which the runtime's every worker takes, is taken once per
+/// [`STREAM_BATCH`] spans. (One lock per span on the shared queue was 5-9%
+/// of a traced stream's CPU under perf, mostly its cache line moving
+/// between the two cores.) The rest goes to the queue when the stream has
+/// no item ready (`Paced`), when the stream ends, and, so that a stream
+/// whose caller stopped reading holds no span back for long, by the
+/// export task at every batch window.
+#[derive(Debug)]
+pub(crate) struct SpanBatch {
+    spans: Mutex<Vec<Finished>>,
+    pipeline: Arc<Pipeline>,
+}
+
+impl SpanBatch {
+    /// A batch for one stream, known to the export task.
+    pub(super) fn new(pipeline: &Arc<Pipeline>) -> Arc<SpanBatch> {
+        let batch = Arc::new(SpanBatch {
+            spans: Mutex::new(Vec::with_capacity(STREAM_BATCH)),
+            pipeline: Arc::clone(pipeline),
+        });
+        let mut batches = pipeline
+            .batches
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // A new stream is also when the ended ones are forgotten.
+        batches.retain(|batch| batch.strong_count() > 0);
+        batches.push(Arc::downgrade(&batch));
+        batch
+    }
+
+    pub(super) fn push(&self, finished: Finished) {
+        let mut spans = self.spans.lock().unwrap_or_else(PoisonError::into_inner);
+        spans.push(finished);
+        if spans.len() >= STREAM_BATCH {
+            self.pipeline.push_all(&mut spans);
+        }
+    }
+
+    /// Queues what the batch holds.
+    pub(crate) fn flush(&self) {
+        let mut spans = self.spans.lock().unwrap_or_else(PoisonError::into_inner);
+        if !spans.is_empty() {
+            self.pipeline.push_all(&mut spans);
+        }
+    }
+}
+
+impl Drop for SpanBatch {
+    fn drop(&mut self) {
+        self.flush();
     }
 }
 
@@ -248,6 +344,7 @@ pub(super) fn start(
     let transport = Transport::new(export)?;
     let capacity = config.export_queue.max(1);
     let queue = Arc::new(Queue::new(capacity));
+    let batches = Arc::new(Batches::default());
     let woken = Arc::new(AtomicBool::new(false));
     let wake = Arc::new(Notify::new());
     let room = Arc::new(Room::new(
@@ -263,6 +360,7 @@ pub(super) fn start(
         drops: Throttle::new(WARNING_INTERVAL, 1),
         backlog_at: (capacity / 2).max(1),
         room: Arc::clone(&room),
+        batches: Arc::clone(&batches),
     };
     let (stop, stopped) = oneshot::channel();
     let task = tokio::spawn(run(
@@ -274,6 +372,7 @@ pub(super) fn start(
             last_warning: None,
         },
         queue,
+        batches,
         Wakes {
             woken,
             wake,
@@ -584,6 +683,7 @@ impl Wakes {
 async fn run(
     mut exporter: Exporter,
     queue: Arc<Queue>,
+    batches: Arc<Batches>,
     wakes: Wakes,
     mut stop: oneshot::Receiver<()>,
 ) {
@@ -591,20 +691,23 @@ async fn run(
     let mut taken = Vec::with_capacity(queue.capacity.min(4 * MAX_BATCH));
     let mut in_flight = futures::stream::FuturesUnordered::<Sending>::new();
     loop {
-        let stopping = tokio::select! {
-            () = wakes.wake.notified() => false,
-            () = tokio::time::sleep(BATCH_WINDOW) => false,
+        let (stopping, window) = tokio::select! {
+            () = wakes.wake.notified() => (false, false),
+            () = tokio::time::sleep(BATCH_WINDOW) => (false, true),
             Some(done) = in_flight.next(), if !in_flight.is_empty() => {
                 exporter.sent(done);
                 continue;
             }
-            _ = &mut stop => true,
+            _ = &mut stop => (true, true),
         };
         wakes.woken.store(false, Ordering::Release);
         // Read before the take: a span queued after the last tracer went
         // is impossible, so nothing is left behind.
         let closed = queue.closed.load(Ordering::Acquire);
         queue.take(&mut taken);
+        if window {
+            take_batches(&batches, &mut taken);
+        }
         for batch in taken.chunks(MAX_BATCH) {
             // While this waits, the queue fills again: at most one queue's
             // worth is held here besides it.
@@ -624,5 +727,21 @@ async fn run(
             }
             return;
         }
+    }
+}
+
+/// Moves what the streams' batches hold into `taken`: a span waits at most
+/// a batch window in a stream's batch.
+fn take_batches(batches: &Batches, taken: &mut Vec<Finished>) {
+    let batches: Vec<Arc<SpanBatch>> = {
+        let mut batches = batches.lock().unwrap_or_else(PoisonError::into_inner);
+        batches.retain(|batch| batch.strong_count() > 0);
+        batches
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect()
+    };
+    for batch in batches {
+        taken.append(&mut batch.spans.lock().unwrap_or_else(PoisonError::into_inner));
     }
 }

@@ -24,7 +24,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::Stream;
@@ -98,15 +98,24 @@ pub struct Paced<S> {
     /// pass-through.
     backlogs: Vec<Arc<dyn Backlog>>,
     wait: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    /// The stream's span batch, queued whenever the stream has no item
+    /// ready: its spans do not wait for the next item.
+    spans: Option<Arc<super::SpanBatch>>,
 }
 
 impl<S> Paced<S> {
-    /// `inner`, paced by `backlogs`.
-    pub fn new(inner: S, backlogs: Vec<Arc<dyn Backlog>>) -> Paced<S> {
+    /// `inner`, paced by `backlogs`, flushing `spans` when it has no item
+    /// ready.
+    pub(crate) fn new(
+        inner: S,
+        backlogs: Vec<Arc<dyn Backlog>>,
+        spans: Option<Arc<super::SpanBatch>>,
+    ) -> Paced<S> {
         Paced {
             inner,
             backlogs,
             wait: None,
+            spans,
         }
     }
 }
@@ -121,11 +130,22 @@ impl<S: Stream + Unpin> Stream for Paced<S> {
                 this.wait = Some(Box::pin(room(Arc::clone(backlog))));
             }
         }
-        if let Some(wait) = &mut this.wait {
-            ready!(wait.as_mut().poll(cx));
-            this.wait = None;
+        let polled = match &mut this.wait {
+            Some(wait) => match wait.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    this.wait = None;
+                    Pin::new(&mut this.inner).poll_next(cx)
+                }
+                Poll::Pending => Poll::Pending,
+            },
+            None => Pin::new(&mut this.inner).poll_next(cx),
+        };
+        if !matches!(polled, Poll::Ready(Some(_))) {
+            if let Some(spans) = &this.spans {
+                spans.flush();
+            }
         }
-        Pin::new(&mut this.inner).poll_next(cx)
+        polled
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {

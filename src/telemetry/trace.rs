@@ -275,18 +275,34 @@ impl Tracer {
         );
     }
 
+    /// A batch for one DecideStream's spans (`otlp::SpanBatch`); `None`
+    /// when tracing is off.
+    pub(crate) fn stream_batch(&self) -> Option<Arc<otlp::SpanBatch>> {
+        self.pipeline.as_ref().map(otlp::SpanBatch::new)
+    }
+
     /// Finishes a decision's span (`retry.decide`) from its record,
     /// `took` after it started: the decision's latency, measured once for
     /// its histogram and its span (a clock read is ~2% of a traced
-    /// DecideStream item).
-    pub fn finish_decision(&self, start: SpanStart, span: DecisionSpan, took: Duration) {
+    /// DecideStream item). Into its stream's `batch`, if it has one.
+    pub(crate) fn finish_decision(
+        &self,
+        start: SpanStart,
+        span: DecisionSpan,
+        took: Duration,
+        batch: Option<&otlp::SpanBatch>,
+    ) {
         if let Some(pipeline) = &self.pipeline {
             let end = start.start + took;
-            pipeline.push(Finished {
+            let finished = Finished {
                 start,
                 end,
                 body: Body::Decision(span),
-            });
+            };
+            match batch {
+                Some(batch) => batch.push(finished),
+                None => pipeline.push(finished),
+            }
         }
     }
 
