@@ -60,14 +60,17 @@ fn http(address: &str, request: &str) -> (String, String) {
     (status, body)
 }
 
-fn spans(sink: &Sink) -> u64 {
+fn counts(sink: &Sink) -> serde_json::Value {
     let (status, body) = http(
         &sink.http,
         "GET /spans HTTP/1.1\r\nhost: sink\r\nconnection: close\r\n\r\n",
     );
     assert!(status.contains("200"), "{status}: {body}");
-    let counts: serde_json::Value = serde_json::from_str(&body).expect(&body);
-    counts["spans"].as_u64().unwrap()
+    serde_json::from_str(&body).expect(&body)
+}
+
+fn spans(sink: &Sink) -> u64 {
+    counts(sink)["spans"].as_u64().unwrap()
 }
 
 fn load(target: &str, mode: &str, requests: &str) {
@@ -104,6 +107,10 @@ async fn the_sink_counts_every_span_retryd_exports_over_grpc_and_http() {
         (spans(&sink) == 800).then_some(())
     })
     .await;
+    // A decision's span, its ids, times and some twenty attributes, is
+    // hundreds of bytes, not a few and not tens of thousands.
+    let bytes = counts(&sink)["bytes"].as_u64().unwrap();
+    assert!((200 * 800..4_000 * 800).contains(&bytes), "{bytes} bytes");
     for server in [&over_grpc, &over_http] {
         let scrape = server.scrape();
         for series in [

@@ -4,7 +4,9 @@
 //!
 //! - OTLP/gRPC on `--listen` (`TraceService/Export`);
 //! - OTLP/HTTP on `--http-listen` (`POST /v1/traces`, protobuf), which also
-//!   answers `GET /spans` with `{"spans":N,"exports":M}`, the counts so far.
+//!   answers `GET /spans` with `{"spans":N,"exports":M,"bytes":B}`, the
+//!   counts so far (`bytes`: the spans as encoded, each with its key and
+//!   length; a request's resource and scope, not kept, are left out).
 //!
 //! A request is read only as far as counting needs: the spans are kept as
 //! undecoded bytes (prost skips every other field), so that the receiver
@@ -72,19 +74,25 @@ impl CountedRequest {
 struct Counts {
     spans: AtomicU64,
     exports: AtomicU64,
+    bytes: AtomicU64,
 }
 
 impl Counts {
     fn add(&self, request: &CountedRequest) {
         self.spans.fetch_add(request.spans(), Ordering::Relaxed);
         self.exports.fetch_add(1, Ordering::Relaxed);
+        // The parts kept, a sum over the spans: what the sender encoded,
+        // less the resource and scope that prost skipped.
+        self.bytes
+            .fetch_add(request.encoded_len() as u64, Ordering::Relaxed);
     }
 
     fn json(&self) -> String {
         format!(
-            "{{\"spans\":{},\"exports\":{}}}",
+            "{{\"spans\":{},\"exports\":{},\"bytes\":{}}}",
             self.spans.load(Ordering::Relaxed),
-            self.exports.load(Ordering::Relaxed)
+            self.exports.load(Ordering::Relaxed),
+            self.bytes.load(Ordering::Relaxed)
         )
     }
 }
