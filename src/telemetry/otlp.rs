@@ -340,7 +340,10 @@ pub(super) fn start(
     let scope = opentelemetry::InstrumentationScope::builder("retryd")
         .with_version(env!("CARGO_PKG_VERSION"))
         .build();
-    let encoder = encode::Encoder::new(&resource, &scope);
+    let encoder = match export.protocol {
+        OtlpProtocol::Grpc => encode::Encoder::new(&resource, &scope).grpc(),
+        OtlpProtocol::HttpProtobuf => encode::Encoder::new(&resource, &scope),
+    };
     let transport = Transport::new(export)?;
     let capacity = config.export_queue.max(1);
     let queue = Arc::new(Queue::new(capacity));
@@ -388,62 +391,14 @@ pub(super) fn start(
     })
 }
 
-/// Raw bytes out (an encoded `ExportTraceServiceRequest`), the response
-/// decoded: the gRPC codec of a request encoded by `encode.rs`.
-#[derive(Clone, Copy, Debug, Default)]
-struct RawCodec;
-
-impl tonic::codec::Codec for RawCodec {
-    type Encode = Bytes;
-    type Decode = ExportTraceServiceResponse;
-    type Encoder = RawCodec;
-    type Decoder = RawCodec;
-
-    fn encoder(&mut self) -> RawCodec {
-        RawCodec
-    }
-
-    fn decoder(&mut self) -> RawCodec {
-        RawCodec
-    }
-}
-
-impl tonic::codec::Encoder for RawCodec {
-    type Item = Bytes;
-    type Error = tonic::Status;
-
-    fn encode(
-        &mut self,
-        item: Bytes,
-        dst: &mut tonic::codec::EncodeBuf<'_>,
-    ) -> Result<(), tonic::Status> {
-        use bytes::BufMut as _;
-        dst.put(item);
-        Ok(())
-    }
-}
-
-impl tonic::codec::Decoder for RawCodec {
-    type Item = ExportTraceServiceResponse;
-    type Error = tonic::Status;
-
-    fn decode(
-        &mut self,
-        src: &mut tonic::codec::DecodeBuf<'_>,
-    ) -> Result<Option<ExportTraceServiceResponse>, tonic::Status> {
-        ExportTraceServiceResponse::decode(src)
-            .map(Some)
-            .map_err(|err| tonic::Status::internal(err.to_string()))
-    }
-}
-
 /// Where batches go.
 // One per process, made once: the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
 enum Transport {
     Grpc {
         channel: tonic::transport::Channel,
-        metadata: tonic::metadata::MetadataMap,
+        /// The configured headers, and gRPC's own.
+        headers: http::HeaderMap,
         timeout: Duration,
     },
     Http {
@@ -483,9 +438,15 @@ impl Transport {
                         .tls_config(tls)
                         .map_err(|err| format!("telemetry: TLS: {err}"))?;
                 }
+                let mut headers = metadata.into_headers();
+                headers.insert(http::header::TE, http::HeaderValue::from_static("trailers"));
+                headers.insert(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static("application/grpc"),
+                );
                 Ok(Transport::Grpc {
                     channel: endpoint.connect_lazy(),
-                    metadata,
+                    headers,
                     timeout: export.timeout,
                 })
             }
@@ -542,25 +503,30 @@ impl Transport {
         match self {
             Transport::Grpc {
                 channel,
-                metadata,
+                headers,
                 timeout,
             } => {
+                // The request is the encoder's bytes, gRPC prefix included,
+                // handed to the channel as they are: tonic's client would
+                // copy them into an encode buffer of its own, a new one
+                // each request.
                 let call = async {
-                    let mut grpc = tonic::client::Grpc::new(channel.clone());
-                    grpc.ready()
+                    use tonic::codegen::Service as _;
+                    let mut channel = channel.clone();
+                    std::future::poll_fn(|cx| channel.poll_ready(cx))
                         .await
-                        .map_err(|err| format!("connection: {err}"))?;
-                    let mut request = tonic::Request::new(body);
-                    *request.metadata_mut() = metadata.clone();
-                    let response = grpc
-                        .unary(
-                            request,
-                            http::uri::PathAndQuery::from_static(GRPC_EXPORT),
-                            RawCodec,
-                        )
+                        .map_err(|err| format!("connection: {}", error_chain(&err)))?;
+                    let mut request =
+                        http::Request::new(tonic::body::Body::new(http_body_util::Full::new(body)));
+                    *request.method_mut() = http::Method::POST;
+                    *request.uri_mut() = http::Uri::from_static(GRPC_EXPORT);
+                    *request.version_mut() = http::Version::HTTP_2;
+                    *request.headers_mut() = headers.clone();
+                    let response = channel
+                        .call(request)
                         .await
-                        .map_err(|status| format!("{:?}: {}", status.code(), status.message()))?;
-                    Ok(rejected(response.get_ref()))
+                        .map_err(|err| format!("connection: {}", error_chain(&err)))?;
+                    grpc_answer(response).await
                 };
                 tokio::time::timeout(*timeout, call)
                     .await
@@ -588,6 +554,99 @@ impl Transport {
             }
         }
     }
+}
+
+/// What a gRPC answer says: the spans rejected, or the failure (a status
+/// other than OK, in the headers of a trailers-only answer or in the
+/// trailers).
+async fn grpc_answer(response: http::Response<tonic::body::Body>) -> Result<u64, String> {
+    use http_body_util::BodyExt as _;
+    let (head, body) = response.into_parts();
+    if let Some(failure) = grpc_failure(&head.headers) {
+        return Err(failure);
+    }
+    if head.status != http::StatusCode::OK {
+        return Err(format!("HTTP status {}", head.status));
+    }
+    let answer = body
+        .collect()
+        .await
+        .map_err(|err| format!("the answer: {err}"))?;
+    match answer.trailers() {
+        Some(trailers) if trailers.contains_key(GRPC_STATUS) => {
+            if let Some(failure) = grpc_failure(trailers) {
+                return Err(failure);
+            }
+        }
+        // A trailers-only OK has its status in the headers.
+        _ if head.headers.contains_key(GRPC_STATUS) => {}
+        _ => return Err("the answer has no grpc-status".to_owned()),
+    }
+    // One message, not compressed (none was asked for), or none.
+    let bytes = answer.to_bytes();
+    let message = match bytes.split_first_chunk::<5>() {
+        Some(([0, len @ ..], rest)) if rest.len() == u32::from_be_bytes(*len) as usize => rest,
+        Some(_) => return Err("the answer is not one uncompressed message".to_owned()),
+        None => &[],
+    };
+    ExportTraceServiceResponse::decode(message)
+        .map(|response| rejected(&response))
+        .map_err(|err| format!("the answer: {err}"))
+}
+
+const GRPC_STATUS: &str = "grpc-status";
+
+/// `Some` naming the code and message when `headers` carry a grpc-status
+/// other than OK.
+fn grpc_failure(headers: &http::HeaderMap) -> Option<String> {
+    let status = headers.get(GRPC_STATUS)?;
+    let code = status
+        .to_str()
+        .ok()
+        .and_then(|code| code.parse::<i32>().ok())
+        .map_or(tonic::Code::Unknown, tonic::Code::from_i32);
+    if code == tonic::Code::Ok {
+        return None;
+    }
+    let message = headers
+        .get("grpc-message")
+        .map(|message| percent_decoded(message.as_bytes()))
+        .unwrap_or_default();
+    Some(format!("{code:?}: {message}"))
+}
+
+/// grpc-message as the receiver wrote it: percent-encoded on the wire;
+/// bounded, as a receiver's words in retryd's log.
+fn percent_decoded(raw: &[u8]) -> String {
+    let mut bytes = Vec::with_capacity(raw.len());
+    let mut rest = raw;
+    while let Some((&byte, tail)) = rest.split_first() {
+        let hex = |at: usize| tail.get(at).and_then(|digit| (*digit as char).to_digit(16));
+        match (byte, hex(0), hex(1)) {
+            (b'%', Some(high), Some(low)) => {
+                bytes.push((high * 16 + low) as u8);
+                rest = &tail[2..];
+            }
+            _ => {
+                bytes.push(byte);
+                rest = tail;
+            }
+        }
+    }
+    String::from_utf8_lossy(&bytes).chars().take(512).collect()
+}
+
+/// An error and its sources, as one line: a transport error's `Display`
+/// alone says only "transport error".
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut line = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        line.push_str(": ");
+        line.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    line
 }
 
 /// Spans a receiver said it rejected (a partial success).
@@ -743,5 +802,128 @@ fn take_batches(batches: &Batches, taken: &mut Vec<Finished>) {
     };
     for batch in batches {
         taken.append(&mut batch.spans.lock().unwrap_or_else(PoisonError::into_inner));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use http_body_util::StreamBody;
+    use hyper::body::Frame;
+
+    use super::*;
+
+    fn answer(
+        headers: &[(&'static str, &'static str)],
+        data: Option<Vec<u8>>,
+        trailers: &[(&'static str, &'static str)],
+    ) -> http::Response<tonic::body::Body> {
+        let mut frames: Vec<Result<Frame<Bytes>, Infallible>> = Vec::new();
+        if let Some(data) = data {
+            frames.push(Ok(Frame::data(Bytes::from(data))));
+        }
+        if !trailers.is_empty() {
+            let mut map = http::HeaderMap::new();
+            for (name, value) in trailers {
+                map.insert(*name, http::HeaderValue::from_static(value));
+            }
+            frames.push(Ok(Frame::trailers(map)));
+        }
+        let mut response = http::Response::new(tonic::body::Body::new(StreamBody::new(
+            futures::stream::iter(frames),
+        )));
+        for (name, value) in headers {
+            response
+                .headers_mut()
+                .insert(*name, http::HeaderValue::from_static(value));
+        }
+        response
+    }
+
+    fn message(response: &ExportTraceServiceResponse) -> Vec<u8> {
+        let encoded = response.encode_to_vec();
+        let mut framed = vec![0];
+        framed.extend_from_slice(&(encoded.len() as u32).to_be_bytes());
+        framed.extend_from_slice(&encoded);
+        framed
+    }
+
+    #[tokio::test]
+    async fn grpc_answers_are_read_as_a_grpc_client_reads_them() {
+        use opentelemetry_proto::tonic::collector::trace::v1::ExportTracePartialSuccess;
+        let ok = ExportTraceServiceResponse::default();
+        let partial = ExportTraceServiceResponse {
+            partial_success: Some(ExportTracePartialSuccess {
+                rejected_spans: 7,
+                error_message: "too old".into(),
+            }),
+        };
+        // A message, then OK in the trailers.
+        let got = grpc_answer(answer(&[], Some(message(&ok)), &[("grpc-status", "0")])).await;
+        assert_eq!(got, Ok(0));
+        let got = grpc_answer(answer(
+            &[],
+            Some(message(&partial)),
+            &[("grpc-status", "0")],
+        ))
+        .await;
+        assert_eq!(got, Ok(7));
+        // Trailers-only: the status in the headers.
+        assert_eq!(
+            grpc_answer(answer(&[("grpc-status", "0")], None, &[])).await,
+            Ok(0)
+        );
+        let got = grpc_answer(answer(
+            &[
+                ("grpc-status", "14"),
+                ("grpc-message", "collector%20is%20down"),
+            ],
+            None,
+            &[],
+        ))
+        .await;
+        assert_eq!(got, Err("Unavailable: collector is down".to_owned()));
+        // A failure in the trailers.
+        let got = grpc_answer(answer(&[], None, &[("grpc-status", "8")])).await;
+        assert_eq!(got, Err("ResourceExhausted: ".to_owned()));
+        // No status at all, a compressed or torn message: failures, never
+        // taken for exported.
+        assert!(
+            grpc_answer(answer(&[], Some(message(&ok)), &[]))
+                .await
+                .is_err()
+        );
+        let mut compressed = message(&ok);
+        compressed[0] = 1;
+        assert!(
+            grpc_answer(answer(&[], Some(compressed), &[("grpc-status", "0")]))
+                .await
+                .is_err()
+        );
+        let mut torn = message(&partial);
+        torn.pop();
+        assert!(
+            grpc_answer(answer(&[], Some(torn), &[("grpc-status", "0")]))
+                .await
+                .is_err()
+        );
+        // Not HTTP 200.
+        let mut refused = answer(&[], None, &[]);
+        *refused.status_mut() = http::StatusCode::BAD_GATEWAY;
+        assert_eq!(
+            grpc_answer(refused).await,
+            Err("HTTP status 502 Bad Gateway".to_owned())
+        );
+    }
+
+    #[test]
+    fn grpc_messages_are_percent_decoded_and_bounded() {
+        assert_eq!(percent_decoded(b"a%20b"), "a b");
+        // Not an escape: kept as it is.
+        assert_eq!(percent_decoded(b"100%"), "100%");
+        assert_eq!(percent_decoded(b"%zz%4"), "%zz%4");
+        assert_eq!(percent_decoded(b"caf%C3%A9"), "café");
+        assert_eq!(percent_decoded("x".repeat(2_000).as_bytes()).len(), 512);
     }
 }

@@ -10,6 +10,7 @@
 //! The bytes decode to exactly the message the SDK's exporter sends for the
 //! same span: the tests below compare the two.
 
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -71,6 +72,47 @@ pub(crate) struct Encoder {
     span: Vec<u8>,
     /// The size of the last request, to size the next one's buffer.
     last_len: usize,
+    /// Each request prefixed as a gRPC message (uncompressed, its length).
+    grpc: bool,
+    /// Buffers of requests sent, for the next ones.
+    pool: Arc<Pool>,
+}
+
+/// Request buffers back from the transport once it wrote them: a request
+/// is hundreds of kilobytes, and a new one each time cost page faults on
+/// every export (perf, issue 34).
+type Pool = Mutex<Vec<Vec<u8>>>;
+
+/// Buffers kept for reuse, at most: one per export in flight, and the one
+/// being encoded.
+const POOLED: usize = super::MAX_IN_FLIGHT + 1;
+/// A buffer larger than this (a batch of very long spans) is not kept.
+const POOLED_CAPACITY: usize = 4 << 20;
+
+/// A request's bytes, its buffer back to the pool once the transport is
+/// done with them.
+struct Pooled {
+    buffer: Vec<u8>,
+    start: usize,
+    pool: Arc<Pool>,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buffer[self.start..]
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let buffer = std::mem::take(&mut self.buffer);
+        if buffer.capacity() <= POOLED_CAPACITY {
+            let mut pool = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
+            if pool.len() < POOLED {
+                pool.push(buffer);
+            }
+        }
+    }
 }
 
 impl Encoder {
@@ -107,7 +149,17 @@ impl Encoder {
             scope: encoded_scope,
             span: Vec::new(),
             last_len: 0,
+            grpc: false,
+            pool: Arc::default(),
         }
+    }
+
+    /// Each request as a gRPC message: its five-byte prefix (not
+    /// compressed, the length) first, so that the transport sends the
+    /// bytes as they are.
+    pub(crate) fn grpc(mut self) -> Encoder {
+        self.grpc = true;
+        self
     }
 
     /// The `ExportTraceServiceRequest` of `batch`. The spans are encoded
@@ -117,9 +169,18 @@ impl Encoder {
     /// ~660 instructions a span under callgrind), and the request is that
     /// buffer less the head's unused room.
     pub(crate) fn encode(&mut self, batch: &[Finished]) -> Bytes {
-        // The head at its longest: two keys, two 10-byte varints.
-        let room = 2 * (1 + 10) + self.resource.len() + self.scope.len();
-        let mut out = Vec::with_capacity(room + self.last_len.max(1024) + self.schema_url.len());
+        // The head at its longest: the gRPC prefix, two keys, two 10-byte
+        // varints.
+        let prefix = if self.grpc { 5 } else { 0 };
+        let room = prefix + 2 * (1 + 10) + self.resource.len() + self.scope.len();
+        let mut out = self
+            .pool
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop()
+            .unwrap_or_default();
+        out.clear();
+        out.reserve(room + self.last_len.max(1024) + self.schema_url.len());
         out.resize(room, 0);
         for finished in batch {
             // Into place, with two bytes kept for its length: a span is
@@ -158,11 +219,23 @@ impl Encoder {
         );
         encode_varint(scope_spans_len as u64, &mut head);
         head.extend_from_slice(&self.scope);
-        let start = room - head.len();
+        let mut start = room - head.len();
         out[start..room].copy_from_slice(&head);
         out.extend_from_slice(&self.schema_url);
-        self.last_len = out.len() - start;
-        Bytes::from(out).slice(start..)
+        let message_len = out.len() - start;
+        self.last_len = message_len;
+        if self.grpc {
+            // A batch is at most MAX_BATCH spans of under 16 KB: far below
+            // 4 GiB.
+            start -= prefix;
+            out[start] = 0;
+            out[start + 1..start + prefix].copy_from_slice(&(message_len as u32).to_be_bytes());
+        }
+        Bytes::from_owner(Pooled {
+            buffer: out,
+            start,
+            pool: Arc::clone(&self.pool),
+        })
     }
 }
 
@@ -599,5 +672,34 @@ mod tests {
         assert_eq!(decoded.resource_spans.len(), 1);
         assert_eq!(decoded.resource_spans[0].scope_spans.len(), 1);
         assert_eq!(decoded.resource_spans[0].scope_spans[0].spans.len(), 1);
+    }
+
+    #[test]
+    fn a_grpc_request_is_the_message_behind_its_prefix_and_buffers_come_back() {
+        let resource = resource();
+        let mut plain = Encoder::new(&resource, &scope());
+        let mut grpc = Encoder::new(&resource, &scope()).grpc();
+        let batch = batch();
+        let message = plain.encode(&batch);
+        let framed = grpc.encode(&batch);
+        let (prefix, rest) = framed.split_at(5);
+        assert_eq!(prefix[0], 0, "not compressed");
+        assert_eq!(
+            u32::from_be_bytes(prefix[1..].try_into().unwrap()) as usize,
+            message.len()
+        );
+        assert_eq!(rest, message.as_ref());
+        // Sent and dropped, its buffer is the next request's: the same
+        // bytes again, from the pool.
+        drop(framed);
+        assert_eq!(grpc.pool.lock().unwrap().len(), 1);
+        let again = grpc.encode(&batch[..1]);
+        assert!(grpc.pool.lock().unwrap().is_empty());
+        assert_eq!(&again[5..], plain.encode(&batch[..1]).as_ref());
+        // Held by the transport, a buffer is not reused.
+        let held = grpc.encode(&batch);
+        let next = grpc.encode(&batch);
+        assert_eq!(held, next);
+        assert_ne!(held.as_ptr(), next.as_ptr());
     }
 }
