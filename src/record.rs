@@ -159,13 +159,18 @@ impl Recorder {
         }
         let span_trace = recording.span.as_ref().map(SpanStart::trace_id);
         let took = recording.started.elapsed();
+        // The exemplar's time is the span's end: no clock read of its own.
+        let exemplar = recording
+            .span
+            .as_ref()
+            .map(|span| (span.trace_id(), span.start + took));
         self.metrics.record_decision(
             attempt.upstream,
             &decided.principal.name,
             decision,
             attempt.reported.lineage.depth(),
             took,
-            span_trace,
+            exemplar,
         );
         let (deny_reason, backoff_ms) = match decision.verdict {
             Verdict::Deny(reason) => (Some(reason.as_str()), None),

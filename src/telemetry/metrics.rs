@@ -482,8 +482,8 @@ impl Metrics {
     }
 
     /// Counts one decision (by upstream and by principal) and how long it
-    /// took; with the trace id of its span, if sampled, as the exemplar of
-    /// its latency bucket. No lock, no allocation: a map lookup per label
+    /// took; with the trace id of its span, if sampled, and when it ended,
+    /// as the exemplar of its latency bucket. No lock, no allocation: a map lookup per label
     /// and relaxed atomics in this thread's shard.
     pub fn record_decision(
         &self,
@@ -492,7 +492,7 @@ impl Metrics {
         decision: &Decision,
         depth: u32,
         elapsed: Duration,
-        trace_id: Option<[u8; 16]>,
+        exemplar: Option<([u8; 16], std::time::SystemTime)>,
     ) {
         let row = self.row(upstream);
         if decision.fleet_effect() == crate::engine::FleetEffect::Stretched {
@@ -514,7 +514,7 @@ impl Metrics {
             shard.unknown_outcomes[row][rule][unknown_outcome_index(mark)]
                 .fetch_add(1, Ordering::Relaxed);
         }
-        shard.latency.record_traced(elapsed, trace_id);
+        shard.latency.record_traced(elapsed, exemplar);
     }
 
     /// Counts a hedge decision (`decision.hedge` is set).

@@ -28,8 +28,11 @@ pub(super) struct Histogram {
 }
 
 /// The last traced observation of a bucket. A writer that finds another
-/// writing skips (an exemplar is a sample, not a count); a reader that
-/// sees a write in progress or finished in between skips too.
+/// writing skips (an exemplar is a sample, not a count), and so does one
+/// in the millisecond of the last write: at full sampling every decision
+/// is traced, and writing each (a compare-and-swap and five stores) bought
+/// nothing a scrape would see; a reader that sees a write in progress or
+/// finished in between skips too.
 #[derive(Debug, Default)]
 struct Exemplar {
     /// Odd while written; 0 until the first write.
@@ -49,9 +52,13 @@ pub(super) struct ExemplarValue {
 }
 
 impl Exemplar {
-    fn write(&self, trace_id: [u8; 16], elapsed: Duration) {
+    fn write(&self, trace_id: [u8; 16], elapsed: Duration, at: SystemTime) {
+        let unix_millis = at
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |since| since.as_millis() as u64);
         let sequence = self.sequence.load(Ordering::Relaxed);
-        if sequence & 1 == 1
+        if (sequence != 0 && self.unix_millis.load(Ordering::Relaxed) == unix_millis)
+            || sequence & 1 == 1
             || self
                 .sequence
                 .compare_exchange(sequence, sequence + 1, Ordering::Acquire, Ordering::Relaxed)
@@ -66,10 +73,7 @@ impl Exemplar {
         self.trace_low.store(word(low), Ordering::Relaxed);
         self.nanos
             .store(elapsed.as_nanos() as u64, Ordering::Relaxed);
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |since| since.as_millis() as u64);
-        self.unix_millis.store(now, Ordering::Relaxed);
+        self.unix_millis.store(unix_millis, Ordering::Relaxed);
         self.sequence.store(sequence + 2, Ordering::Release);
     }
 
@@ -109,8 +113,13 @@ impl Histogram {
         self.record_traced(elapsed, None);
     }
 
-    /// Records `elapsed`; with a trace id, as its bucket's exemplar too.
-    pub(super) fn record_traced(&self, elapsed: Duration, trace_id: Option<[u8; 16]>) {
+    /// Records `elapsed`; with a trace id and the time the observation
+    /// ended, as its bucket's exemplar too.
+    pub(super) fn record_traced(
+        &self,
+        elapsed: Duration,
+        exemplar: Option<([u8; 16], SystemTime)>,
+    ) {
         let seconds = elapsed.as_secs_f64();
         let bucket = LATENCY_BOUNDS
             .iter()
@@ -122,8 +131,8 @@ impl Histogram {
         self.count.fetch_add(1, Ordering::Relaxed);
         self.sum_nanos
             .fetch_add(elapsed.as_nanos() as u64, Ordering::Relaxed);
-        if let Some(trace_id) = trace_id {
-            self.exemplars[bucket].write(trace_id, elapsed);
+        if let Some((trace_id, at)) = exemplar {
+            self.exemplars[bucket].write(trace_id, elapsed, at);
         }
     }
 
@@ -194,5 +203,33 @@ impl Histogram {
         }
         let _ = writeln!(out, "{name}_sum {}", totals.sum_seconds);
         let _ = writeln!(out, "{name}_count {}", totals.count);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_exemplar_is_written_at_most_once_a_millisecond_and_stamped_with_its_end() {
+        let histogram = Histogram::default();
+        let took = Duration::from_micros(30);
+        let bucket = LATENCY_BOUNDS.iter().position(|b| 30e-6 <= *b).unwrap();
+        let at = UNIX_EPOCH + Duration::from_millis(1_700_000_000_123);
+        let read = || histogram.exemplars[bucket].read().unwrap();
+        histogram.record_traced(took, Some(([1; 16], at)));
+        assert_eq!(read().trace_id, [1; 16]);
+        assert_eq!(read().unix_millis, 1_700_000_000_123);
+        // The same millisecond: the first one stays.
+        histogram.record_traced(took, Some(([2; 16], at + Duration::from_micros(500))));
+        assert_eq!(read().trace_id, [1; 16]);
+        // The next: replaced.
+        histogram.record_traced(took, Some(([3; 16], at + Duration::from_millis(1))));
+        assert_eq!(read().trace_id, [3; 16]);
+        assert_eq!(read().unix_millis, 1_700_000_000_124);
+        // Untraced observations count and leave the exemplar be.
+        histogram.record(took);
+        assert_eq!(read().trace_id, [3; 16]);
+        assert_eq!(histogram.count.load(Ordering::Relaxed), 4);
     }
 }
