@@ -1,9 +1,9 @@
 //! The span pipeline: [`Pipeline`], the sampler and a bounded queue of
 //! finished spans, and a task that batches them, encodes each batch
 //! straight into OTLP protobuf (`encode.rs`: one resource, one scope) and
-//! sends it over gRPC (tonic, the raw bytes as the request) or HTTP/protobuf
-//! (hyper through `opentelemetry-http`), TLS with the configured CA,
-//! headers, the exporter's timeout.
+//! sends it over gRPC (tonic's `Channel`, the encoder's bytes as the HTTP/2
+//! body) or HTTP/protobuf (hyper through `opentelemetry-http`), TLS with
+//! the configured CA, headers, the exporter's timeout.
 //!
 //! Why not the SDK's `BatchSpanProcessor` and `opentelemetry-otlp`: the
 //! processor drops when its queue is full too, but counts the drops only
@@ -14,12 +14,14 @@
 //! lock that a decision holds for one `push` and never waits for beyond
 //! that (tokio's bounded channel, used before, took a semaphore permit per
 //! span on each side, the receiver's under a lock of its own); the export
-//! task takes everything queued in one swap. A decision wakes the task
-//! only once a batch is queued (or the batch window passes), not per span.
-//! A full queue drops, counts and warns (at most every ten seconds). Up to sixteen exports are on their way at once, each
-//! with the exporter's timeout; a failed export is logged (at most every ten seconds) and
-//! counted, and its spans are lost, never retried: the audit trail is best
-//! effort, the decisions are not.
+//! task takes everything queued in one swap, and a DecideStream's spans
+//! come 64 at a time from a batch of its own ([`SpanBatch`]). A decision
+//! wakes the task only once a batch is queued (or the batch window
+//! passes), not per span. A full queue drops, counts and warns (at most
+//! every ten seconds). Up to sixteen exports are on their way at once,
+//! each with the exporter's timeout; a failed export is logged (at most
+//! every ten seconds) and counted, and its spans are lost, never retried:
+//! the audit trail is best effort, the decisions are not.
 
 mod encode;
 

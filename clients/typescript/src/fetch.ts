@@ -343,12 +343,16 @@ export async function fetchWithRetries(
     // cleared once the body has been read: a returned response must not be
     // aborted later (undici errors a body whose signal fires, even a
     // buffered one).
-    const limits = [options.attemptTimeoutMs, remaining()].filter((ms): ms is number => ms !== undefined);
+    // Read once: a second read of the clock is later, and never equals the
+    // limit taken from the first (which once made a deadline that fired look
+    // like an attempt timeout, with a moment left to ask retryd in).
+    const left = remaining();
+    const limits = [options.attemptTimeoutMs, left].filter((ms): ms is number => ms !== undefined);
     const attemptLimitMs = limits.length === 0 ? undefined : Math.min(...limits);
     const attemptController = new AbortController();
     // Whether the timer that fires is the caller's deadline rather than the
     // attempt timeout: then nothing is left to ask retryd with.
-    const limitIsDeadline = deadlineAt !== undefined && attemptLimitMs === remaining();
+    const limitIsDeadline = left !== undefined && attemptLimitMs === left;
     let deadlineExpired = false;
     const timer =
       attemptLimitMs === undefined
