@@ -1,7 +1,9 @@
 //! Back-pressure from the span exporter and the decision log's writer to a
 //! DecideStream: before its next item, a stream whose span or log line
 //! would find that queue over half full waits until its consumer has made
-//! progress, rather than have them dropped a moment later.
+//! progress, rather than have them dropped a moment later. Whenever the
+//! stream has no item ready (it waits, or its caller has sent nothing
+//! more), its span batch (`otlp::SpanBatch`) goes to the export queue.
 //!
 //! Why a stream and not a unary call: one DecideStream decides hundreds of
 //! thousands of items a second in one task, so on a busy machine it can
