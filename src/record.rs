@@ -48,8 +48,6 @@ pub struct Recording {
     started: Instant,
     /// `rpc.method` of the span: `Decide` or `DecideStream`.
     method: &'static str,
-    /// A DecideStream's span batch, where its span goes.
-    batch: Option<Arc<SpanBatch>>,
 }
 
 impl Recorder {
@@ -98,7 +96,7 @@ impl Recorder {
     }
 
     /// A DecideStream's span batch (`telemetry::SpanBatch`), for
-    /// [`Recorder::paced`] and [`Recorder::start`]; `None` when tracing is
+    /// [`Recorder::paced`] and [`Recorder::record`]; `None` when tracing is
     /// off.
     pub(crate) fn stream_batch(&self) -> Option<Arc<SpanBatch>> {
         self.tracer.stream_batch()
@@ -122,29 +120,24 @@ impl Recorder {
         crate::telemetry::Paced::new(items, backlogs, batch)
     }
 
-    /// Starts the record of a decision under the caller's trace context;
-    /// a stream's item's span goes to the stream's `batch`.
-    pub(crate) fn start(
-        &self,
-        parent: Option<&TraceContext>,
-        method: &'static str,
-        batch: Option<&Arc<SpanBatch>>,
-    ) -> Recording {
+    /// Starts the record of a decision under the caller's trace context.
+    pub fn start(&self, parent: Option<&TraceContext>, method: &'static str) -> Recording {
         Recording {
             span: self.tracer.start(parent),
             started: Instant::now(),
             method,
-            batch: batch.cloned(),
         }
     }
 
     /// Records a decision: policy and decision counters, the debug log
-    /// line, its span and its decision-log line.
-    pub fn record(
+    /// line, its span (into its stream's `batch`, if it has one) and its
+    /// decision-log line.
+    pub(crate) fn record(
         &self,
         recording: Recording,
         parent: Option<&TraceContext>,
         decided: &Decided<'_>,
+        batch: Option<&SpanBatch>,
     ) {
         let attempt = &decided.attempt;
         let decision = &decided.decision;
@@ -159,11 +152,10 @@ impl Recorder {
         }
         let span_trace = recording.span.as_ref().map(SpanStart::trace_id);
         let took = recording.started.elapsed();
-        // The exemplar's time is the span's end: no clock read of its own.
-        let exemplar = recording
-            .span
-            .as_ref()
-            .map(|span| (span.trace_id(), span.start + took));
+        // The span's end, from the latency just measured: the span and the
+        // exemplar read no clock of their own.
+        let ended = recording.span.as_ref().map(|span| span.start + took);
+        let exemplar = span_trace.zip(ended);
         self.metrics.record_decision(
             attempt.upstream,
             &decided.principal.name,
@@ -197,10 +189,9 @@ impl Recorder {
             unknown_outcome = decision.unknown_outcome.map(UnknownOutcome::as_str),
             "decided"
         );
-        if let Some(span) = recording.span {
+        if let (Some(span), Some(ended)) = (recording.span, ended) {
             let record = self.decision_span(decided, recording.method);
-            self.tracer
-                .finish_decision(span, record, took, recording.batch.as_deref());
+            self.tracer.finish_decision(span, record, ended, batch);
         }
         if let Some(log) = &self.decision_log {
             log.decision(decided);

@@ -42,7 +42,7 @@ impl<S: BudgetStore> Service<S> {
         batch: Option<&Arc<SpanBatch>>,
     ) -> Result<pb::DecideResponse, Status> {
         let recorder = self.recorder();
-        let recording = recorder.start(parent, method, batch);
+        let recording = recorder.start(parent, method);
         let decided = match validate::decide_request(request) {
             Err(invalid) => Err(Status::from(invalid)),
             Ok(attempt) => {
@@ -58,7 +58,7 @@ impl<S: BudgetStore> Service<S> {
         match decided {
             Ok(decided) => {
                 let answer = response(&decided);
-                recorder.record(recording, parent, &decided);
+                recorder.record(recording, parent, &decided, batch.map(Arc::as_ref));
                 Ok(answer)
             }
             Err(status) => {

@@ -483,8 +483,8 @@ impl Metrics {
 
     /// Counts one decision (by upstream and by principal) and how long it
     /// took; with the trace id of its span, if sampled, and when it ended,
-    /// as the exemplar of its latency bucket. No lock, no allocation: a map lookup per label
-    /// and relaxed atomics in this thread's shard.
+    /// as the exemplar of its latency bucket. No lock, no allocation: a map
+    /// lookup per label and relaxed atomics in this thread's shard.
     pub fn record_decision(
         &self,
         upstream: &str,

@@ -751,10 +751,15 @@ async fn run(
     use futures::StreamExt as _;
     let mut taken = Vec::with_capacity(queue.capacity.min(4 * MAX_BATCH));
     let mut in_flight = futures::stream::FuturesUnordered::<Sending>::new();
+    // A tick that wakes keep from being put off: under load the task is
+    // woken every few milliseconds, and a sleep begun anew at each turn
+    // never ran out, so a stream's batch was never taken.
+    let mut sweeps = tokio::time::interval(BATCH_WINDOW);
+    sweeps.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let (stopping, window) = tokio::select! {
+        let (stopping, sweep) = tokio::select! {
             () = wakes.wake.notified() => (false, false),
-            () = tokio::time::sleep(BATCH_WINDOW) => (false, true),
+            _ = sweeps.tick() => (false, true),
             Some(done) = in_flight.next(), if !in_flight.is_empty() => {
                 exporter.sent(done);
                 continue;
@@ -766,7 +771,7 @@ async fn run(
         // is impossible, so nothing is left behind.
         let closed = queue.closed.load(Ordering::Acquire);
         queue.take(&mut taken);
-        if window {
+        if sweep {
             take_batches(&batches, &mut taken);
         }
         for batch in taken.chunks(MAX_BATCH) {
