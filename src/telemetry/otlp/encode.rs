@@ -168,7 +168,7 @@ impl Encoder {
     /// their length is known: the batch is never copied (that copy was
     /// ~660 instructions a span under callgrind), and the request is that
     /// buffer less the head's unused room.
-    pub(crate) fn encode(&mut self, batch: &[Finished]) -> Bytes {
+    pub(crate) fn encode<'a>(&mut self, batch: impl IntoIterator<Item = &'a Finished>) -> Bytes {
         // The head at its longest: the gRPC prefix, two keys, two 10-byte
         // varints.
         let prefix = if self.grpc { 5 } else { 0 };
