@@ -358,26 +358,54 @@ fn encode_attribute(key: &str, value: Value<'_>, out: &mut Vec<u8>) {
     };
     let key_value_len = field_len(key.len()) + key.len() + field_len(value_len) + value_len;
     out.reserve(key_value_len + 3);
-    encode_key(SPAN_ATTRIBUTES, WireType::LengthDelimited, out);
-    encode_varint(key_value_len as u64, out);
-    bytes_field(KEY_VALUE_KEY, key.as_bytes(), out);
-    encode_key(KEY_VALUE_VALUE, WireType::LengthDelimited, out);
-    encode_varint(value_len as u64, out);
+    if key_value_len < 128 {
+        // Nearly every attribute: each key and length one byte, written
+        // as a few fixed-size copies rather than a push each (the pushes
+        // were a third of encoding a span under callgrind).
+        out.extend_from_slice(&[
+            key_of(SPAN_ATTRIBUTES, WireType::LengthDelimited),
+            key_value_len as u8,
+            key_of(KEY_VALUE_KEY, WireType::LengthDelimited),
+            key.len() as u8,
+        ]);
+        out.extend_from_slice(key.as_bytes());
+        out.extend_from_slice(&[
+            key_of(KEY_VALUE_VALUE, WireType::LengthDelimited),
+            value_len as u8,
+        ]);
+    } else {
+        encode_key(SPAN_ATTRIBUTES, WireType::LengthDelimited, out);
+        encode_varint(key_value_len as u64, out);
+        bytes_field(KEY_VALUE_KEY, key.as_bytes(), out);
+        encode_key(KEY_VALUE_VALUE, WireType::LengthDelimited, out);
+        encode_varint(value_len as u64, out);
+    }
     match value {
+        Value::Str(text) if text.len() < 128 => {
+            out.extend_from_slice(&[
+                key_of(ANY_STRING, WireType::LengthDelimited),
+                text.len() as u8,
+            ]);
+            out.extend_from_slice(text.as_bytes());
+        }
         Value::Str(text) => bytes_field(ANY_STRING, text.as_bytes(), out),
         Value::Bool(flag) => {
-            encode_key(ANY_BOOL, WireType::Varint, out);
-            encode_varint(u64::from(flag), out);
+            out.extend_from_slice(&[key_of(ANY_BOOL, WireType::Varint), u8::from(flag)]);
         }
         Value::Int(int) => {
-            encode_key(ANY_INT, WireType::Varint, out);
+            out.push(key_of(ANY_INT, WireType::Varint));
             encode_varint(int as u64, out);
         }
         Value::Float(float) => {
-            encode_key(ANY_DOUBLE, WireType::SixtyFourBit, out);
+            out.push(key_of(ANY_DOUBLE, WireType::SixtyFourBit));
             out.extend_from_slice(&float.to_le_bytes());
         }
     }
+}
+
+/// The one-byte key of a field numbered below 16.
+const fn key_of(tag: u32, wire_type: WireType) -> u8 {
+    (tag << 3 | wire_type as u32) as u8
 }
 
 #[cfg(test)]
