@@ -15,7 +15,8 @@
 //! that (tokio's bounded channel, used before, took a semaphore permit per
 //! span on each side, the receiver's under a lock of its own); the export
 //! task takes everything queued in one swap, and a DecideStream's spans
-//! come 64 at a time from a batch of its own ([`SpanBatch`]). A decision
+//! come 64 at a time from a batch of its own ([`SpanBatch`]), its vector
+//! handed over whole rather than its spans copied. A decision
 //! wakes the task only once a batch is queued (or the batch window
 //! passes), not per span. A full queue drops, counts and warns (at most
 //! every ten seconds). Up to sixteen exports are on their way at once,
