@@ -653,6 +653,19 @@ mod tests {
                     error: None,
                 },
             },
+            // Attributes either side of a one-byte length: the value's,
+            // the key and value's together.
+            Finished {
+                start: start(false, ""),
+                end,
+                body: Body::Other {
+                    name: crate::telemetry::SPAN_SET_RETRIES_ENABLED,
+                    attributes: [90, 100, 106, 107, 126, 127, 128]
+                        .map(|len| (attr::REASON, Attribute::Text("y".repeat(len))))
+                        .into(),
+                    error: None,
+                },
+            },
         ];
         let sdk = ExportTraceServiceRequest {
             resource_spans: group_spans_by_resource_and_scope(
