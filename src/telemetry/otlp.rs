@@ -182,9 +182,7 @@ impl Queue {
             batch.clear();
             spare.push(batch);
         }
-        drop(spare);
-        taken.batches.clear();
-        taken.len = 0;
+        // The batches not kept went with the drain.
     }
 
     fn waiting(&self) -> usize {

@@ -172,6 +172,11 @@ impl SpanCounter {
         Ok(())
     }
 
+    /// Bytes of the request still to come, if its length is known.
+    pub(crate) fn left(&self) -> Option<u64> {
+        (self.ends[0] != u64::MAX).then(|| self.ends[0] - self.at)
+    }
+
     /// How many bytes the current step skips.
     fn skipping(&self) -> u64 {
         match self.step {

@@ -110,7 +110,6 @@ async fn grpc_export(body: tonic::body::Body) -> Result<(u64, u64), tonic::Statu
     let mut prefix = [0u8; 5];
     let mut prefix_len = 0;
     let mut counter: Option<SpanCounter> = None;
-    let mut left = 0u64;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|error| tonic::Status::internal(error.to_string()))?;
         let Ok(data) = frame.into_data() else {
@@ -129,7 +128,7 @@ async fn grpc_export(body: tonic::body::Body) -> Result<(u64, u64), tonic::Statu
                             "compressed messages are not read",
                         ));
                     }
-                    left = u64::from(u32::from_be_bytes([
+                    let left = u64::from(u32::from_be_bytes([
                         prefix[1], prefix[2], prefix[3], prefix[4],
                     ]));
                     if left > MAX_REQUEST {
@@ -141,6 +140,8 @@ async fn grpc_export(body: tonic::body::Body) -> Result<(u64, u64), tonic::Statu
                 }
                 continue;
             };
+            // The counter was made with the message's length.
+            let left = counter.left().unwrap_or_default();
             if left == 0 {
                 return Err(tonic::Status::invalid_argument(
                     "more than one request message",
@@ -150,7 +151,6 @@ async fn grpc_export(body: tonic::body::Body) -> Result<(u64, u64), tonic::Statu
             counter
                 .feed(&data[..taken])
                 .map_err(|error| not_a_request(&error))?;
-            left -= taken as u64;
             data = &data[taken..];
         }
     }
@@ -189,6 +189,7 @@ impl Service<http::Request<tonic::body::Body>> for GrpcSink {
 
 /// Reads an OTLP/HTTP request's body as it arrives.
 async fn http_export(body: hyper::body::Incoming) -> Result<(u64, u64), String> {
+    let malformed = |error: Malformed| format!("not an ExportTraceServiceRequest: {error}");
     let len = http_body::Body::size_hint(&body).exact();
     if len.is_some_and(|len| len > MAX_REQUEST) {
         return Err(format!("a request over {MAX_REQUEST} bytes"));
@@ -203,14 +204,10 @@ async fn http_export(body: hyper::body::Incoming) -> Result<(u64, u64), String> 
             if read > MAX_REQUEST {
                 return Err(format!("a request over {MAX_REQUEST} bytes"));
             }
-            counter
-                .feed(&data)
-                .map_err(|error| format!("not an ExportTraceServiceRequest: {error}"))?;
+            counter.feed(&data).map_err(malformed)?;
         }
     }
-    counter
-        .finish()
-        .map_err(|error| format!("not an ExportTraceServiceRequest: {error}"))
+    counter.finish().map_err(malformed)
 }
 
 /// OTLP/HTTP and the counts.
